@@ -1,0 +1,235 @@
+//! Software completion queues: a bounded queue of completions, the progress driver of the queue
+//! pairs that report to it, and a doorbell + eventfd so a waiter can sleep.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{fence, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use super::ctx::CtxInner;
+use super::qp::QpInner;
+use super::sys;
+use crate::error::{Result, VerbsError};
+use crate::types::WorkCompletion;
+
+struct CqState {
+    queue: VecDeque<WorkCompletion>,
+    overrun: bool,
+}
+
+/// A software completion queue.
+pub struct CqInner {
+    pub ctx: Arc<CtxInner>,
+    capacity: usize,
+    state: Mutex<CqState>,
+    qps: RwLock<Vec<Weak<QpInner>>>,
+    pub bell_slot: u32,
+    eventfd: OwnedFd,
+    epoll: OwnedFd,
+    watched: Mutex<HashMap<i32, usize>>,
+}
+
+impl CqInner {
+    pub fn new(ctx: &Arc<CtxInner>, capacity: usize) -> Result<Arc<CqInner>> {
+        if capacity == 0 || capacity > (1 << 22) {
+            return Err(VerbsError::invalid(format!("CQ capacity {capacity} out of 1..=4M")));
+        }
+        let eventfd = sys::eventfd()?;
+        let epoll = sys::epoll_create()?;
+        sys::epoll_add(epoll.as_raw_fd(), eventfd.as_raw_fd())?;
+        let bell_slot = ctx.bell_slots.lock().expect("slot lock").take("completion-queue doorbell")?;
+        let bell = ctx.ctrl().bell(bell_slot as usize).expect("slot in range");
+        bell.armed.store(0, Ordering::Relaxed);
+        bell.eventfd.store(eventfd.as_raw_fd(), Ordering::Relaxed);
+        bell.generation.fetch_add(1, Ordering::Release);
+        Ok(Arc::new(CqInner {
+            ctx: ctx.clone(),
+            capacity,
+            state: Mutex::new(CqState { queue: VecDeque::with_capacity(capacity.min(4096)), overrun: false }),
+            qps: RwLock::new(Vec::new()),
+            bell_slot,
+            eventfd,
+            epoll,
+            watched: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub(crate) fn attach(&self, qp: &Arc<QpInner>) {
+        let mut qps = self.qps.write().expect("cq qp list lock");
+        if !qps.iter().any(|w| w.as_ptr() == Arc::as_ptr(qp)) {
+            qps.push(Arc::downgrade(qp));
+        }
+    }
+
+    pub(crate) fn detach(&self, qp: *const QpInner) {
+        self.qps.write().expect("cq qp list lock").retain(|w| w.as_ptr() != qp && w.strong_count() > 0);
+    }
+
+    /// Makes a peer's death wake sleepers of this queue (its pidfd joins the epoll set).
+    pub(crate) fn watch(&self, pidfd: i32) {
+        let mut w = self.watched.lock().expect("watch lock");
+        let n = w.entry(pidfd).or_insert(0);
+        if *n == 0 && sys::epoll_add(self.epoll.as_raw_fd(), pidfd).is_err() {
+            log::warn!("cannot watch peer pidfd {pidfd}");
+        }
+        *n += 1;
+    }
+
+    pub(crate) fn unwatch(&self, pidfd: i32) {
+        let mut w = self.watched.lock().expect("watch lock");
+        if let Some(n) = w.get_mut(&pidfd) {
+            *n -= 1;
+            if *n == 0 {
+                w.remove(&pidfd);
+                sys::epoll_del(self.epoll.as_raw_fd(), pidfd);
+            }
+        }
+    }
+
+    /// Adds completions; sets the overrun error if they do not fit. Wakes a sleeper if armed.
+    pub(crate) fn push(&self, wcs: impl IntoIterator<Item = WorkCompletion>) {
+        let mut pushed = false;
+        {
+            let mut s = self.state.lock().expect("cq lock");
+            for wc in wcs {
+                if s.queue.len() >= self.capacity {
+                    if !s.overrun {
+                        log::error!("completion queue overrun (capacity {})", self.capacity);
+                    }
+                    s.overrun = true;
+                } else {
+                    s.queue.push_back(wc);
+                    pushed = true;
+                }
+            }
+        }
+        if pushed {
+            self.wake_if_armed();
+        }
+    }
+
+    pub(crate) fn overrun(&self) -> bool {
+        self.state.lock().expect("cq lock").overrun
+    }
+
+    fn wake_if_armed(&self) {
+        let bell = self.ctx.ctrl().bell(self.bell_slot as usize).expect("slot in range");
+        fence(Ordering::SeqCst);
+        if bell.armed.load(Ordering::Relaxed) != 0 && bell.armed.swap(0, Ordering::AcqRel) != 0 {
+            sys::eventfd_signal(self.eventfd.as_raw_fd());
+        }
+    }
+
+    /// Drives every attached queue pair once.
+    pub(crate) fn progress(&self) {
+        let qps = self.qps.read().expect("cq qp list lock");
+        for w in qps.iter() {
+            if let Some(qp) = w.upgrade() {
+                qp.progress(self);
+            }
+        }
+    }
+
+    /// Checks every attached queue pair's peer at once.
+    pub(crate) fn check_peers(&self) {
+        let qps: Vec<_> = self.qps.read().expect("cq qp list lock").iter().filter_map(Weak::upgrade).collect();
+        for qp in qps {
+            qp.check_peer_now();
+        }
+    }
+
+    /// True if a progress pass could produce something now (used after arming).
+    fn work_pending(&self) -> bool {
+        if !self.state.lock().expect("cq lock").queue.is_empty() {
+            return true;
+        }
+        let qps = self.qps.read().expect("cq qp list lock");
+        qps.iter().filter_map(Weak::upgrade).any(|qp| qp.work_pending(self))
+    }
+
+    /// Polls up to `out.len()` completions without blocking.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        self.progress();
+        let mut s = self.state.lock().expect("cq lock");
+        if s.overrun {
+            drop(s);
+            // Lost completions break every queue pair that reports here.
+            self.progress();
+            return Err(VerbsError::CqOverrun);
+        }
+        let n = out.len().min(s.queue.len());
+        for (slot, wc) in out.iter_mut().zip(s.queue.drain(..n)) {
+            *slot = wc;
+        }
+        Ok(n)
+    }
+
+    /// Arms the queue: the next completion or peer activity makes [`CqInner::event_fd`]
+    /// readable. If work is already pending, the descriptor is made readable at once, so an
+    /// arm-then-sleep sequence never misses a wake-up.
+    pub fn req_notify(&self) {
+        let bell = self.ctx.ctrl().bell(self.bell_slot as usize).expect("slot in range");
+        bell.armed.store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        if self.work_pending() && bell.armed.swap(0, Ordering::AcqRel) != 0 {
+            sys::eventfd_signal(self.eventfd.as_raw_fd());
+        }
+    }
+
+    /// The descriptor to sleep on (an epoll set of the doorbell eventfd and the peers' pidfds).
+    pub fn event_fd(&self) -> i32 {
+        self.epoll.as_raw_fd()
+    }
+
+    /// Consumes a pending event; returns whether there was one.
+    pub fn ack_event(&self) -> bool {
+        sys::eventfd_drain(self.eventfd.as_raw_fd())
+    }
+
+    /// Sleeps until an event or `timeout`; returns whether the descriptor became readable.
+    pub fn wait_event(&self, timeout: Option<Duration>) -> Result<bool> {
+        sys::wait_readable(self.epoll.as_raw_fd(), timeout)
+    }
+
+    /// Polls, spinning for the configured time, then sleeping on the doorbell, until at least
+    /// one completion is there or `timeout` passes (then `Err(Timeout)`).
+    pub fn poll_blocking(&self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        let start = Instant::now();
+        let spin_until = start + self.ctx.config.spin;
+        loop {
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let now = Instant::now();
+            if now >= start + timeout {
+                return Err(VerbsError::Timeout(timeout));
+            }
+            if now < spin_until {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.req_notify();
+            let left = (start + timeout).saturating_duration_since(Instant::now());
+            // Sleep in slices so a dead peer is noticed even if its pidfd is not watched.
+            self.wait_event(Some(left.min(Duration::from_millis(50))))?;
+            self.ack_event();
+            self.check_peers();
+        }
+    }
+}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        let bell = self.ctx.ctrl().bell(self.bell_slot as usize).expect("slot in range");
+        bell.armed.store(0, Ordering::Relaxed);
+        bell.eventfd.store(-1, Ordering::Relaxed);
+        bell.generation.fetch_add(1, Ordering::Release);
+        self.ctx.bell_slots.lock().expect("slot lock").give(self.bell_slot);
+    }
+}

@@ -1,0 +1,329 @@
+//! A software device context: its control segment, its memory-region keys, its slot tables, and
+//! the copy engine that reaches registered memory (own or a peer's).
+
+use std::collections::HashMap;
+use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use super::layout::{Ctrl, CTRL_BYTES, CTRL_MAGIC, MR_SLOTS};
+use super::peer::PeerCtx;
+use super::segment::Segment;
+use super::sys;
+use crate::error::{Result, VerbsError};
+use crate::types::AccessFlags;
+
+/// Tunables of the software provider.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SoftConfig {
+    /// Bytes of each queue pair's inbound ring (a power of two, at least 8 KiB).
+    pub ring_bytes: usize,
+    /// Largest SEND whose data travels through the ring; larger ones are pulled by the receiver
+    /// straight from the sender's registered memory (one copy).
+    pub copy_threshold: usize,
+    /// How long a blocking wait may spin before it sleeps on the eventfd.
+    pub spin: Duration,
+}
+
+impl Default for SoftConfig {
+    fn default() -> Self {
+        SoftConfig { ring_bytes: 128 * 1024, copy_threshold: 8 * 1024, spin: Duration::from_micros(50) }
+    }
+}
+
+impl SoftConfig {
+    /// Reads overrides from `PV_SOFT_RING_BYTES`, `PV_SOFT_COPY_THRESHOLD` and `PV_SOFT_SPIN_US`.
+    pub fn from_env() -> Self {
+        let mut c = SoftConfig::default();
+        let num = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<u64>().ok());
+        if let Some(v) = num("PV_SOFT_RING_BYTES") {
+            c.ring_bytes = v as usize;
+        }
+        if let Some(v) = num("PV_SOFT_COPY_THRESHOLD") {
+            c.copy_threshold = v as usize;
+        }
+        if let Some(v) = num("PV_SOFT_SPIN_US") {
+            c.spin = Duration::from_micros(v);
+        }
+        c
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if !self.ring_bytes.is_power_of_two() || self.ring_bytes < 8192 || self.ring_bytes > (1 << 30) {
+            return Err(VerbsError::invalid(format!("ring_bytes {} must be a power of two in 8 KiB..1 GiB", self.ring_bytes)));
+        }
+        if self.copy_threshold > super::wire::max_record(self.ring_bytes) - super::wire::HEADER_BYTES {
+            return Err(VerbsError::invalid("copy_threshold does not fit in half the ring"));
+        }
+        Ok(())
+    }
+}
+
+/// A registered region as its owner knows it (the authoritative private copy).
+#[derive(Clone, Debug)]
+pub struct MrInfo {
+    pub key: u32,
+    pub addr: u64,
+    pub len: u64,
+    pub access: AccessFlags,
+    pub pd: u32,
+}
+
+impl MrInfo {
+    /// True when `[addr, addr+len)` lies inside the region.
+    pub fn covers(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
+    }
+}
+
+/// Key layout: `(slot + 1) << 8 | generation`, generation never 0, so 0 is never a valid key
+/// and a key of a freed registration does not match a later one in the same slot.
+pub fn key_slot(key: u32) -> Option<usize> {
+    let s = (key >> 8) as usize;
+    (s >= 1 && s <= MR_SLOTS && key & 0xff != 0).then(|| s - 1)
+}
+
+struct MrSlots {
+    entries: Vec<Option<MrInfo>>,
+    generation: Vec<u8>,
+    free: Vec<usize>,
+}
+
+/// Hands out small integer slots (receive counters, doorbells, memory regions).
+pub struct SlotAllocator {
+    free: Vec<u32>,
+}
+
+impl SlotAllocator {
+    pub fn new(n: usize) -> Self {
+        SlotAllocator { free: (0..n as u32).rev().collect() }
+    }
+    pub fn take(&mut self, what: &str) -> Result<u32> {
+        self.free.pop().ok_or_else(|| VerbsError::Exhausted(format!("no free {what} slot")))
+    }
+    pub fn give(&mut self, s: u32) {
+        self.free.push(s);
+    }
+}
+
+/// Identity of a peer context: process, its start time, and the context id.
+pub type PeerKey = (u32, u64, u64);
+
+/// The shared part of a software context.
+pub struct CtxInner {
+    pub id: u64,
+    pub pid: u32,
+    pub start_time: u64,
+    pub config: SoftConfig,
+    pub ctrl: Segment,
+    mrs: RwLock<MrSlots>,
+    pub rq_slots: Mutex<SlotAllocator>,
+    pub bell_slots: Mutex<SlotAllocator>,
+    pub next_qpn: AtomicU32,
+    pub next_pd: AtomicU32,
+    peers: Mutex<HashMap<PeerKey, Weak<PeerCtx>>>,
+    /// Tag identifying this process as holder of a peer's atomic lock.
+    pub lock_tag: u64,
+}
+
+impl CtxInner {
+    pub fn open(config: SoftConfig) -> Result<Arc<CtxInner>> {
+        config.validate()?;
+        let pid = std::process::id();
+        let start_time = sys::process_start_time(pid)?;
+        let id = unique_id();
+        let ctrl = Segment::create_named(&super::segment::ctrl_name(id), 0, CTRL_BYTES)?;
+        Ctrl(&ctrl).header().magic.store(CTRL_MAGIC, Ordering::Release);
+        Ok(Arc::new(CtxInner {
+            id,
+            pid,
+            start_time,
+            config,
+            ctrl,
+            mrs: RwLock::new(MrSlots { entries: Vec::new(), generation: Vec::new(), free: Vec::new() }),
+            rq_slots: Mutex::new(SlotAllocator::new(super::layout::RQ_SLOTS)),
+            bell_slots: Mutex::new(SlotAllocator::new(super::layout::BELL_SLOTS)),
+            next_qpn: AtomicU32::new(1),
+            next_pd: AtomicU32::new(1),
+            peers: Mutex::new(HashMap::new()),
+            lock_tag: ((pid as u64) << 32) | (id & 0xffff_ffff),
+        }))
+    }
+
+    pub fn ctrl(&self) -> Ctrl<'_> {
+        Ctrl(&self.ctrl)
+    }
+
+    /// Registers `[addr, addr+len)` and publishes it; returns the key (lkey = rkey).
+    pub fn register(&self, addr: u64, len: u64, access: AccessFlags, pd: u32, seg: Option<&Segment>) -> Result<u32> {
+        if addr.checked_add(len).is_none() {
+            return Err(VerbsError::invalid("region wraps the address space"));
+        }
+        if access.contains(AccessFlags::REMOTE_WRITE) || access.contains(AccessFlags::REMOTE_ATOMIC) {
+            if !access.contains(AccessFlags::LOCAL_WRITE) {
+                return Err(VerbsError::invalid("remote write or atomic access needs LOCAL_WRITE (as in verbs)"));
+            }
+        }
+        let mut t = self.mrs.write().expect("mr table lock");
+        let slot = match t.free.pop() {
+            Some(s) => s,
+            None if t.entries.len() < MR_SLOTS => {
+                t.entries.push(None);
+                t.generation.push(0);
+                t.entries.len() - 1
+            }
+            None => return Err(VerbsError::Exhausted(format!("all {MR_SLOTS} memory-region keys are in use"))),
+        };
+        let gen = t.generation[slot].wrapping_add(1).max(1);
+        t.generation[slot] = gen;
+        let key = ((slot as u32 + 1) << 8) | gen as u32;
+        let e = self.ctrl().mr(slot).expect("slot in range");
+        e.access.store(access.bits(), Ordering::Relaxed);
+        e.pd.store(pd, Ordering::Relaxed);
+        e.addr.store(addr, Ordering::Relaxed);
+        e.len.store(len, Ordering::Relaxed);
+        match seg {
+            Some(s) => {
+                e.seg_fd.store(s.fd(), Ordering::Relaxed);
+                e.seg_id.store(s.id(), Ordering::Relaxed);
+                e.seg_off.store(addr - s.ptr() as u64, Ordering::Relaxed);
+            }
+            None => {
+                e.seg_fd.store(-1, Ordering::Relaxed);
+                e.seg_id.store(0, Ordering::Relaxed);
+                e.seg_off.store(0, Ordering::Relaxed);
+            }
+        }
+        e.key.store(key, Ordering::Release);
+        t.entries[slot] = Some(MrInfo { key, addr, len, access, pd });
+        Ok(key)
+    }
+
+    /// Deregisters `key`: unpublishes it, then waits until no peer access is in progress. Returns
+    /// false if a peer kept an access open past the grace period (the memory must then be leaked,
+    /// not freed, since a dead or stuck peer might still copy into it).
+    pub fn deregister(&self, key: u32) -> bool {
+        let Some(slot) = key_slot(key) else { return true };
+        let mut t = self.mrs.write().expect("mr table lock");
+        if t.entries.get(slot).and_then(|e| e.as_ref()).map(|e| e.key) != Some(key) {
+            return true;
+        }
+        let e = self.ctrl().mr(slot).expect("slot in range");
+        e.key.store(0, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut clean = true;
+        while e.inuse.load(Ordering::SeqCst) != 0 {
+            if Instant::now() > deadline {
+                log::error!("memory region {key:#x}: a peer access did not finish; leaking its memory");
+                clean = false;
+                e.inuse.store(0, Ordering::SeqCst);
+                break;
+            }
+            std::thread::yield_now();
+        }
+        t.entries[slot] = None;
+        t.free.push(slot);
+        clean
+    }
+
+    /// Runs `f` on a local region after checking `key`, bounds, rights and protection domain.
+    /// The table stays read-locked during `f`, so a concurrent deregistration waits for it.
+    pub fn with_local<R>(
+        &self,
+        key: u32,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+        pd: u32,
+        f: impl FnOnce() -> R,
+    ) -> Option<R> {
+        let t = self.mrs.read().expect("mr table lock");
+        let info = t.entries.get(key_slot(key)?)?.as_ref()?;
+        (info.key == key && info.pd == pd && info.access.contains(need) && info.covers(addr, len)).then(f)
+    }
+
+    /// Checks a whole local SGE list at once (for operations whose data moves later, or to
+    /// report a protection error before anything moved).
+    pub fn check_local(&self, sges: &[crate::Sge], need: AccessFlags, pd: u32) -> bool {
+        let t = self.mrs.read().expect("mr table lock");
+        sges.iter().all(|s| {
+            s.length == 0
+                || key_slot(s.lkey)
+                    .and_then(|i| t.entries.get(i))
+                    .and_then(|e| e.as_ref())
+                    .is_some_and(|i| i.key == s.lkey && i.pd == pd && i.access.contains(need) && i.covers(s.addr, s.length as u64))
+        })
+    }
+
+    /// Read-locks the key table for a batch of local accesses.
+    pub fn local_keys(&self) -> LocalKeys<'_> {
+        LocalKeys(self.mrs.read().expect("mr table lock"))
+    }
+
+    /// The peer context for an endpoint, mapped once and shared by every QP connected to it.
+    pub fn peer(self: &Arc<Self>, ep: &crate::endpoint::SoftEndpoint) -> Result<Arc<PeerCtx>> {
+        let key = (ep.pid, ep.start_time, ep.ctx_id);
+        let mut peers = self.peers.lock().expect("peer table lock");
+        if let Some(p) = peers.get(&key).and_then(Weak::upgrade) {
+            return Ok(p);
+        }
+        peers.retain(|_, w| w.strong_count() > 0);
+        let p = Arc::new(PeerCtx::attach(self, ep)?);
+        peers.insert(key, Arc::downgrade(&p));
+        Ok(p)
+    }
+}
+
+/// A read-locked view of the local key table.
+pub struct LocalKeys<'a>(std::sync::RwLockReadGuard<'a, MrSlots>);
+
+impl LocalKeys<'_> {
+    /// Validates one local access.
+    pub fn check(&self, key: u32, addr: u64, len: u64, need: AccessFlags, pd: u32) -> bool {
+        len == 0
+            || key_slot(key)
+                .and_then(|i| self.0.entries.get(i))
+                .and_then(|e| e.as_ref())
+                .is_some_and(|i| i.key == key && i.pd == pd && i.access.contains(need) && i.covers(addr, len))
+    }
+    /// Looks up a key for an access coming from a peer through this QP (rkey check at target).
+    pub fn remote(&self, key: u32, addr: u64, len: u64, need: AccessFlags, pd: u32) -> bool {
+        self.check(key, addr, len, need, pd) && key != 0
+    }
+}
+
+/// Copies `len` bytes from `src` to `dst`, both in this process. The provider's stand-in for DMA:
+/// while any range is memory-protected it goes through `/proc/self/mem`, which ignores protection.
+///
+/// # Safety
+/// Both ranges must be valid mapped memory of this process that the caller has checked against a
+/// registration (or provider-owned memory).
+pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) {
+    if len == 0 {
+        return;
+    }
+    if crate::protect::any_active() {
+        // SAFETY: the caller guarantees `src` is valid for `len` bytes; reading it may fault only if
+        // it is protected against reads, which /proc/self/mem handles.
+        let mut tmp = vec![0u8; len];
+        if sys::read_self_mem(src as u64, &mut tmp).is_ok() && sys::write_self_mem(dst as u64, &tmp).is_ok() {
+            return;
+        }
+        log::error!("copy through /proc/self/mem failed; falling back to a plain copy");
+    }
+    // SAFETY: the caller guarantees both ranges are valid; overlapping registered buffers are the
+    // caller's own business, so use the overlap-tolerant copy.
+    unsafe { std::ptr::copy(src, dst, len) };
+}
+
+/// A fresh, process-unique and reboot-unique 64-bit id.
+pub fn unique_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u32(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    fence(Ordering::SeqCst);
+    h.finish() | 1
+}

@@ -1,0 +1,90 @@
+//! The software provider: verbs semantics on any Linux machine, between threads of one process
+//! and between processes of one host.
+//!
+//! - Control state, queue-pair rings and provider-allocated memory live in memfd segments that
+//!   peers reach with `pidfd_getfd` (nothing is named in `/dev/shm`).
+//! - Two-sided traffic goes through the receiver's inbound ring (one copy in, one out for small
+//!   messages; the receiver pulls large sends straight from the sender's memory, one copy).
+//! - One-sided operations are carried out by the requester on the responder's memory, checked
+//!   against the responder's published keys: plain loads and stores for provider-allocated
+//!   segments and same-process memory, cross-memory attach for other user memory, and
+//!   `/proc/PID/mem` where a page is protected.
+//! - Waiting: busy polling needs no syscalls; a sleeper arms its queue's doorbell and producers
+//!   signal its eventfd only then.
+
+mod cq;
+mod ctx;
+mod layout;
+mod peer;
+mod qp;
+mod segment;
+pub(crate) mod sys;
+pub mod wire;
+
+pub use ctx::SoftConfig;
+pub(crate) use cq::CqInner;
+pub(crate) use ctx::CtxInner;
+pub(crate) use qp::{QpInner, SrqInner};
+pub use segment::page_size;
+
+use std::sync::Arc;
+
+use crate::error::{Result, VerbsError};
+use crate::types::AccessFlags;
+
+/// Memory behind a software registration.
+pub(crate) enum SoftBacking {
+    /// Caller's memory (the caller keeps it alive, see `register_raw`).
+    Borrowed,
+    /// An owned heap buffer.
+    Owned(Box<[u8]>),
+    /// A provider segment, mapped directly by peers.
+    Segment(segment::Segment),
+}
+
+/// A software memory registration.
+pub(crate) struct SoftMr {
+    pub ctx: Arc<CtxInner>,
+    pub key: u32,
+    pub addr: u64,
+    pub len: usize,
+    backing: SoftBacking,
+}
+
+impl SoftMr {
+    pub fn register(ctx: &Arc<CtxInner>, pd: u32, addr: u64, len: usize, access: AccessFlags, backing: SoftBacking) -> Result<SoftMr> {
+        let seg = match &backing {
+            SoftBacking::Segment(s) => Some(s),
+            _ => None,
+        };
+        let key = ctx.register(addr, len as u64, access, pd, seg)?;
+        Ok(SoftMr { ctx: ctx.clone(), key, addr, len, backing })
+    }
+
+    pub fn alloc(ctx: &Arc<CtxInner>, pd: u32, len: usize, access: AccessFlags) -> Result<SoftMr> {
+        if len == 0 {
+            return Err(VerbsError::invalid("cannot allocate an empty region"));
+        }
+        let seg = segment::Segment::create(ctx.id, len)?;
+        let addr = seg.ptr() as u64;
+        Self::register(ctx, pd, addr, len, access, SoftBacking::Segment(seg))
+    }
+
+    /// True when peers reach this region with plain loads and stores.
+    pub fn is_shared_segment(&self) -> bool {
+        matches!(self.backing, SoftBacking::Segment(_))
+    }
+}
+
+impl Drop for SoftMr {
+    fn drop(&mut self) {
+        if !self.ctx.deregister(self.key) {
+            // A peer may still be copying into it: never hand the memory back to the allocator.
+            match std::mem::replace(&mut self.backing, SoftBacking::Borrowed) {
+                SoftBacking::Owned(b) => std::mem::forget(b),
+                SoftBacking::Segment(s) => std::mem::forget(s),
+                SoftBacking::Borrowed => {}
+            }
+        }
+    }
+}

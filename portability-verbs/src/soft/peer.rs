@@ -1,0 +1,283 @@
+//! A peer device context as this process reaches it: its control segment mapped here, a pidfd
+//! that tells when it dies, the cross-memory-attach handle for its user memory, and the mappings of
+//! its provider-allocated segments (reached with plain loads and stores).
+//!
+//! This is the software provider's "NIC": it checks remote keys the way a responder's HCA does
+//! and performs one-sided operations without the peer's CPU.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::ctx::{key_slot, local_copy, CtxInner, PeerKey};
+use super::layout::{Ctrl, MrEntry, CTRL_BYTES, CTRL_MAGIC};
+use super::segment::{ctrl_name, segment_name, Segment};
+use super::sys::{self, RemoteMemory};
+use crate::endpoint::SoftEndpoint;
+use crate::error::{Result, VerbsError};
+use crate::types::{AccessFlags, WcStatus};
+
+/// A peer context.
+pub struct PeerCtx {
+    pub key: PeerKey,
+    pub same_process: bool,
+    pidfd: OwnedFd,
+    pub ctrl: Segment,
+    mem: Option<RemoteMemory>,
+    segs: Mutex<HashMap<u64, Arc<Segment>>>,
+    bells: Mutex<HashMap<u32, (u32, Option<OwnedFd>)>>,
+    dead: AtomicBool,
+    lock_tag: u64,
+}
+
+/// Where a validated remote range is reached.
+enum Reach {
+    /// Plain loads and stores at this address in our process.
+    Direct(*mut u8),
+    /// Cross-memory attach at this address in the peer.
+    Remote(u64),
+}
+
+/// A validated, in-use remote range. The peer's deregistration waits until it is dropped.
+pub struct RemoteAccess<'a> {
+    entry: &'a MrEntry,
+    peer: &'a PeerCtx,
+    reach: Reach,
+    len: usize,
+}
+
+impl PeerCtx {
+    /// Maps the peer context an endpoint names, checking that the process is the one it claims.
+    pub fn attach(ctx: &Arc<CtxInner>, ep: &SoftEndpoint) -> Result<PeerCtx> {
+        let pidfd = sys::pidfd_open(ep.pid).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
+        // The pidfd pins the process; its start time tells a recycled pid apart.
+        let start = sys::process_start_time(ep.pid).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
+        if start != ep.start_time {
+            return Err(VerbsError::PeerUnreachable(format!("process {} is not the one that sent the endpoint", ep.pid)));
+        }
+        let fd = sys::pidfd_getfd(pidfd.as_raw_fd(), ep.ctrl_fd).map_err(|e| {
+            VerbsError::PeerUnreachable(format!("{e} (cross-process access needs ptrace rights over the peer, e.g. the same user and kernel.yama.ptrace_scope 0 or 1 with a parent/child relation)"))
+        })?;
+        let ctrl = Segment::map_fetched(fd, &ctrl_name(ep.ctx_id), CTRL_BYTES)?;
+        if Ctrl(&ctrl).header().magic.load(Ordering::Acquire) != CTRL_MAGIC {
+            return Err(VerbsError::Protocol("peer control segment has a bad magic".into()));
+        }
+        let same_process = ep.pid == ctx.pid;
+        let mem = if same_process { None } else { Some(RemoteMemory::open(ep.pid)?) };
+        Ok(PeerCtx {
+            key: (ep.pid, ep.start_time, ep.ctx_id),
+            same_process,
+            pidfd,
+            ctrl,
+            mem,
+            segs: Mutex::new(HashMap::new()),
+            bells: Mutex::new(HashMap::new()),
+            dead: AtomicBool::new(false),
+            lock_tag: ctx.lock_tag,
+        })
+    }
+
+    /// The peer's pidfd (readable once it exits), for epoll sets.
+    pub fn pidfd(&self) -> i32 {
+        self.pidfd.as_raw_fd()
+    }
+
+    /// True while the peer process runs.
+    pub fn alive(&self) -> bool {
+        if self.dead.load(Ordering::Relaxed) {
+            return false;
+        }
+        if self.same_process || sys::pidfd_alive(&self.pidfd) {
+            true
+        } else {
+            self.dead.store(true, Ordering::Relaxed);
+            false
+        }
+    }
+
+    pub fn ctrl(&self) -> Ctrl<'_> {
+        Ctrl(&self.ctrl)
+    }
+
+    /// Validates an access to the peer's memory: key, bounds, rights and protection domain, the
+    /// checks a responder makes. On success the range is marked in use until the guard drops.
+    pub fn access(&self, rkey: u32, addr: u64, len: u64, need: AccessFlags, pd: u32) -> Result<RemoteAccess<'_>, WcStatus> {
+        let entry = key_slot(rkey).and_then(|i| self.ctrl().mr(i)).ok_or(WcStatus::RemAccessErr)?;
+        if entry.key.load(Ordering::Acquire) != rkey {
+            return Err(WcStatus::RemAccessErr);
+        }
+        entry.inuse.fetch_add(1, Ordering::SeqCst);
+        let guard = RemoteAccess { entry, peer: self, reach: Reach::Remote(0), len: len as usize };
+        if entry.key.load(Ordering::SeqCst) != rkey {
+            return Err(WcStatus::RemAccessErr);
+        }
+        let base = entry.addr.load(Ordering::Relaxed);
+        let size = entry.len.load(Ordering::Relaxed);
+        let access = AccessFlags::from_bits_truncate(entry.access.load(Ordering::Relaxed));
+        let in_bounds = addr >= base && addr.checked_add(len).is_some_and(|end| end <= base.saturating_add(size));
+        if !in_bounds || !access.contains(need) || entry.pd.load(Ordering::Relaxed) != pd {
+            return Err(WcStatus::RemAccessErr);
+        }
+        let reach = if self.same_process {
+            Reach::Direct(addr as usize as *mut u8)
+        } else {
+            match self.segment_of(entry) {
+                Some(seg) => {
+                    let off = entry.seg_off.load(Ordering::Relaxed) + (addr - base);
+                    if off.checked_add(len).is_none_or(|e| e > seg.len() as u64) {
+                        return Err(WcStatus::RemAccessErr);
+                    }
+                    Reach::Direct(seg.ptr().wrapping_add(off as usize))
+                }
+                None => Reach::Remote(addr),
+            }
+        };
+        Ok(RemoteAccess { reach, ..guard })
+    }
+
+    /// The mapping of the provider segment holding a region, fetched and mapped on first use.
+    /// None for user memory, or if the segment cannot be had (then cross-memory attach serves).
+    fn segment_of(&self, entry: &MrEntry) -> Option<Arc<Segment>> {
+        let id = entry.seg_id.load(Ordering::Relaxed);
+        if id == 0 {
+            return None;
+        }
+        let mut segs = self.segs.lock().expect("segment cache lock");
+        if let Some(s) = segs.get(&id) {
+            return Some(s.clone());
+        }
+        let fd = sys::pidfd_getfd(self.pidfd.as_raw_fd(), entry.seg_fd.load(Ordering::Relaxed)).ok()?;
+        let seg = Arc::new(Segment::map_fetched(fd, &segment_name(self.key.2, id), 1).ok()?);
+        segs.insert(id, seg.clone());
+        Some(seg)
+    }
+
+    /// Wakes the owner of doorbell `slot` if it armed it (sleeps or is about to).
+    pub fn ring_bell(&self, slot: u32) {
+        let Some(bell) = self.ctrl().bell(slot as usize) else { return };
+        // Dekker with the owner's arm-then-check: our publish is ordered before this load.
+        fence(Ordering::SeqCst);
+        if bell.armed.load(Ordering::Relaxed) == 0 || bell.armed.swap(0, Ordering::AcqRel) == 0 {
+            return;
+        }
+        let generation = bell.generation.load(Ordering::Acquire);
+        let mut bells = self.bells.lock().expect("bell cache lock");
+        let fresh = !matches!(bells.get(&slot), Some((g, _)) if *g == generation);
+        if fresh {
+            let fd = sys::pidfd_getfd(self.pidfd.as_raw_fd(), bell.eventfd.load(Ordering::Acquire)).ok();
+            bells.insert(slot, (generation, fd));
+        }
+        if let Some((_, Some(fd))) = bells.get(&slot) {
+            sys::eventfd_signal(fd.as_raw_fd());
+        }
+    }
+
+    /// Runs `f` holding the peer's atomic lock, so atomics from every initiator on that peer's
+    /// memory are atomic with respect to each other (the verbs `IBV_ATOMIC_HCA` guarantee).
+    pub fn with_atomic_lock<R>(&self, f: impl FnOnce() -> R) -> Result<R, WcStatus> {
+        let lock = &self.ctrl().header().atomic_lock;
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let cur = lock.load(Ordering::Relaxed);
+            if cur == 0 && lock.compare_exchange(0, self.lock_tag, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                break;
+            }
+            spins += 1;
+            if spins % 1024 == 0 {
+                if start.elapsed() > Duration::from_millis(100) {
+                    // A holder that died keeps the lock for ever: take it over.
+                    let holder = (cur >> 32) as u32;
+                    let holder_alive = holder != 0 && sys::pidfd_open(holder).is_ok_and(|fd| sys::pidfd_alive(&fd));
+                    if !holder_alive && lock.compare_exchange(cur, self.lock_tag, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                        break;
+                    }
+                    if start.elapsed() > Duration::from_secs(5) {
+                        return Err(WcStatus::RemOpErr);
+                    }
+                }
+                std::thread::yield_now();
+            }
+            std::hint::spin_loop();
+        }
+        let r = f();
+        lock.store(0, Ordering::Release);
+        Ok(r)
+    }
+}
+
+impl RemoteAccess<'_> {
+    /// Copies `len` local bytes at `src` into the remote range at byte offset `off`.
+    ///
+    /// # Safety
+    /// `src` must be valid for `len` bytes (a checked local registration or provider memory).
+    pub unsafe fn write_from(&self, off: usize, src: *const u8, len: usize) -> Result<(), WcStatus> {
+        if off.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(WcStatus::RemAccessErr);
+        }
+        match self.reach {
+            // SAFETY: the destination was validated against a live registration (in use until
+            // this guard drops); the caller vouches for the source.
+            Reach::Direct(p) => unsafe { local_copy(p.add(off), src, len) },
+            Reach::Remote(addr) => {
+                // SAFETY: the caller vouches that `src` is valid for `len` bytes.
+                let bytes = unsafe { std::slice::from_raw_parts(src, len) };
+                let mem = self.peer.mem.as_ref().ok_or(WcStatus::GeneralErr)?;
+                mem.write(addr + off as u64, bytes).map_err(|_| WcStatus::RemAccessErr)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies `len` remote bytes at byte offset `off` into local memory at `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes.
+    pub unsafe fn read_into(&self, off: usize, dst: *mut u8, len: usize) -> Result<(), WcStatus> {
+        if off.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(WcStatus::RemAccessErr);
+        }
+        match self.reach {
+            // SAFETY: as in `write_from`, with the roles swapped.
+            Reach::Direct(p) => unsafe { local_copy(dst, p.add(off), len) },
+            Reach::Remote(addr) => {
+                // SAFETY: the caller vouches that `dst` is valid for `len` bytes.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+                let mem = self.peer.mem.as_ref().ok_or(WcStatus::GeneralErr)?;
+                mem.read(addr + off as u64, bytes).map_err(|_| WcStatus::RemAccessErr)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of the validated range.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Runs a 64-bit atomic on the (8-byte, aligned) range under the peer's atomic lock; returns
+    /// the old value.
+    pub fn atomic(&self, op: impl FnOnce(u64) -> u64) -> Result<u64, WcStatus> {
+        if self.len != 8 {
+            return Err(WcStatus::RemInvReqErr);
+        }
+        self.peer.with_atomic_lock(|| -> Result<u64, WcStatus> {
+            let mut old = [0u8; 8];
+            // SAFETY: `old` is a valid local 8-byte buffer.
+            unsafe { self.read_into(0, old.as_mut_ptr(), 8)? };
+            let old = u64::from_ne_bytes(old);
+            let new = op(old).to_ne_bytes();
+            // SAFETY: `new` is a valid local 8-byte buffer.
+            unsafe { self.write_from(0, new.as_ptr(), 8)? };
+            Ok(old)
+        })?
+    }
+}
+
+impl Drop for RemoteAccess<'_> {
+    fn drop(&mut self) {
+        self.entry.inuse.fetch_sub(1, Ordering::SeqCst);
+    }
+}

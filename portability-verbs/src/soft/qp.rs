@@ -1,0 +1,1271 @@
+//! Software reliable-connected queue pairs and shared receive queues.
+//!
+//! Each queue pair owns a segment with its state and an inbound ring. The peer's requester writes
+//! records (sends, writes-with-immediate) into that ring; our responder consumes them when a
+//! completion queue is polled or a receive is posted. One-sided operations (RDMA write, read,
+//! atomics, and the data of large writes-with-immediate) are carried out by the requester itself
+//! on the responder's registered memory, after checking the responder's published keys: the
+//! responder's CPU takes no part, as with a NIC.
+//!
+//! Ordering: requests of one queue pair run in posting order. A one-sided request waits until
+//! every earlier ring record has been consumed, so the responder sees effects in order, as an RC
+//! responder processes packets in PSN order. Completions are reported in posting order.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::cq::CqInner;
+use super::ctx::{local_copy, CtxInner};
+use super::layout::{qp_state_code, QpSeg, QP_DESTROYED, QP_MAGIC, RING_OFFSET};
+use super::peer::PeerCtx;
+use super::segment::{qp_name, Segment};
+use super::sys;
+use super::wire::{self, status, Descriptor, RecordHeader, RecordKind, FIELDS_BYTES, HEADER_BYTES};
+use crate::endpoint::{EndpointInfo, SoftEndpoint};
+use crate::error::{Result, VerbsError};
+use crate::types::*;
+
+/// A shared receive queue.
+pub struct SrqInner {
+    pub ctx: Arc<CtxInner>,
+    pub pd: u32,
+    pub rq_slot: u32,
+    pub max_wr: u32,
+    pub max_sge: u32,
+    queue: Mutex<VecDeque<RecvWr>>,
+}
+
+impl SrqInner {
+    pub fn new(ctx: &Arc<CtxInner>, pd: u32, max_wr: u32, max_sge: u32) -> Result<Arc<SrqInner>> {
+        if max_wr == 0 || max_sge == 0 {
+            return Err(VerbsError::invalid("a shared receive queue needs max_wr and max_sge > 0"));
+        }
+        let rq_slot = ctx.rq_slots.lock().expect("slot lock").take("receive queue")?;
+        let c = ctx.ctrl().rq(rq_slot as usize).expect("slot in range");
+        c.posted.store(0, Ordering::Relaxed);
+        c.consumed.store(0, Ordering::Relaxed);
+        Ok(Arc::new(SrqInner { ctx: ctx.clone(), pd, rq_slot, max_wr, max_sge, queue: Mutex::new(VecDeque::new()) }))
+    }
+
+    pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
+        let mut q = self.queue.lock().expect("srq lock");
+        for wr in wrs {
+            if wr.sg_list.len() > self.max_sge as usize {
+                return Err(VerbsError::invalid(format!("{} SGEs over the SRQ's max_sge {}", wr.sg_list.len(), self.max_sge)));
+            }
+            if q.len() >= self.max_wr as usize {
+                return Err(VerbsError::Exhausted("shared receive queue is full".into()));
+            }
+            q.push_back(wr.clone());
+            self.ctx.ctrl().rq(self.rq_slot as usize).expect("slot").posted.fetch_add(1, Ordering::Release);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SrqInner {
+    fn drop(&mut self) {
+        self.ctx.rq_slots.lock().expect("slot lock").give(self.rq_slot);
+    }
+}
+
+/// Where an outstanding send-queue request stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SqStage {
+    /// Not yet carried out.
+    Waiting,
+    /// Its record is in the peer's ring at `start..end` (produced-byte counts), at ring offset `off`.
+    InRing { start: u64, end: u64, off: usize },
+    /// Finished with this status.
+    Done(WcStatus),
+}
+
+struct SqEntry {
+    wr: SendWr,
+    inline_data: Option<Vec<u8>>,
+    stage: SqStage,
+}
+
+struct Remote {
+    info: SoftEndpoint,
+    peer: Arc<PeerCtx>,
+    seg: Segment,
+    ring_bytes: usize,
+    /// The peer queue pair itself when it lives in this process: a requester waiting for its
+    /// records to be consumed can run the responder's side itself.
+    local: Option<std::sync::Weak<QpInner>>,
+}
+
+impl Remote {
+    fn seg(&self) -> QpSeg<'_> {
+        QpSeg(&self.seg)
+    }
+    fn ring(&self) -> RingView {
+        RingView { base: self.seg().ring(), bytes: self.ring_bytes }
+    }
+}
+
+struct RnrTrack {
+    start: u64,
+    naks: u32,
+    last: Instant,
+}
+
+struct QpCore {
+    state: QpState,
+    access: AccessFlags,
+    min_rnr_timer: u8,
+    rts: RtsAttr,
+    remote: Option<Remote>,
+    // Requester side.
+    sq: VecDeque<SqEntry>,
+    /// Index in `sq` of the first request not yet carried out.
+    exec_next: usize,
+    /// Ring records in flight (placed, not yet seen consumed).
+    in_ring: usize,
+    produced: u64,
+    /// Peer's consumed count as last read for ring space.
+    cached_consumed: u64,
+    /// Peer's consumed count as last turned into completions.
+    reaped: u64,
+    next_seq: u32,
+    rnr: Option<RnrTrack>,
+    // Responder side.
+    rq: VecDeque<RecvWr>,
+    cons_head: u64,
+    expect_seq: u32,
+    inbound_dead: bool,
+    idle_polls: u32,
+    last_liveness: Instant,
+}
+
+/// A software queue pair.
+pub struct QpInner {
+    pub ctx: Arc<CtxInner>,
+    pub qpn: u32,
+    pub pd: u32,
+    seg: Segment,
+    ring_bytes: usize,
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
+    srq: Option<Arc<SrqInner>>,
+    rq_slot: u32,
+    caps: QpCaps,
+    core: Mutex<QpCore>,
+}
+
+type LocalQps = Mutex<std::collections::HashMap<(u64, u32), std::sync::Weak<QpInner>>>;
+
+/// Queue pairs of this process, so a same-process requester can drive its responder.
+fn local_qps() -> &'static LocalQps {
+    static QPS: std::sync::OnceLock<LocalQps> = std::sync::OnceLock::new();
+    QPS.get_or_init(Default::default)
+}
+
+fn local_qp(ctx_id: u64, qpn: u32) -> Option<std::sync::Weak<QpInner>> {
+    local_qps().lock().expect("local qp registry").get(&(ctx_id, qpn)).cloned()
+}
+
+const LIVENESS_EVERY: Duration = Duration::from_millis(10);
+
+fn next_seq(s: u32) -> u32 {
+    if s == u32::MAX {
+        1
+    } else {
+        s + 1
+    }
+}
+
+fn status_of(code: u32) -> WcStatus {
+    match code {
+        status::OK => WcStatus::Success,
+        status::REM_INV_REQ => WcStatus::RemInvReqErr,
+        status::REM_ACCESS => WcStatus::RemAccessErr,
+        status::REM_OP => WcStatus::RemOpErr,
+        status::CANCELLED => WcStatus::WrFlushErr,
+        _ => WcStatus::GeneralErr,
+    }
+}
+
+impl QpInner {
+    pub fn new(
+        ctx: &Arc<CtxInner>,
+        pd: u32,
+        send_cq: &Arc<CqInner>,
+        recv_cq: &Arc<CqInner>,
+        srq: Option<&Arc<SrqInner>>,
+        caps: QpCaps,
+    ) -> Result<Arc<QpInner>> {
+        if caps.max_send_wr == 0 || caps.max_send_sge == 0 || (srq.is_none() && (caps.max_recv_wr == 0 || caps.max_recv_sge == 0)) {
+            return Err(VerbsError::invalid("queue sizes must be > 0"));
+        }
+        if caps.max_send_wr > 1 << 16 || caps.max_recv_wr > 1 << 16 || caps.max_send_sge > 64 || caps.max_recv_sge > 64 {
+            return Err(VerbsError::invalid("queue sizes over the provider's limits (64 Ki requests, 64 SGEs)"));
+        }
+        if caps.max_inline_data as usize > ctx.config.copy_threshold {
+            return Err(VerbsError::invalid(format!(
+                "max_inline_data {} over the provider's {}",
+                caps.max_inline_data, ctx.config.copy_threshold
+            )));
+        }
+        if let Some(s) = srq {
+            if s.pd != pd {
+                return Err(VerbsError::invalid("the shared receive queue belongs to another protection domain"));
+            }
+        }
+        let qpn = ctx.next_qpn.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
+        let ring_bytes = ctx.config.ring_bytes;
+        let seg = Segment::create_named(&qp_name(ctx.id, qpn), 0, RING_OFFSET + ring_bytes)?;
+        let rq_slot = match srq {
+            Some(s) => s.rq_slot,
+            None => {
+                let slot = ctx.rq_slots.lock().expect("slot lock").take("receive queue")?;
+                let c = ctx.ctrl().rq(slot as usize).expect("slot in range");
+                c.posted.store(0, Ordering::Relaxed);
+                c.consumed.store(0, Ordering::Relaxed);
+                slot
+            }
+        };
+        {
+            let h = QpSeg(&seg).header();
+            h.qpn.store(qpn, Ordering::Relaxed);
+            h.pd.store(pd, Ordering::Relaxed);
+            h.state.store(qp_state_code(QpState::Reset), Ordering::Relaxed);
+            h.magic.store(QP_MAGIC, Ordering::Release);
+        }
+        let qp = Arc::new(QpInner {
+            ctx: ctx.clone(),
+            qpn,
+            pd,
+            seg,
+            ring_bytes,
+            send_cq: send_cq.clone(),
+            recv_cq: recv_cq.clone(),
+            srq: srq.cloned(),
+            rq_slot,
+            caps,
+            core: Mutex::new(QpCore {
+                state: QpState::Reset,
+                access: AccessFlags::NONE,
+                min_rnr_timer: 12,
+                rts: RtsAttr::default(),
+                remote: None,
+                sq: VecDeque::new(),
+                exec_next: 0,
+                in_ring: 0,
+                produced: 0,
+                cached_consumed: 0,
+                reaped: 0,
+                next_seq: 1,
+                rnr: None,
+                rq: VecDeque::new(),
+                cons_head: 0,
+                expect_seq: 1,
+                inbound_dead: false,
+                idle_polls: 0,
+                last_liveness: Instant::now(),
+            }),
+        });
+        send_cq.attach(&qp);
+        recv_cq.attach(&qp);
+        local_qps().lock().expect("local qp registry").insert((ctx.id, qpn), Arc::downgrade(&qp));
+        Ok(qp)
+    }
+
+    fn ring(&self) -> RingView {
+        RingView { base: QpSeg(&self.seg).ring(), bytes: self.ring_bytes }
+    }
+
+    fn header(&self) -> &super::layout::QpHeader {
+        QpSeg(&self.seg).header()
+    }
+
+    pub fn caps(&self) -> QpCaps {
+        self.caps
+    }
+
+    pub fn state(&self) -> QpState {
+        self.core.lock().expect("qp lock").state
+    }
+
+    /// What the peer needs to connect to this queue pair.
+    pub fn endpoint(&self) -> SoftEndpoint {
+        SoftEndpoint {
+            pid: self.ctx.pid,
+            start_time: self.ctx.start_time,
+            ctx_id: self.ctx.id,
+            ctrl_fd: self.ctx.ctrl.fd(),
+            qp_fd: self.seg.fd(),
+            qpn: self.qpn,
+            ring_bytes: self.ring_bytes as u32,
+            pd: self.pd,
+            rq_slot: self.rq_slot,
+            send_cq_bell: self.send_cq.bell_slot,
+            recv_cq_bell: self.recv_cq.bell_slot,
+        }
+    }
+
+    fn set_state(&self, core: &mut QpCore, s: QpState) {
+        core.state = s;
+        self.header().state.store(qp_state_code(s), Ordering::Release);
+    }
+
+    /// Applies a state transition, enforcing the verbs state machine.
+    pub fn modify(&self, t: QpTransition) -> Result<()> {
+        let mut core = self.core.lock().expect("qp lock");
+        let mut flushed = Vec::new();
+        match (core.state, t) {
+            (_, QpTransition::Reset) => self.reset(&mut core),
+            (_, QpTransition::Error) => self.enter_error(&mut core, &mut flushed),
+            (QpState::Reset, QpTransition::Init { access, port }) => {
+                if port != 1 {
+                    return Err(VerbsError::invalid(format!("port {port}: the software device has port 1 only")));
+                }
+                core.access = access;
+                self.header().access.store(access.bits(), Ordering::Relaxed);
+                self.set_state(&mut core, QpState::Init);
+            }
+            (QpState::Init, QpTransition::Rtr(attr)) => {
+                let EndpointInfo::Soft(info) = attr.remote else {
+                    return Err(VerbsError::ProviderMismatch("a software QP can only connect to a software endpoint".into()));
+                };
+                let remote = self.connect(&info)?;
+                core.min_rnr_timer = attr.min_rnr_timer & 31;
+                self.header().min_rnr_timer.store(core.min_rnr_timer as u32, Ordering::Relaxed);
+                self.send_cq.watch(remote.peer.pidfd());
+                self.recv_cq.watch(remote.peer.pidfd());
+                core.remote = Some(remote);
+                self.set_state(&mut core, QpState::ReadyToReceive);
+            }
+            (QpState::ReadyToReceive, QpTransition::Rts(attr)) => {
+                if attr.retry_cnt > 7 || attr.rnr_retry > 7 {
+                    return Err(VerbsError::invalid("retry_cnt and rnr_retry are 0..=7"));
+                }
+                core.rts = attr;
+                self.set_state(&mut core, QpState::ReadyToSend);
+            }
+            (QpState::ReadyToSend, QpTransition::Rts(attr)) => core.rts = attr,
+            (s, t) => return Err(VerbsError::InvalidState(format!("no transition {t:?} from {s:?}"))),
+        }
+        drop(core);
+        self.deliver(flushed);
+        Ok(())
+    }
+
+    fn connect(&self, info: &SoftEndpoint) -> Result<Remote> {
+        if !info.ring_bytes.is_power_of_two() || (info.ring_bytes as usize) < 8192 {
+            return Err(VerbsError::Protocol(format!("peer ring of {} bytes is not a valid ring", info.ring_bytes)));
+        }
+        if self.ctx.ctrl().bell(0).is_none() {
+            unreachable!("control segment always has doorbells");
+        }
+        let peer = self.ctx.peer(info)?;
+        if peer.ctrl().bell(info.send_cq_bell as usize).is_none()
+            || peer.ctrl().bell(info.recv_cq_bell as usize).is_none()
+            || peer.ctrl().rq(info.rq_slot as usize).is_none()
+        {
+            return Err(VerbsError::Protocol("peer endpoint names slots out of range".into()));
+        }
+        let fd = sys::pidfd_getfd(peer.pidfd(), info.qp_fd).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
+        let ring_bytes = info.ring_bytes as usize;
+        let seg = Segment::map_fetched(fd, &qp_name(info.ctx_id, info.qpn), RING_OFFSET + ring_bytes)?;
+        let local = if peer.same_process { local_qp(info.ctx_id, info.qpn) } else { None };
+        let remote = Remote { info: *info, peer, seg, ring_bytes, local };
+        let h = remote.seg().header();
+        if h.magic.load(Ordering::Acquire) != QP_MAGIC || h.qpn.load(Ordering::Relaxed) != info.qpn {
+            return Err(VerbsError::Protocol("peer queue-pair segment does not match its endpoint".into()));
+        }
+        Ok(remote)
+    }
+
+    fn reset(&self, core: &mut QpCore) {
+        if let Some(r) = core.remote.take() {
+            self.send_cq.unwatch(r.peer.pidfd());
+            self.recv_cq.unwatch(r.peer.pidfd());
+        }
+        core.sq.clear();
+        core.exec_next = 0;
+        core.in_ring = 0;
+        core.produced = 0;
+        core.cached_consumed = 0;
+        core.reaped = 0;
+        core.next_seq = 1;
+        core.rnr = None;
+        let dropped = core.rq.len() as u64;
+        core.rq.clear();
+        if self.srq.is_none() {
+            self.rq_counters().consumed.fetch_add(dropped, Ordering::Release);
+        }
+        core.cons_head = 0;
+        core.expect_seq = 1;
+        core.inbound_dead = false;
+        // SAFETY: the ring lies inside our own segment; no peer is connected any more.
+        unsafe { std::ptr::write_bytes(QpSeg(&self.seg).ring(), 0, self.ring_bytes) };
+        QpSeg(&self.seg).consumer().consumed.store(0, Ordering::Release);
+        self.set_state(core, QpState::Reset);
+    }
+
+    fn rq_counters(&self) -> &super::layout::RqCounters {
+        self.ctx.ctrl().rq(self.rq_slot as usize).expect("slot in range")
+    }
+
+    /// Moves to the error state: every outstanding request completes with a flush error and
+    /// records still waiting in the peer's ring are cancelled.
+    fn enter_error(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+        if core.state == QpState::Error {
+            return;
+        }
+        self.set_state(core, QpState::Error);
+        if let Some(r) = &core.remote {
+            let ring = r.ring();
+            for e in core.sq.iter() {
+                if let SqStage::InRing { off, .. } = e.stage {
+                    let st = ring.status(off);
+                    let _ = st.compare_exchange(status::PENDING, status::CANCELLED, Ordering::AcqRel, Ordering::Acquire);
+                }
+            }
+        }
+        for e in core.sq.iter_mut() {
+            if !matches!(e.stage, SqStage::Done(_)) {
+                e.stage = SqStage::Done(WcStatus::WrFlushErr);
+            }
+        }
+        core.exec_next = core.sq.len();
+        core.in_ring = 0;
+        self.retire(core, out);
+        let flushed = core.rq.len() as u64;
+        for wr in core.rq.drain(..) {
+            out.push((false, self.recv_wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0, None, 0)));
+        }
+        if flushed > 0 {
+            self.rq_counters().consumed.fetch_add(flushed, Ordering::Release);
+        }
+    }
+
+    fn recv_wc(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, len: u32, imm: Option<u32>, src_qp: u32) -> WorkCompletion {
+        WorkCompletion { wr_id, status, opcode, byte_len: len, imm, qp_num: self.qpn, src_qp }
+    }
+
+    /// Hands completions to the right queues: `true` marks send-queue ones.
+    fn deliver(&self, wcs: Vec<(bool, WorkCompletion)>) {
+        if wcs.is_empty() {
+            return;
+        }
+        self.send_cq.push(wcs.iter().filter(|(s, _)| *s).map(|(_, w)| *w));
+        self.recv_cq.push(wcs.iter().filter(|(s, _)| !*s).map(|(_, w)| *w));
+    }
+
+    /// Posts receives.
+    pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
+        if self.srq.is_some() {
+            return Err(VerbsError::InvalidState("this QP uses a shared receive queue; post to the SRQ".into()));
+        }
+        let mut core = self.core.lock().expect("qp lock");
+        let mut out = Vec::new();
+        let r = (|| {
+            for wr in wrs {
+                if wr.sg_list.len() > self.caps.max_recv_sge as usize {
+                    return Err(VerbsError::invalid(format!("{} SGEs over max_recv_sge {}", wr.sg_list.len(), self.caps.max_recv_sge)));
+                }
+                match core.state {
+                    QpState::Reset => return Err(VerbsError::InvalidState("cannot post receives in RESET".into())),
+                    QpState::Error => {
+                        out.push((false, self.recv_wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0, None, 0)));
+                        continue;
+                    }
+                    _ => {}
+                }
+                if core.rq.len() >= self.caps.max_recv_wr as usize {
+                    return Err(VerbsError::Exhausted("receive queue is full".into()));
+                }
+                core.rq.push_back(wr.clone());
+                self.rq_counters().posted.fetch_add(1, Ordering::Release);
+            }
+            Ok(())
+        })();
+        // A message may have been waiting for this receive.
+        self.progress_inbound(&mut core, &mut out);
+        drop(core);
+        self.deliver(out);
+        r
+    }
+
+    /// Posts send-queue requests and starts them at once where the ring and ordering allow.
+    pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
+        let mut core = self.core.lock().expect("qp lock");
+        let mut out = Vec::new();
+        let mut result = Ok(());
+        for wr in wrs {
+            if let Err(e) = self.check_send(&core, wr) {
+                result = Err(e);
+                break;
+            }
+            let inline_data = if wr.flags.inline && wr.opcode != WrOpcode::RdmaRead && !wr.opcode.is_atomic() {
+                let mut v = Vec::with_capacity(wr.byte_len() as usize);
+                for s in &wr.sg_list {
+                    // SAFETY: inline data is read at post time from memory the caller hands us
+                    // for this call; the addresses come from the caller's own SGEs.
+                    v.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize) });
+                }
+                Some(v)
+            } else {
+                None
+            };
+            let stage = if core.state == QpState::Error { SqStage::Done(WcStatus::WrFlushErr) } else { SqStage::Waiting };
+            core.sq.push_back(SqEntry { wr: wr.clone(), inline_data, stage });
+        }
+        self.execute(&mut core, &mut out);
+        self.retire(&mut core, &mut out);
+        drop(core);
+        self.deliver(out);
+        result
+    }
+
+    fn check_send(&self, core: &QpCore, wr: &SendWr) -> Result<()> {
+        match core.state {
+            QpState::ReadyToSend | QpState::Error => {}
+            s => return Err(VerbsError::InvalidState(format!("cannot post sends in {s:?}"))),
+        }
+        if core.sq.len() >= self.caps.max_send_wr as usize {
+            return Err(VerbsError::Exhausted("send queue is full".into()));
+        }
+        if wr.sg_list.len() > self.caps.max_send_sge as usize {
+            return Err(VerbsError::invalid(format!("{} SGEs over max_send_sge {}", wr.sg_list.len(), self.caps.max_send_sge)));
+        }
+        let len = wr.byte_len();
+        if len > wire::MAX_MESSAGE as u64 {
+            return Err(VerbsError::invalid("message over 2 GiB"));
+        }
+        if wr.flags.inline && !wr.opcode.is_atomic() && wr.opcode != WrOpcode::RdmaRead && len > self.caps.max_inline_data as u64 {
+            return Err(VerbsError::invalid(format!("{len} inline bytes over max_inline_data {}", self.caps.max_inline_data)));
+        }
+        if wr.opcode.is_atomic() && (wr.sg_list.len() != 1 || wr.sg_list[0].length != 8) {
+            return Err(VerbsError::invalid("an atomic takes exactly one 8-byte SGE"));
+        }
+        Ok(())
+    }
+
+    /// Carries out waiting requests in order, as far as ring space and ordering allow.
+    fn execute(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+        while core.exec_next < core.sq.len() {
+            if core.state != QpState::ReadyToSend {
+                return;
+            }
+            let idx = core.exec_next;
+            let op = core.sq[idx].wr.opcode;
+            let outcome = match op {
+                WrOpcode::Send | WrOpcode::SendWithImm => self.start_send(core, idx),
+                WrOpcode::RdmaWriteWithImm => {
+                    if core.in_ring > 0 && !self.wwi_is_ring_inline(core, idx) {
+                        return; // its data placement must follow earlier records
+                    }
+                    self.start_write_imm(core, idx)
+                }
+                _ => {
+                    if core.in_ring > 0 {
+                        return; // one-sided requests follow earlier ring records
+                    }
+                    Some(self.run_one_sided(core, idx))
+                }
+            };
+            match outcome {
+                None => return, // no room in the ring yet
+                Some(stage) => {
+                    core.sq[idx].stage = stage;
+                    if matches!(stage, SqStage::InRing { .. }) {
+                        core.in_ring += 1;
+                    }
+                    core.exec_next += 1;
+                    if let SqStage::Done(st) = stage {
+                        if !st.is_success() {
+                            self.enter_error(core, out);
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// True when a write-with-immediate goes through the ring with its data (small, and the
+    /// target is not memory we reach directly).
+    fn wwi_is_ring_inline(&self, core: &QpCore, idx: usize) -> bool {
+        let e = &core.sq[idx];
+        let len = e.wr.byte_len() as usize;
+        let Some(r) = &core.remote else { return false };
+        len <= self.ctx.config.copy_threshold && !r.peer.same_process
+    }
+
+    /// Places a record in the peer's ring: `fill` writes the payload. Returns the stage, or
+    /// None if the ring has no room now.
+    fn place_record(
+        &self,
+        core: &mut QpCore,
+        header: RecordHeader,
+        fill: impl FnOnce(*mut u8) -> Result<(), WcStatus>,
+    ) -> Option<SqStage> {
+        let r = core.remote.as_ref()?;
+        let ring = r.ring();
+        let ring_bytes = r.ring_bytes;
+        let size = header.record_size();
+        if size > wire::max_record(ring_bytes) {
+            return Some(SqStage::Done(WcStatus::LocQpOpErr));
+        }
+        let placement = match wire::place(core.produced, core.cached_consumed, ring_bytes, size) {
+            Some(p) => p,
+            None => {
+                core.cached_consumed = r.seg().consumer().consumed.load(Ordering::Acquire);
+                wire::place(core.produced, core.cached_consumed, ring_bytes, size)?
+            }
+        };
+        // `place` keeps the record inside the ring and clear of unconsumed bytes.
+        if let Err(st) = fill(ring.payload(placement.at, size)) {
+            return Some(SqStage::Done(st));
+        }
+        ring.status(placement.at).store(status::PENDING, Ordering::Relaxed);
+        ring.write_fields(placement.at, &header);
+        ring.seq((placement.at + size) % ring_bytes).store(0, Ordering::Relaxed);
+        if let Some(pad_at) = placement.pad_at {
+            let pad = RecordHeader {
+                kind: RecordKind::Pad,
+                flags: 0,
+                sge_count: 0,
+                len: (ring_bytes - pad_at) as u32,
+                imm: 0,
+                rkey: 0,
+                raddr: 0,
+            };
+            ring.status(pad_at).store(status::PENDING, Ordering::Relaxed);
+            ring.write_fields(pad_at, &pad);
+            // Record first (at 0), then the pad that leads the consumer to it.
+            let pad_seq = core.next_seq;
+            core.next_seq = next_seq(pad_seq);
+            ring.seq(placement.at).store(core.next_seq, Ordering::Release);
+            ring.seq(pad_at).store(pad_seq, Ordering::Release);
+        } else {
+            ring.seq(placement.at).store(core.next_seq, Ordering::Release);
+        }
+        core.next_seq = next_seq(core.next_seq);
+        let start = core.produced + (placement.advance - size) as u64;
+        core.produced += placement.advance as u64;
+        r.peer.ring_bell(r.info.recv_cq_bell);
+        Some(SqStage::InRing { start, end: core.produced, off: placement.at })
+    }
+
+    fn start_send(&self, core: &mut QpCore, idx: usize) -> Option<SqStage> {
+        let e = &core.sq[idx];
+        let len = e.wr.byte_len() as u32;
+        let flags = if e.wr.opcode == WrOpcode::SendWithImm { wire::FLAG_IMM } else { 0 };
+        let mut h = RecordHeader { kind: RecordKind::SendInline, flags, sge_count: 0, len, imm: e.wr.imm, rkey: 0, raddr: 0 };
+        if e.inline_data.is_none() && !self.ctx.check_local(&e.wr.sg_list, AccessFlags::NONE, self.pd) {
+            return Some(SqStage::Done(WcStatus::LocProtErr));
+        }
+        if e.inline_data.is_some() || len as usize <= self.ctx.config.copy_threshold {
+            let inline = e.inline_data.clone();
+            let sges = e.wr.sg_list.clone();
+            self.place_record(core, h, |dst| self.gather_into(dst, inline.as_deref(), &sges))
+        } else {
+            let sges: SgList = e.wr.sg_list.iter().filter(|s| s.length > 0).copied().collect();
+            if sges.len() > wire::MAX_DESC {
+                return Some(SqStage::Done(WcStatus::LocQpOpErr));
+            }
+            h.kind = RecordKind::SendDescriptors;
+            h.sge_count = sges.len() as u16;
+            self.place_record(core, h, |dst| {
+                for (i, s) in sges.iter().enumerate() {
+                    let d = Descriptor { addr: s.addr, len: s.length, key: s.lkey }.encode();
+                    // SAFETY: `dst` has room for sge_count descriptors (the record was sized so).
+                    unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), dst.add(i * wire::DESC_BYTES), wire::DESC_BYTES) };
+                }
+                Ok(())
+            })
+        }
+    }
+
+    /// Copies a request's data (inline bytes, or its checked local SGEs) to `dst`.
+    fn gather_into(&self, dst: *mut u8, inline: Option<&[u8]>, sges: &[Sge]) -> Result<(), WcStatus> {
+        if let Some(data) = inline {
+            // SAFETY: `dst` has room for the whole message (the record was sized by its length).
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+            return Ok(());
+        }
+        let keys = self.ctx.local_keys();
+        let mut off = 0usize;
+        for s in sges {
+            if !keys.check(s.lkey, s.addr, s.length as u64, AccessFlags::NONE, self.pd) {
+                return Err(WcStatus::LocProtErr);
+            }
+            // SAFETY: the SGE lies in a live local registration (checked under the table lock held
+            // by `keys`), and `dst` has room for the sum of the SGE lengths.
+            unsafe { local_copy(dst.add(off), s.addr as usize as *const u8, s.length as usize) };
+            off += s.length as usize;
+        }
+        Ok(())
+    }
+
+    fn start_write_imm(&self, core: &mut QpCore, idx: usize) -> Option<SqStage> {
+        let ring_inline = self.wwi_is_ring_inline(core, idx);
+        let e = &core.sq[idx];
+        let len = e.wr.byte_len() as u32;
+        let (imm, raddr, rkey) = (e.wr.imm, e.wr.remote_addr, e.wr.rkey);
+        if e.inline_data.is_none() && !self.ctx.check_local(&e.wr.sg_list, AccessFlags::NONE, self.pd) {
+            return Some(SqStage::Done(WcStatus::LocProtErr));
+        }
+        if ring_inline {
+            let h = RecordHeader { kind: RecordKind::WriteImmInline, flags: wire::FLAG_IMM, sge_count: 0, len, imm, rkey, raddr };
+            let inline = e.inline_data.clone();
+            let sges = e.wr.sg_list.clone();
+            return self.place_record(core, h, |dst| self.gather_into(dst, inline.as_deref(), &sges));
+        }
+        // Room for the notification first, so the data is written exactly once.
+        let r = core.remote.as_ref()?;
+        let h = RecordHeader { kind: RecordKind::WriteImmNotify, flags: wire::FLAG_IMM, sge_count: 0, len, imm, rkey, raddr };
+        if wire::place(core.produced, r.seg().consumer().consumed.load(Ordering::Acquire), r.ring_bytes, h.record_size()).is_none() {
+            return None;
+        }
+        if let SqStage::Done(st) = self.run_one_sided(core, idx) {
+            if !st.is_success() {
+                return Some(SqStage::Done(st));
+            }
+        }
+        self.place_record(core, h, |_| Ok(()))
+    }
+
+    /// Carries out a one-sided request on the peer's memory; returns its final stage.
+    fn run_one_sided(&self, core: &QpCore, idx: usize) -> SqStage {
+        let Some(r) = &core.remote else { return SqStage::Done(WcStatus::RetryExcErr) };
+        let e = &core.sq[idx];
+        let wr = &e.wr;
+        let peer_qp_access = AccessFlags::from_bits_truncate(r.seg().header().access.load(Ordering::Relaxed));
+        let (need_remote, need_local) = match wr.opcode {
+            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => (AccessFlags::REMOTE_WRITE, AccessFlags::NONE),
+            WrOpcode::RdmaRead => (AccessFlags::REMOTE_READ, AccessFlags::LOCAL_WRITE),
+            _ => (AccessFlags::REMOTE_ATOMIC, AccessFlags::LOCAL_WRITE),
+        };
+        if !peer_qp_access.contains(need_remote) {
+            return SqStage::Done(WcStatus::RemInvReqErr);
+        }
+        if e.inline_data.is_none() && !self.ctx.check_local(&wr.sg_list, need_local, self.pd) {
+            return SqStage::Done(WcStatus::LocProtErr);
+        }
+        let len = wr.byte_len();
+        if wr.opcode.is_atomic() && wr.remote_addr % 8 != 0 {
+            return SqStage::Done(WcStatus::RemInvReqErr);
+        }
+        let access = match r.peer.access(wr.rkey, wr.remote_addr, len, need_remote, r.info.pd) {
+            Ok(a) => a,
+            Err(st) => return SqStage::Done(st),
+        };
+        let result = match wr.opcode {
+            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => match &e.inline_data {
+                // SAFETY: inline bytes are ours.
+                Some(d) => unsafe { access.write_from(0, d.as_ptr(), d.len()) },
+                None => {
+                    let keys = self.ctx.local_keys();
+                    let mut off = 0;
+                    let mut res = Ok(());
+                    for s in &wr.sg_list {
+                        if !keys.check(s.lkey, s.addr, s.length as u64, AccessFlags::NONE, self.pd) {
+                            res = Err(WcStatus::LocProtErr);
+                            break;
+                        }
+                        // SAFETY: checked local registration, held by `keys`.
+                        res = unsafe { access.write_from(off, s.addr as usize as *const u8, s.length as usize) };
+                        if res.is_err() {
+                            break;
+                        }
+                        off += s.length as usize;
+                    }
+                    res
+                }
+            },
+            WrOpcode::RdmaRead => {
+                let keys = self.ctx.local_keys();
+                let mut off = 0;
+                let mut res = Ok(());
+                for s in &wr.sg_list {
+                    if !keys.check(s.lkey, s.addr, s.length as u64, AccessFlags::LOCAL_WRITE, self.pd) {
+                        res = Err(WcStatus::LocProtErr);
+                        break;
+                    }
+                    // SAFETY: checked local registration with LOCAL_WRITE, held by `keys`.
+                    res = unsafe { access.read_into(off, s.addr as usize as *mut u8, s.length as usize) };
+                    if res.is_err() {
+                        break;
+                    }
+                    off += s.length as usize;
+                }
+                res
+            }
+            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
+                let (cmp_add, swap, cas) = (wr.compare_add, wr.swap, wr.opcode == WrOpcode::AtomicCmpAndSwp);
+                access
+                    .atomic(|old| if cas { if old == cmp_add { swap } else { old } } else { old.wrapping_add(cmp_add) })
+                    .and_then(|old| {
+                        let s = wr.sg_list[0];
+                        let bytes = old.to_ne_bytes();
+                        self.ctx
+                            .with_local(s.lkey, s.addr, 8, AccessFlags::LOCAL_WRITE, self.pd, || {
+                                // SAFETY: checked local registration of 8 writable bytes.
+                                unsafe { local_copy(s.addr as usize as *mut u8, bytes.as_ptr(), 8) }
+                            })
+                            .ok_or(WcStatus::LocProtErr)
+                    })
+            }
+            _ => Err(WcStatus::GeneralErr),
+        };
+        SqStage::Done(match result {
+            Ok(()) => WcStatus::Success,
+            Err(st) => st,
+        })
+    }
+
+    /// Reports finished requests in order: errors always, successes when signaled.
+    fn retire(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+        while let Some(front) = core.sq.front() {
+            let SqStage::Done(st) = front.stage else { break };
+            if !st.is_success() || front.wr.flags.signaled {
+                out.push((
+                    true,
+                    WorkCompletion {
+                        wr_id: front.wr.wr_id,
+                        status: st,
+                        opcode: front.wr.opcode.completion_opcode(),
+                        byte_len: if front.wr.opcode.is_atomic() { 8 } else { front.wr.byte_len() as u32 },
+                        imm: None,
+                        qp_num: self.qpn,
+                        src_qp: 0,
+                    },
+                ));
+            }
+            core.sq.pop_front();
+            core.exec_next = core.exec_next.saturating_sub(1);
+        }
+    }
+
+    /// Requester side: learn which records the peer consumed, detect receiver-not-ready and a
+    /// dead peer, run what was waiting.
+    fn progress_outbound(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+        if core.in_ring > 0 {
+            let Some(r) = &core.remote else { return };
+            if let Some(target) = r.local.as_ref().and_then(std::sync::Weak::upgrade) {
+                // Same process: do the responder's work now rather than wait for its thread.
+                target.drive_inbound();
+            }
+            let consumed = r.seg().consumer().consumed.load(Ordering::Acquire);
+            core.cached_consumed = consumed;
+            core.reaped = consumed;
+            let ring = r.ring();
+            let mut error = None;
+            for e in core.sq.iter_mut() {
+                let SqStage::InRing { start, end, off } = e.stage else {
+                    if matches!(e.stage, SqStage::Waiting) {
+                        break;
+                    }
+                    continue;
+                };
+                if end > consumed {
+                    // Not consumed: receiver-not-ready if it heads the ring and no receive waits.
+                    if start == consumed && ring.status(off).load(Ordering::Acquire) == status::PENDING {
+                        let rq = r.peer.ctrl().rq(r.info.rq_slot as usize).expect("validated at connect");
+                        let empty = rq.posted.load(Ordering::Acquire) <= rq.consumed.load(Ordering::Acquire);
+                        if empty {
+                            let timer = rnr_timer_duration(r.seg().header().min_rnr_timer.load(Ordering::Relaxed) as u8);
+                            let now = Instant::now();
+                            let t = core.rnr.get_or_insert(RnrTrack { start, naks: 0, last: now });
+                            if t.start != start {
+                                *t = RnrTrack { start, naks: 0, last: now };
+                            }
+                            if now.duration_since(t.last) >= timer {
+                                t.naks += 1;
+                                t.last = now;
+                            }
+                            if core.rts.rnr_retry != 7
+                                && t.naks > core.rts.rnr_retry as u32
+                                && ring.status(off)
+                                    .compare_exchange(status::PENDING, status::CANCELLED, Ordering::AcqRel, Ordering::Acquire)
+                                    .is_ok()
+                            {
+                                e.stage = SqStage::Done(WcStatus::RnrRetryExcErr);
+                                error = Some(());
+                            }
+                        }
+                    }
+                    break;
+                }
+                let st = status_of(ring.status(off).load(Ordering::Acquire));
+                e.stage = SqStage::Done(st);
+                core.in_ring -= 1;
+                if !st.is_success() {
+                    error = Some(());
+                    break;
+                }
+            }
+            if error.is_some() {
+                self.enter_error(core, out);
+                self.retire(core, out);
+                return;
+            }
+        }
+        self.execute(core, out);
+        self.retire(core, out);
+    }
+
+    /// Responder side: consume records from our ring into posted receives.
+    fn progress_inbound(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+        if !matches!(core.state, QpState::ReadyToReceive | QpState::ReadyToSend) || core.inbound_dead {
+            return;
+        }
+        let ring = self.ring();
+        let mut consumed_any = false;
+        for _ in 0..64 {
+            let off = (core.cons_head % self.ring_bytes as u64) as usize;
+            // `off` is a record boundary: we only ever advance by validated record sizes.
+            let seq = ring.seq(off).load(Ordering::Acquire);
+            if seq != core.expect_seq {
+                break;
+            }
+            let fields = ring.read_fields(off);
+            let h = match RecordHeader::decode(&fields, off, self.ring_bytes) {
+                Ok(h) => h,
+                Err(e) => {
+                    log::error!("QP {}: malformed record from the peer: {e}; moving to error", self.qpn);
+                    self.enter_error(core, out);
+                    return;
+                }
+            };
+            // SAFETY: as above, the status word of this record.
+            let st = ring.status(off);
+            if h.kind == RecordKind::Pad {
+                core.cons_head += h.len as u64;
+                core.expect_seq = next_seq(core.expect_seq);
+                consumed_any = true;
+                continue;
+            }
+            let Some(recv) = self.take_receive(core) else { break }; // receiver not ready
+            match st.compare_exchange(status::PENDING, status::TAKEN, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {}
+                Err(status::CANCELLED) => {
+                    self.return_receive(core, recv);
+                    core.inbound_dead = true;
+                    break;
+                }
+                Err(other) => {
+                    self.return_receive(core, recv);
+                    log::error!("QP {}: record status {other} where a fresh record belongs; moving to error", self.qpn);
+                    self.enter_error(core, out);
+                    return;
+                }
+            }
+            // The decoder checked that the record lies inside the ring.
+            let payload = ring.payload(off, h.record_size());
+            let (result, keep_receive) = self.deliver_record(core, &h, payload, &recv);
+            let src_qp = core.remote.as_ref().map(|r| r.info.qpn).unwrap_or(0);
+            let imm = (h.flags & wire::FLAG_IMM != 0).then_some(h.imm);
+            let opcode = if matches!(h.kind, RecordKind::WriteImmInline | RecordKind::WriteImmNotify) {
+                WcOpcode::RecvRdmaWithImm
+            } else {
+                WcOpcode::Recv
+            };
+            let (code, local_status) = match result {
+                Ok(()) => (status::OK, WcStatus::Success),
+                Err(code) => (code, if code == status::REM_INV_REQ { WcStatus::LocLenErr } else { WcStatus::LocProtErr }),
+            };
+            st.store(code, Ordering::Release);
+            core.cons_head += h.record_size() as u64;
+            core.expect_seq = next_seq(core.expect_seq);
+            consumed_any = true;
+            if keep_receive {
+                self.return_receive(core, recv);
+                continue;
+            }
+            self.rq_counters().consumed.fetch_add(1, Ordering::Release);
+            out.push((false, self.recv_wc(recv.wr_id, local_status, opcode, h.len, imm, src_qp)));
+            if code != status::OK {
+                QpSeg(&self.seg).consumer().consumed.store(core.cons_head, Ordering::Release);
+                self.enter_error(core, out);
+                return;
+            }
+        }
+        if consumed_any {
+            QpSeg(&self.seg).consumer().consumed.store(core.cons_head, Ordering::Release);
+            if let Some(r) = &core.remote {
+                r.peer.ring_bell(r.info.send_cq_bell);
+            }
+        }
+    }
+
+    fn take_receive(&self, core: &mut QpCore) -> Option<RecvWr> {
+        match &self.srq {
+            Some(s) => s.queue.lock().expect("srq lock").pop_front(),
+            None => core.rq.pop_front(),
+        }
+    }
+
+    fn return_receive(&self, core: &mut QpCore, wr: RecvWr) {
+        match &self.srq {
+            Some(s) => s.queue.lock().expect("srq lock").push_front(wr),
+            None => core.rq.push_front(wr),
+        }
+    }
+
+    /// Carries out one claimed record. Returns the record status code (Err for failures) and
+    /// whether the receive goes back unused (the requester could not supply its data).
+    fn deliver_record(&self, core: &QpCore, h: &RecordHeader, payload: *const u8, recv: &RecvWr) -> (Result<(), u32>, bool) {
+        match h.kind {
+            RecordKind::SendInline => {
+                if h.len as u64 > recv.capacity() {
+                    return (Err(status::REM_INV_REQ), false);
+                }
+                (self.scatter(recv, h.len as usize, |dst, off, n| {
+                    // SAFETY: `off + n <= len` and the payload holds `len` bytes inside the ring.
+                    unsafe { local_copy(dst, payload.add(off), n) };
+                    Ok(())
+                }), false)
+            }
+            RecordKind::SendDescriptors => {
+                if h.len as u64 > recv.capacity() {
+                    return (Err(status::REM_INV_REQ), false);
+                }
+                let mut raw = [0u8; wire::MAX_DESC * wire::DESC_BYTES];
+                let n = h.payload_len();
+                // SAFETY: the payload holds `n` descriptor bytes inside the ring.
+                unsafe { std::ptr::copy_nonoverlapping(payload, raw.as_mut_ptr(), n) };
+                let descs = match wire::decode_descriptors(&raw[..n], h.len) {
+                    Ok(d) => d,
+                    Err(_) => return (Err(status::REM_INV_REQ), false),
+                };
+                let Some(r) = &core.remote else { return (Err(status::REM_OP), true) };
+                let res = self.pull_descriptors(r, &descs, recv);
+                match res {
+                    Ok(()) => (Ok(()), false),
+                    // The requester's own memory failed it: its local protection error; our
+                    // receive was not consumed.
+                    Err(_) => (Err(status::REM_OP), true),
+                }
+            }
+            RecordKind::WriteImmInline => {
+                let ok = core.access.contains(AccessFlags::REMOTE_WRITE)
+                    && self.ctx.local_keys().remote(h.rkey, h.raddr, h.len as u64, AccessFlags::REMOTE_WRITE, self.pd);
+                if !ok {
+                    return (Err(status::REM_ACCESS), false);
+                }
+                let placed = self.ctx.with_local(h.rkey, h.raddr, h.len as u64, AccessFlags::REMOTE_WRITE, self.pd, || {
+                    // SAFETY: the destination is a live registration with remote write (checked under
+                    // the table lock); the payload holds `len` bytes inside the ring.
+                    unsafe { local_copy(h.raddr as usize as *mut u8, payload, h.len as usize) }
+                });
+                (placed.ok_or(status::REM_ACCESS), false)
+            }
+            RecordKind::WriteImmNotify => (Ok(()), false),
+            RecordKind::Pad => (Ok(()), true),
+        }
+    }
+
+    /// Copies the requester's descriptors into our receive SGEs, one copy.
+    fn pull_descriptors(&self, r: &Remote, descs: &[Descriptor], recv: &RecvWr) -> Result<(), u32> {
+        let total: usize = descs.iter().map(|d| d.len as usize).sum();
+        // Walk source and destination lists together.
+        let mut si = 0usize;
+        let mut s_off = 0usize;
+        let mut accesses = Vec::with_capacity(descs.len());
+        for d in descs {
+            let a = r.peer.access(d.key, d.addr, d.len as u64, AccessFlags::NONE, r.info.pd).map_err(|_| status::REM_OP)?;
+            accesses.push(a);
+        }
+        self.scatter(recv, total, |dst, _off, mut n| {
+            let mut dst = dst;
+            while n > 0 {
+                let a = &accesses[si];
+                let take = (a.len() - s_off).min(n);
+                // SAFETY: `dst` is inside a checked receive SGE with room for `n` bytes.
+                unsafe { a.read_into(s_off, dst, take) }.map_err(|_| status::REM_OP)?;
+                // SAFETY: advancing within the same checked SGE.
+                dst = unsafe { dst.add(take) };
+                n -= take;
+                s_off += take;
+                if s_off == a.len() {
+                    si += 1;
+                    s_off = 0;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Scatters `len` bytes into a receive's SGEs: `copy(dst, message_offset, n)` fills each piece.
+    fn scatter(&self, recv: &RecvWr, len: usize, mut copy: impl FnMut(*mut u8, usize, usize) -> Result<(), u32>) -> Result<(), u32> {
+        let keys = self.ctx.local_keys();
+        let mut off = 0usize;
+        for s in &recv.sg_list {
+            if off == len {
+                break;
+            }
+            let n = (s.length as usize).min(len - off);
+            if !keys.check(s.lkey, s.addr, n as u64, AccessFlags::LOCAL_WRITE, self.pd) {
+                return Err(status::REM_OP);
+            }
+            copy(s.addr as usize as *mut u8, off, n)?;
+            off += n;
+        }
+        Ok(())
+    }
+
+    /// Checks peer liveness and the peer QP's state; fails the connection if it is gone.
+    fn check_peer(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+        let Some(r) = &core.remote else { return };
+        let peer_state = r.seg().header().state.load(Ordering::Acquire);
+        let peer_qp_gone = peer_state == qp_state_code(QpState::Error) || peer_state == QP_DESTROYED;
+        let outstanding = core.sq.iter().any(|e| !matches!(e.stage, SqStage::Done(_)));
+        // A dead process fails the connection at once. A live peer whose QP broke is noticed
+        // only by a request that needs it, as a real responder would (transport retries run out).
+        let gone = !r.peer.alive() || (peer_qp_gone && outstanding);
+        if gone && core.state != QpState::Error {
+            log::debug!("QP {}: peer QP {} is gone; moving to error", self.qpn, r.info.qpn);
+            // The oldest outstanding request timed out; the rest are flushed.
+            if let Some(e) = core.sq.iter_mut().find(|e| !matches!(e.stage, SqStage::Done(_))) {
+                e.stage = SqStage::Done(WcStatus::RetryExcErr);
+            }
+            self.enter_error(core, out);
+        }
+    }
+
+    /// One progress pass for the queue `cq` (send side, receive side, or both).
+    pub(crate) fn progress(&self, cq: &CqInner) {
+        let Ok(mut core) = self.core.try_lock() else { return }; // another thread is on it
+        let mut out = Vec::new();
+        if cq.overrun() && core.state != QpState::Error {
+            self.enter_error(&mut core, &mut out);
+        }
+        if std::ptr::eq(cq, &*self.recv_cq) {
+            self.progress_inbound(&mut core, &mut out);
+        }
+        if std::ptr::eq(cq, &*self.send_cq) {
+            self.progress_outbound(&mut core, &mut out);
+        }
+        if out.is_empty() && core.remote.is_some() && core.state != QpState::Error {
+            core.idle_polls += 1;
+            if core.idle_polls >= 32 {
+                core.idle_polls = 0;
+                let now = Instant::now();
+                if now.duration_since(core.last_liveness) >= LIVENESS_EVERY {
+                    core.last_liveness = now;
+                    self.check_peer(&mut core, &mut out);
+                }
+            }
+        }
+        drop(core);
+        self.deliver(out);
+    }
+
+    /// Runs the responder side if no other thread is on this queue pair.
+    fn drive_inbound(&self) {
+        let Ok(mut core) = self.core.try_lock() else { return };
+        let mut out = Vec::new();
+        self.progress_inbound(&mut core, &mut out);
+        drop(core);
+        self.deliver(out);
+    }
+
+    /// True if a progress pass for `cq` would find something to do.
+    pub(crate) fn work_pending(&self, cq: &CqInner) -> bool {
+        let Ok(core) = self.core.lock() else { return true };
+        if std::ptr::eq(cq, &*self.recv_cq) && !core.inbound_dead {
+            let off = (core.cons_head % self.ring_bytes as u64) as usize;
+            if self.ring().seq(off).load(Ordering::Acquire) == core.expect_seq {
+                return true;
+            }
+        }
+        if std::ptr::eq(cq, &*self.send_cq) && core.in_ring > 0 {
+            if let Some(r) = &core.remote {
+                if r.seg().consumer().consumed.load(Ordering::Acquire) != core.reaped {
+                    return true;
+                }
+            }
+        }
+        if let Some(r) = &core.remote {
+            if !r.peer.alive() && core.state != QpState::Error {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Checks the peer now (after a sleep, when its death may be what woke us).
+    pub(crate) fn check_peer_now(&self) {
+        let Ok(mut core) = self.core.lock() else { return };
+        let mut out = Vec::new();
+        core.last_liveness = Instant::now();
+        self.check_peer(&mut core, &mut out);
+        drop(core);
+        self.deliver(out);
+    }
+
+    /// Marks the QP destroyed for its peer and detaches it from its queues.
+    pub fn destroy(&self) {
+        let mut core = self.core.lock().expect("qp lock");
+        self.header().state.store(QP_DESTROYED, Ordering::Release);
+        if let Some(r) = core.remote.take() {
+            self.send_cq.unwatch(r.peer.pidfd());
+            self.recv_cq.unwatch(r.peer.pidfd());
+        }
+        core.state = QpState::Error;
+        self.send_cq.detach(self);
+        self.recv_cq.detach(self);
+    }
+}
+
+impl Drop for QpInner {
+    fn drop(&mut self) {
+        local_qps().lock().expect("local qp registry").remove(&(self.ctx.id, self.qpn));
+        if self.srq.is_none() {
+            self.ctx.rq_slots.lock().expect("slot lock").give(self.rq_slot);
+        }
+    }
+}
+
+/// A ring mapped in this process, with bounds-checked access to its record words.
+#[derive(Clone, Copy)]
+struct RingView {
+    base: *mut u8,
+    bytes: usize,
+}
+
+impl RingView {
+    fn word(&self, off: usize, word: usize) -> &AtomicU32 {
+        assert!(off % wire::RECORD_ALIGN == 0 && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
+        // SAFETY: in bounds (checked above) of a mapping that outlives the view's users, 4-byte
+        // aligned (the ring is page-aligned plus a 64-byte multiple); AtomicU32 accepts any bits.
+        unsafe { &*(self.base.add(off + 4 * word) as *const AtomicU32) }
+    }
+    /// The publish word of the record at `off`.
+    fn seq(&self, off: usize) -> &AtomicU32 {
+        self.word(off, 0)
+    }
+    /// The status word of the record at `off`.
+    fn status(&self, off: usize) -> &AtomicU32 {
+        self.word(off, 1)
+    }
+    /// Writes the decoded fields of a header (bytes 8..32 of a record).
+    fn write_fields(&self, off: usize, h: &RecordHeader) {
+        assert!(off % wire::RECORD_ALIGN == 0 && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
+        let b = h.encode();
+        // SAFETY: 24 bytes at off+8 are inside the ring (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.base.add(off + 8), FIELDS_BYTES) };
+    }
+    /// Copies the decoded fields of the header at `off`.
+    fn read_fields(&self, off: usize) -> [u8; FIELDS_BYTES] {
+        assert!(off % wire::RECORD_ALIGN == 0 && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
+        let mut b = [0u8; FIELDS_BYTES];
+        // SAFETY: as in `write_fields`.
+        unsafe { std::ptr::copy_nonoverlapping(self.base.add(off + 8), b.as_mut_ptr(), FIELDS_BYTES) };
+        b
+    }
+    /// Pointer to the payload of a record of `size` bytes at `off`.
+    fn payload(&self, off: usize, size: usize) -> *mut u8 {
+        assert!(off + size <= self.bytes && size >= HEADER_BYTES, "record outside the ring");
+        self.base.wrapping_add(off + HEADER_BYTES)
+    }
+}

@@ -1,0 +1,255 @@
+//! The Linux calls the software provider is built on, each wrapped once with its error handling:
+//! memfd segments, eventfd doorbells, epoll, pidfd (liveness and descriptor fetching), and copies
+//! into and out of another process (cross-memory attach, with `/proc/PID/mem` as the fallback that
+//! reaches memory-protected pages the way a NIC's DMA does).
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::time::Duration;
+
+use crate::error::{Result, VerbsError};
+
+/// Creates an anonymous shared-memory file of `len` bytes. It never appears in `/dev/shm`, so a
+/// killed process leaves nothing behind; peers reach it through `pidfd_getfd`.
+pub fn memfd(name: &str, len: usize) -> Result<File> {
+    let cname = std::ffi::CString::new(name).map_err(|_| VerbsError::invalid("segment name has a NUL"))?;
+    // SAFETY: `cname` is a valid NUL-terminated string; the flags are valid for memfd_create.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(VerbsError::last_os("memfd_create"));
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len as u64).map_err(|e| VerbsError::os("sizing a shared segment", e))?;
+    Ok(file)
+}
+
+/// The descriptor name of a fetched descriptor, for checking that it is the memfd we expect.
+pub fn fd_target(fd: RawFd) -> io::Result<String> {
+    Ok(std::fs::read_link(format!("/proc/self/fd/{fd}"))?.to_string_lossy().into_owned())
+}
+
+/// A nonblocking, close-on-exec eventfd.
+pub fn eventfd() -> Result<OwnedFd> {
+    // SAFETY: plain syscall with valid flags.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(VerbsError::last_os("eventfd"));
+    }
+    // SAFETY: fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Adds one to an eventfd counter (wakes its pollers). Errors are ignored: the counter saturating
+/// (EAGAIN) still leaves it readable, which is all a wake-up needs.
+pub fn eventfd_signal(fd: RawFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a valid u64 to a descriptor we hold.
+    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+}
+
+/// Resets an eventfd counter to zero; returns whether it was nonzero.
+pub fn eventfd_drain(fd: RawFd) -> bool {
+    let mut v: u64 = 0;
+    // SAFETY: reads 8 bytes into a valid u64 from a nonblocking descriptor we hold.
+    let n = unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+    n == 8 && v != 0
+}
+
+/// An epoll instance.
+pub fn epoll_create() -> Result<OwnedFd> {
+    // SAFETY: plain syscall.
+    let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if fd < 0 {
+        return Err(VerbsError::last_os("epoll_create1"));
+    }
+    // SAFETY: fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Adds `fd` to `epfd` for readability; an fd already present is not an error.
+pub fn epoll_add(epfd: RawFd, fd: RawFd) -> Result<()> {
+    let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: fd as u64 };
+    // SAFETY: `ev` is a valid epoll_event; both descriptors are ours.
+    let r = unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) };
+    if r < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
+        return Err(VerbsError::last_os("epoll_ctl(ADD)"));
+    }
+    Ok(())
+}
+
+/// Removes `fd` from `epfd`, ignoring absence.
+pub fn epoll_del(epfd: RawFd, fd: RawFd) {
+    // SAFETY: both descriptors are ours; a null event is allowed for DEL.
+    unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+}
+
+/// Waits until `fd` is readable or `timeout` passes (None: for ever). Returns readability.
+pub fn wait_readable(fd: RawFd, timeout: Option<Duration>) -> Result<bool> {
+    let ms = match timeout {
+        None => -1,
+        Some(t) => t.as_millis().min(i32::MAX as u128) as i32,
+    };
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    loop {
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if r >= 0 {
+            return Ok(r > 0);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(VerbsError::os("poll", e));
+        }
+    }
+}
+
+/// A descriptor that refers to a process and becomes readable when it exits.
+pub fn pidfd_open(pid: u32) -> Result<OwnedFd> {
+    // SAFETY: plain syscall with integer arguments.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(VerbsError::last_os(format!("pidfd_open({pid})")));
+    }
+    // SAFETY: fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Duplicates descriptor `target_fd` of the process behind `pidfd` into this process.
+pub fn pidfd_getfd(pidfd: RawFd, target_fd: i32) -> Result<OwnedFd> {
+    // SAFETY: plain syscall with integer arguments.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, target_fd, 0) };
+    if fd < 0 {
+        return Err(VerbsError::last_os(format!("pidfd_getfd(fd {target_fd})")));
+    }
+    // SAFETY: fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// True while the process behind `pidfd` runs (a pidfd turns readable at exit).
+pub fn pidfd_alive(pidfd: &OwnedFd) -> bool {
+    !matches!(wait_readable(pidfd.as_raw_fd(), Some(Duration::ZERO)), Ok(true))
+}
+
+/// Start time of a process in clock ticks since boot (field 22 of `/proc/PID/stat`).
+pub fn process_start_time(pid: u32) -> Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_err(|e| VerbsError::os(format!("reading /proc/{pid}/stat"), e))?;
+    // The command name (field 2) may hold spaces and parentheses: parse after the last ')'.
+    let after = stat.rfind(')').map(|i| &stat[i + 1..]).unwrap_or("");
+    after
+        .split_whitespace()
+        .nth(19)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| VerbsError::Protocol(format!("unparsable /proc/{pid}/stat")))
+}
+
+/// Copies between this process and another one: cross-memory attach first (fast, one copy),
+/// `/proc/PID/mem` for what it refuses (pages the owner protected, which a NIC would still reach).
+pub struct RemoteMemory {
+    pid: libc::pid_t,
+    mem: File,
+}
+
+impl RemoteMemory {
+    /// Opens access to process `pid`'s memory.
+    pub fn open(pid: u32) -> Result<RemoteMemory> {
+        let mem = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/{pid}/mem"))
+            .map_err(|e| VerbsError::os(format!("opening /proc/{pid}/mem"), e))?;
+        Ok(RemoteMemory { pid: pid as libc::pid_t, mem })
+    }
+
+    /// Writes local `src` to `remote_addr` in the peer.
+    pub fn write(&self, remote_addr: u64, src: &[u8]) -> io::Result<()> {
+        let mut done = 0usize;
+        while done < src.len() {
+            let local = libc::iovec { iov_base: src[done..].as_ptr() as *mut _, iov_len: src.len() - done };
+            let remote = libc::iovec { iov_base: (remote_addr as usize + done) as *mut _, iov_len: src.len() - done };
+            // SAFETY: `local` describes readable memory of `src`; the remote range is validated by
+            // the kernel against the peer's address space (EFAULT if unmapped or not writable).
+            let n = unsafe { libc::process_vm_writev(self.pid, &local, 1, &remote, 1, 0) };
+            if n <= 0 {
+                // Refused (protected page, or an error): finish through /proc/PID/mem.
+                return self.mem.write_all_at(&src[done..], remote_addr + done as u64);
+            }
+            done += n as usize;
+        }
+        Ok(())
+    }
+
+    /// Reads `dst.len()` bytes at `remote_addr` in the peer into `dst`.
+    pub fn read(&self, remote_addr: u64, dst: &mut [u8]) -> io::Result<()> {
+        let mut done = 0usize;
+        while done < dst.len() {
+            let local = libc::iovec { iov_base: dst[done..].as_mut_ptr().cast(), iov_len: dst.len() - done };
+            let remote = libc::iovec { iov_base: (remote_addr as usize + done) as *mut _, iov_len: dst.len() - done };
+            // SAFETY: `local` describes writable memory of `dst`; the kernel validates the remote.
+            let n = unsafe { libc::process_vm_readv(self.pid, &local, 1, &remote, 1, 0) };
+            if n <= 0 {
+                return self.mem.read_exact_at(&mut dst[done..], remote_addr + done as u64);
+            }
+            done += n as usize;
+        }
+        Ok(())
+    }
+}
+
+/// Writes `src` into this process's own memory at `addr` through `/proc/self/mem`, which reaches
+/// pages protected against the process itself (the in-process stand-in for a NIC's DMA).
+pub fn write_self_mem(addr: u64, src: &[u8]) -> io::Result<()> {
+    thread_local! {
+        static SELF_MEM: Option<File> = std::fs::OpenOptions::new().read(true).write(true).open("/proc/self/mem").ok();
+    }
+    SELF_MEM.with(|f| match f {
+        Some(f) => f.write_all_at(src, addr),
+        None => Err(io::Error::other("cannot open /proc/self/mem")),
+    })
+}
+
+/// Reads from this process's own memory through `/proc/self/mem` (reaches read-protected pages).
+pub fn read_self_mem(addr: u64, dst: &mut [u8]) -> io::Result<()> {
+    let f = std::fs::OpenOptions::new().read(true).open("/proc/self/mem")?;
+    f.read_exact_at(dst, addr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_start_time_parses() {
+        let t = process_start_time(std::process::id()).unwrap();
+        assert!(t > 0);
+    }
+
+    #[test]
+    fn eventfd_signals_and_drains() {
+        let fd = eventfd().unwrap();
+        assert!(!eventfd_drain(fd.as_raw_fd()));
+        eventfd_signal(fd.as_raw_fd());
+        assert!(wait_readable(fd.as_raw_fd(), Some(Duration::ZERO)).unwrap());
+        assert!(eventfd_drain(fd.as_raw_fd()));
+        assert!(!wait_readable(fd.as_raw_fd(), Some(Duration::ZERO)).unwrap());
+    }
+
+    #[test]
+    fn self_mem_reaches_a_protected_page() {
+        let page = 4096;
+        // SAFETY: anonymous private mapping of one page, unmapped at the end of the test.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), page, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        write_self_mem(p as u64, b"dma").unwrap();
+        // SAFETY: the page is readable and 3 bytes were written.
+        let got = unsafe { std::slice::from_raw_parts(p as *const u8, 3) };
+        assert_eq!(got, b"dma");
+        // SAFETY: unmapping the page mapped above.
+        unsafe { libc::munmap(p, page) };
+    }
+}

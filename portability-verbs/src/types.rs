@@ -1,0 +1,443 @@
+//! Provider-independent verbs types: access flags, work requests, completions, QP attributes.
+
+use smallvec::SmallVec;
+use std::time::Duration;
+
+use crate::endpoint::EndpointInfo;
+
+/// Memory-region and queue-pair access rights (the verbs `IBV_ACCESS_*` flags).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct AccessFlags(u32);
+
+impl AccessFlags {
+    /// No rights beyond local read.
+    pub const NONE: AccessFlags = AccessFlags(0);
+    /// The provider may write into the region on behalf of local work requests (receives, READ
+    /// results, atomic results).
+    pub const LOCAL_WRITE: AccessFlags = AccessFlags(1);
+    /// Peers may RDMA-write the region.
+    pub const REMOTE_WRITE: AccessFlags = AccessFlags(2);
+    /// Peers may RDMA-read the region.
+    pub const REMOTE_READ: AccessFlags = AccessFlags(4);
+    /// Peers may run atomics on the region.
+    pub const REMOTE_ATOMIC: AccessFlags = AccessFlags(8);
+    /// Every right.
+    pub const ALL: AccessFlags = AccessFlags(15);
+
+    /// The raw bits (the same values as `IBV_ACCESS_*`).
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+    /// Builds flags from raw bits, dropping unknown ones.
+    pub const fn from_bits_truncate(bits: u32) -> Self {
+        AccessFlags(bits & 15)
+    }
+    /// True when every right of `other` is in `self`.
+    pub const fn contains(self, other: AccessFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl std::ops::BitOr for AccessFlags {
+    type Output = AccessFlags;
+    fn bitor(self, rhs: AccessFlags) -> AccessFlags {
+        AccessFlags(self.0 | rhs.0)
+    }
+}
+
+impl std::fmt::Debug for AccessFlags {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names = [(1, "LOCAL_WRITE"), (2, "REMOTE_WRITE"), (4, "REMOTE_READ"), (8, "REMOTE_ATOMIC")];
+        let set: Vec<&str> = names.iter().filter(|(b, _)| self.0 & b != 0).map(|(_, n)| *n).collect();
+        write!(f, "AccessFlags({})", if set.is_empty() { "NONE".to_string() } else { set.join("|") })
+    }
+}
+
+/// One scatter/gather element: `length` bytes at `addr`, inside the local region of `lkey`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Sge {
+    /// Virtual address in this process.
+    pub addr: u64,
+    /// Bytes.
+    pub length: u32,
+    /// Local key of the registered region holding the bytes.
+    pub lkey: u32,
+}
+
+/// A scatter/gather list; up to four elements live inline without allocation.
+pub type SgList = SmallVec<[Sge; 4]>;
+
+/// Operation of a send-queue work request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WrOpcode {
+    /// Two-sided send; consumes a receive at the peer.
+    Send,
+    /// Send carrying 32 bits of immediate data.
+    SendWithImm,
+    /// One-sided write into the peer's registered memory.
+    RdmaWrite,
+    /// One-sided write that also consumes a receive at the peer and delivers the immediate.
+    RdmaWriteWithImm,
+    /// One-sided read of the peer's registered memory.
+    RdmaRead,
+    /// 64-bit compare-and-swap on the peer; the old value lands in the local SGE.
+    AtomicCmpAndSwp,
+    /// 64-bit fetch-and-add on the peer; the old value lands in the local SGE.
+    AtomicFetchAndAdd,
+}
+
+impl WrOpcode {
+    /// The completion opcode of a request with this operation.
+    pub fn completion_opcode(self) -> WcOpcode {
+        match self {
+            WrOpcode::Send | WrOpcode::SendWithImm => WcOpcode::Send,
+            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => WcOpcode::RdmaWrite,
+            WrOpcode::RdmaRead => WcOpcode::RdmaRead,
+            WrOpcode::AtomicCmpAndSwp => WcOpcode::CompSwap,
+            WrOpcode::AtomicFetchAndAdd => WcOpcode::FetchAdd,
+        }
+    }
+    /// True for the operations that name remote memory (address and rkey).
+    pub fn is_one_sided(self) -> bool {
+        !matches!(self, WrOpcode::Send | WrOpcode::SendWithImm)
+    }
+    /// True for the two atomics.
+    pub fn is_atomic(self) -> bool {
+        matches!(self, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd)
+    }
+}
+
+/// Flags of a send work request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SendFlags {
+    /// Generate a completion on success (errors always complete).
+    pub signaled: bool,
+    /// Copy the gathered data at post time; the SGE memory need not be registered and may be
+    /// reused as soon as `post_send` returns.
+    pub inline: bool,
+    /// Wait for earlier RDMA reads and atomics to finish before this request runs.
+    pub fence: bool,
+}
+
+/// A send-queue work request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SendWr {
+    /// Caller's identifier, returned in the completion.
+    pub wr_id: u64,
+    /// What to do.
+    pub opcode: WrOpcode,
+    /// Local data (gathered for sends and writes, scattered for reads and atomic results).
+    pub sg_list: SgList,
+    /// Flags.
+    pub flags: SendFlags,
+    /// Immediate data (for the `*WithImm` opcodes).
+    pub imm: u32,
+    /// Remote virtual address (one-sided operations).
+    pub remote_addr: u64,
+    /// Remote key (one-sided operations).
+    pub rkey: u32,
+    /// Compare value (CAS) or addend (FAA).
+    pub compare_add: u64,
+    /// Swap value (CAS).
+    pub swap: u64,
+}
+
+impl SendWr {
+    fn new(wr_id: u64, opcode: WrOpcode, sg_list: &[Sge]) -> Self {
+        SendWr {
+            wr_id,
+            opcode,
+            sg_list: SgList::from_slice(sg_list),
+            flags: SendFlags { signaled: true, ..SendFlags::default() },
+            imm: 0,
+            remote_addr: 0,
+            rkey: 0,
+            compare_add: 0,
+            swap: 0,
+        }
+    }
+    /// A signaled SEND.
+    pub fn send(wr_id: u64, sg_list: &[Sge]) -> Self {
+        Self::new(wr_id, WrOpcode::Send, sg_list)
+    }
+    /// A signaled SEND_WITH_IMM.
+    pub fn send_with_imm(wr_id: u64, sg_list: &[Sge], imm: u32) -> Self {
+        SendWr { imm, ..Self::new(wr_id, WrOpcode::SendWithImm, sg_list) }
+    }
+    /// A signaled RDMA_WRITE to `remote_addr` in the peer region of `rkey`.
+    pub fn write(wr_id: u64, sg_list: &[Sge], remote_addr: u64, rkey: u32) -> Self {
+        SendWr { remote_addr, rkey, ..Self::new(wr_id, WrOpcode::RdmaWrite, sg_list) }
+    }
+    /// A signaled RDMA_WRITE_WITH_IMM.
+    pub fn write_with_imm(wr_id: u64, sg_list: &[Sge], remote_addr: u64, rkey: u32, imm: u32) -> Self {
+        SendWr { remote_addr, rkey, imm, ..Self::new(wr_id, WrOpcode::RdmaWriteWithImm, sg_list) }
+    }
+    /// A signaled RDMA_READ from `remote_addr` into the local SGEs.
+    pub fn read(wr_id: u64, sg_list: &[Sge], remote_addr: u64, rkey: u32) -> Self {
+        SendWr { remote_addr, rkey, ..Self::new(wr_id, WrOpcode::RdmaRead, sg_list) }
+    }
+    /// A signaled compare-and-swap; the 8-byte old value lands in `result`.
+    pub fn compare_and_swap(wr_id: u64, result: Sge, remote_addr: u64, rkey: u32, compare: u64, swap: u64) -> Self {
+        SendWr { remote_addr, rkey, compare_add: compare, swap, ..Self::new(wr_id, WrOpcode::AtomicCmpAndSwp, &[result]) }
+    }
+    /// A signaled fetch-and-add; the 8-byte old value lands in `result`.
+    pub fn fetch_and_add(wr_id: u64, result: Sge, remote_addr: u64, rkey: u32, add: u64) -> Self {
+        SendWr { remote_addr, rkey, compare_add: add, ..Self::new(wr_id, WrOpcode::AtomicFetchAndAdd, &[result]) }
+    }
+    /// Sets whether a successful completion is generated.
+    pub fn signaled(mut self, signaled: bool) -> Self {
+        self.flags.signaled = signaled;
+        self
+    }
+    /// Sets inline sending (data copied at post time).
+    pub fn inline(mut self, inline: bool) -> Self {
+        self.flags.inline = inline;
+        self
+    }
+    /// Sets the fence flag.
+    pub fn fence(mut self, fence: bool) -> Self {
+        self.flags.fence = fence;
+        self
+    }
+    /// Total bytes named by the SGE list.
+    pub fn byte_len(&self) -> u64 {
+        self.sg_list.iter().map(|s| s.length as u64).sum()
+    }
+}
+
+/// A receive-queue work request: where an incoming SEND's data is scattered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecvWr {
+    /// Caller's identifier, returned in the completion.
+    pub wr_id: u64,
+    /// Where to scatter the data.
+    pub sg_list: SgList,
+}
+
+impl RecvWr {
+    /// A receive into the given SGEs.
+    pub fn new(wr_id: u64, sg_list: &[Sge]) -> Self {
+        RecvWr { wr_id, sg_list: SgList::from_slice(sg_list) }
+    }
+    /// Total capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.sg_list.iter().map(|s| s.length as u64).sum()
+    }
+}
+
+/// Status of a completion (the verbs `IBV_WC_*` statuses this layer produces).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WcStatus {
+    /// Done.
+    Success,
+    /// A receive buffer was too small for the incoming message.
+    LocLenErr,
+    /// Internal QP consistency error (for example a request too large for the queue pair).
+    LocQpOpErr,
+    /// A local SGE did not match a registered region with the needed rights.
+    LocProtErr,
+    /// The QP was in (or entered) the error state before this request ran.
+    WrFlushErr,
+    /// The responder found the request invalid (for example its receive buffer was too small).
+    RemInvReqErr,
+    /// The remote key, bounds, alignment or rights did not allow the access.
+    RemAccessErr,
+    /// The responder failed the operation.
+    RemOpErr,
+    /// The peer did not answer within the transport retries (it died or its QP is gone).
+    RetryExcErr,
+    /// The peer had no receive posted through every receiver-not-ready retry.
+    RnrRetryExcErr,
+    /// Anything else.
+    GeneralErr,
+}
+
+impl WcStatus {
+    /// True for [`WcStatus::Success`].
+    pub fn is_success(self) -> bool {
+        self == WcStatus::Success
+    }
+}
+
+/// What a completion completes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WcOpcode {
+    /// A SEND or SEND_WITH_IMM.
+    Send,
+    /// An RDMA_WRITE or RDMA_WRITE_WITH_IMM.
+    RdmaWrite,
+    /// An RDMA_READ.
+    RdmaRead,
+    /// A compare-and-swap.
+    CompSwap,
+    /// A fetch-and-add.
+    FetchAdd,
+    /// A receive consumed by a SEND.
+    Recv,
+    /// A receive consumed by an RDMA_WRITE_WITH_IMM.
+    RecvRdmaWithImm,
+}
+
+/// One work completion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The request's `wr_id`.
+    pub wr_id: u64,
+    /// Outcome.
+    pub status: WcStatus,
+    /// What completed. For flushed receives this is [`WcOpcode::Recv`].
+    pub opcode: WcOpcode,
+    /// Bytes transferred (receives: bytes of the incoming message).
+    pub byte_len: u32,
+    /// Immediate data, when the message carried one.
+    pub imm: Option<u32>,
+    /// Local QP number.
+    pub qp_num: u32,
+    /// The sending QP's number (receives).
+    pub src_qp: u32,
+}
+
+impl WorkCompletion {
+    /// An all-zero completion, for sizing poll buffers.
+    pub const EMPTY: WorkCompletion = WorkCompletion {
+        wr_id: 0,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        qp_num: 0,
+        src_qp: 0,
+    };
+}
+
+/// Queue-pair states of the verbs state machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QpState {
+    /// Just created or reset; nothing may be posted.
+    Reset,
+    /// Receives may be posted; nothing is processed.
+    Init,
+    /// Ready to receive: incoming messages are processed.
+    ReadyToReceive,
+    /// Ready to send: sends may be posted.
+    ReadyToSend,
+    /// Broken: every request completes with a flush error.
+    Error,
+}
+
+/// Sizes of a queue pair's queues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpCaps {
+    /// Outstanding send requests at most.
+    pub max_send_wr: u32,
+    /// Outstanding receive requests at most (ignored with a shared receive queue).
+    pub max_recv_wr: u32,
+    /// SGEs per send request at most.
+    pub max_send_sge: u32,
+    /// SGEs per receive request at most.
+    pub max_recv_sge: u32,
+    /// Inline bytes per send at most.
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        QpCaps { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 256 }
+    }
+}
+
+/// Attributes for the move to ready-to-receive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RtrAttr {
+    /// The peer queue pair, as its [`crate::QueuePair::endpoint`] reported it.
+    pub remote: EndpointInfo,
+    /// Receiver-not-ready timer as the 5-bit InfiniBand code (see [`rnr_timer_duration`]).
+    pub min_rnr_timer: u8,
+    /// Outstanding RDMA reads and atomics the peer may target at us.
+    pub max_dest_rd_atomic: u8,
+}
+
+impl RtrAttr {
+    /// Defaults for a given peer: a 0.64 ms receiver-not-ready timer, 16 reads in flight.
+    pub fn new(remote: EndpointInfo) -> Self {
+        RtrAttr { remote, min_rnr_timer: 12, max_dest_rd_atomic: 16 }
+    }
+}
+
+/// Attributes for the move to ready-to-send.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RtsAttr {
+    /// Transport timeout as the 5-bit InfiniBand exponent (4.096 us << timeout).
+    pub timeout: u8,
+    /// Transport retries (0..=7).
+    pub retry_cnt: u8,
+    /// Receiver-not-ready retries (0..=7; 7 means retry for ever).
+    pub rnr_retry: u8,
+    /// Outstanding RDMA reads and atomics we may issue.
+    pub max_rd_atomic: u8,
+}
+
+impl Default for RtsAttr {
+    fn default() -> Self {
+        RtsAttr { timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 16 }
+    }
+}
+
+/// A queue-pair state transition (the subset of `ibv_modify_qp` a reliable-connected QP uses).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QpTransition {
+    /// Reset → Init, with the rights peers get on this QP.
+    Init {
+        /// Which remote operations the QP accepts.
+        access: AccessFlags,
+        /// Physical port (1-based; the software provider has one port).
+        port: u8,
+    },
+    /// Init → ready-to-receive, connecting to the peer.
+    Rtr(RtrAttr),
+    /// Ready-to-receive → ready-to-send.
+    Rts(RtsAttr),
+    /// Any state → error (flushes everything outstanding).
+    Error,
+    /// Any state → reset (drops everything outstanding without completions, as verbs does).
+    Reset,
+}
+
+/// Duration of the InfiniBand receiver-not-ready timer code (0 means 655.36 ms).
+pub fn rnr_timer_duration(code: u8) -> Duration {
+    const MICROS: [u32; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560, 3_840, 5_120, 7_680,
+        10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840, 245_760, 327_680, 491_520,
+    ];
+    Duration::from_micros(MICROS[(code & 31) as usize] as u64)
+}
+
+/// Duration of the InfiniBand local ACK timeout exponent (0 means infinite).
+pub fn transport_timeout_duration(exponent: u8) -> Option<Duration> {
+    if exponent == 0 {
+        None
+    } else {
+        Some(Duration::from_nanos(4096u64 << (exponent.min(31) as u64)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_flags_compose_and_check() {
+        let a = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
+        assert!(a.contains(AccessFlags::REMOTE_READ));
+        assert!(!a.contains(AccessFlags::REMOTE_WRITE));
+        assert_eq!(format!("{a:?}"), "AccessFlags(LOCAL_WRITE|REMOTE_READ)");
+    }
+
+    #[test]
+    fn timer_codes_follow_the_infiniband_table() {
+        assert_eq!(rnr_timer_duration(1), Duration::from_micros(10));
+        assert_eq!(rnr_timer_duration(0), Duration::from_micros(655_360));
+        assert_eq!(transport_timeout_duration(14), Some(Duration::from_nanos(4096 << 14)));
+        assert_eq!(transport_timeout_duration(0), None);
+    }
+}

@@ -1,0 +1,531 @@
+//! The provider-independent verbs objects: device context, protection domain, memory region,
+//! completion queue, queue pair and shared receive queue. Each dispatches to the provider it
+//! was created on; objects of different providers or contexts cannot be mixed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::endpoint::EndpointInfo;
+use crate::error::{Result, VerbsError};
+#[cfg(feature = "hardware")]
+use crate::hw;
+use crate::soft::{self, CqInner, CtxInner, QpInner, SoftBacking, SoftConfig, SoftMr, SrqInner};
+use crate::types::*;
+
+/// Which provider runs the verbs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Provider {
+    /// The software provider (any Linux host; threads and processes of one host).
+    Software,
+    /// rdma-core's libibverbs on real hardware (cargo feature `hardware`).
+    Hardware,
+}
+
+impl std::str::FromStr for Provider {
+    type Err = VerbsError;
+    fn from_str(s: &str) -> Result<Provider> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "soft" | "software" | "sw" => Ok(Provider::Software),
+            "hw" | "hardware" | "ibverbs" => Ok(Provider::Hardware),
+            other => Err(VerbsError::invalid(format!("unknown provider {other:?} (software or hardware)"))),
+        }
+    }
+}
+
+/// A device that can be opened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Device name (`soft0` for the software provider, the HCA name otherwise).
+    pub name: String,
+    /// Provider behind it.
+    pub provider: Provider,
+}
+
+/// Lists the devices of every provider compiled in. The software device is always there.
+pub fn devices() -> Vec<DeviceInfo> {
+    #[allow(unused_mut)]
+    let mut v = vec![DeviceInfo { name: "soft0".into(), provider: Provider::Software }];
+    #[cfg(feature = "hardware")]
+    v.extend(hw::device_names().into_iter().map(|name| DeviceInfo { name, provider: Provider::Hardware }));
+    v
+}
+
+#[derive(Clone)]
+enum CtxImpl {
+    Soft(Arc<CtxInner>),
+    #[cfg(feature = "hardware")]
+    Hw(Arc<hw::HwContext>),
+}
+
+/// An open device.
+#[derive(Clone)]
+pub struct Context(CtxImpl);
+
+impl Context {
+    /// Opens the provider named by `PV_PROVIDER` (default: software).
+    pub fn open_default() -> Result<Context> {
+        let p = match std::env::var("PV_PROVIDER") {
+            Ok(v) if !v.trim().is_empty() => v.parse()?,
+            _ => Provider::Software,
+        };
+        Self::open(p)
+    }
+
+    /// Opens the first device of `provider`.
+    pub fn open(provider: Provider) -> Result<Context> {
+        match provider {
+            Provider::Software => Self::open_soft(SoftConfig::from_env()),
+            #[cfg(feature = "hardware")]
+            Provider::Hardware => Ok(Context(CtxImpl::Hw(Arc::new(hw::HwContext::open(None)?)))),
+            #[cfg(not(feature = "hardware"))]
+            Provider::Hardware => Err(VerbsError::NoDevice(
+                "the hardware provider is not compiled in: build with `--features portability-verbs/hardware`".into(),
+            )),
+        }
+    }
+
+    /// Opens the software device with explicit tunables.
+    pub fn open_soft(config: SoftConfig) -> Result<Context> {
+        Ok(Context(CtxImpl::Soft(CtxInner::open(config)?)))
+    }
+
+    /// The provider of this context.
+    pub fn provider(&self) -> Provider {
+        match &self.0 {
+            CtxImpl::Soft(_) => Provider::Software,
+            #[cfg(feature = "hardware")]
+            CtxImpl::Hw(_) => Provider::Hardware,
+        }
+    }
+
+    /// Allocates a protection domain.
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        Ok(ProtectionDomain(match &self.0 {
+            CtxImpl::Soft(c) => PdImpl::Soft(c.clone(), c.next_pd.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
+            #[cfg(feature = "hardware")]
+            CtxImpl::Hw(c) => PdImpl::Hw(Arc::new(hw::HwPd::new(c)?)),
+        }))
+    }
+
+    /// Creates a completion queue holding up to `capacity` completions.
+    pub fn create_cq(&self, capacity: usize) -> Result<CompletionQueue> {
+        Ok(CompletionQueue(match &self.0 {
+            CtxImpl::Soft(c) => CqImpl::Soft(CqInner::new(c, capacity)?),
+            #[cfg(feature = "hardware")]
+            CtxImpl::Hw(c) => CqImpl::Hw(Arc::new(hw::HwCq::new(c, capacity)?)),
+        }))
+    }
+}
+
+#[derive(Clone)]
+enum PdImpl {
+    Soft(Arc<CtxInner>, u32),
+    #[cfg(feature = "hardware")]
+    Hw(Arc<hw::HwPd>),
+}
+
+/// A protection domain: memory regions and queue pairs of one domain may be used together.
+#[derive(Clone)]
+pub struct ProtectionDomain(PdImpl);
+
+/// What a queue pair is created with.
+pub struct QpInit<'a> {
+    /// Queue for send-side completions.
+    pub send_cq: &'a CompletionQueue,
+    /// Queue for receive-side completions.
+    pub recv_cq: &'a CompletionQueue,
+    /// Shared receive queue, if receives come from one.
+    pub srq: Option<&'a SharedReceiveQueue>,
+    /// Queue sizes.
+    pub caps: QpCaps,
+}
+
+impl<'a> QpInit<'a> {
+    /// One queue for both sides, default sizes, no SRQ.
+    pub fn new(cq: &'a CompletionQueue) -> Self {
+        QpInit { send_cq: cq, recv_cq: cq, srq: None, caps: QpCaps::default() }
+    }
+}
+
+fn mismatch(what: &str) -> VerbsError {
+    VerbsError::ProviderMismatch(what.into())
+}
+
+impl ProtectionDomain {
+    /// Registers an owned buffer; the region keeps it alive and frees it when dropped.
+    pub fn register(&self, buf: Box<[u8]>, access: AccessFlags) -> Result<MemoryRegion> {
+        let addr = buf.as_ptr() as u64;
+        let len = buf.len();
+        match &self.0 {
+            PdImpl::Soft(c, pd) => {
+                Ok(MemoryRegion(MrImpl::Soft(SoftMr::register(c, *pd, addr, len, access, SoftBacking::Owned(buf))?)))
+            }
+            #[cfg(feature = "hardware")]
+            PdImpl::Hw(p) => Ok(MemoryRegion(MrImpl::Hw(hw::HwMr::register(p, buf, access)?))),
+        }
+    }
+
+    /// Registers caller-owned memory.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must stay mapped for as long as the region lives, and the caller must
+    /// accept that peers granted remote access write into it at any time (as with real verbs).
+    pub unsafe fn register_raw(&self, addr: *mut u8, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        match &self.0 {
+            PdImpl::Soft(c, pd) => {
+                Ok(MemoryRegion(MrImpl::Soft(SoftMr::register(c, *pd, addr as u64, len, access, SoftBacking::Borrowed)?)))
+            }
+            #[cfg(feature = "hardware")]
+            // SAFETY: forwarded contract.
+            PdImpl::Hw(p) => Ok(MemoryRegion(MrImpl::Hw(unsafe { hw::HwMr::register_raw(p, addr, len, access)? }))),
+        }
+    }
+
+    /// Allocates and registers `len` zeroed bytes of provider memory. On the software provider
+    /// this is a shared segment that peers on the host reach with plain loads and stores (the
+    /// fastest RDMA target).
+    pub fn alloc(&self, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        match &self.0 {
+            PdImpl::Soft(c, pd) => Ok(MemoryRegion(MrImpl::Soft(SoftMr::alloc(c, *pd, len, access)?))),
+            #[cfg(feature = "hardware")]
+            PdImpl::Hw(_) => self.register(vec![0u8; len].into_boxed_slice(), access),
+        }
+    }
+
+    /// Creates a reliable-connected queue pair (in RESET).
+    pub fn create_qp(&self, init: &QpInit<'_>) -> Result<QueuePair> {
+        match (&self.0, &init.send_cq.0, &init.recv_cq.0) {
+            (PdImpl::Soft(c, pd), CqImpl::Soft(s), CqImpl::Soft(r)) => {
+                if !Arc::ptr_eq(&s.ctx, c) || !Arc::ptr_eq(&r.ctx, c) {
+                    return Err(mismatch("completion queue of another context"));
+                }
+                let srq = match init.srq.map(|s| &s.0) {
+                    None => None,
+                    Some(SrqImpl::Soft(s)) if Arc::ptr_eq(&s.ctx, c) => Some(s),
+                    #[allow(unreachable_patterns)]
+                    Some(_) => return Err(mismatch("shared receive queue of another context")),
+                };
+                Ok(QueuePair(Arc::new(QpHandle(QpImpl::Soft(QpInner::new(c, *pd, s, r, srq, init.caps)?)))))
+            }
+            #[cfg(feature = "hardware")]
+            (PdImpl::Hw(p), CqImpl::Hw(s), CqImpl::Hw(r)) => {
+                let srq = match init.srq.map(|s| &s.0) {
+                    None => None,
+                    Some(SrqImpl::Hw(s)) => Some(s.clone()),
+                    Some(_) => return Err(mismatch("shared receive queue of another provider")),
+                };
+                Ok(QueuePair(Arc::new(QpHandle(QpImpl::Hw(hw::HwQp::new(p, s, r, srq, init.caps)?)))))
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(mismatch("completion queue of another provider")),
+        }
+    }
+
+    /// Creates a shared receive queue.
+    pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<SharedReceiveQueue> {
+        Ok(SharedReceiveQueue(match &self.0 {
+            PdImpl::Soft(c, pd) => SrqImpl::Soft(SrqInner::new(c, *pd, max_wr, max_sge)?),
+            #[cfg(feature = "hardware")]
+            PdImpl::Hw(p) => SrqImpl::Hw(Arc::new(hw::HwSrq::new(p, max_wr, max_sge)?)),
+        }))
+    }
+}
+
+enum MrImpl {
+    Soft(SoftMr),
+    #[cfg(feature = "hardware")]
+    Hw(hw::HwMr),
+}
+
+/// Registered memory: local accesses name it by `lkey`, peers by `rkey`. Deregistered on drop
+/// (after any peer access in progress has finished).
+pub struct MemoryRegion(MrImpl);
+
+impl MemoryRegion {
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        match &self.0 {
+            MrImpl::Soft(m) => m.addr,
+            #[cfg(feature = "hardware")]
+            MrImpl::Hw(m) => m.addr(),
+        }
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            MrImpl::Soft(m) => m.len,
+            #[cfg(feature = "hardware")]
+            MrImpl::Hw(m) => m.len(),
+        }
+    }
+    /// True for an empty region.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        match &self.0 {
+            MrImpl::Soft(m) => m.key,
+            #[cfg(feature = "hardware")]
+            MrImpl::Hw(m) => m.lkey(),
+        }
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        match &self.0 {
+            MrImpl::Soft(m) => m.key,
+            #[cfg(feature = "hardware")]
+            MrImpl::Hw(m) => m.rkey(),
+        }
+    }
+    /// True when peers on this host reach it with plain loads and stores (provider segment).
+    pub fn is_shared_segment(&self) -> bool {
+        match &self.0 {
+            MrImpl::Soft(m) => m.is_shared_segment(),
+            #[cfg(feature = "hardware")]
+            MrImpl::Hw(_) => false,
+        }
+    }
+    /// Raw pointer to the first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.addr() as usize as *mut u8
+    }
+    /// An SGE over `len` bytes at `offset`. Panics if the range is outside the region.
+    pub fn sge(&self, offset: usize, len: usize) -> Sge {
+        assert!(offset.checked_add(len).is_some_and(|e| e <= self.len()), "SGE outside the region");
+        Sge { addr: self.addr() + offset as u64, length: len as u32, lkey: self.lkey() }
+    }
+    /// An SGE over the whole region.
+    pub fn sge_all(&self) -> Sge {
+        self.sge(0, self.len())
+    }
+    /// Copies bytes out of the region (a snapshot: peers may write concurrently).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) {
+        assert!(offset.checked_add(dst.len()).is_some_and(|e| e <= self.len()), "read outside the region");
+        // SAFETY: in bounds of a live registration; volatile-free byte copy of shared memory whose
+        // concurrent writers (peers) are the verbs contract's business, not Rust references.
+        unsafe { std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+    }
+    /// Copies bytes into the region.
+    pub fn write(&self, offset: usize, src: &[u8]) {
+        assert!(offset.checked_add(src.len()).is_some_and(|e| e <= self.len()), "write outside the region");
+        // SAFETY: in bounds of a live registration the caller owns.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len()) };
+    }
+    /// Reads a little-endian... native-endian u64 at `offset` (for atomics results).
+    pub fn read_u64(&self, offset: usize) -> u64 {
+        let mut b = [0u8; 8];
+        self.read(offset, &mut b);
+        u64::from_ne_bytes(b)
+    }
+    /// The region as a slice.
+    ///
+    /// # Safety
+    /// No peer or posted request may write the region while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: in bounds; the caller guarantees no concurrent writers.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
+    }
+    /// The region as a mutable slice.
+    ///
+    /// # Safety
+    /// No peer or posted request may access the region while the slice lives, and no other
+    /// reference to it may exist.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: in bounds; the caller guarantees exclusivity.
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len()) }
+    }
+}
+
+#[derive(Clone)]
+enum CqImpl {
+    Soft(Arc<CqInner>),
+    #[cfg(feature = "hardware")]
+    Hw(Arc<hw::HwCq>),
+}
+
+/// A completion queue. Polling it also drives the software provider's progress.
+#[derive(Clone)]
+pub struct CompletionQueue(CqImpl);
+
+impl CompletionQueue {
+    /// Polls up to `out.len()` completions without blocking; returns how many were written.
+    /// `Err(CqOverrun)` once completions were lost.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        match &self.0 {
+            CqImpl::Soft(c) => c.poll(out),
+            #[cfg(feature = "hardware")]
+            CqImpl::Hw(c) => c.poll(out),
+        }
+    }
+    /// Arms the queue: the next completion makes [`CompletionQueue::event_fd`] readable.
+    pub fn req_notify(&self) -> Result<()> {
+        match &self.0 {
+            CqImpl::Soft(c) => {
+                c.req_notify();
+                Ok(())
+            }
+            #[cfg(feature = "hardware")]
+            CqImpl::Hw(c) => c.req_notify(),
+        }
+    }
+    /// A descriptor that turns readable when an armed event fires (for epoll or a runtime).
+    pub fn event_fd(&self) -> i32 {
+        match &self.0 {
+            CqImpl::Soft(c) => c.event_fd(),
+            #[cfg(feature = "hardware")]
+            CqImpl::Hw(c) => c.event_fd(),
+        }
+    }
+    /// Sleeps until the event descriptor is readable or `timeout` passes; true if readable.
+    pub fn wait_event(&self, timeout: Option<Duration>) -> Result<bool> {
+        match &self.0 {
+            CqImpl::Soft(c) => c.wait_event(timeout),
+            #[cfg(feature = "hardware")]
+            CqImpl::Hw(c) => c.wait_event(timeout),
+        }
+    }
+    /// Consumes the pending event (call after waking, before polling).
+    pub fn ack_event(&self) {
+        match &self.0 {
+            CqImpl::Soft(c) => {
+                c.ack_event();
+            }
+            #[cfg(feature = "hardware")]
+            CqImpl::Hw(c) => c.ack_event(),
+        }
+    }
+    /// Polls until at least one completion arrives: spins briefly, then sleeps on the event
+    /// descriptor. `Err(Timeout)` if none came within `timeout`.
+    pub fn poll_blocking(&self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        match &self.0 {
+            CqImpl::Soft(c) => c.poll_blocking(out, timeout),
+            #[cfg(feature = "hardware")]
+            CqImpl::Hw(c) => c.poll_blocking(out, timeout),
+        }
+    }
+    /// Capacity.
+    pub fn capacity(&self) -> usize {
+        match &self.0 {
+            CqImpl::Soft(c) => c.capacity(),
+            #[cfg(feature = "hardware")]
+            CqImpl::Hw(c) => c.capacity(),
+        }
+    }
+}
+
+enum QpImpl {
+    Soft(Arc<QpInner>),
+    #[cfg(feature = "hardware")]
+    Hw(hw::HwQp),
+}
+
+struct QpHandle(QpImpl);
+
+impl Drop for QpHandle {
+    fn drop(&mut self) {
+        match &self.0 {
+            QpImpl::Soft(q) => q.destroy(),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(_) => {}
+        }
+    }
+}
+
+/// A reliable-connected queue pair. Clones share the same queue pair, which is destroyed when
+/// the last clone drops.
+#[derive(Clone)]
+pub struct QueuePair(Arc<QpHandle>);
+
+impl QueuePair {
+    /// Queue-pair number.
+    pub fn qpn(&self) -> u32 {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => q.qpn,
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(q) => q.qpn(),
+        }
+    }
+    /// What the peer needs to connect to this queue pair (send it over any channel).
+    pub fn endpoint(&self) -> EndpointInfo {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => EndpointInfo::Soft(q.endpoint()),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(q) => EndpointInfo::Hardware(q.endpoint()),
+        }
+    }
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => q.state(),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(q) => q.state(),
+        }
+    }
+    /// Queue sizes.
+    pub fn caps(&self) -> QpCaps {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => q.caps(),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(q) => q.caps(),
+        }
+    }
+    /// Applies a state transition.
+    pub fn modify(&self, t: QpTransition) -> Result<()> {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => q.modify(t),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(q) => q.modify(t),
+        }
+    }
+    /// Walks RESET → INIT → RTR → RTS to a peer, with default attributes and every remote
+    /// right granted on this QP.
+    pub fn connect_to(&self, remote: EndpointInfo) -> Result<()> {
+        self.modify(QpTransition::Init { access: AccessFlags::ALL, port: 1 })?;
+        self.modify(QpTransition::Rtr(RtrAttr::new(remote)))?;
+        self.modify(QpTransition::Rts(RtsAttr::default()))
+    }
+    /// Posts send-queue requests. A synchronous error (bad argument, full queue, wrong state)
+    /// stops at the failing request; the ones before it were posted.
+    pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => q.post_send(wrs),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(q) => q.post_send(wrs),
+        }
+    }
+    /// Posts receives (not for a QP on a shared receive queue).
+    pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => q.post_recv(wrs),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(q) => q.post_recv(wrs),
+        }
+    }
+}
+
+enum SrqImpl {
+    Soft(Arc<SrqInner>),
+    #[cfg(feature = "hardware")]
+    Hw(Arc<hw::HwSrq>),
+}
+
+/// A shared receive queue: receives posted once, consumed by any of its queue pairs.
+pub struct SharedReceiveQueue(SrqImpl);
+
+impl SharedReceiveQueue {
+    /// Posts receives.
+    pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
+        match &self.0 {
+            SrqImpl::Soft(s) => s.post_recv(wrs),
+            #[cfg(feature = "hardware")]
+            SrqImpl::Hw(s) => s.post_recv(wrs),
+        }
+    }
+}
+
+/// The software provider's page size (for callers aligning buffers to protect them).
+pub fn page_size() -> usize {
+    soft::page_size()
+}

@@ -1,0 +1,131 @@
+//! Shared helpers of the cross-crate tests: providers to run against, connected pairs, waits
+//! with timeouts, and the peer process used by cross-process tests.
+
+use std::time::Duration;
+
+use portability_verbs::*;
+
+/// Every wait in a test gives up after this long, so a bug fails a test instead of hanging CI.
+pub const WAIT: Duration = Duration::from_secs(10);
+
+/// The contexts to run a conformance test on: the software provider always, the hardware one
+/// when compiled in and a device exists (otherwise the reason it is skipped is printed).
+pub fn contexts() -> Vec<Context> {
+    let mut v = vec![Context::open(Provider::Software).expect("software provider opens")];
+    match Context::open(Provider::Hardware) {
+        Ok(c) => v.push(c),
+        Err(e) => eprintln!("skipping the hardware provider: {e}"),
+    }
+    v
+}
+
+/// Two connected queue pairs of one context, each with its own completion queue, and one
+/// registered buffer per side.
+pub struct Pair {
+    pub ctx: Context,
+    pub pd: ProtectionDomain,
+    pub cq_a: CompletionQueue,
+    pub cq_b: CompletionQueue,
+    pub a: QueuePair,
+    pub b: QueuePair,
+    pub mr_a: MemoryRegion,
+    pub mr_b: MemoryRegion,
+}
+
+/// Builds a [`Pair`] with `len`-byte buffers and every right on both regions.
+pub fn pair(ctx: &Context, len: usize) -> Pair {
+    pair_with(ctx, len, RtsAttr::default(), 12)
+}
+
+/// Builds a [`Pair`] with explicit RTS attributes and receiver-not-ready timer code.
+pub fn pair_with(ctx: &Context, len: usize, rts: RtsAttr, min_rnr_timer: u8) -> Pair {
+    let pd = ctx.alloc_pd().unwrap();
+    let cq_a = ctx.create_cq(1024).unwrap();
+    let cq_b = ctx.create_cq(1024).unwrap();
+    let a = pd.create_qp(&QpInit::new(&cq_a)).unwrap();
+    let b = pd.create_qp(&QpInit::new(&cq_b)).unwrap();
+    for (q, peer) in [(&a, b.endpoint()), (&b, a.endpoint())] {
+        q.modify(QpTransition::Init {
+            access: AccessFlags::ALL,
+            port: 1,
+        })
+        .unwrap();
+        q.modify(QpTransition::Rtr(RtrAttr {
+            min_rnr_timer,
+            ..RtrAttr::new(peer)
+        }))
+        .unwrap();
+    }
+    a.modify(QpTransition::Rts(rts)).unwrap();
+    b.modify(QpTransition::Rts(rts)).unwrap();
+    let mr_a = pd
+        .register(vec![0u8; len].into_boxed_slice(), AccessFlags::ALL)
+        .unwrap();
+    let mr_b = pd
+        .register(vec![0u8; len].into_boxed_slice(), AccessFlags::ALL)
+        .unwrap();
+    Pair {
+        ctx: ctx.clone(),
+        pd,
+        cq_a,
+        cq_b,
+        a,
+        b,
+        mr_a,
+        mr_b,
+    }
+}
+
+/// Waits for exactly one completion on `cq` (fails the test after [`WAIT`]).
+pub fn wait_one(cq: &CompletionQueue) -> WorkCompletion {
+    let mut wc = [WorkCompletion::EMPTY; 1];
+    match cq.poll_blocking(&mut wc, WAIT) {
+        Ok(1) => wc[0],
+        other => panic!("no completion within {WAIT:?}: {other:?}"),
+    }
+}
+
+/// Waits for `n` completions on `cq`.
+pub fn wait_n(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
+    let mut out = Vec::with_capacity(n);
+    let mut wc = [WorkCompletion::EMPTY; 64];
+    let deadline = std::time::Instant::now() + WAIT;
+    while out.len() < n {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        assert!(
+            !left.is_zero(),
+            "only {} of {n} completions within {WAIT:?}: {out:?}",
+            out.len()
+        );
+        let want = (n - out.len()).min(wc.len());
+        match cq.poll_blocking(&mut wc[..want], left) {
+            Ok(k) => out.extend_from_slice(&wc[..k]),
+            Err(e) => panic!("only {} of {n} completions: {e}; got {out:?}", out.len()),
+        }
+    }
+    out
+}
+
+/// Asserts that nothing completes on `cq` for `d`.
+pub fn assert_quiet(cq: &CompletionQueue, d: Duration) {
+    let mut wc = [WorkCompletion::EMPTY; 4];
+    let end = std::time::Instant::now() + d;
+    while std::time::Instant::now() < end {
+        let n = cq.poll(&mut wc).unwrap();
+        assert_eq!(n, 0, "unexpected completion {:?}", &wc[..n]);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A deterministic byte pattern for `len` bytes seeded by `seed`.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
