@@ -264,7 +264,13 @@ impl Listener {
     }
 
     /// Accepts one client within `timeout` and connects a new queue pair to it.
-    pub fn accept(&self, pd: &ProtectionDomain, init: &QpInit<'_>, private: &[u8], timeout: Duration) -> Result<Connection> {
+    pub fn accept(
+        &self,
+        pd: &ProtectionDomain,
+        init: &QpInit<'_>,
+        private: &[u8],
+        timeout: Duration,
+    ) -> Result<Connection> {
         let deadline = Instant::now() + timeout;
         let mut stream = self.accept_stream(deadline)?;
         stream.set_timeout(Some(left(deadline)?)).map_err(io_err("socket timeout"))?;
@@ -318,7 +324,13 @@ impl Drop for Listener {
 }
 
 /// Connects to a listener within `timeout`, returning a queue pair in RTS.
-pub fn connect(addr: &CmAddr, pd: &ProtectionDomain, init: &QpInit<'_>, private: &[u8], timeout: Duration) -> Result<Connection> {
+pub fn connect(
+    addr: &CmAddr,
+    pd: &ProtectionDomain,
+    init: &QpInit<'_>,
+    private: &[u8],
+    timeout: Duration,
+) -> Result<Connection> {
     let deadline = Instant::now() + timeout;
     let mut stream = loop {
         let attempt = match addr {

@@ -209,7 +209,17 @@ mod tests {
     use proptest::prelude::*;
 
     fn soft() -> impl Strategy<Value = EndpointInfo> {
-        (1u32.., any::<u64>(), any::<u64>(), 0i32.., 0i32.., any::<u32>(), any::<u32>(), any::<u32>(), any::<[u32; 3]>())
+        (
+            1u32..,
+            any::<u64>(),
+            any::<u64>(),
+            0i32..,
+            0i32..,
+            any::<u32>(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<[u32; 3]>(),
+        )
             .prop_map(|(pid, start_time, ctx_id, ctrl_fd, qp_fd, qpn, ring_bytes, pd, [rq_slot, s, r])| {
                 EndpointInfo::Soft(SoftEndpoint {
                     pid,
@@ -228,10 +238,11 @@ mod tests {
     }
 
     fn hw() -> impl Strategy<Value = EndpointInfo> {
-        (any::<u16>(), any::<[u8; 16]>(), any::<u8>(), any::<u8>(), any::<u32>(), 0u32..0x0100_0000, 1u8..=5)
-            .prop_map(|(lid, gid, gid_index, port, qpn, psn, mtu)| {
+        (any::<u16>(), any::<[u8; 16]>(), any::<u8>(), any::<u8>(), any::<u32>(), 0u32..0x0100_0000, 1u8..=5).prop_map(
+            |(lid, gid, gid_index, port, qpn, psn, mtu)| {
                 EndpointInfo::Hardware(HwEndpoint { lid, gid, gid_index, port, qpn, psn, mtu })
-            })
+            },
+        )
     }
 
     proptest! {

@@ -55,7 +55,7 @@ impl ProtectedRange {
 /// that a fault would break (the caller installs whatever handles such faults).
 pub unsafe fn protect(addr: usize, len: usize, prot: Protection) -> Result<ProtectedRange> {
     let page = crate::soft::page_size();
-    if addr % page != 0 || len % page != 0 || len == 0 {
+    if !addr.is_multiple_of(page) || !len.is_multiple_of(page) || len == 0 {
         return Err(VerbsError::invalid("protected ranges must be whole pages"));
     }
     let p = match prot {

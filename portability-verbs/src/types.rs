@@ -178,7 +178,13 @@ impl SendWr {
     }
     /// A signaled compare-and-swap; the 8-byte old value lands in `result`.
     pub fn compare_and_swap(wr_id: u64, result: Sge, remote_addr: u64, rkey: u32, compare: u64, swap: u64) -> Self {
-        SendWr { remote_addr, rkey, compare_add: compare, swap, ..Self::new(wr_id, WrOpcode::AtomicCmpAndSwp, &[result]) }
+        SendWr {
+            remote_addr,
+            rkey,
+            compare_add: compare,
+            swap,
+            ..Self::new(wr_id, WrOpcode::AtomicCmpAndSwp, &[result])
+        }
     }
     /// A signaled fetch-and-add; the 8-byte old value lands in `result`.
     pub fn fetch_and_add(wr_id: u64, result: Sge, remote_addr: u64, rkey: u32, add: u64) -> Self {

@@ -172,9 +172,14 @@ impl ProtectionDomain {
     /// accept that peers granted remote access write into it at any time (as with real verbs).
     pub unsafe fn register_raw(&self, addr: *mut u8, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
         match &self.0 {
-            PdImpl::Soft(c, pd) => {
-                Ok(MemoryRegion(MrImpl::Soft(SoftMr::register(c, *pd, addr as u64, len, access, SoftBacking::Borrowed)?)))
-            }
+            PdImpl::Soft(c, pd) => Ok(MemoryRegion(MrImpl::Soft(SoftMr::register(
+                c,
+                *pd,
+                addr as u64,
+                len,
+                access,
+                SoftBacking::Borrowed,
+            )?))),
             #[cfg(feature = "hardware")]
             // SAFETY: forwarded contract.
             PdImpl::Hw(p) => Ok(MemoryRegion(MrImpl::Hw(unsafe { hw::HwMr::register_raw(p, addr, len, access)? }))),

@@ -45,35 +45,14 @@ pub fn pair_with(ctx: &Context, len: usize, rts: RtsAttr, min_rnr_timer: u8) -> 
     let a = pd.create_qp(&QpInit::new(&cq_a)).unwrap();
     let b = pd.create_qp(&QpInit::new(&cq_b)).unwrap();
     for (q, peer) in [(&a, b.endpoint()), (&b, a.endpoint())] {
-        q.modify(QpTransition::Init {
-            access: AccessFlags::ALL,
-            port: 1,
-        })
-        .unwrap();
-        q.modify(QpTransition::Rtr(RtrAttr {
-            min_rnr_timer,
-            ..RtrAttr::new(peer)
-        }))
-        .unwrap();
+        q.modify(QpTransition::Init { access: AccessFlags::ALL, port: 1 }).unwrap();
+        q.modify(QpTransition::Rtr(RtrAttr { min_rnr_timer, ..RtrAttr::new(peer) })).unwrap();
     }
     a.modify(QpTransition::Rts(rts)).unwrap();
     b.modify(QpTransition::Rts(rts)).unwrap();
-    let mr_a = pd
-        .register(vec![0u8; len].into_boxed_slice(), AccessFlags::ALL)
-        .unwrap();
-    let mr_b = pd
-        .register(vec![0u8; len].into_boxed_slice(), AccessFlags::ALL)
-        .unwrap();
-    Pair {
-        ctx: ctx.clone(),
-        pd,
-        cq_a,
-        cq_b,
-        a,
-        b,
-        mr_a,
-        mr_b,
-    }
+    let mr_a = pd.register(vec![0u8; len].into_boxed_slice(), AccessFlags::ALL).unwrap();
+    let mr_b = pd.register(vec![0u8; len].into_boxed_slice(), AccessFlags::ALL).unwrap();
+    Pair { ctx: ctx.clone(), pd, cq_a, cq_b, a, b, mr_a, mr_b }
 }
 
 /// Waits for exactly one completion on `cq` (fails the test after [`WAIT`]).
@@ -92,11 +71,7 @@ pub fn wait_n(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
     let deadline = std::time::Instant::now() + WAIT;
     while out.len() < n {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
-        assert!(
-            !left.is_zero(),
-            "only {} of {n} completions within {WAIT:?}: {out:?}",
-            out.len()
-        );
+        assert!(!left.is_zero(), "only {} of {n} completions within {WAIT:?}: {out:?}", out.len());
         let want = (n - out.len()).min(wc.len());
         match cq.poll_blocking(&mut wc[..want], left) {
             Ok(k) => out.extend_from_slice(&wc[..k]),

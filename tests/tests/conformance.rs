@@ -18,35 +18,19 @@ fn send_recv_delivers_data_length_immediate_and_qp_numbers() {
         let p = pair(ctx, 8192);
         let data = pattern(1, 100);
         p.mr_a.write(0, &data);
-        p.b.post_recv(&[RecvWr::new(7, &[p.mr_b.sge(0, 4096)])])
-            .unwrap();
-        p.b.post_recv(&[RecvWr::new(8, &[p.mr_b.sge(4096, 4096)])])
-            .unwrap();
-        p.a.post_send(&[SendWr::send(1, &[p.mr_a.sge(0, 100)])])
-            .unwrap();
-        p.a.post_send(&[SendWr::send_with_imm(2, &[p.mr_a.sge(0, 10)], 0xdead_beef)])
-            .unwrap();
+        p.b.post_recv(&[RecvWr::new(7, &[p.mr_b.sge(0, 4096)])]).unwrap();
+        p.b.post_recv(&[RecvWr::new(8, &[p.mr_b.sge(4096, 4096)])]).unwrap();
+        p.a.post_send(&[SendWr::send(1, &[p.mr_a.sge(0, 100)])]).unwrap();
+        p.a.post_send(&[SendWr::send_with_imm(2, &[p.mr_a.sge(0, 10)], 0xdead_beef)]).unwrap();
         let s = wait_n(&p.cq_a, 2);
-        assert_eq!(
-            (s[0].wr_id, s[0].status, s[0].opcode),
-            (1, WcStatus::Success, WcOpcode::Send)
-        );
+        assert_eq!((s[0].wr_id, s[0].status, s[0].opcode), (1, WcStatus::Success, WcOpcode::Send));
         assert_eq!((s[1].wr_id, s[1].status), (2, WcStatus::Success));
         let r = wait_n(&p.cq_b, 2);
         assert_eq!(
-            (
-                r[0].wr_id,
-                r[0].status,
-                r[0].opcode,
-                r[0].byte_len,
-                r[0].imm
-            ),
+            (r[0].wr_id, r[0].status, r[0].opcode, r[0].byte_len, r[0].imm),
             (7, WcStatus::Success, WcOpcode::Recv, 100, None)
         );
-        assert_eq!(
-            (r[1].wr_id, r[1].byte_len, r[1].imm),
-            (8, 10, Some(0xdead_beef))
-        );
+        assert_eq!((r[1].wr_id, r[1].byte_len, r[1].imm), (8, 10, Some(0xdead_beef)));
         assert_eq!(r[0].qp_num, p.b.qpn());
         assert_eq!(r[0].src_qp, p.a.qpn());
         let mut got = vec![0u8; 100];
@@ -59,35 +43,20 @@ fn send_recv_delivers_data_length_immediate_and_qp_numbers() {
 fn gather_and_scatter_lists_and_every_size_across_the_copy_threshold() {
     each(|ctx| {
         let p = pair(ctx, 1 << 20);
-        for (i, len) in [0usize, 1, 63, 64, 65, 4095, 8192, 8193, 65536, 300_000]
-            .into_iter()
-            .enumerate()
-        {
+        for (i, len) in [0usize, 1, 63, 64, 65, 4095, 8192, 8193, 65536, 300_000].into_iter().enumerate() {
             let data = pattern(i as u64, len);
             p.mr_a.write(0, &data);
             // Receive into three pieces; send from two.
             let third = len / 3;
             p.b.post_recv(&[RecvWr::new(
                 i as u64,
-                &[
-                    p.mr_b.sge(0, third),
-                    p.mr_b.sge(400_000, third),
-                    p.mr_b.sge(800_000, 200_000),
-                ],
+                &[p.mr_b.sge(0, third), p.mr_b.sge(400_000, third), p.mr_b.sge(800_000, 200_000)],
             )])
             .unwrap();
             let half = len / 2;
-            p.a.post_send(&[SendWr::send(
-                i as u64,
-                &[p.mr_a.sge(0, half), p.mr_a.sge(half, len - half)],
-            )])
-            .unwrap();
+            p.a.post_send(&[SendWr::send(i as u64, &[p.mr_a.sge(0, half), p.mr_a.sge(half, len - half)])]).unwrap();
             let r = wait_one(&p.cq_b);
-            assert_eq!(
-                (r.status, r.byte_len as usize),
-                (WcStatus::Success, len),
-                "size {len}"
-            );
+            assert_eq!((r.status, r.byte_len as usize), (WcStatus::Success, len), "size {len}");
             assert_eq!(wait_one(&p.cq_a).status, WcStatus::Success);
             let mut got = vec![0u8; len];
             p.mr_b.read(0, &mut got[..third]);
@@ -103,27 +72,17 @@ fn inline_send_copies_at_post_time() {
     each(|ctx| {
         let p = pair(ctx, 4096);
         let mut buf = *b"before!!";
-        p.b.post_recv(&[RecvWr::new(1, &[p.mr_b.sge(0, 64)])])
-            .unwrap();
+        p.b.post_recv(&[RecvWr::new(1, &[p.mr_b.sge(0, 64)])]).unwrap();
         // Inline data need not be registered: lkey 0.
-        let sge = Sge {
-            addr: buf.as_ptr() as u64,
-            length: 8,
-            lkey: 0,
-        };
-        p.a.post_send(&[SendWr::send(1, &[sge]).inline(true)])
-            .unwrap();
+        let sge = Sge { addr: buf.as_ptr() as u64, length: 8, lkey: 0 };
+        p.a.post_send(&[SendWr::send(1, &[sge]).inline(true)]).unwrap();
         buf.copy_from_slice(b"after!!!");
         assert_eq!(wait_one(&p.cq_b).byte_len, 8);
         let mut got = [0u8; 8];
         p.mr_b.read(0, &mut got);
         assert_eq!(&got, b"before!!");
         assert_eq!(buf, *b"after!!!");
-        let too_big = Sge {
-            addr: buf.as_ptr() as u64,
-            length: 100_000,
-            lkey: 0,
-        };
+        let too_big = Sge { addr: buf.as_ptr() as u64, length: 100_000, lkey: 0 };
         assert!(matches!(
             p.a.post_send(&[SendWr::send(2, &[too_big]).inline(true)]),
             Err(VerbsError::InvalidArgument(_))
@@ -135,24 +94,12 @@ fn inline_send_copies_at_post_time() {
 fn rdma_write_read_and_write_with_immediate() {
     each(|ctx| {
         let p = pair(ctx, 1 << 20);
-        for (i, len) in [1usize, 8, 100, 8192, 9000, 65536, 1 << 20]
-            .into_iter()
-            .enumerate()
-        {
+        for (i, len) in [1usize, 8, 100, 8192, 9000, 65536, 1 << 20].into_iter().enumerate() {
             let data = pattern(10 + i as u64, len);
             p.mr_a.write(0, &data);
-            p.a.post_send(&[SendWr::write(
-                1,
-                &[p.mr_a.sge(0, len)],
-                p.mr_b.addr(),
-                p.mr_b.rkey(),
-            )])
-            .unwrap();
+            p.a.post_send(&[SendWr::write(1, &[p.mr_a.sge(0, len)], p.mr_b.addr(), p.mr_b.rkey())]).unwrap();
             let wc = wait_one(&p.cq_a);
-            assert_eq!(
-                (wc.status, wc.opcode, wc.byte_len as usize),
-                (WcStatus::Success, WcOpcode::RdmaWrite, len)
-            );
+            assert_eq!((wc.status, wc.opcode, wc.byte_len as usize), (WcStatus::Success, WcOpcode::RdmaWrite, len));
             let mut got = vec![0u8; len];
             p.mr_b.read(0, &mut got);
             assert_eq!(got, data, "write {len}");
@@ -161,18 +108,9 @@ fn rdma_write_read_and_write_with_immediate() {
             let back = (1 << 20) - len;
             let dst = if back >= len { back } else { 0 };
             p.mr_a.write(dst, &vec![0u8; len]);
-            p.a.post_send(&[SendWr::read(
-                2,
-                &[p.mr_a.sge(dst, len)],
-                p.mr_b.addr(),
-                p.mr_b.rkey(),
-            )])
-            .unwrap();
+            p.a.post_send(&[SendWr::read(2, &[p.mr_a.sge(dst, len)], p.mr_b.addr(), p.mr_b.rkey())]).unwrap();
             let wc = wait_one(&p.cq_a);
-            assert_eq!(
-                (wc.status, wc.opcode),
-                (WcStatus::Success, WcOpcode::RdmaRead)
-            );
+            assert_eq!((wc.status, wc.opcode), (WcStatus::Success, WcOpcode::RdmaRead));
             let mut got = vec![0u8; len];
             p.mr_a.read(dst, &mut got);
             assert_eq!(got, data, "read {len}");
@@ -181,24 +119,12 @@ fn rdma_write_read_and_write_with_immediate() {
             let data = pattern(20 + i as u64, len);
             p.mr_a.write(0, &data);
             p.b.post_recv(&[RecvWr::new(33, &[])]).unwrap();
-            p.a.post_send(&[SendWr::write_with_imm(
-                3,
-                &[p.mr_a.sge(0, len)],
-                p.mr_b.addr(),
-                p.mr_b.rkey(),
-                i as u32,
-            )])
-            .unwrap();
+            p.a.post_send(&[SendWr::write_with_imm(3, &[p.mr_a.sge(0, len)], p.mr_b.addr(), p.mr_b.rkey(), i as u32)])
+                .unwrap();
             let r = wait_one(&p.cq_b);
             assert_eq!(
                 (r.wr_id, r.status, r.opcode, r.byte_len as usize, r.imm),
-                (
-                    33,
-                    WcStatus::Success,
-                    WcOpcode::RecvRdmaWithImm,
-                    len,
-                    Some(i as u32)
-                )
+                (33, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(i as u32))
             );
             // The data is in place when the receive completes.
             let mut got = vec![0u8; len];
@@ -215,43 +141,17 @@ fn atomics_compare_swap_and_fetch_add() {
         let p = pair(ctx, 4096);
         p.mr_b.write(64, &5u64.to_ne_bytes());
         let target = p.mr_b.addr() + 64;
-        p.a.post_send(&[SendWr::fetch_and_add(
-            1,
-            p.mr_a.sge(0, 8),
-            target,
-            p.mr_b.rkey(),
-            10,
-        )])
-        .unwrap();
+        p.a.post_send(&[SendWr::fetch_and_add(1, p.mr_a.sge(0, 8), target, p.mr_b.rkey(), 10)]).unwrap();
         let wc = wait_one(&p.cq_a);
-        assert_eq!(
-            (wc.status, wc.opcode, wc.byte_len),
-            (WcStatus::Success, WcOpcode::FetchAdd, 8)
-        );
+        assert_eq!((wc.status, wc.opcode, wc.byte_len), (WcStatus::Success, WcOpcode::FetchAdd, 8));
         assert_eq!(p.mr_a.read_u64(0), 5);
         assert_eq!(p.mr_b.read_u64(64), 15);
         // Compare fails: no swap, old value returned.
-        p.a.post_send(&[SendWr::compare_and_swap(
-            2,
-            p.mr_a.sge(8, 8),
-            target,
-            p.mr_b.rkey(),
-            99,
-            1,
-        )])
-        .unwrap();
+        p.a.post_send(&[SendWr::compare_and_swap(2, p.mr_a.sge(8, 8), target, p.mr_b.rkey(), 99, 1)]).unwrap();
         assert_eq!(wait_one(&p.cq_a).opcode, WcOpcode::CompSwap);
         assert_eq!((p.mr_a.read_u64(8), p.mr_b.read_u64(64)), (15, 15));
         // Compare succeeds.
-        p.a.post_send(&[SendWr::compare_and_swap(
-            3,
-            p.mr_a.sge(16, 8),
-            target,
-            p.mr_b.rkey(),
-            15,
-            42,
-        )])
-        .unwrap();
+        p.a.post_send(&[SendWr::compare_and_swap(3, p.mr_a.sge(16, 8), target, p.mr_b.rkey(), 15, 42)]).unwrap();
         assert_eq!(wait_one(&p.cq_a).status, WcStatus::Success);
         assert_eq!((p.mr_a.read_u64(16), p.mr_b.read_u64(64)), (15, 42));
     });
@@ -261,9 +161,7 @@ fn atomics_compare_swap_and_fetch_add() {
 fn atomics_are_atomic_with_respect_to_each_other() {
     each(|ctx| {
         let pd = ctx.alloc_pd().unwrap();
-        let target = pd
-            .register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL)
-            .unwrap();
+        let target = pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
         let threads = 4;
         let per_thread = 500u64;
         std::thread::scope(|s| {
@@ -275,18 +173,10 @@ fn atomics_are_atomic_with_respect_to_each_other() {
                     let b = pd.create_qp(&QpInit::new(&tcq)).unwrap();
                     a.connect_to(b.endpoint()).unwrap();
                     b.connect_to(a.endpoint()).unwrap();
-                    let res = pd
-                        .register(vec![0u8; 8].into_boxed_slice(), AccessFlags::ALL)
-                        .unwrap();
+                    let res = pd.register(vec![0u8; 8].into_boxed_slice(), AccessFlags::ALL).unwrap();
                     for i in 0..per_thread {
-                        a.post_send(&[SendWr::fetch_and_add(
-                            i,
-                            res.sge(0, 8),
-                            target.addr(),
-                            target.rkey(),
-                            1,
-                        )])
-                        .unwrap();
+                        a.post_send(&[SendWr::fetch_and_add(i, res.sge(0, 8), target.addr(), target.rkey(), 1)])
+                            .unwrap();
                         assert_eq!(wait_one(&cq).status, WcStatus::Success);
                     }
                 });
@@ -303,64 +193,29 @@ fn remote_access_violations_complete_with_remote_access_error_and_move_the_qp_to
         let cases: [(&str, bool, usize, usize, AccessFlags); 4] = [
             ("bad rkey", false, 0, 8, AccessFlags::ALL),
             ("out of bounds", true, 4090, 16, AccessFlags::ALL),
-            (
-                "no remote write right",
-                true,
-                0,
-                8,
-                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
-            ),
+            ("no remote write right", true, 0, 8, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ),
             ("negative wrap", true, 0, 8, AccessFlags::ALL),
         ];
         for (what, good_key, off, len, rights) in cases {
             let p = pair(ctx, 4096);
-            let target =
-                p.pd.register(vec![0u8; 4096].into_boxed_slice(), rights)
-                    .unwrap();
-            let rkey = if good_key {
-                target.rkey()
-            } else {
-                target.rkey() ^ 0x5500
-            };
-            let addr = if what == "negative wrap" {
-                target.addr().wrapping_sub(4096)
-            } else {
-                target.addr() + off as u64
-            };
-            p.b.post_recv(&[RecvWr::new(50, &[p.mr_b.sge(0, 64)])])
+            let target = p.pd.register(vec![0u8; 4096].into_boxed_slice(), rights).unwrap();
+            let rkey = if good_key { target.rkey() } else { target.rkey() ^ 0x5500 };
+            let addr =
+                if what == "negative wrap" { target.addr().wrapping_sub(4096) } else { target.addr() + off as u64 };
+            p.b.post_recv(&[RecvWr::new(50, &[p.mr_b.sge(0, 64)])]).unwrap();
+            p.a.post_send(&[SendWr::write(1, &[p.mr_a.sge(0, len)], addr, rkey), SendWr::send(2, &[p.mr_a.sge(0, 8)])])
                 .unwrap();
-            p.a.post_send(&[
-                SendWr::write(1, &[p.mr_a.sge(0, len)], addr, rkey),
-                SendWr::send(2, &[p.mr_a.sge(0, 8)]),
-            ])
-            .unwrap();
             let wcs = wait_n(&p.cq_a, 2);
-            assert_eq!(
-                (wcs[0].wr_id, wcs[0].status),
-                (1, WcStatus::RemAccessErr),
-                "{what}"
-            );
-            assert_eq!(
-                (wcs[1].wr_id, wcs[1].status),
-                (2, WcStatus::WrFlushErr),
-                "{what}"
-            );
+            assert_eq!((wcs[0].wr_id, wcs[0].status), (1, WcStatus::RemAccessErr), "{what}");
+            assert_eq!((wcs[1].wr_id, wcs[1].status), (2, WcStatus::WrFlushErr), "{what}");
             assert_eq!(p.a.state(), QpState::Error, "{what}");
             assert_eq!(target.read_u64(0), 0, "{what}: nothing written");
         }
         // Reads need the remote read right; a region of another protection domain is refused.
         let p = pair(ctx, 4096);
         let other_pd = ctx.alloc_pd().unwrap();
-        let foreign = other_pd
-            .register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL)
-            .unwrap();
-        p.a.post_send(&[SendWr::read(
-            1,
-            &[p.mr_a.sge(0, 8)],
-            foreign.addr(),
-            foreign.rkey(),
-        )])
-        .unwrap();
+        let foreign = other_pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        p.a.post_send(&[SendWr::read(1, &[p.mr_a.sge(0, 8)], foreign.addr(), foreign.rkey())]).unwrap();
         assert_eq!(wait_one(&p.cq_a).status, WcStatus::RemAccessErr);
     });
 }
@@ -369,36 +224,20 @@ fn remote_access_violations_complete_with_remote_access_error_and_move_the_qp_to
 fn bad_lkey_is_a_local_protection_error() {
     each(|ctx| {
         let p = pair(ctx, 4096);
-        let bad = Sge {
-            lkey: p.mr_a.lkey() ^ 0x100,
-            ..p.mr_a.sge(0, 8)
-        };
+        let bad = Sge { lkey: p.mr_a.lkey() ^ 0x100, ..p.mr_a.sge(0, 8) };
         p.a.post_send(&[SendWr::send(1, &[bad])]).unwrap();
         let wc = wait_one(&p.cq_a);
         assert_eq!(wc.status, WcStatus::LocProtErr);
         assert_eq!(p.a.state(), QpState::Error);
         // Outside the region.
         let p = pair(ctx, 4096);
-        let outside = Sge {
-            addr: p.mr_a.addr() + 4000,
-            length: 200,
-            lkey: p.mr_a.lkey(),
-        };
-        p.a.post_send(&[SendWr::write(1, &[outside], p.mr_b.addr(), p.mr_b.rkey())])
-            .unwrap();
+        let outside = Sge { addr: p.mr_a.addr() + 4000, length: 200, lkey: p.mr_a.lkey() };
+        p.a.post_send(&[SendWr::write(1, &[outside], p.mr_b.addr(), p.mr_b.rkey())]).unwrap();
         assert_eq!(wait_one(&p.cq_a).status, WcStatus::LocProtErr);
         // A read into a region without local write.
         let p = pair(ctx, 4096);
-        let ro =
-            p.pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::REMOTE_READ)
-                .unwrap();
-        p.a.post_send(&[SendWr::read(
-            1,
-            &[ro.sge(0, 8)],
-            p.mr_b.addr(),
-            p.mr_b.rkey(),
-        )])
-        .unwrap();
+        let ro = p.pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::REMOTE_READ).unwrap();
+        p.a.post_send(&[SendWr::read(1, &[ro.sge(0, 8)], p.mr_b.addr(), p.mr_b.rkey())]).unwrap();
         assert_eq!(wait_one(&p.cq_a).status, WcStatus::LocProtErr);
     });
 }
@@ -409,18 +248,12 @@ fn receive_too_small_is_a_local_length_error() {
         let p = pair(ctx, 1 << 16);
         for len in [100usize, 20_000] {
             let p2 = pair(&p.ctx, 1 << 16);
-            p2.b.post_recv(&[RecvWr::new(1, &[p2.mr_b.sge(0, 50)])])
-                .unwrap();
-            p2.a.post_send(&[SendWr::send(9, &[p2.mr_a.sge(0, len)])])
-                .unwrap();
+            p2.b.post_recv(&[RecvWr::new(1, &[p2.mr_b.sge(0, 50)])]).unwrap();
+            p2.a.post_send(&[SendWr::send(9, &[p2.mr_a.sge(0, len)])]).unwrap();
             let r = wait_one(&p2.cq_b);
             assert_eq!((r.wr_id, r.status), (1, WcStatus::LocLenErr), "len {len}");
             let s = wait_one(&p2.cq_a);
-            assert_eq!(
-                (s.wr_id, s.status),
-                (9, WcStatus::RemInvReqErr),
-                "len {len}"
-            );
+            assert_eq!((s.wr_id, s.status), (9, WcStatus::RemInvReqErr), "len {len}");
             assert_eq!(p2.b.state(), QpState::Error);
         }
         drop(p);
@@ -430,23 +263,15 @@ fn receive_too_small_is_a_local_length_error() {
 #[test]
 fn send_without_receive_retries_then_fails_with_rnr_retry_exceeded() {
     each(|ctx| {
-        let rts = RtsAttr {
-            rnr_retry: 2,
-            ..RtsAttr::default()
-        };
+        let rts = RtsAttr { rnr_retry: 2, ..RtsAttr::default() };
         let p = pair_with(ctx, 4096, rts, 1); // 10 us timer
-        p.a.post_send(&[
-            SendWr::send(1, &[p.mr_a.sge(0, 8)]),
-            SendWr::send(2, &[p.mr_a.sge(0, 8)]),
-        ])
-        .unwrap();
+        p.a.post_send(&[SendWr::send(1, &[p.mr_a.sge(0, 8)]), SendWr::send(2, &[p.mr_a.sge(0, 8)])]).unwrap();
         let wcs = wait_n(&p.cq_a, 2);
         assert_eq!((wcs[0].wr_id, wcs[0].status), (1, WcStatus::RnrRetryExcErr));
         assert_eq!((wcs[1].wr_id, wcs[1].status), (2, WcStatus::WrFlushErr));
         assert_eq!(p.a.state(), QpState::Error);
         // A receive posted afterwards never sees the cancelled message.
-        p.b.post_recv(&[RecvWr::new(5, &[p.mr_b.sge(0, 64)])])
-            .unwrap();
+        p.b.post_recv(&[RecvWr::new(5, &[p.mr_b.sge(0, 64)])]).unwrap();
         assert_quiet(&p.cq_b, Duration::from_millis(50));
     });
 }
@@ -456,11 +281,9 @@ fn send_waits_for_a_late_receive_while_retries_last() {
     each(|ctx| {
         let p = pair(ctx, 4096); // rnr_retry 7: retry for ever
         p.mr_a.write(0, b"late");
-        p.a.post_send(&[SendWr::send(1, &[p.mr_a.sge(0, 4)])])
-            .unwrap();
+        p.a.post_send(&[SendWr::send(1, &[p.mr_a.sge(0, 4)])]).unwrap();
         assert_quiet(&p.cq_a, Duration::from_millis(30));
-        p.b.post_recv(&[RecvWr::new(2, &[p.mr_b.sge(0, 64)])])
-            .unwrap();
+        p.b.post_recv(&[RecvWr::new(2, &[p.mr_b.sge(0, 64)])]).unwrap();
         assert_eq!(wait_one(&p.cq_b).byte_len, 4);
         assert_eq!(wait_one(&p.cq_a).status, WcStatus::Success);
     });
@@ -470,28 +293,20 @@ fn send_waits_for_a_late_receive_while_retries_last() {
 fn error_state_flushes_every_outstanding_request() {
     each(|ctx| {
         let p = pair(ctx, 4096);
-        let recvs: Vec<RecvWr> = (0..5)
-            .map(|i| RecvWr::new(i, &[p.mr_b.sge(0, 64)]))
-            .collect();
+        let recvs: Vec<RecvWr> = (0..5).map(|i| RecvWr::new(i, &[p.mr_b.sge(0, 64)])).collect();
         p.b.post_recv(&recvs).unwrap();
         p.b.modify(QpTransition::Error).unwrap();
         let wcs = wait_n(&p.cq_b, 5);
         for (i, wc) in wcs.iter().enumerate() {
-            assert_eq!(
-                (wc.wr_id, wc.status, wc.opcode),
-                (i as u64, WcStatus::WrFlushErr, WcOpcode::Recv)
-            );
+            assert_eq!((wc.wr_id, wc.status, wc.opcode), (i as u64, WcStatus::WrFlushErr, WcOpcode::Recv));
         }
         // Posting to a QP in error completes at once with a flush error.
-        p.b.post_recv(&[RecvWr::new(9, &[p.mr_b.sge(0, 64)])])
-            .unwrap();
+        p.b.post_recv(&[RecvWr::new(9, &[p.mr_b.sge(0, 64)])]).unwrap();
         assert_eq!(wait_one(&p.cq_b).status, WcStatus::WrFlushErr);
-        p.b.post_send(&[SendWr::send(10, &[p.mr_b.sge(0, 8)]).signaled(false)])
-            .unwrap();
+        p.b.post_send(&[SendWr::send(10, &[p.mr_b.sge(0, 8)]).signaled(false)]).unwrap();
         assert_eq!((wait_one(&p.cq_b).wr_id, p.b.state()), (10, QpState::Error));
         // The peer notices: its sends fail instead of hanging.
-        p.a.post_send(&[SendWr::send(11, &[p.mr_a.sge(0, 8)])])
-            .unwrap();
+        p.a.post_send(&[SendWr::send(11, &[p.mr_a.sge(0, 8)])]).unwrap();
         let wc = wait_one(&p.cq_a);
         assert_eq!((wc.wr_id, wc.status), (11, WcStatus::RetryExcErr));
     });
@@ -507,24 +322,17 @@ fn completion_queue_overrun_is_reported() {
         let b = pd.create_qp(&QpInit::new(&small)).unwrap();
         a.connect_to(b.endpoint()).unwrap();
         b.connect_to(a.endpoint()).unwrap();
-        let mr = pd
-            .register(vec![0u8; 4096].into_boxed_slice(), AccessFlags::ALL)
-            .unwrap();
+        let mr = pd.register(vec![0u8; 4096].into_boxed_slice(), AccessFlags::ALL).unwrap();
         let recvs: Vec<RecvWr> = (0..8).map(|i| RecvWr::new(i, &[mr.sge(0, 64)])).collect();
         b.post_recv(&recvs).unwrap();
-        let sends: Vec<SendWr> = (0..8)
-            .map(|i| SendWr::send(i, &[mr.sge(64, 8)]).signaled(false))
-            .collect();
+        let sends: Vec<SendWr> = (0..8).map(|i| SendWr::send(i, &[mr.sge(64, 8)]).signaled(false)).collect();
         a.post_send(&sends).unwrap();
         let mut wc = [WorkCompletion::EMPTY; 1];
         let deadline = std::time::Instant::now() + WAIT;
         loop {
             match small.poll(&mut wc[..0]) {
                 Err(VerbsError::CqOverrun) => break,
-                Ok(_) => assert!(
-                    std::time::Instant::now() < deadline,
-                    "overrun never reported"
-                ),
+                Ok(_) => assert!(std::time::Instant::now() < deadline, "overrun never reported"),
                 Err(e) => panic!("{e}"),
             }
             std::thread::yield_now();
@@ -537,24 +345,11 @@ fn completion_queue_overrun_is_reported() {
 fn misaligned_atomic_is_an_invalid_request() {
     each(|ctx| {
         let p = pair(ctx, 4096);
-        p.a.post_send(&[SendWr::fetch_and_add(
-            1,
-            p.mr_a.sge(0, 8),
-            p.mr_b.addr() + 4,
-            p.mr_b.rkey(),
-            1,
-        )])
-        .unwrap();
+        p.a.post_send(&[SendWr::fetch_and_add(1, p.mr_a.sge(0, 8), p.mr_b.addr() + 4, p.mr_b.rkey(), 1)]).unwrap();
         assert_eq!(wait_one(&p.cq_a).status, WcStatus::RemInvReqErr);
         let p = pair(ctx, 4096);
         assert!(matches!(
-            p.a.post_send(&[SendWr::fetch_and_add(
-                1,
-                p.mr_a.sge(0, 4),
-                p.mr_b.addr(),
-                p.mr_b.rkey(),
-                1
-            )]),
+            p.a.post_send(&[SendWr::fetch_and_add(1, p.mr_a.sge(0, 4), p.mr_b.addr(), p.mr_b.rkey(), 1)]),
             Err(VerbsError::InvalidArgument(_))
         ));
     });
@@ -568,19 +363,11 @@ fn qp_access_flags_gate_remote_operations() {
         let a = pd.create_qp(&QpInit::new(&cq)).unwrap();
         let b = pd.create_qp(&QpInit::new(&cq)).unwrap();
         a.connect_to(b.endpoint()).unwrap();
-        b.modify(QpTransition::Init {
-            access: AccessFlags::REMOTE_READ,
-            port: 1,
-        })
-        .unwrap();
-        b.modify(QpTransition::Rtr(RtrAttr::new(a.endpoint())))
-            .unwrap();
+        b.modify(QpTransition::Init { access: AccessFlags::REMOTE_READ, port: 1 }).unwrap();
+        b.modify(QpTransition::Rtr(RtrAttr::new(a.endpoint()))).unwrap();
         b.modify(QpTransition::Rts(RtsAttr::default())).unwrap();
-        let mr = pd
-            .register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL)
-            .unwrap();
-        a.post_send(&[SendWr::write(1, &[mr.sge(0, 8)], mr.addr() + 8, mr.rkey())])
-            .unwrap();
+        let mr = pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        a.post_send(&[SendWr::write(1, &[mr.sge(0, 8)], mr.addr() + 8, mr.rkey())]).unwrap();
         assert_eq!(wait_one(&cq).status, WcStatus::RemInvReqErr);
     });
 }
@@ -592,42 +379,20 @@ fn state_machine_refuses_illegal_transitions_and_posts() {
         let cq = ctx.create_cq(64).unwrap();
         let a = pd.create_qp(&QpInit::new(&cq)).unwrap();
         let b = pd.create_qp(&QpInit::new(&cq)).unwrap();
-        let mr = pd
-            .register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL)
-            .unwrap();
+        let mr = pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
         assert_eq!(a.state(), QpState::Reset);
-        assert!(matches!(
-            a.post_recv(&[RecvWr::new(1, &[mr.sge(0, 8)])]),
-            Err(VerbsError::InvalidState(_))
-        ));
-        assert!(matches!(
-            a.modify(QpTransition::Rts(RtsAttr::default())),
-            Err(VerbsError::InvalidState(_))
-        ));
-        a.modify(QpTransition::Init {
-            access: AccessFlags::ALL,
-            port: 1,
-        })
-        .unwrap();
+        assert!(matches!(a.post_recv(&[RecvWr::new(1, &[mr.sge(0, 8)])]), Err(VerbsError::InvalidState(_))));
+        assert!(matches!(a.modify(QpTransition::Rts(RtsAttr::default())), Err(VerbsError::InvalidState(_))));
+        a.modify(QpTransition::Init { access: AccessFlags::ALL, port: 1 }).unwrap();
         a.post_recv(&[RecvWr::new(1, &[mr.sge(0, 8)])]).unwrap();
-        assert!(matches!(
-            a.post_send(&[SendWr::send(1, &[mr.sge(0, 8)])]),
-            Err(VerbsError::InvalidState(_))
-        ));
-        a.modify(QpTransition::Rtr(RtrAttr::new(b.endpoint())))
-            .unwrap();
+        assert!(matches!(a.post_send(&[SendWr::send(1, &[mr.sge(0, 8)])]), Err(VerbsError::InvalidState(_))));
+        a.modify(QpTransition::Rtr(RtrAttr::new(b.endpoint()))).unwrap();
         assert_eq!(a.state(), QpState::ReadyToReceive);
-        assert!(matches!(
-            a.post_send(&[SendWr::send(1, &[mr.sge(0, 8)])]),
-            Err(VerbsError::InvalidState(_))
-        ));
+        assert!(matches!(a.post_send(&[SendWr::send(1, &[mr.sge(0, 8)])]), Err(VerbsError::InvalidState(_))));
         a.modify(QpTransition::Reset).unwrap();
         assert_eq!(a.state(), QpState::Reset);
         assert!(matches!(
-            a.modify(QpTransition::Init {
-                access: AccessFlags::ALL,
-                port: 9
-            }),
+            a.modify(QpTransition::Init { access: AccessFlags::ALL, port: 9 }),
             Err(VerbsError::InvalidArgument(_))
         ));
     });
@@ -638,48 +403,21 @@ fn queue_limits_are_enforced() {
     each(|ctx| {
         let pd = ctx.alloc_pd().unwrap();
         let cq = ctx.create_cq(64).unwrap();
-        let caps = QpCaps {
-            max_send_wr: 2,
-            max_recv_wr: 2,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 16,
-        };
-        let a = pd
-            .create_qp(&QpInit {
-                caps,
-                ..QpInit::new(&cq)
-            })
-            .unwrap();
+        let caps = QpCaps { max_send_wr: 2, max_recv_wr: 2, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 16 };
+        let a = pd.create_qp(&QpInit { caps, ..QpInit::new(&cq) }).unwrap();
         let b = pd.create_qp(&QpInit::new(&cq)).unwrap();
         a.connect_to(b.endpoint()).unwrap();
         b.connect_to(a.endpoint()).unwrap();
-        let mr = pd
-            .register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL)
-            .unwrap();
-        a.post_recv(&[
-            RecvWr::new(1, &[mr.sge(0, 8)]),
-            RecvWr::new(2, &[mr.sge(0, 8)]),
-        ])
-        .unwrap();
-        assert!(matches!(
-            a.post_recv(&[RecvWr::new(3, &[mr.sge(0, 8)])]),
-            Err(VerbsError::Exhausted(_))
-        ));
+        let mr = pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        a.post_recv(&[RecvWr::new(1, &[mr.sge(0, 8)]), RecvWr::new(2, &[mr.sge(0, 8)])]).unwrap();
+        assert!(matches!(a.post_recv(&[RecvWr::new(3, &[mr.sge(0, 8)])]), Err(VerbsError::Exhausted(_))));
         assert!(matches!(
             a.post_send(&[SendWr::send(1, &[mr.sge(0, 4), mr.sge(4, 4)])]),
             Err(VerbsError::InvalidArgument(_))
         ));
         // Two sends wait for receives (none at b): the third does not fit.
-        a.post_send(&[
-            SendWr::send(1, &[mr.sge(0, 4)]),
-            SendWr::send(2, &[mr.sge(0, 4)]),
-        ])
-        .unwrap();
-        assert!(matches!(
-            a.post_send(&[SendWr::send(3, &[mr.sge(0, 4)])]),
-            Err(VerbsError::Exhausted(_))
-        ));
+        a.post_send(&[SendWr::send(1, &[mr.sge(0, 4)]), SendWr::send(2, &[mr.sge(0, 4)])]).unwrap();
+        assert!(matches!(a.post_send(&[SendWr::send(3, &[mr.sge(0, 4)])]), Err(VerbsError::Exhausted(_))));
     });
 }
 
@@ -695,14 +433,10 @@ fn sends_complete_in_order_across_ring_wraps_with_unsignaled_requests() {
         let mut wc = [WorkCompletion::EMPTY; 32];
         let deadline = std::time::Instant::now() + WAIT;
         while received < total {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "stalled at {received}"
-            );
+            assert!(std::time::Instant::now() < deadline, "stalled at {received}");
             while posted_recv < total && posted_recv < received + 200 {
                 let slot = (posted_recv % 16) as usize * 4096;
-                p.b.post_recv(&[RecvWr::new(posted_recv, &[p.mr_b.sge(slot, 4096)])])
-                    .unwrap();
+                p.b.post_recv(&[RecvWr::new(posted_recv, &[p.mr_b.sge(slot, 4096)])]).unwrap();
                 posted_recv += 1;
             }
             if next_send < total {
@@ -711,9 +445,7 @@ fn sends_complete_in_order_across_ring_wraps_with_unsignaled_requests() {
                 p.mr_a.write(0, &next_send.to_le_bytes());
                 match p
                     .a
-                    .post_send(&[SendWr::send(next_send, &[p.mr_a.sge(0, len)])
-                        .inline(len <= 200)
-                        .signaled(signaled)])
+                    .post_send(&[SendWr::send(next_send, &[p.mr_a.sge(0, len)]).inline(len <= 200).signaled(signaled)])
                 {
                     Ok(()) => next_send += 1,
                     Err(VerbsError::Exhausted(_)) => {}
@@ -723,33 +455,15 @@ fn sends_complete_in_order_across_ring_wraps_with_unsignaled_requests() {
             let n = p.cq_a.poll(&mut wc).unwrap();
             for w in &wc[..n] {
                 assert_eq!(w.status, WcStatus::Success);
-                assert_eq!(
-                    w.wr_id % 16,
-                    if w.wr_id == total - 1 {
-                        w.wr_id % 16
-                    } else {
-                        15
-                    }
-                );
-                assert!(
-                    last_signaled_done.is_none_or(|l| w.wr_id > l),
-                    "send completions out of order"
-                );
+                assert_eq!(w.wr_id % 16, if w.wr_id == total - 1 { w.wr_id % 16 } else { 15 });
+                assert!(last_signaled_done.is_none_or(|l| w.wr_id > l), "send completions out of order");
                 last_signaled_done = Some(w.wr_id);
             }
             let n = p.cq_b.poll(&mut wc).unwrap();
             for w in &wc[..n] {
-                assert_eq!(
-                    (w.status, w.wr_id),
-                    (WcStatus::Success, received),
-                    "receives out of order"
-                );
+                assert_eq!((w.status, w.wr_id), (WcStatus::Success, received), "receives out of order");
                 let slot = (w.wr_id % 16) as usize * 4096;
-                assert_eq!(
-                    p.mr_b.read_u64(slot),
-                    received,
-                    "payload of message {received}"
-                );
+                assert_eq!(p.mr_b.read_u64(slot), received, "payload of message {received}");
                 received += 1;
             }
         }
@@ -763,43 +477,23 @@ fn shared_receive_queue_feeds_several_queue_pairs() {
         let cq = ctx.create_cq(256).unwrap();
         let rcq = ctx.create_cq(256).unwrap();
         let srq = pd.create_srq(64, 1).unwrap();
-        let mr = pd
-            .register(vec![0u8; 64 * 64].into_boxed_slice(), AccessFlags::ALL)
-            .unwrap();
-        srq.post_recv(
-            &(0..6)
-                .map(|i| RecvWr::new(i, &[mr.sge(i as usize * 64, 64)]))
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
+        let mr = pd.register(vec![0u8; 64 * 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        srq.post_recv(&(0..6).map(|i| RecvWr::new(i, &[mr.sge(i as usize * 64, 64)])).collect::<Vec<_>>()).unwrap();
         let mut senders = Vec::new();
         let mut receivers = Vec::new();
         for _ in 0..3 {
             let s = pd.create_qp(&QpInit::new(&cq)).unwrap();
-            let r = pd
-                .create_qp(&QpInit {
-                    srq: Some(&srq),
-                    ..QpInit::new(&rcq)
-                })
-                .unwrap();
+            let r = pd.create_qp(&QpInit { srq: Some(&srq), ..QpInit::new(&rcq) }).unwrap();
             s.connect_to(r.endpoint()).unwrap();
             r.connect_to(s.endpoint()).unwrap();
-            assert!(matches!(
-                r.post_recv(&[RecvWr::new(0, &[mr.sge(0, 8)])]),
-                Err(VerbsError::InvalidState(_))
-            ));
+            assert!(matches!(r.post_recv(&[RecvWr::new(0, &[mr.sge(0, 8)])]), Err(VerbsError::InvalidState(_))));
             senders.push(s);
             receivers.push(r);
         }
-        let src = pd
-            .register(vec![7u8; 64].into_boxed_slice(), AccessFlags::ALL)
-            .unwrap();
+        let src = pd.register(vec![7u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
         for (i, s) in senders.iter().enumerate() {
-            s.post_send(&[
-                SendWr::send(i as u64, &[src.sge(0, 16)]),
-                SendWr::send(10 + i as u64, &[src.sge(0, 16)]),
-            ])
-            .unwrap();
+            s.post_send(&[SendWr::send(i as u64, &[src.sge(0, 16)]), SendWr::send(10 + i as u64, &[src.sge(0, 16)])])
+                .unwrap();
         }
         let wcs = wait_n(&rcq, 6);
         let mut ids: Vec<u64> = wcs.iter().map(|w| w.wr_id).collect();
@@ -817,33 +511,23 @@ fn shared_receive_queue_feeds_several_queue_pairs() {
 fn armed_queue_wakes_a_sleeper_on_the_event_descriptor() {
     each(|ctx| {
         let p = pair(ctx, 4096);
-        p.b.post_recv(&[RecvWr::new(1, &[p.mr_b.sge(0, 64)])])
-            .unwrap();
+        p.b.post_recv(&[RecvWr::new(1, &[p.mr_b.sge(0, 64)])]).unwrap();
         let mut wc = [WorkCompletion::EMPTY; 1];
         assert_eq!(p.cq_b.poll(&mut wc).unwrap(), 0);
         p.cq_b.req_notify().unwrap();
-        assert!(
-            !p.cq_b.wait_event(Some(Duration::from_millis(20))).unwrap(),
-            "woke with nothing to do"
-        );
+        assert!(!p.cq_b.wait_event(Some(Duration::from_millis(20))).unwrap(), "woke with nothing to do");
         std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(20));
-                p.a.post_send(&[SendWr::send(1, &[p.mr_a.sge(0, 8)])])
-                    .unwrap();
+                p.a.post_send(&[SendWr::send(1, &[p.mr_a.sge(0, 8)])]).unwrap();
             });
-            assert!(
-                p.cq_b.wait_event(Some(WAIT)).unwrap(),
-                "the send did not wake the sleeper"
-            );
+            assert!(p.cq_b.wait_event(Some(WAIT)).unwrap(), "the send did not wake the sleeper");
         });
         p.cq_b.ack_event();
         assert_eq!(wait_one(&p.cq_b).status, WcStatus::Success);
         // Arming while a completion is pending fires at once (no lost wake-up).
-        p.b.post_recv(&[RecvWr::new(2, &[p.mr_b.sge(0, 64)])])
-            .unwrap();
-        p.a.post_send(&[SendWr::send(2, &[p.mr_a.sge(0, 8)])])
-            .unwrap();
+        p.b.post_recv(&[RecvWr::new(2, &[p.mr_b.sge(0, 64)])]).unwrap();
+        p.a.post_send(&[SendWr::send(2, &[p.mr_a.sge(0, 8)])]).unwrap();
         std::thread::sleep(Duration::from_millis(5));
         p.cq_b.req_notify().unwrap();
         assert!(p.cq_b.wait_event(Some(Duration::from_secs(1))).unwrap());
@@ -862,13 +546,7 @@ fn writes_land_in_pages_the_target_protected() {
     p.mr_a.write(0, b"through the protection");
     // SAFETY: a whole page inside a buffer only this test touches, unprotected before it is read.
     let guard = unsafe { protect::protect(base, page, protect::Protection::None) }.unwrap();
-    p.a.post_send(&[SendWr::write(
-        1,
-        &[p.mr_a.sge(0, 22)],
-        base as u64,
-        mr.rkey(),
-    )])
-    .unwrap();
+    p.a.post_send(&[SendWr::write(1, &[p.mr_a.sge(0, 22)], base as u64, mr.rkey())]).unwrap();
     assert_eq!(wait_one(&p.cq_a).status, WcStatus::Success);
     drop(guard);
     let mut got = [0u8; 22];
@@ -884,13 +562,7 @@ fn provider_allocated_memory_is_a_shared_segment_target() {
     assert!(seg.is_shared_segment());
     let data = pattern(3, 1 << 16);
     p.mr_a.write(0, &data);
-    p.a.post_send(&[SendWr::write(
-        1,
-        &[p.mr_a.sge(0, 1 << 16)],
-        seg.addr(),
-        seg.rkey(),
-    )])
-    .unwrap();
+    p.a.post_send(&[SendWr::write(1, &[p.mr_a.sge(0, 1 << 16)], seg.addr(), seg.rkey())]).unwrap();
     assert_eq!(wait_one(&p.cq_a).status, WcStatus::Success);
     let mut got = vec![0u8; 1 << 16];
     seg.read(0, &mut got);
@@ -901,17 +573,12 @@ fn provider_allocated_memory_is_a_shared_segment_target() {
 fn deregistered_keys_are_refused_and_never_match_a_later_registration() {
     each(|ctx| {
         let p = pair(ctx, 4096);
-        let old =
-            p.pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL)
-                .unwrap();
+        let old = p.pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
         let (old_addr, old_key) = (old.addr(), old.rkey());
         drop(old);
-        let new =
-            p.pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL)
-                .unwrap();
+        let new = p.pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
         assert_ne!(new.rkey(), old_key);
-        p.a.post_send(&[SendWr::write(1, &[p.mr_a.sge(0, 8)], old_addr, old_key)])
-            .unwrap();
+        p.a.post_send(&[SendWr::write(1, &[p.mr_a.sge(0, 8)], old_addr, old_key)]).unwrap();
         assert_eq!(wait_one(&p.cq_a).status, WcStatus::RemAccessErr);
         assert_eq!(new.read_u64(0), 0);
     });

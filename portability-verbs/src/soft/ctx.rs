@@ -50,7 +50,10 @@ impl SoftConfig {
 
     pub(crate) fn validate(&self) -> Result<()> {
         if !self.ring_bytes.is_power_of_two() || self.ring_bytes < 8192 || self.ring_bytes > (1 << 30) {
-            return Err(VerbsError::invalid(format!("ring_bytes {} must be a power of two in 8 KiB..1 GiB", self.ring_bytes)));
+            return Err(VerbsError::invalid(format!(
+                "ring_bytes {} must be a power of two in 8 KiB..1 GiB",
+                self.ring_bytes
+            )));
         }
         if self.copy_threshold > super::wire::max_record(self.ring_bytes) - super::wire::HEADER_BYTES {
             return Err(VerbsError::invalid("copy_threshold does not fit in half the ring"));
@@ -80,7 +83,7 @@ impl MrInfo {
 /// and a key of a freed registration does not match a later one in the same slot.
 pub fn key_slot(key: u32) -> Option<usize> {
     let s = (key >> 8) as usize;
-    (s >= 1 && s <= MR_SLOTS && key & 0xff != 0).then(|| s - 1)
+    ((1..=MR_SLOTS).contains(&s) && key & 0xff != 0).then(|| s - 1)
 }
 
 struct MrSlots {
@@ -159,10 +162,10 @@ impl CtxInner {
         if addr.checked_add(len).is_none() {
             return Err(VerbsError::invalid("region wraps the address space"));
         }
-        if access.contains(AccessFlags::REMOTE_WRITE) || access.contains(AccessFlags::REMOTE_ATOMIC) {
-            if !access.contains(AccessFlags::LOCAL_WRITE) {
-                return Err(VerbsError::invalid("remote write or atomic access needs LOCAL_WRITE (as in verbs)"));
-            }
+        if (access.contains(AccessFlags::REMOTE_WRITE) || access.contains(AccessFlags::REMOTE_ATOMIC))
+            && !access.contains(AccessFlags::LOCAL_WRITE)
+        {
+            return Err(VerbsError::invalid("remote write or atomic access needs LOCAL_WRITE (as in verbs)"));
         }
         let mut t = self.mrs.write().expect("mr table lock");
         let slot = match t.free.pop() {
@@ -203,7 +206,9 @@ impl CtxInner {
     /// false if a peer kept an access open past the grace period (the memory must then be leaked,
     /// not freed, since a dead or stuck peer might still copy into it).
     pub fn deregister(&self, key: u32) -> bool {
-        let Some(slot) = key_slot(key) else { return true };
+        let Some(slot) = key_slot(key) else {
+            return true;
+        };
         let mut t = self.mrs.write().expect("mr table lock");
         if t.entries.get(slot).and_then(|e| e.as_ref()).map(|e| e.key) != Some(key) {
             return true;
@@ -248,10 +253,9 @@ impl CtxInner {
         let t = self.mrs.read().expect("mr table lock");
         sges.iter().all(|s| {
             s.length == 0
-                || key_slot(s.lkey)
-                    .and_then(|i| t.entries.get(i))
-                    .and_then(|e| e.as_ref())
-                    .is_some_and(|i| i.key == s.lkey && i.pd == pd && i.access.contains(need) && i.covers(s.addr, s.length as u64))
+                || key_slot(s.lkey).and_then(|i| t.entries.get(i)).and_then(|e| e.as_ref()).is_some_and(|i| {
+                    i.key == s.lkey && i.pd == pd && i.access.contains(need) && i.covers(s.addr, s.length as u64)
+                })
         })
     }
 

@@ -21,9 +21,11 @@ mod segment;
 pub(crate) mod sys;
 pub mod wire;
 
-pub use ctx::SoftConfig;
 pub(crate) use cq::CqInner;
+#[allow(unused_imports)]
+pub(crate) use ctx::unique_id;
 pub(crate) use ctx::CtxInner;
+pub use ctx::SoftConfig;
 pub(crate) use qp::{QpInner, SrqInner};
 pub use segment::page_size;
 
@@ -52,7 +54,14 @@ pub(crate) struct SoftMr {
 }
 
 impl SoftMr {
-    pub fn register(ctx: &Arc<CtxInner>, pd: u32, addr: u64, len: usize, access: AccessFlags, backing: SoftBacking) -> Result<SoftMr> {
+    pub fn register(
+        ctx: &Arc<CtxInner>,
+        pd: u32,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        backing: SoftBacking,
+    ) -> Result<SoftMr> {
         let seg = match &backing {
             SoftBacking::Segment(s) => Some(s),
             _ => None,

@@ -55,7 +55,10 @@ impl PeerCtx {
         // The pidfd pins the process; its start time tells a recycled pid apart.
         let start = sys::process_start_time(ep.pid).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
         if start != ep.start_time {
-            return Err(VerbsError::PeerUnreachable(format!("process {} is not the one that sent the endpoint", ep.pid)));
+            return Err(VerbsError::PeerUnreachable(format!(
+                "process {} is not the one that sent the endpoint",
+                ep.pid
+            )));
         }
         let fd = sys::pidfd_getfd(pidfd.as_raw_fd(), ep.ctrl_fd).map_err(|e| {
             VerbsError::PeerUnreachable(format!("{e} (cross-process access needs ptrace rights over the peer, e.g. the same user and kernel.yama.ptrace_scope 0 or 1 with a parent/child relation)"))
@@ -103,7 +106,14 @@ impl PeerCtx {
 
     /// Validates an access to the peer's memory: key, bounds, rights and protection domain, the
     /// checks a responder makes. On success the range is marked in use until the guard drops.
-    pub fn access(&self, rkey: u32, addr: u64, len: u64, need: AccessFlags, pd: u32) -> Result<RemoteAccess<'_>, WcStatus> {
+    pub fn access(
+        &self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+        pd: u32,
+    ) -> Result<RemoteAccess<'_>, WcStatus> {
         let entry = key_slot(rkey).and_then(|i| self.ctrl().mr(i)).ok_or(WcStatus::RemAccessErr)?;
         if entry.key.load(Ordering::Acquire) != rkey {
             return Err(WcStatus::RemAccessErr);
@@ -156,7 +166,9 @@ impl PeerCtx {
 
     /// Wakes the owner of doorbell `slot` if it armed it (sleeps or is about to).
     pub fn ring_bell(&self, slot: u32) {
-        let Some(bell) = self.ctrl().bell(slot as usize) else { return };
+        let Some(bell) = self.ctrl().bell(slot as usize) else {
+            return;
+        };
         // Dekker with the owner's arm-then-check: our publish is ordered before this load.
         fence(Ordering::SeqCst);
         if bell.armed.load(Ordering::Relaxed) == 0 || bell.armed.swap(0, Ordering::AcqRel) == 0 {
@@ -186,12 +198,14 @@ impl PeerCtx {
                 break;
             }
             spins += 1;
-            if spins % 1024 == 0 {
+            if spins.is_multiple_of(1024) {
                 if start.elapsed() > Duration::from_millis(100) {
                     // A holder that died keeps the lock for ever: take it over.
                     let holder = (cur >> 32) as u32;
                     let holder_alive = holder != 0 && sys::pidfd_open(holder).is_ok_and(|fd| sys::pidfd_alive(&fd));
-                    if !holder_alive && lock.compare_exchange(cur, self.lock_tag, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                    if !holder_alive
+                        && lock.compare_exchange(cur, self.lock_tag, Ordering::Acquire, Ordering::Relaxed).is_ok()
+                    {
                         break;
                     }
                     if start.elapsed() > Duration::from_secs(5) {

@@ -53,7 +53,11 @@ impl SrqInner {
         let mut q = self.queue.lock().expect("srq lock");
         for wr in wrs {
             if wr.sg_list.len() > self.max_sge as usize {
-                return Err(VerbsError::invalid(format!("{} SGEs over the SRQ's max_sge {}", wr.sg_list.len(), self.max_sge)));
+                return Err(VerbsError::invalid(format!(
+                    "{} SGEs over the SRQ's max_sge {}",
+                    wr.sg_list.len(),
+                    self.max_sge
+                )));
             }
             if q.len() >= self.max_wr as usize {
                 return Err(VerbsError::Exhausted("shared receive queue is full".into()));
@@ -198,10 +202,14 @@ impl QpInner {
         srq: Option<&Arc<SrqInner>>,
         caps: QpCaps,
     ) -> Result<Arc<QpInner>> {
-        if caps.max_send_wr == 0 || caps.max_send_sge == 0 || (srq.is_none() && (caps.max_recv_wr == 0 || caps.max_recv_sge == 0)) {
+        if caps.max_send_wr == 0
+            || caps.max_send_sge == 0
+            || (srq.is_none() && (caps.max_recv_wr == 0 || caps.max_recv_sge == 0))
+        {
             return Err(VerbsError::invalid("queue sizes must be > 0"));
         }
-        if caps.max_send_wr > 1 << 16 || caps.max_recv_wr > 1 << 16 || caps.max_send_sge > 64 || caps.max_recv_sge > 64 {
+        if caps.max_send_wr > 1 << 16 || caps.max_recv_wr > 1 << 16 || caps.max_send_sge > 64 || caps.max_recv_sge > 64
+        {
             return Err(VerbsError::invalid("queue sizes over the provider's limits (64 Ki requests, 64 SGEs)"));
         }
         if caps.max_inline_data as usize > ctx.config.copy_threshold {
@@ -329,7 +337,9 @@ impl QpInner {
             }
             (QpState::Init, QpTransition::Rtr(attr)) => {
                 let EndpointInfo::Soft(info) = attr.remote else {
-                    return Err(VerbsError::ProviderMismatch("a software QP can only connect to a software endpoint".into()));
+                    return Err(VerbsError::ProviderMismatch(
+                        "a software QP can only connect to a software endpoint".into(),
+                    ));
                 };
                 let remote = self.connect(&info)?;
                 core.min_rnr_timer = attr.min_rnr_timer & 31;
@@ -423,7 +433,8 @@ impl QpInner {
             for e in core.sq.iter() {
                 if let SqStage::InRing { off, .. } = e.stage {
                     let st = ring.status(off);
-                    let _ = st.compare_exchange(status::PENDING, status::CANCELLED, Ordering::AcqRel, Ordering::Acquire);
+                    let _ =
+                        st.compare_exchange(status::PENDING, status::CANCELLED, Ordering::AcqRel, Ordering::Acquire);
                 }
             }
         }
@@ -444,7 +455,15 @@ impl QpInner {
         }
     }
 
-    fn recv_wc(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, len: u32, imm: Option<u32>, src_qp: u32) -> WorkCompletion {
+    fn recv_wc(
+        &self,
+        wr_id: u64,
+        status: WcStatus,
+        opcode: WcOpcode,
+        len: u32,
+        imm: Option<u32>,
+        src_qp: u32,
+    ) -> WorkCompletion {
         WorkCompletion { wr_id, status, opcode, byte_len: len, imm, qp_num: self.qpn, src_qp }
     }
 
@@ -467,7 +486,11 @@ impl QpInner {
         let r = (|| {
             for wr in wrs {
                 if wr.sg_list.len() > self.caps.max_recv_sge as usize {
-                    return Err(VerbsError::invalid(format!("{} SGEs over max_recv_sge {}", wr.sg_list.len(), self.caps.max_recv_sge)));
+                    return Err(VerbsError::invalid(format!(
+                        "{} SGEs over max_recv_sge {}",
+                        wr.sg_list.len(),
+                        self.caps.max_recv_sge
+                    )));
                 }
                 match core.state {
                     QpState::Reset => return Err(VerbsError::InvalidState("cannot post receives in RESET".into())),
@@ -507,13 +530,16 @@ impl QpInner {
                 for s in &wr.sg_list {
                     // SAFETY: inline data is read at post time from memory the caller hands us
                     // for this call; the addresses come from the caller's own SGEs.
-                    v.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize) });
+                    v.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
+                    });
                 }
                 Some(v)
             } else {
                 None
             };
-            let stage = if core.state == QpState::Error { SqStage::Done(WcStatus::WrFlushErr) } else { SqStage::Waiting };
+            let stage =
+                if core.state == QpState::Error { SqStage::Done(WcStatus::WrFlushErr) } else { SqStage::Waiting };
             core.sq.push_back(SqEntry { wr: wr.clone(), inline_data, stage });
         }
         self.execute(&mut core, &mut out);
@@ -532,14 +558,25 @@ impl QpInner {
             return Err(VerbsError::Exhausted("send queue is full".into()));
         }
         if wr.sg_list.len() > self.caps.max_send_sge as usize {
-            return Err(VerbsError::invalid(format!("{} SGEs over max_send_sge {}", wr.sg_list.len(), self.caps.max_send_sge)));
+            return Err(VerbsError::invalid(format!(
+                "{} SGEs over max_send_sge {}",
+                wr.sg_list.len(),
+                self.caps.max_send_sge
+            )));
         }
         let len = wr.byte_len();
         if len > wire::MAX_MESSAGE as u64 {
             return Err(VerbsError::invalid("message over 2 GiB"));
         }
-        if wr.flags.inline && !wr.opcode.is_atomic() && wr.opcode != WrOpcode::RdmaRead && len > self.caps.max_inline_data as u64 {
-            return Err(VerbsError::invalid(format!("{len} inline bytes over max_inline_data {}", self.caps.max_inline_data)));
+        if wr.flags.inline
+            && !wr.opcode.is_atomic()
+            && wr.opcode != WrOpcode::RdmaRead
+            && len > self.caps.max_inline_data as u64
+        {
+            return Err(VerbsError::invalid(format!(
+                "{len} inline bytes over max_inline_data {}",
+                self.caps.max_inline_data
+            )));
         }
         if wr.opcode.is_atomic() && (wr.sg_list.len() != 1 || wr.sg_list[0].length != 8) {
             return Err(VerbsError::invalid("an atomic takes exactly one 8-byte SGE"));
@@ -658,7 +695,8 @@ impl QpInner {
         let e = &core.sq[idx];
         let len = e.wr.byte_len() as u32;
         let flags = if e.wr.opcode == WrOpcode::SendWithImm { wire::FLAG_IMM } else { 0 };
-        let mut h = RecordHeader { kind: RecordKind::SendInline, flags, sge_count: 0, len, imm: e.wr.imm, rkey: 0, raddr: 0 };
+        let mut h =
+            RecordHeader { kind: RecordKind::SendInline, flags, sge_count: 0, len, imm: e.wr.imm, rkey: 0, raddr: 0 };
         if e.inline_data.is_none() && !self.ctx.check_local(&e.wr.sg_list, AccessFlags::NONE, self.pd) {
             return Some(SqStage::Done(WcStatus::LocProtErr));
         }
@@ -677,7 +715,9 @@ impl QpInner {
                 for (i, s) in sges.iter().enumerate() {
                     let d = Descriptor { addr: s.addr, len: s.length, key: s.lkey }.encode();
                     // SAFETY: `dst` has room for sge_count descriptors (the record was sized so).
-                    unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), dst.add(i * wire::DESC_BYTES), wire::DESC_BYTES) };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(d.as_ptr(), dst.add(i * wire::DESC_BYTES), wire::DESC_BYTES)
+                    };
                 }
                 Ok(())
             })
@@ -714,17 +754,31 @@ impl QpInner {
             return Some(SqStage::Done(WcStatus::LocProtErr));
         }
         if ring_inline {
-            let h = RecordHeader { kind: RecordKind::WriteImmInline, flags: wire::FLAG_IMM, sge_count: 0, len, imm, rkey, raddr };
+            let h = RecordHeader {
+                kind: RecordKind::WriteImmInline,
+                flags: wire::FLAG_IMM,
+                sge_count: 0,
+                len,
+                imm,
+                rkey,
+                raddr,
+            };
             let inline = e.inline_data.clone();
             let sges = e.wr.sg_list.clone();
             return self.place_record(core, h, |dst| self.gather_into(dst, inline.as_deref(), &sges));
         }
         // Room for the notification first, so the data is written exactly once.
         let r = core.remote.as_ref()?;
-        let h = RecordHeader { kind: RecordKind::WriteImmNotify, flags: wire::FLAG_IMM, sge_count: 0, len, imm, rkey, raddr };
-        if wire::place(core.produced, r.seg().consumer().consumed.load(Ordering::Acquire), r.ring_bytes, h.record_size()).is_none() {
-            return None;
-        }
+        let h = RecordHeader {
+            kind: RecordKind::WriteImmNotify,
+            flags: wire::FLAG_IMM,
+            sge_count: 0,
+            len,
+            imm,
+            rkey,
+            raddr,
+        };
+        wire::place(core.produced, r.seg().consumer().consumed.load(Ordering::Acquire), r.ring_bytes, h.record_size())?;
         if let SqStage::Done(st) = self.run_one_sided(core, idx) {
             if !st.is_success() {
                 return Some(SqStage::Done(st));
@@ -735,7 +789,9 @@ impl QpInner {
 
     /// Carries out a one-sided request on the peer's memory; returns its final stage.
     fn run_one_sided(&self, core: &QpCore, idx: usize) -> SqStage {
-        let Some(r) = &core.remote else { return SqStage::Done(WcStatus::RetryExcErr) };
+        let Some(r) = &core.remote else {
+            return SqStage::Done(WcStatus::RetryExcErr);
+        };
         let e = &core.sq[idx];
         let wr = &e.wr;
         let peer_qp_access = AccessFlags::from_bits_truncate(r.seg().header().access.load(Ordering::Relaxed));
@@ -751,7 +807,7 @@ impl QpInner {
             return SqStage::Done(WcStatus::LocProtErr);
         }
         let len = wr.byte_len();
-        if wr.opcode.is_atomic() && wr.remote_addr % 8 != 0 {
+        if wr.opcode.is_atomic() && !wr.remote_addr.is_multiple_of(8) {
             return SqStage::Done(WcStatus::RemInvReqErr);
         }
         let access = match r.peer.access(wr.rkey, wr.remote_addr, len, need_remote, r.info.pd) {
@@ -802,7 +858,17 @@ impl QpInner {
             WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
                 let (cmp_add, swap, cas) = (wr.compare_add, wr.swap, wr.opcode == WrOpcode::AtomicCmpAndSwp);
                 access
-                    .atomic(|old| if cas { if old == cmp_add { swap } else { old } } else { old.wrapping_add(cmp_add) })
+                    .atomic(|old| {
+                        if cas {
+                            if old == cmp_add {
+                                swap
+                            } else {
+                                old
+                            }
+                        } else {
+                            old.wrapping_add(cmp_add)
+                        }
+                    })
                     .and_then(|old| {
                         let s = wr.sg_list[0];
                         let bytes = old.to_ne_bytes();
@@ -825,7 +891,9 @@ impl QpInner {
     /// Reports finished requests in order: errors always, successes when signaled.
     fn retire(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
         while let Some(front) = core.sq.front() {
-            let SqStage::Done(st) = front.stage else { break };
+            let SqStage::Done(st) = front.stage else {
+                break;
+            };
             if !st.is_success() || front.wr.flags.signaled {
                 out.push((
                     true,
@@ -872,7 +940,8 @@ impl QpInner {
                         let rq = r.peer.ctrl().rq(r.info.rq_slot as usize).expect("validated at connect");
                         let empty = rq.posted.load(Ordering::Acquire) <= rq.consumed.load(Ordering::Acquire);
                         if empty {
-                            let timer = rnr_timer_duration(r.seg().header().min_rnr_timer.load(Ordering::Relaxed) as u8);
+                            let timer =
+                                rnr_timer_duration(r.seg().header().min_rnr_timer.load(Ordering::Relaxed) as u8);
                             let now = Instant::now();
                             let t = core.rnr.get_or_insert(RnrTrack { start, naks: 0, last: now });
                             if t.start != start {
@@ -884,8 +953,14 @@ impl QpInner {
                             }
                             if core.rts.rnr_retry != 7
                                 && t.naks > core.rts.rnr_retry as u32
-                                && ring.status(off)
-                                    .compare_exchange(status::PENDING, status::CANCELLED, Ordering::AcqRel, Ordering::Acquire)
+                                && ring
+                                    .status(off)
+                                    .compare_exchange(
+                                        status::PENDING,
+                                        status::CANCELLED,
+                                        Ordering::AcqRel,
+                                        Ordering::Acquire,
+                                    )
                                     .is_ok()
                             {
                                 e.stage = SqStage::Done(WcStatus::RnrRetryExcErr);
@@ -944,7 +1019,9 @@ impl QpInner {
                 consumed_any = true;
                 continue;
             }
-            let Some(recv) = self.take_receive(core) else { break }; // receiver not ready
+            let Some(recv) = self.take_receive(core) else {
+                break;
+            }; // receiver not ready
             match st.compare_exchange(status::PENDING, status::TAKEN, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => {}
                 Err(status::CANCELLED) => {
@@ -971,7 +1048,9 @@ impl QpInner {
             };
             let (code, local_status) = match result {
                 Ok(()) => (status::OK, WcStatus::Success),
-                Err(code) => (code, if code == status::REM_INV_REQ { WcStatus::LocLenErr } else { WcStatus::LocProtErr }),
+                Err(code) => {
+                    (code, if code == status::REM_INV_REQ { WcStatus::LocLenErr } else { WcStatus::LocProtErr })
+                }
             };
             st.store(code, Ordering::Release);
             core.cons_head += h.record_size() as u64;
@@ -1013,17 +1092,26 @@ impl QpInner {
 
     /// Carries out one claimed record. Returns the record status code (Err for failures) and
     /// whether the receive goes back unused (the requester could not supply its data).
-    fn deliver_record(&self, core: &QpCore, h: &RecordHeader, payload: *const u8, recv: &RecvWr) -> (Result<(), u32>, bool) {
+    fn deliver_record(
+        &self,
+        core: &QpCore,
+        h: &RecordHeader,
+        payload: *const u8,
+        recv: &RecvWr,
+    ) -> (Result<(), u32>, bool) {
         match h.kind {
             RecordKind::SendInline => {
                 if h.len as u64 > recv.capacity() {
                     return (Err(status::REM_INV_REQ), false);
                 }
-                (self.scatter(recv, h.len as usize, |dst, off, n| {
-                    // SAFETY: `off + n <= len` and the payload holds `len` bytes inside the ring.
-                    unsafe { local_copy(dst, payload.add(off), n) };
-                    Ok(())
-                }), false)
+                (
+                    self.scatter(recv, h.len as usize, |dst, off, n| {
+                        // SAFETY: `off + n <= len` and the payload holds `len` bytes inside the ring.
+                        unsafe { local_copy(dst, payload.add(off), n) };
+                        Ok(())
+                    }),
+                    false,
+                )
             }
             RecordKind::SendDescriptors => {
                 if h.len as u64 > recv.capacity() {
@@ -1037,7 +1125,9 @@ impl QpInner {
                     Ok(d) => d,
                     Err(_) => return (Err(status::REM_INV_REQ), false),
                 };
-                let Some(r) = &core.remote else { return (Err(status::REM_OP), true) };
+                let Some(r) = &core.remote else {
+                    return (Err(status::REM_OP), true);
+                };
                 let res = self.pull_descriptors(r, &descs, recv);
                 match res {
                     Ok(()) => (Ok(()), false),
@@ -1052,11 +1142,12 @@ impl QpInner {
                 if !ok {
                     return (Err(status::REM_ACCESS), false);
                 }
-                let placed = self.ctx.with_local(h.rkey, h.raddr, h.len as u64, AccessFlags::REMOTE_WRITE, self.pd, || {
-                    // SAFETY: the destination is a live registration with remote write (checked under
-                    // the table lock); the payload holds `len` bytes inside the ring.
-                    unsafe { local_copy(h.raddr as usize as *mut u8, payload, h.len as usize) }
-                });
+                let placed =
+                    self.ctx.with_local(h.rkey, h.raddr, h.len as u64, AccessFlags::REMOTE_WRITE, self.pd, || {
+                        // SAFETY: the destination is a live registration with remote write (checked under
+                        // the table lock); the payload holds `len` bytes inside the ring.
+                        unsafe { local_copy(h.raddr as usize as *mut u8, payload, h.len as usize) }
+                    });
                 (placed.ok_or(status::REM_ACCESS), false)
             }
             RecordKind::WriteImmNotify => (Ok(()), false),
@@ -1072,7 +1163,8 @@ impl QpInner {
         let mut s_off = 0usize;
         let mut accesses = Vec::with_capacity(descs.len());
         for d in descs {
-            let a = r.peer.access(d.key, d.addr, d.len as u64, AccessFlags::NONE, r.info.pd).map_err(|_| status::REM_OP)?;
+            let a =
+                r.peer.access(d.key, d.addr, d.len as u64, AccessFlags::NONE, r.info.pd).map_err(|_| status::REM_OP)?;
             accesses.push(a);
         }
         self.scatter(recv, total, |dst, _off, mut n| {
@@ -1096,7 +1188,12 @@ impl QpInner {
     }
 
     /// Scatters `len` bytes into a receive's SGEs: `copy(dst, message_offset, n)` fills each piece.
-    fn scatter(&self, recv: &RecvWr, len: usize, mut copy: impl FnMut(*mut u8, usize, usize) -> Result<(), u32>) -> Result<(), u32> {
+    fn scatter(
+        &self,
+        recv: &RecvWr,
+        len: usize,
+        mut copy: impl FnMut(*mut u8, usize, usize) -> Result<(), u32>,
+    ) -> Result<(), u32> {
         let keys = self.ctx.local_keys();
         let mut off = 0usize;
         for s in &recv.sg_list {
@@ -1134,7 +1231,9 @@ impl QpInner {
 
     /// One progress pass for the queue `cq` (send side, receive side, or both).
     pub(crate) fn progress(&self, cq: &CqInner) {
-        let Ok(mut core) = self.core.try_lock() else { return }; // another thread is on it
+        let Ok(mut core) = self.core.try_lock() else {
+            return;
+        }; // another thread is on it
         let mut out = Vec::new();
         if cq.overrun() && core.state != QpState::Error {
             self.enter_error(&mut core, &mut out);
@@ -1162,7 +1261,9 @@ impl QpInner {
 
     /// Runs the responder side if no other thread is on this queue pair.
     fn drive_inbound(&self) {
-        let Ok(mut core) = self.core.try_lock() else { return };
+        let Ok(mut core) = self.core.try_lock() else {
+            return;
+        };
         let mut out = Vec::new();
         self.progress_inbound(&mut core, &mut out);
         drop(core);
@@ -1171,7 +1272,9 @@ impl QpInner {
 
     /// True if a progress pass for `cq` would find something to do.
     pub(crate) fn work_pending(&self, cq: &CqInner) -> bool {
-        let Ok(core) = self.core.lock() else { return true };
+        let Ok(core) = self.core.lock() else {
+            return true;
+        };
         if std::ptr::eq(cq, &*self.recv_cq) && !core.inbound_dead {
             let off = (core.cons_head % self.ring_bytes as u64) as usize;
             if self.ring().seq(off).load(Ordering::Acquire) == core.expect_seq {
@@ -1195,7 +1298,9 @@ impl QpInner {
 
     /// Checks the peer now (after a sleep, when its death may be what woke us).
     pub(crate) fn check_peer_now(&self) {
-        let Ok(mut core) = self.core.lock() else { return };
+        let Ok(mut core) = self.core.lock() else {
+            return;
+        };
         let mut out = Vec::new();
         core.last_liveness = Instant::now();
         self.check_peer(&mut core, &mut out);
@@ -1235,7 +1340,7 @@ struct RingView {
 
 impl RingView {
     fn word(&self, off: usize, word: usize) -> &AtomicU32 {
-        assert!(off % wire::RECORD_ALIGN == 0 && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
+        assert!(off.is_multiple_of(wire::RECORD_ALIGN) && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
         // SAFETY: in bounds (checked above) of a mapping that outlives the view's users, 4-byte
         // aligned (the ring is page-aligned plus a 64-byte multiple); AtomicU32 accepts any bits.
         unsafe { &*(self.base.add(off + 4 * word) as *const AtomicU32) }
@@ -1250,14 +1355,14 @@ impl RingView {
     }
     /// Writes the decoded fields of a header (bytes 8..32 of a record).
     fn write_fields(&self, off: usize, h: &RecordHeader) {
-        assert!(off % wire::RECORD_ALIGN == 0 && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
+        assert!(off.is_multiple_of(wire::RECORD_ALIGN) && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
         let b = h.encode();
         // SAFETY: 24 bytes at off+8 are inside the ring (checked above).
         unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.base.add(off + 8), FIELDS_BYTES) };
     }
     /// Copies the decoded fields of the header at `off`.
     fn read_fields(&self, off: usize) -> [u8; FIELDS_BYTES] {
-        assert!(off % wire::RECORD_ALIGN == 0 && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
+        assert!(off.is_multiple_of(wire::RECORD_ALIGN) && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
         let mut b = [0u8; FIELDS_BYTES];
         // SAFETY: as in `write_fields`.
         unsafe { std::ptr::copy_nonoverlapping(self.base.add(off + 8), b.as_mut_ptr(), FIELDS_BYTES) };

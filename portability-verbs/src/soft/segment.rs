@@ -48,14 +48,16 @@ impl Segment {
     pub fn create_named(name: &str, id: u64, len: usize) -> Result<Segment> {
         let len = round_to_page(len.max(1));
         let file = sys::memfd(name, len)?;
-        let map = MmapOptions::new().len(len).map_raw(&file).map_err(|e| VerbsError::os("mapping a shared segment", e))?;
+        let map =
+            MmapOptions::new().len(len).map_raw(&file).map_err(|e| VerbsError::os("mapping a shared segment", e))?;
         Ok(Segment { map, file, id })
     }
 
     /// Maps a segment whose descriptor was fetched from its owner, after checking that the
     /// descriptor is the memfd named `expected_name` and at least `min_len` bytes long.
     pub fn map_fetched(fd: OwnedFd, expected_name: &str, min_len: usize) -> Result<Segment> {
-        let target = sys::fd_target(fd.as_raw_fd()).map_err(|e| VerbsError::os("inspecting a fetched descriptor", e))?;
+        let target =
+            sys::fd_target(fd.as_raw_fd()).map_err(|e| VerbsError::os("inspecting a fetched descriptor", e))?;
         let want = format!("/memfd:{expected_name} (deleted)");
         if target != want {
             return Err(VerbsError::PeerUnreachable(format!("descriptor is {target:?}, expected {want:?}")));
@@ -66,7 +68,8 @@ impl Segment {
         if len < min_len {
             return Err(VerbsError::Protocol(format!("peer segment has {len} bytes, expected at least {min_len}")));
         }
-        let map = MmapOptions::new().len(len).map_raw(&file).map_err(|e| VerbsError::os("mapping a peer segment", e))?;
+        let map =
+            MmapOptions::new().len(len).map_raw(&file).map_err(|e| VerbsError::os("mapping a peer segment", e))?;
         Ok(Segment { map, file, id: 0 })
     }
 

@@ -191,14 +191,12 @@ impl RecordHeader {
         match kind {
             RecordKind::Pad => {
                 let len = h.len as usize;
-                if len < HEADER_BYTES || len % RECORD_ALIGN != 0 || offset.checked_add(len) != Some(ring) {
+                if len < HEADER_BYTES || !len.is_multiple_of(RECORD_ALIGN) || offset.checked_add(len) != Some(ring) {
                     return Err(RecordError::BadPad);
                 }
             }
-            RecordKind::SendDescriptors => {
-                if h.sge_count == 0 || h.sge_count as usize > MAX_DESC {
-                    return Err(RecordError::BadDescriptors("descriptor count out of range"));
-                }
+            RecordKind::SendDescriptors if h.sge_count == 0 || h.sge_count as usize > MAX_DESC => {
+                return Err(RecordError::BadDescriptors("descriptor count out of range"));
             }
             _ => {}
         }
@@ -242,7 +240,7 @@ impl Descriptor {
 
 /// Decodes and checks the descriptor payload of a record whose header says `total` bytes.
 pub fn decode_descriptors(payload: &[u8], total: u32) -> Result<smallvec::SmallVec<[Descriptor; 4]>, RecordError> {
-    if payload.len() % DESC_BYTES != 0 || payload.is_empty() || payload.len() / DESC_BYTES > MAX_DESC {
+    if !payload.len().is_multiple_of(DESC_BYTES) || payload.is_empty() || payload.len() / DESC_BYTES > MAX_DESC {
         return Err(RecordError::BadDescriptors("payload is not a whole descriptor list"));
     }
     let list: smallvec::SmallVec<[Descriptor; 4]> =
@@ -278,7 +276,7 @@ pub struct Placement {
 /// zeroes that line's publish word before publishing, so the consumer never mistakes stale bytes
 /// of an earlier lap for a record. Returns `None` when the ring is too full now.
 pub fn place(produced: u64, consumed: u64, ring: usize, size: usize) -> Option<Placement> {
-    debug_assert!(ring.is_power_of_two() && size % RECORD_ALIGN == 0);
+    debug_assert!(ring.is_power_of_two() && size.is_multiple_of(RECORD_ALIGN));
     let used = produced.checked_sub(consumed)? as usize;
     if used > ring {
         return None;
