@@ -104,3 +104,5 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+pub mod peer_proto;

@@ -119,7 +119,7 @@ impl PeerCtx {
             return Err(WcStatus::RemAccessErr);
         }
         entry.inuse.fetch_add(1, Ordering::SeqCst);
-        let guard = RemoteAccess { entry, peer: self, reach: Reach::Remote(0), len: len as usize };
+        let mut guard = RemoteAccess { entry, peer: self, reach: Reach::Remote(0), len: len as usize };
         if entry.key.load(Ordering::SeqCst) != rkey {
             return Err(WcStatus::RemAccessErr);
         }
@@ -144,7 +144,8 @@ impl PeerCtx {
                 None => Reach::Remote(addr),
             }
         };
-        Ok(RemoteAccess { reach, ..guard })
+        guard.reach = reach;
+        Ok(guard)
     }
 
     /// The mapping of the provider segment holding a region, fetched and mapped on first use.

@@ -1340,7 +1340,10 @@ struct RingView {
 
 impl RingView {
     fn word(&self, off: usize, word: usize) -> &AtomicU32 {
-        assert!(off.is_multiple_of(wire::RECORD_ALIGN) && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
+        assert!(
+            off.is_multiple_of(wire::RECORD_ALIGN) && off + HEADER_BYTES <= self.bytes,
+            "record offset outside the ring"
+        );
         // SAFETY: in bounds (checked above) of a mapping that outlives the view's users, 4-byte
         // aligned (the ring is page-aligned plus a 64-byte multiple); AtomicU32 accepts any bits.
         unsafe { &*(self.base.add(off + 4 * word) as *const AtomicU32) }
@@ -1355,14 +1358,20 @@ impl RingView {
     }
     /// Writes the decoded fields of a header (bytes 8..32 of a record).
     fn write_fields(&self, off: usize, h: &RecordHeader) {
-        assert!(off.is_multiple_of(wire::RECORD_ALIGN) && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
+        assert!(
+            off.is_multiple_of(wire::RECORD_ALIGN) && off + HEADER_BYTES <= self.bytes,
+            "record offset outside the ring"
+        );
         let b = h.encode();
         // SAFETY: 24 bytes at off+8 are inside the ring (checked above).
         unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.base.add(off + 8), FIELDS_BYTES) };
     }
     /// Copies the decoded fields of the header at `off`.
     fn read_fields(&self, off: usize) -> [u8; FIELDS_BYTES] {
-        assert!(off.is_multiple_of(wire::RECORD_ALIGN) && off + HEADER_BYTES <= self.bytes, "record offset outside the ring");
+        assert!(
+            off.is_multiple_of(wire::RECORD_ALIGN) && off + HEADER_BYTES <= self.bytes,
+            "record offset outside the ring"
+        );
         let mut b = [0u8; FIELDS_BYTES];
         // SAFETY: as in `write_fields`.
         unsafe { std::ptr::copy_nonoverlapping(self.base.add(off + 8), b.as_mut_ptr(), FIELDS_BYTES) };

@@ -1,0 +1,333 @@
+//! Verbs conformance across two processes: this test process against a `pv_peer` child,
+//! connected through the bootstrap socket, over the software provider.
+
+use std::io::Write;
+use std::process::{Child, Command as Proc};
+use std::time::{Duration, Instant};
+
+use portability_verbs::*;
+use tests::peer_proto::*;
+use tests::*;
+
+struct Peer {
+    child: Child,
+    _ctx: Context,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    qp: QueuePair,
+    layout: Layout,
+    replies: MemoryRegion,
+    out: MemoryRegion,
+    next_id: u64,
+}
+
+fn socket_path(tag: &str) -> String {
+    format!("{}/pv-test-{}-{tag}.sock", std::env::temp_dir().display(), std::process::id())
+}
+
+impl Peer {
+    fn spawn(tag: &str) -> Peer {
+        let path = socket_path(tag);
+        let child = Proc::new(env!("CARGO_BIN_EXE_pv_peer")).args(["target", &format!("unix:{path}")]).spawn().unwrap();
+        let ctx = Context::open(Provider::Software).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(256).unwrap();
+        let conn = cm::connect(&format!("unix:{path}").parse().unwrap(), &pd, &QpInit::new(&cq), b"", WAIT).unwrap();
+        let layout = Layout::decode(&conn.peer_private).expect("layout in private data");
+        let replies = pd.register(vec![0u8; 4 * CTRL_SLOT].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        let out = pd.register(vec![0u8; 2 << 20].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        for i in 0..4 {
+            conn.qp.post_recv(&[RecvWr::new(i, &[replies.sge(i as usize * CTRL_SLOT, CTRL_SLOT)])]).unwrap();
+        }
+        Peer { child, _ctx: ctx, pd, cq, qp: conn.qp, layout, replies, out, next_id: 100 }
+    }
+
+    /// Waits for the next receive completion (send completions must be successes).
+    fn next_recv(&mut self) -> WorkCompletion {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let wc = {
+                let mut w = [WorkCompletion::EMPTY; 1];
+                self.cq.poll_blocking(&mut w, left).expect("peer answered");
+                w[0]
+            };
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?} (peer: {:?})", {
+                std::thread::sleep(Duration::from_millis(100));
+                self.child.try_wait()
+            });
+            if wc.opcode != WcOpcode::Send && wc.opcode != WcOpcode::RdmaWrite {
+                return wc;
+            }
+        }
+    }
+
+    fn take_reply(&mut self, wc: WorkCompletion) -> Vec<u8> {
+        let slot = wc.wr_id as usize * CTRL_SLOT;
+        let mut b = vec![0u8; wc.byte_len as usize];
+        self.replies.read(slot, &mut b);
+        self.qp.post_recv(&[RecvWr::new(wc.wr_id, &[self.replies.sge(slot, CTRL_SLOT)])]).unwrap();
+        b
+    }
+
+    fn call(&mut self, cmd: &Command) -> Vec<u8> {
+        let bytes = cmd.encode();
+        self.out.write(0, &bytes);
+        self.next_id += 1;
+        self.qp.post_send(&[SendWr::send(self.next_id, &[self.out.sge(0, bytes.len())])]).unwrap();
+        let wc = self.next_recv();
+        self.take_reply(wc)
+    }
+
+    fn checksum(&mut self, segment: bool, offset: usize, len: usize) -> u64 {
+        match Reply::decode(&self.call(&Command::Checksum { segment, offset: offset as u64, len: len as u64 })) {
+            Some(Reply::Checksum(c)) => c,
+            other => panic!("bad reply {other:?}"),
+        }
+    }
+
+    fn region(&self, segment: bool) -> (u64, u32) {
+        if segment {
+            (self.layout.seg_addr, self.layout.seg_rkey)
+        } else {
+            (self.layout.user_addr, self.layout.user_rkey)
+        }
+    }
+
+    fn one_sided(&mut self, wr: SendWr) -> WorkCompletion {
+        self.qp.post_send(&[wr]).unwrap();
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let mut w = [WorkCompletion::EMPTY; 1];
+            self.cq.poll_blocking(&mut w, deadline.saturating_duration_since(Instant::now())).unwrap();
+            if w[0].wr_id == self.next_id {
+                return w[0];
+            }
+            assert_eq!(w[0].status, WcStatus::Success);
+        }
+    }
+
+    fn finish(mut self) {
+        // The peer exits without answering.
+        let bytes = Command::Exit.encode();
+        self.out.write(0, &bytes);
+        self.next_id += 1;
+        self.qp.post_send(&[SendWr::send(self.next_id, &[self.out.sge(0, bytes.len())])]).unwrap();
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                assert!(st.success(), "peer exited with {st}");
+                return;
+            }
+            assert!(Instant::now() < deadline, "peer did not exit");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn sends_cross_processes_at_every_size() {
+    let mut peer = Peer::spawn("echo");
+    for (i, len) in [0usize, 1, 7, 64, 1000, 8191, 8192, 8193, 30_000, 60_000].into_iter().enumerate() {
+        let data = pattern(i as u64, len);
+        let reply = peer.call(&Command::Echo(data.clone()));
+        assert_eq!(reply, data, "echo of {len} bytes");
+    }
+    peer.finish();
+}
+
+#[test]
+fn one_sided_operations_reach_user_memory_and_shared_segments() {
+    let mut peer = Peer::spawn("onesided");
+    for segment in [false, true] {
+        let (base, rkey) = peer.region(segment);
+        for (i, len) in [1usize, 8, 4096, 65_536, 1 << 20].into_iter().enumerate() {
+            let data = pattern(100 + i as u64, len);
+            peer.out.write(0, &data);
+            peer.next_id += 1;
+            let wc = peer.one_sided(SendWr::write(peer.next_id, &[peer.out.sge(0, len)], base, rkey));
+            assert_eq!(wc.status, WcStatus::Success);
+            assert_eq!(peer.checksum(segment, 0, len), fnv(&data), "write {len} (segment {segment})");
+            // Read it back.
+            peer.out.write(1 << 20, &vec![0u8; len]);
+            peer.next_id += 1;
+            let wc = peer.one_sided(SendWr::read(peer.next_id, &[peer.out.sge(1 << 20, len)], base, rkey));
+            assert_eq!(wc.status, WcStatus::Success);
+            let mut got = vec![0u8; len];
+            peer.out.read(1 << 20, &mut got);
+            assert_eq!(got, data, "read {len} (segment {segment})");
+        }
+        // Writes with immediate: small ones travel in the ring, large ones are placed directly.
+        for (imm, len) in [(7u32, 16usize), (8, 100_000)] {
+            let data = pattern(imm as u64, len);
+            peer.out.write(0, &data);
+            peer.next_id += 1;
+            peer.qp
+                .post_send(&[SendWr::write_with_imm(peer.next_id, &[peer.out.sge(0, len)], base + 64, rkey, imm)])
+                .unwrap();
+            let wc = peer.next_recv();
+            assert_eq!(Reply::decode(&peer.take_reply(wc)), Some(Reply::Imm(imm, len as u32)));
+            assert_eq!(peer.checksum(segment, 64, len), fnv(&data));
+        }
+        // Bounds are checked at the target.
+        peer.next_id += 1;
+        let wc = peer.one_sided(SendWr::write(peer.next_id, &[peer.out.sge(0, 16)], base + REGION as u64 - 8, rkey));
+        assert_eq!(wc.status, WcStatus::RemAccessErr);
+        peer = Peer::spawn(if segment { "onesided3" } else { "onesided2" });
+    }
+    peer.finish();
+}
+
+#[test]
+fn atomics_cross_processes() {
+    let mut peer = Peer::spawn("atomics");
+    for segment in [false, true] {
+        let (base, rkey) = peer.region(segment);
+        let target = base + 128;
+        for i in 0..200u64 {
+            peer.next_id += 1;
+            let wc = peer.one_sided(SendWr::fetch_and_add(peer.next_id, peer.out.sge(0, 8), target, rkey, 3));
+            assert_eq!(wc.status, WcStatus::Success);
+            assert_eq!(peer.out.read_u64(0), i * 3);
+        }
+        peer.next_id += 1;
+        let wc = peer.one_sided(SendWr::compare_and_swap(peer.next_id, peer.out.sge(8, 8), target, rkey, 600, 1));
+        assert_eq!(wc.status, WcStatus::Success);
+        assert_eq!(peer.out.read_u64(8), 600);
+        match Reply::decode(&peer.call(&Command::Read64 { segment, offset: 128 })) {
+            Some(Reply::Value(v)) => assert_eq!(v, 1),
+            other => panic!("{other:?}"),
+        }
+    }
+    peer.finish();
+}
+
+#[test]
+fn writes_land_in_pages_the_peer_protected() {
+    let mut peer = Peer::spawn("protect");
+    let page = page_size();
+    let offset = (page - peer.layout.user_addr as usize % page) % page;
+    assert_eq!(
+        Reply::decode(&peer.call(&Command::Protect { offset: offset as u64, len: page as u64 })),
+        Some(Reply::Ok)
+    );
+    let data = pattern(9, page);
+    peer.out.write(0, &data);
+    peer.next_id += 1;
+    let (base, rkey) = peer.region(false);
+    let wc = peer.one_sided(SendWr::write(peer.next_id, &[peer.out.sge(0, page)], base + offset as u64, rkey));
+    assert_eq!(wc.status, WcStatus::Success);
+    assert_eq!(Reply::decode(&peer.call(&Command::Unprotect)), Some(Reply::Ok));
+    assert_eq!(peer.checksum(false, offset, page), fnv(&data));
+    peer.finish();
+}
+
+#[test]
+fn a_killed_peer_moves_the_queue_pair_to_error_with_flushes_quickly() {
+    let shm_before = std::fs::read_dir("/dev/shm").map(|d| d.count()).unwrap_or(0);
+    let mut peer = Peer::spawn("kill");
+    assert_eq!(peer.call(&Command::Echo(b"alive".to_vec())), b"alive");
+    // Outstanding: 4 receives; also a send into a peer that will never consume it.
+    peer.child.kill().unwrap();
+    peer.child.wait().unwrap();
+    let start = Instant::now();
+    let wcs = wait_n(&peer.cq, 4);
+    let elapsed = start.elapsed();
+    assert!(wcs.iter().all(|w| w.status == WcStatus::WrFlushErr), "{wcs:?}");
+    assert!(elapsed < Duration::from_secs(2), "took {elapsed:?}");
+    assert_eq!(peer.qp.state(), QpState::Error);
+    // Posting now fails over at once rather than hanging.
+    peer.qp.post_send(&[SendWr::send(1, &[peer.out.sge(0, 8)])]).unwrap();
+    assert_eq!(wait_one(&peer.cq).status, WcStatus::WrFlushErr);
+    let shm_after = std::fs::read_dir("/dev/shm").map(|d| d.count()).unwrap_or(0);
+    assert_eq!(shm_before, shm_after, "nothing may be left in /dev/shm");
+    let _ = &peer.pd;
+}
+
+#[test]
+fn garbage_on_the_bootstrap_socket_is_a_clear_error() {
+    let ctx = Context::open(Provider::Software).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    // A client that sends garbage to a listener.
+    let path = socket_path("garbage");
+    let listener = cm::Listener::bind(&format!("unix:{path}").parse().unwrap()).unwrap();
+    let p2 = path.clone();
+    let junk = std::thread::spawn(move || {
+        let mut s = std::os::unix::net::UnixStream::connect(&p2).unwrap();
+        let _ = s.write_all(b"GET / HTTP/1.1\r\n\r\nthis is not a bootstrap frame");
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    match listener.accept(&pd, &QpInit::new(&cq), b"", WAIT) {
+        Err(VerbsError::Protocol(_)) => {}
+        Err(e) => panic!("wrong error {e}"),
+        Ok(_) => panic!("garbage accepted"),
+    }
+    junk.join().unwrap();
+    // A well-formed HELLO naming a process that is not the sender's.
+    let fake = EndpointInfo::Soft(SoftEndpoint {
+        pid: std::process::id(),
+        start_time: 1,
+        ctx_id: 1,
+        ctrl_fd: 0,
+        qp_fd: 0,
+        qpn: 1,
+        ring_bytes: 1 << 17,
+        pd: 1,
+        rq_slot: 0,
+        send_cq_bell: 0,
+        recv_cq_bell: 0,
+    });
+    let p3 = path.clone();
+    let liar = std::thread::spawn(move || {
+        let mut s = std::os::unix::net::UnixStream::connect(&p3).unwrap();
+        s.write_all(&cm::Frame::Hello { endpoint: fake, private: vec![] }.encode()).unwrap();
+        let mut buf = [0u8; 256];
+        let _ = std::io::Read::read(&mut s, &mut buf);
+    });
+    match listener.accept(&pd, &QpInit::new(&cq), b"", WAIT) {
+        Err(VerbsError::PeerUnreachable(_)) => {}
+        Err(e) => panic!("wrong error {e}"),
+        Ok(_) => panic!("a lying endpoint was accepted"),
+    }
+    liar.join().unwrap();
+    // Nobody listening: a clear error within the timeout, no hang.
+    let start = Instant::now();
+    let r = cm::connect(
+        &format!("unix:{path}.none").parse().unwrap(),
+        &pd,
+        &QpInit::new(&cq),
+        b"",
+        Duration::from_millis(300),
+    );
+    assert!(matches!(r, Err(VerbsError::PeerUnreachable(_))));
+    assert!(start.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn tcp_bootstrap_connects_too() {
+    let ctx = Context::open(Provider::Software).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let listener = cm::Listener::bind(&"127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listener.local_addr().clone();
+    std::thread::scope(|s| {
+        let server = s.spawn(|| listener.accept(&pd, &QpInit::new(&cq), b"server", WAIT).unwrap());
+        let client = cm::connect(&addr, &pd, &QpInit::new(&cq), b"client", WAIT).unwrap();
+        let server = server.join().unwrap();
+        assert_eq!(client.peer_private, b"server");
+        assert_eq!(server.peer_private, b"client");
+        let mr = pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        server.qp.post_recv(&[RecvWr::new(1, &[mr.sge(0, 32)])]).unwrap();
+        client.qp.post_send(&[SendWr::send(2, &[mr.sge(32, 8)])]).unwrap();
+        let wcs = wait_n(&cq, 2);
+        assert!(wcs.iter().all(|w| w.status == WcStatus::Success));
+    });
+}
