@@ -1383,3 +1383,102 @@ impl RingView {
         self.base.wrapping_add(off + HEADER_BYTES)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connected() -> (Arc<CqInner>, Arc<QpInner>, Arc<QpInner>) {
+        let ctx = CtxInner::open(super::super::SoftConfig::default()).unwrap();
+        let cq = CqInner::new(&ctx, 64).unwrap();
+        let a = QpInner::new(&ctx, 1, &cq, &cq, None, QpCaps::default()).unwrap();
+        let b = QpInner::new(&ctx, 1, &cq, &cq, None, QpCaps::default()).unwrap();
+        for (q, p) in [(&a, &b), (&b, &a)] {
+            q.modify(QpTransition::Init { access: AccessFlags::ALL, port: 1 }).unwrap();
+            q.modify(QpTransition::Rtr(RtrAttr::new(EndpointInfo::Soft(p.endpoint())))).unwrap();
+            q.modify(QpTransition::Rts(RtsAttr::default())).unwrap();
+        }
+        (cq, a, b)
+    }
+
+    /// Writes a raw record into `qp`'s inbound ring at offset 0 as its peer would, with
+    /// arbitrary field bytes and status word.
+    fn scribble(qp: &QpInner, fields: [u8; FIELDS_BYTES], status_word: u32, payload: &[u8]) {
+        let ring = qp.ring();
+        ring.status(0).store(status_word, Ordering::Relaxed);
+        // SAFETY: test-only raw writes inside our own ring.
+        unsafe {
+            std::ptr::copy_nonoverlapping(fields.as_ptr(), ring.base.add(8), FIELDS_BYTES);
+            std::ptr::copy_nonoverlapping(payload.as_ptr(), ring.base.add(HEADER_BYTES), payload.len());
+        }
+        ring.seq(0).store(1, Ordering::Release);
+    }
+
+    fn poll_until_error(cq: &CqInner, qp: &QpInner) {
+        let mut wc = [WorkCompletion::EMPTY; 8];
+        for _ in 0..100 {
+            let _ = cq.poll(&mut wc);
+            if qp.state() == QpState::Error {
+                return;
+            }
+        }
+        panic!("garbage did not move the QP to error");
+    }
+
+    fn header(kind: RecordKind, len: u32, sge_count: u16) -> [u8; FIELDS_BYTES] {
+        RecordHeader { kind, flags: 0, sge_count, len, imm: 0, rkey: 0, raddr: 0 }.encode()
+    }
+
+    #[test]
+    fn unknown_record_kind_fails_the_connection() {
+        let (cq, _a, b) = connected();
+        let mut f = [0u8; FIELDS_BYTES];
+        f[0] = 0x7f;
+        scribble(&b, f, status::PENDING, &[]);
+        poll_until_error(&cq, &b);
+    }
+
+    #[test]
+    fn record_longer_than_the_ring_fails_the_connection() {
+        let (cq, _a, b) = connected();
+        b.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+        scribble(&b, header(RecordKind::SendInline, 1 << 30, 0), status::PENDING, &[]);
+        poll_until_error(&cq, &b);
+    }
+
+    #[test]
+    fn record_with_a_used_status_word_fails_the_connection() {
+        let (cq, _a, b) = connected();
+        b.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+        scribble(&b, header(RecordKind::SendInline, 8, 0), status::OK, &[0; 8]);
+        poll_until_error(&cq, &b);
+    }
+
+    #[test]
+    fn descriptors_that_do_not_add_up_are_an_invalid_request() {
+        let (cq, _a, b) = connected();
+        let mut buf = vec![0u8; 64];
+        let d = Descriptor { addr: buf.as_mut_ptr() as u64, len: 64, key: 0x101 }.encode();
+        b.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+        scribble(&b, header(RecordKind::SendDescriptors, 1000, 1), status::PENDING, &d);
+        poll_until_error(&cq, &b);
+        assert_eq!(b.ring().status(0).load(Ordering::Acquire), status::REM_INV_REQ);
+    }
+
+    #[test]
+    fn descriptors_naming_unregistered_memory_are_refused_without_touching_it() {
+        let (cq, _a, b) = connected();
+        let d = Descriptor { addr: 0x1000, len: 64, key: 0x4242 }.encode();
+        let buf = vec![0u8; 64];
+        let key = b.ctx.register(buf.as_ptr() as u64, 64, AccessFlags::ALL, 1, None).unwrap();
+        b.post_recv(&[RecvWr::new(1, &[Sge { addr: buf.as_ptr() as u64, length: 64, lkey: key }])]).unwrap();
+        scribble(&b, header(RecordKind::SendDescriptors, 64, 1), status::PENDING, &d);
+        let mut wc = [WorkCompletion::EMPTY; 8];
+        for _ in 0..10 {
+            let _ = cq.poll(&mut wc);
+        }
+        // The requester's fault: it gets an error; our receive stays posted.
+        assert_eq!(b.ring().status(0).load(Ordering::Acquire), status::REM_OP);
+        assert_eq!(b.core.lock().unwrap().rq.len(), 1);
+    }
+}
