@@ -1,0 +1,86 @@
+//! Helpers shared by the benchmark programs: sizes, CPU pinning, memory and timer measurement,
+//! and bounded busy-waiting.
+
+use std::time::{Duration, Instant};
+
+use portability_verbs::{Result, VerbsError};
+
+/// Powers of two from `min` to `max` (both rounded to powers of two).
+pub fn sizes_between(min: usize, max: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min.max(1).next_power_of_two();
+    while s <= max {
+        v.push(s);
+        s *= 2;
+    }
+    v
+}
+
+/// `1 KiB`-style size.
+pub fn fmt_size(n: usize) -> String {
+    if n >= 1 << 20 && n % (1 << 20) == 0 {
+        format!("{} MiB", n >> 20)
+    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
+        format!("{} KiB", n >> 10)
+    } else {
+        format!("{n} B")
+    }
+}
+
+/// Pins the calling thread to `cpu` if the machine has it (silently does nothing otherwise).
+pub fn pin_to_cpu(cpu: usize) {
+    let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    if cpu >= n {
+        return;
+    }
+    // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it; sched_setaffinity reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+/// Proportional set size of this process in KiB (0 if unknown).
+pub fn pss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/smaps_rollup")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("Pss:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Cost of one `Instant::now()` in nanoseconds (measured, reported next to latencies).
+pub fn timer_cost_ns() -> f64 {
+    let n = 200_000;
+    let t0 = Instant::now();
+    let mut last = t0;
+    for _ in 0..n {
+        last = std::hint::black_box(Instant::now());
+    }
+    (last - t0).as_nanos() as f64 / n as f64
+}
+
+/// Bounded busy-waiting: `tick` errors once the deadline passes (checked every 1024 ticks).
+pub struct Spin {
+    deadline: Instant,
+    limit: Duration,
+    ticks: u32,
+}
+
+impl Spin {
+    /// A spin that may last `limit`.
+    pub fn new(limit: Duration) -> Spin {
+        Spin { deadline: Instant::now() + limit, limit, ticks: 0 }
+    }
+    /// One iteration of a wait loop.
+    pub fn tick(&mut self) -> Result<()> {
+        self.ticks = self.ticks.wrapping_add(1);
+        if self.ticks % 1024 == 0 && Instant::now() > self.deadline {
+            return Err(VerbsError::Timeout(self.limit));
+        }
+        std::hint::spin_loop();
+        Ok(())
+    }
+}
