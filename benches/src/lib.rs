@@ -46,7 +46,10 @@ pub fn pss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/smaps_rollup")
         .ok()
         .and_then(|s| {
-            s.lines().find(|l| l.starts_with("Pss:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok())
+            s.lines()
+                .find(|l| l.starts_with("Pss:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
         })
         .unwrap_or(0)
 }

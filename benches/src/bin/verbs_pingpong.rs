@@ -82,8 +82,8 @@ struct Side {
     cq: CompletionQueue,
     send_buf: MemoryRegion,
     recv_buf: MemoryRegion,
-    seg: MemoryRegion,
-    user: MemoryRegion,
+    _seg: MemoryRegion,
+    _user: MemoryRegion,
     ctrl: MemoryRegion,
     peer: [u64; 4],
     posted: u64,
@@ -123,10 +123,8 @@ impl Side {
                 r.write(off, &[1]);
             }
         }
-        let init = QpInit {
-            caps: QpCaps { max_send_wr: 1024, max_recv_wr: 1024, ..QpCaps::default() },
-            ..QpInit::new(&cq)
-        };
+        let init =
+            QpInit { caps: QpCaps { max_send_wr: 1024, max_recv_wr: 1024, ..QpCaps::default() }, ..QpInit::new(&cq) };
         let addr: cm::CmAddr = addr.parse()?;
         let private = layout(&seg, &user);
         let conn = match role {
@@ -139,8 +137,8 @@ impl Side {
             cq,
             send_buf,
             recv_buf,
-            seg,
-            user,
+            _seg: seg,
+            _user: user,
             ctrl,
             peer,
             posted: 0,
@@ -318,7 +316,8 @@ fn server_bandwidth(side: &mut Side, args: &Args, op: Op, size: usize) -> Result
         let wc = side.wait_recv()?;
         got += 1;
         if reposted < count {
-            side.qp.post_recv(&[RecvWr::new(wc.wr_id, &[side.recv_buf.sge((reposted as usize % slots) * size, size)])])?;
+            side.qp
+                .post_recv(&[RecvWr::new(wc.wr_id, &[side.recv_buf.sge((reposted as usize % slots) * size, size)])])?;
             reposted += 1;
         }
     }
@@ -389,11 +388,20 @@ fn run_client(args: &Args, child: &mut Child, addr: &str) -> Result<Vec<Row>> {
     let mut rows: Vec<Row> = Vec::new();
     let points = schedule(args);
     let total = points.len();
+    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
     for (k, p) in points.into_iter().enumerate() {
         if let Ok(Some(st)) = child.try_wait() {
             return Err(VerbsError::PeerUnreachable(format!("the server process exited ({st})")));
         }
-        eprint!("\r  [{:>3}/{total}] {:?} {:>8} {:<10}", k + 1, p.op, fmt_size(p.size), if p.latency { "latency" } else { "bandwidth" });
+        if progress {
+            eprint!(
+                "\r  [{:>3}/{total}] {:?} {:>8} {:<10}",
+                k + 1,
+                p.op,
+                fmt_size(p.size),
+                if p.latency { "latency" } else { "bandwidth" }
+            );
+        }
         sync(&mut side, Role::Client, |_| Ok(()))?;
         if p.latency {
             let mut h = Histogram::<u64>::new(3).expect("histogram");
@@ -413,7 +421,9 @@ fn run_client(args: &Args, child: &mut Child, addr: &str) -> Result<Vec<Row>> {
             }
         }
     }
-    eprintln!("\r{:60}", "");
+    if progress {
+        eprintln!("\r{:60}", "");
+    }
     drop(side);
     Ok(rows)
 }
@@ -470,18 +480,24 @@ fn client_main(args: &Args) -> Result<()> {
         return Err(VerbsError::InvalidArgument(format!("sizes must satisfy 1 <= min <= max <= {MAX_SIZE}")));
     }
     let addr = format!("unix:{}/pv-bench-{}.sock", std::env::temp_dir().display(), std::process::id());
-    let mut cmd = Command::new(std::env::current_exe().map_err(|e| VerbsError::Os { context: "current_exe".into(), source: e })?);
+    let mut cmd =
+        Command::new(std::env::current_exe().map_err(|e| VerbsError::Os { context: "current_exe".into(), source: e })?);
     cmd.args(std::env::args().skip(1)).args(["--role", "server", "--addr", &addr]);
-    let mut child = cmd.spawn().map_err(|e| VerbsError::Os { context: "starting the server process".into(), source: e })?;
+    let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let mut child =
+        cmd.spawn().map_err(|e| VerbsError::Os { context: "starting the server process".into(), source: e })?;
     if !args.no_pin {
         pin_to_cpu(args.cpus.first().copied().unwrap_or(1));
     }
-    let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("# portability-verbs raw benchmark: software provider, two processes");
     println!(
         "# {} CPUs, pinning {}, timer cost {:.1} ns (included in latencies, not subtracted)",
         ncpu,
-        if args.no_pin { "off".to_string() } else { format!("client->{} server->{}", args.cpus[0], args.cpus.get(1).unwrap_or(&0)) },
+        if args.no_pin {
+            "off".to_string()
+        } else {
+            format!("client->{} server->{}", args.cpus[0], args.cpus.get(1).unwrap_or(&0))
+        },
         timer_cost_ns()
     );
     let rows = run_client(args, &mut child, &addr);
@@ -508,7 +524,8 @@ fn client_main(args: &Args) -> Result<()> {
     let (pss, ring) = memory_per_qp_pair()?;
     println!("\n# memory per connected QP pair: {pss:.0} KiB resident (PSS growth over 32 pairs; each QP maps a {} KiB ring)", ring / 1024);
     if let Some(path) = &args.json {
-        std::fs::write(path, json).map_err(|e| VerbsError::Os { context: format!("writing {}", path.display()), source: e })?;
+        std::fs::write(path, json)
+            .map_err(|e| VerbsError::Os { context: format!("writing {}", path.display()), source: e })?;
     }
     Ok(())
 }

@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,6 @@ use crate::types::WorkCompletion;
 
 struct CqState {
     queue: VecDeque<WorkCompletion>,
-    overrun: bool,
 }
 
 /// A software completion queue.
@@ -23,6 +22,9 @@ pub struct CqInner {
     pub ctx: Arc<CtxInner>,
     capacity: usize,
     state: Mutex<CqState>,
+    /// Completions queued (a hint read without the lock).
+    queued: AtomicUsize,
+    overrun: AtomicBool,
     qps: RwLock<Vec<Weak<QpInner>>>,
     pub bell_slot: u32,
     eventfd: OwnedFd,
@@ -46,7 +48,9 @@ impl CqInner {
         Ok(Arc::new(CqInner {
             ctx: ctx.clone(),
             capacity,
-            state: Mutex::new(CqState { queue: VecDeque::with_capacity(capacity.min(4096)), overrun: false }),
+            state: Mutex::new(CqState { queue: VecDeque::with_capacity(capacity.min(4096)) }),
+            queued: AtomicUsize::new(0),
+            overrun: AtomicBool::new(false),
             qps: RwLock::new(Vec::new()),
             bell_slot,
             eventfd,
@@ -93,33 +97,37 @@ impl CqInner {
 
     /// Adds completions; sets the overrun error if they do not fit. Wakes a sleeper if armed.
     pub(crate) fn push(&self, wcs: impl IntoIterator<Item = WorkCompletion>) {
-        let mut pushed = false;
+        let mut wcs = wcs.into_iter().peekable();
+        if wcs.peek().is_none() {
+            return;
+        }
+        let mut pushed = 0;
         {
             let mut s = self.state.lock().expect("cq lock");
             for wc in wcs {
                 if s.queue.len() >= self.capacity {
-                    if !s.overrun {
+                    if !self.overrun.swap(true, Ordering::Relaxed) {
                         log::error!("completion queue overrun (capacity {})", self.capacity);
                     }
-                    s.overrun = true;
                 } else {
                     s.queue.push_back(wc);
-                    pushed = true;
+                    pushed += 1;
                 }
             }
+            self.queued.fetch_add(pushed, Ordering::Release);
         }
-        if pushed {
+        if pushed > 0 {
             self.wake_if_armed();
         }
     }
 
     pub(crate) fn overrun(&self) -> bool {
-        self.state.lock().expect("cq lock").overrun
+        self.overrun.load(Ordering::Relaxed)
     }
 
     fn wake_if_armed(&self) {
         let bell = self.ctx.ctrl().bell(self.bell_slot as usize).expect("slot in range");
-        fence(Ordering::SeqCst);
+        sys::producer_barrier();
         if bell.armed.load(Ordering::Relaxed) != 0 && bell.armed.swap(0, Ordering::AcqRel) != 0 {
             sys::eventfd_signal(self.eventfd.as_raw_fd());
         }
@@ -145,7 +153,7 @@ impl CqInner {
 
     /// True if a progress pass could produce something now (used after arming).
     fn work_pending(&self) -> bool {
-        if !self.state.lock().expect("cq lock").queue.is_empty() {
+        if self.queued.load(Ordering::SeqCst) != 0 {
             return true;
         }
         let qps = self.qps.read().expect("cq qp list lock");
@@ -155,17 +163,20 @@ impl CqInner {
     /// Polls up to `out.len()` completions without blocking.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         self.progress();
-        let mut s = self.state.lock().expect("cq lock");
-        if s.overrun {
-            drop(s);
+        if self.overrun() {
             // Lost completions break every queue pair that reports here.
             self.progress();
             return Err(VerbsError::CqOverrun);
         }
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return Ok(0);
+        }
+        let mut s = self.state.lock().expect("cq lock");
         let n = out.len().min(s.queue.len());
         for (slot, wc) in out.iter_mut().zip(s.queue.drain(..n)) {
             *slot = wc;
         }
+        self.queued.fetch_sub(n, Ordering::Relaxed);
         Ok(n)
     }
 
@@ -175,7 +186,7 @@ impl CqInner {
     pub fn req_notify(&self) {
         let bell = self.ctx.ctrl().bell(self.bell_slot as usize).expect("slot in range");
         bell.armed.store(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
+        sys::sleeper_barrier();
         if self.work_pending() && bell.armed.swap(0, Ordering::AcqRel) != 0 {
             sys::eventfd_signal(self.eventfd.as_raw_fd());
         }

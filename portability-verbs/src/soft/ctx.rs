@@ -132,6 +132,9 @@ pub struct CtxInner {
 impl CtxInner {
     pub fn open(config: SoftConfig) -> Result<Arc<CtxInner>> {
         config.validate()?;
+        if !sys::asymmetric_barriers() {
+            log::info!("membarrier unavailable: wake-up handshakes use full fences on the hot path");
+        }
         let pid = std::process::id();
         let start_time = sys::process_start_time(pid)?;
         let id = unique_id();

@@ -18,6 +18,7 @@ mod layout;
 mod peer;
 mod qp;
 mod segment;
+mod spin;
 pub(crate) mod sys;
 pub mod wire;
 

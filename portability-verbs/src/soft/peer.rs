@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -170,8 +170,8 @@ impl PeerCtx {
         let Some(bell) = self.ctrl().bell(slot as usize) else {
             return;
         };
-        // Dekker with the owner's arm-then-check: our publish is ordered before this load.
-        fence(Ordering::SeqCst);
+        // Dekker with the owner's arm-then-check (see `sys::sleeper_barrier`).
+        sys::producer_barrier();
         if bell.armed.load(Ordering::Relaxed) == 0 || bell.armed.swap(0, Ordering::AcqRel) == 0 {
             return;
         }

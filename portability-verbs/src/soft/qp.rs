@@ -12,7 +12,7 @@
 //! responder processes packets in PSN order. Completions are reported in posting order.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,7 @@ use super::ctx::{local_copy, CtxInner};
 use super::layout::{qp_state_code, QpSeg, QP_DESTROYED, QP_MAGIC, RING_OFFSET};
 use super::peer::PeerCtx;
 use super::segment::{qp_name, Segment};
+use super::spin::SpinLock;
 use super::sys;
 use super::wire::{self, status, Descriptor, RecordHeader, RecordKind, FIELDS_BYTES, HEADER_BYTES};
 use crate::endpoint::{EndpointInfo, SoftEndpoint};
@@ -62,7 +63,7 @@ impl SrqInner {
             if q.len() >= self.max_wr as usize {
                 return Err(VerbsError::Exhausted("shared receive queue is full".into()));
             }
-            q.push_back(wr.clone());
+            q.push_back(RecvWr { wr_id: wr.wr_id, sg_list: SgList::from_slice(&wr.sg_list) });
             self.ctx.ctrl().rq(self.rq_slot as usize).expect("slot").posted.fetch_add(1, Ordering::Release);
         }
         Ok(())
@@ -81,15 +82,30 @@ enum SqStage {
     /// Not yet carried out.
     Waiting,
     /// Its record is in the peer's ring at `start..end` (produced-byte counts), at ring offset `off`.
-    InRing { start: u64, end: u64, off: usize },
+    InRing { start: u64, end: u64, off: usize, target_placed: bool },
     /// Finished with this status.
     Done(WcStatus),
 }
 
+/// Where an inline request's data is.
+enum Inline {
+    /// Not inline: the SGEs name registered memory.
+    No,
+    /// Still in the caller's memory (valid during `post_send` only).
+    Borrowed,
+    /// Copied, because the request could not start during `post_send`.
+    Owned(Vec<u8>),
+}
+
+/// A send-queue request as it is kept: what its completion needs, and the request itself only
+/// while it waits to start (requests that start at post time are never copied).
 struct SqEntry {
-    wr: SendWr,
-    inline_data: Option<Vec<u8>>,
+    wr_id: u64,
+    opcode: WrOpcode,
+    signaled: bool,
+    byte_len: u32,
     stage: SqStage,
+    waiting: Option<Box<(SendWr, Inline)>>,
 }
 
 struct Remote {
@@ -129,13 +145,19 @@ struct QpCore {
     exec_next: usize,
     /// Ring records in flight (placed, not yet seen consumed).
     in_ring: usize,
+    /// Those of them whose data the responder places (sends, small writes-with-immediate):
+    /// one-sided requests wait for these, so the responder sees effects in order.
+    in_ring_data: usize,
     produced: u64,
-    /// Peer's consumed count as last read for ring space.
-    cached_consumed: u64,
     /// Peer's consumed count as last turned into completions.
     reaped: u64,
     next_seq: u32,
     rnr: Option<RnrTrack>,
+    /// Signaled requests not yet reported: someone waits for them, so reap eagerly.
+    signaled_outstanding: usize,
+    /// Reaps that found the head record still waiting (receiver-not-ready is probed only now
+    /// and then, so the peer's receive counters are not pulled across cores on every poll).
+    head_waits: u32,
     // Responder side.
     rq: VecDeque<RecvWr>,
     cons_head: u64,
@@ -157,7 +179,13 @@ pub struct QpInner {
     srq: Option<Arc<SrqInner>>,
     rq_slot: u32,
     caps: QpCaps,
-    core: Mutex<QpCore>,
+    core: SpinLock<QpCore>,
+    /// Lock-free hints so an idle poll costs a few loads: the responder's next record position
+    /// and sequence, and whether the send queue holds anything.
+    peek_head: AtomicU64,
+    peek_seq: AtomicU32,
+    sq_busy: AtomicBool,
+    idle: AtomicU32,
 }
 
 type LocalQps = Mutex<std::collections::HashMap<(u64, u32), std::sync::Weak<QpInner>>>;
@@ -171,6 +199,9 @@ fn local_qps() -> &'static LocalQps {
 fn local_qp(ctx_id: u64, qpn: u32) -> Option<std::sync::Weak<QpInner>> {
     local_qps().lock().expect("local qp registry").get(&(ctx_id, qpn)).cloned()
 }
+
+/// Completions produced by one pass, `true` for send-queue ones; inline up to 8 (no allocation).
+type Out = smallvec::SmallVec<[(bool, WorkCompletion); 8]>;
 
 const LIVENESS_EVERY: Duration = Duration::from_millis(10);
 
@@ -254,7 +285,7 @@ impl QpInner {
             srq: srq.cloned(),
             rq_slot,
             caps,
-            core: Mutex::new(QpCore {
+            core: SpinLock::new(QpCore {
                 state: QpState::Reset,
                 access: AccessFlags::NONE,
                 min_rnr_timer: 12,
@@ -263,11 +294,13 @@ impl QpInner {
                 sq: VecDeque::new(),
                 exec_next: 0,
                 in_ring: 0,
+                in_ring_data: 0,
                 produced: 0,
-                cached_consumed: 0,
                 reaped: 0,
                 next_seq: 1,
                 rnr: None,
+                signaled_outstanding: 0,
+                head_waits: 0,
                 rq: VecDeque::new(),
                 cons_head: 0,
                 expect_seq: 1,
@@ -275,6 +308,10 @@ impl QpInner {
                 idle_polls: 0,
                 last_liveness: Instant::now(),
             }),
+            peek_head: AtomicU64::new(0),
+            peek_seq: AtomicU32::new(1),
+            sq_busy: AtomicBool::new(false),
+            idle: AtomicU32::new(0),
         });
         send_cq.attach(&qp);
         recv_cq.attach(&qp);
@@ -295,7 +332,7 @@ impl QpInner {
     }
 
     pub fn state(&self) -> QpState {
-        self.core.lock().expect("qp lock").state
+        self.core.lock().state
     }
 
     /// What the peer needs to connect to this queue pair.
@@ -322,8 +359,8 @@ impl QpInner {
 
     /// Applies a state transition, enforcing the verbs state machine.
     pub fn modify(&self, t: QpTransition) -> Result<()> {
-        let mut core = self.core.lock().expect("qp lock");
-        let mut flushed = Vec::new();
+        let mut core = self.core.lock();
+        let mut flushed = Out::new();
         match (core.state, t) {
             (_, QpTransition::Reset) => self.reset(&mut core),
             (_, QpTransition::Error) => self.enter_error(&mut core, &mut flushed),
@@ -359,8 +396,9 @@ impl QpInner {
             (QpState::ReadyToSend, QpTransition::Rts(attr)) => core.rts = attr,
             (s, t) => return Err(VerbsError::InvalidState(format!("no transition {t:?} from {s:?}"))),
         }
+        self.publish_peek(&core);
         drop(core);
-        self.deliver(flushed);
+        self.deliver(&flushed);
         Ok(())
     }
 
@@ -398,11 +436,13 @@ impl QpInner {
         core.sq.clear();
         core.exec_next = 0;
         core.in_ring = 0;
+        core.in_ring_data = 0;
         core.produced = 0;
-        core.cached_consumed = 0;
         core.reaped = 0;
         core.next_seq = 1;
         core.rnr = None;
+        core.signaled_outstanding = 0;
+        core.head_waits = 0;
         let dropped = core.rq.len() as u64;
         core.rq.clear();
         if self.srq.is_none() {
@@ -423,7 +463,7 @@ impl QpInner {
 
     /// Moves to the error state: every outstanding request completes with a flush error and
     /// records still waiting in the peer's ring are cancelled.
-    fn enter_error(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+    fn enter_error(&self, core: &mut QpCore, out: &mut Out) {
         if core.state == QpState::Error {
             return;
         }
@@ -445,6 +485,7 @@ impl QpInner {
         }
         core.exec_next = core.sq.len();
         core.in_ring = 0;
+        core.in_ring_data = 0;
         self.retire(core, out);
         let flushed = core.rq.len() as u64;
         for wr in core.rq.drain(..) {
@@ -468,7 +509,7 @@ impl QpInner {
     }
 
     /// Hands completions to the right queues: `true` marks send-queue ones.
-    fn deliver(&self, wcs: Vec<(bool, WorkCompletion)>) {
+    fn deliver(&self, wcs: &Out) {
         if wcs.is_empty() {
             return;
         }
@@ -481,8 +522,8 @@ impl QpInner {
         if self.srq.is_some() {
             return Err(VerbsError::InvalidState("this QP uses a shared receive queue; post to the SRQ".into()));
         }
-        let mut core = self.core.lock().expect("qp lock");
-        let mut out = Vec::new();
+        let mut core = self.core.lock();
+        let mut out = Out::new();
         let r = (|| {
             for wr in wrs {
                 if wr.sg_list.len() > self.caps.max_recv_sge as usize {
@@ -503,49 +544,81 @@ impl QpInner {
                 if core.rq.len() >= self.caps.max_recv_wr as usize {
                     return Err(VerbsError::Exhausted("receive queue is full".into()));
                 }
-                core.rq.push_back(wr.clone());
+                core.rq.push_back(RecvWr { wr_id: wr.wr_id, sg_list: SgList::from_slice(&wr.sg_list) });
                 self.rq_counters().posted.fetch_add(1, Ordering::Release);
             }
             Ok(())
         })();
         // A message may have been waiting for this receive.
         self.progress_inbound(&mut core, &mut out);
+        self.publish_peek(&core);
         drop(core);
-        self.deliver(out);
+        self.deliver(&out);
         r
     }
 
     /// Posts send-queue requests and starts them at once where the ring and ordering allow.
     pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
-        let mut core = self.core.lock().expect("qp lock");
-        let mut out = Vec::new();
+        let mut core = self.core.lock();
+        let mut out = Out::new();
         let mut result = Ok(());
         for wr in wrs {
+            if core.sq.len() >= self.caps.max_send_wr as usize && self.reap(&mut core, &mut out) {
+                // Full: unsignaled requests the peer already consumed free their slots.
+                self.retire(&mut core, &mut out);
+            }
             if let Err(e) = self.check_send(&core, wr) {
                 result = Err(e);
                 break;
             }
-            let inline_data = if wr.flags.inline && wr.opcode != WrOpcode::RdmaRead && !wr.opcode.is_atomic() {
-                let mut v = Vec::with_capacity(wr.byte_len() as usize);
-                for s in &wr.sg_list {
-                    // SAFETY: inline data is read at post time from memory the caller hands us
-                    // for this call; the addresses come from the caller's own SGEs.
-                    v.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
-                    });
-                }
-                Some(v)
+            let inline = if wr.flags.inline && wr.opcode != WrOpcode::RdmaRead && !wr.opcode.is_atomic() {
+                Inline::Borrowed
+            } else {
+                Inline::No
+            };
+            core.signaled_outstanding += wr.flags.signaled as usize;
+            let mut entry = SqEntry {
+                wr_id: wr.wr_id,
+                opcode: wr.opcode,
+                signaled: wr.flags.signaled,
+                byte_len: if wr.opcode.is_atomic() { 8 } else { wr.byte_len() as u32 },
+                stage: SqStage::Waiting,
+                waiting: None,
+            };
+            if core.state == QpState::Error {
+                entry.stage = SqStage::Done(WcStatus::WrFlushErr);
+                core.sq.push_back(entry);
+                core.exec_next = core.sq.len();
+                continue;
+            }
+            // Nothing waits ahead of it: start it straight from the caller's request.
+            let started = if core.exec_next == core.sq.len() {
+                self.start_with_retry(&mut core, wr, &inline, &mut out)
             } else {
                 None
             };
-            let stage =
-                if core.state == QpState::Error { SqStage::Done(WcStatus::WrFlushErr) } else { SqStage::Waiting };
-            core.sq.push_back(SqEntry { wr: wr.clone(), inline_data, stage });
+            match started {
+                Some(stage) => {
+                    entry.stage = stage;
+                    core.sq.push_back(entry);
+                    self.account_started(&mut core, stage, &mut out);
+                }
+                None => {
+                    // It must wait: keep a copy, with inline data copied out of the caller's
+                    // buffer, which may be reused as soon as we return.
+                    let inline = match inline {
+                        Inline::Borrowed => Inline::Owned(inline_bytes(wr)),
+                        other => other,
+                    };
+                    entry.waiting = Some(Box::new((wr.clone(), inline)));
+                    core.sq.push_back(entry);
+                }
+            }
         }
-        self.execute(&mut core, &mut out);
         self.retire(&mut core, &mut out);
+        self.publish_peek(&core);
         drop(core);
-        self.deliver(out);
+        self.deliver(&out);
         result
     }
 
@@ -585,54 +658,80 @@ impl QpInner {
     }
 
     /// Carries out waiting requests in order, as far as ring space and ordering allow.
-    fn execute(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
-        while core.exec_next < core.sq.len() {
-            if core.state != QpState::ReadyToSend {
-                return;
-            }
+    fn execute(&self, core: &mut QpCore, out: &mut Out) {
+        while core.exec_next < core.sq.len() && core.state == QpState::ReadyToSend {
             let idx = core.exec_next;
-            let op = core.sq[idx].wr.opcode;
-            let outcome = match op {
-                WrOpcode::Send | WrOpcode::SendWithImm => self.start_send(core, idx),
-                WrOpcode::RdmaWriteWithImm => {
-                    if core.in_ring > 0 && !self.wwi_is_ring_inline(core, idx) {
-                        return; // its data placement must follow earlier records
-                    }
-                    self.start_write_imm(core, idx)
-                }
-                _ => {
-                    if core.in_ring > 0 {
-                        return; // one-sided requests follow earlier ring records
-                    }
-                    Some(self.run_one_sided(core, idx))
-                }
+            let Some(pending) = core.sq[idx].waiting.take() else {
+                core.exec_next += 1; // already finished (flushed)
+                continue;
             };
-            match outcome {
-                None => return, // no room in the ring yet
+            match self.start_with_retry(core, &pending.0, &pending.1, out) {
+                None => {
+                    core.sq[idx].waiting = Some(pending);
+                    return;
+                }
                 Some(stage) => {
                     core.sq[idx].stage = stage;
-                    if matches!(stage, SqStage::InRing { .. }) {
-                        core.in_ring += 1;
-                    }
-                    core.exec_next += 1;
-                    if let SqStage::Done(st) = stage {
-                        if !st.is_success() {
-                            self.enter_error(core, out);
-                            return;
-                        }
-                    }
+                    self.account_started(core, stage, out);
                 }
+            }
+        }
+    }
+
+    /// Starts a request; if the ring is full or ordering holds it back, harvests what the peer
+    /// consumed (only harvested space is reused: its status words are still to be read) and
+    /// tries once more. None: it must wait.
+    fn start_with_retry(&self, core: &mut QpCore, wr: &SendWr, inline: &Inline, out: &mut Out) -> Option<SqStage> {
+        if let Some(stage) = self.start(core, wr, inline) {
+            return Some(stage);
+        }
+        let before = (core.reaped, core.in_ring_data);
+        if !self.reap(core, out) || (core.reaped, core.in_ring_data) == before {
+            return None;
+        }
+        self.start(core, wr, inline)
+    }
+
+    /// Bookkeeping after the request at `exec_next` started.
+    fn account_started(&self, core: &mut QpCore, stage: SqStage, out: &mut Out) {
+        core.exec_next += 1;
+        match stage {
+            SqStage::InRing { target_placed, .. } => {
+                core.in_ring += 1;
+                core.in_ring_data += target_placed as usize;
+            }
+            SqStage::Done(st) if !st.is_success() => self.enter_error(core, out),
+            _ => {}
+        }
+    }
+
+    /// Starts one request: places its ring record, or carries out a one-sided operation. None
+    /// if it cannot start now (ring full, or ordering behind earlier records).
+    fn start(&self, core: &mut QpCore, wr: &SendWr, inline: &Inline) -> Option<SqStage> {
+        match wr.opcode {
+            WrOpcode::Send | WrOpcode::SendWithImm => self.start_send(core, wr, inline),
+            WrOpcode::RdmaWriteWithImm => {
+                if core.in_ring_data > 0 && !self.wwi_is_ring_inline(core, wr) {
+                    return None; // its data placement must follow earlier records
+                }
+                self.start_write_imm(core, wr, inline)
+            }
+            _ => {
+                if core.in_ring_data > 0 {
+                    return None; // one-sided requests follow earlier ring records
+                }
+                Some(self.run_one_sided(core, wr, inline))
             }
         }
     }
 
     /// True when a write-with-immediate goes through the ring with its data (small, and the
     /// target is not memory we reach directly).
-    fn wwi_is_ring_inline(&self, core: &QpCore, idx: usize) -> bool {
-        let e = &core.sq[idx];
-        let len = e.wr.byte_len() as usize;
-        let Some(r) = &core.remote else { return false };
-        len <= self.ctx.config.copy_threshold && !r.peer.same_process
+    fn wwi_is_ring_inline(&self, core: &QpCore, wr: &SendWr) -> bool {
+        let Some(r) = &core.remote else {
+            return false;
+        };
+        wr.byte_len() as usize <= self.ctx.config.copy_threshold && !r.peer.same_process
     }
 
     /// Places a record in the peer's ring: `fill` writes the payload. Returns the stage, or
@@ -650,20 +749,13 @@ impl QpInner {
         if size > wire::max_record(ring_bytes) {
             return Some(SqStage::Done(WcStatus::LocQpOpErr));
         }
-        let placement = match wire::place(core.produced, core.cached_consumed, ring_bytes, size) {
-            Some(p) => p,
-            None => {
-                core.cached_consumed = r.seg().consumer().consumed.load(Ordering::Acquire);
-                wire::place(core.produced, core.cached_consumed, ring_bytes, size)?
-            }
-        };
+        let placement = wire::place(core.produced, core.reaped, ring_bytes, size)?;
         // `place` keeps the record inside the ring and clear of unconsumed bytes.
         if let Err(st) = fill(ring.payload(placement.at, size)) {
             return Some(SqStage::Done(st));
         }
         ring.status(placement.at).store(status::PENDING, Ordering::Relaxed);
         ring.write_fields(placement.at, &header);
-        ring.seq((placement.at + size) % ring_bytes).store(0, Ordering::Relaxed);
         if let Some(pad_at) = placement.pad_at {
             let pad = RecordHeader {
                 kind: RecordKind::Pad,
@@ -688,48 +780,59 @@ impl QpInner {
         let start = core.produced + (placement.advance - size) as u64;
         core.produced += placement.advance as u64;
         r.peer.ring_bell(r.info.recv_cq_bell);
-        Some(SqStage::InRing { start, end: core.produced, off: placement.at })
+        let target_placed = header.kind != RecordKind::WriteImmNotify;
+        Some(SqStage::InRing { start, end: core.produced, off: placement.at, target_placed })
     }
 
-    fn start_send(&self, core: &mut QpCore, idx: usize) -> Option<SqStage> {
-        let e = &core.sq[idx];
-        let len = e.wr.byte_len() as u32;
-        let flags = if e.wr.opcode == WrOpcode::SendWithImm { wire::FLAG_IMM } else { 0 };
+    fn start_send(&self, core: &mut QpCore, wr: &SendWr, inline: &Inline) -> Option<SqStage> {
+        let len = wr.byte_len() as u32;
+        let flags = if wr.opcode == WrOpcode::SendWithImm { wire::FLAG_IMM } else { 0 };
         let mut h =
-            RecordHeader { kind: RecordKind::SendInline, flags, sge_count: 0, len, imm: e.wr.imm, rkey: 0, raddr: 0 };
-        if e.inline_data.is_none() && !self.ctx.check_local(&e.wr.sg_list, AccessFlags::NONE, self.pd) {
+            RecordHeader { kind: RecordKind::SendInline, flags, sge_count: 0, len, imm: wr.imm, rkey: 0, raddr: 0 };
+        let is_inline = !matches!(inline, Inline::No);
+        if !is_inline && !self.ctx.check_local(&wr.sg_list, AccessFlags::NONE, self.pd) {
             return Some(SqStage::Done(WcStatus::LocProtErr));
         }
-        if e.inline_data.is_some() || len as usize <= self.ctx.config.copy_threshold {
-            let inline = e.inline_data.clone();
-            let sges = e.wr.sg_list.clone();
-            self.place_record(core, h, |dst| self.gather_into(dst, inline.as_deref(), &sges))
-        } else {
-            let sges: SgList = e.wr.sg_list.iter().filter(|s| s.length > 0).copied().collect();
-            if sges.len() > wire::MAX_DESC {
-                return Some(SqStage::Done(WcStatus::LocQpOpErr));
-            }
-            h.kind = RecordKind::SendDescriptors;
-            h.sge_count = sges.len() as u16;
-            self.place_record(core, h, |dst| {
-                for (i, s) in sges.iter().enumerate() {
-                    let d = Descriptor { addr: s.addr, len: s.length, key: s.lkey }.encode();
-                    // SAFETY: `dst` has room for sge_count descriptors (the record was sized so).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(d.as_ptr(), dst.add(i * wire::DESC_BYTES), wire::DESC_BYTES)
-                    };
-                }
-                Ok(())
-            })
+        if is_inline || len as usize <= self.ctx.config.copy_threshold {
+            return self.place_record(core, h, |dst| self.gather_into(dst, inline, &wr.sg_list));
         }
+        let count = wr.sg_list.iter().filter(|s| s.length > 0).count();
+        if count > wire::MAX_DESC {
+            return Some(SqStage::Done(WcStatus::LocQpOpErr));
+        }
+        h.kind = RecordKind::SendDescriptors;
+        h.sge_count = count as u16;
+        self.place_record(core, h, |dst| {
+            for (i, s) in wr.sg_list.iter().filter(|s| s.length > 0).enumerate() {
+                let d = Descriptor { addr: s.addr, len: s.length, key: s.lkey }.encode();
+                // SAFETY: `dst` has room for sge_count descriptors (the record was sized so).
+                unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), dst.add(i * wire::DESC_BYTES), wire::DESC_BYTES) };
+            }
+            Ok(())
+        })
     }
 
     /// Copies a request's data (inline bytes, or its checked local SGEs) to `dst`.
-    fn gather_into(&self, dst: *mut u8, inline: Option<&[u8]>, sges: &[Sge]) -> Result<(), WcStatus> {
-        if let Some(data) = inline {
-            // SAFETY: `dst` has room for the whole message (the record was sized by its length).
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
-            return Ok(());
+    fn gather_into(&self, dst: *mut u8, inline: &Inline, sges: &[Sge]) -> Result<(), WcStatus> {
+        match inline {
+            Inline::Owned(data) => {
+                // SAFETY: `dst` has room for the whole message (the record was sized by its length).
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+                return Ok(());
+            }
+            Inline::Borrowed => {
+                let mut off = 0usize;
+                for s in sges {
+                    // SAFETY: inline SGEs name caller memory valid during post_send (Borrowed is
+                    // only ever seen then); `dst` has room for the whole message.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(s.addr as usize as *const u8, dst.add(off), s.length as usize)
+                    };
+                    off += s.length as usize;
+                }
+                return Ok(());
+            }
+            Inline::No => {}
         }
         let keys = self.ctx.local_keys();
         let mut off = 0usize;
@@ -745,15 +848,13 @@ impl QpInner {
         Ok(())
     }
 
-    fn start_write_imm(&self, core: &mut QpCore, idx: usize) -> Option<SqStage> {
-        let ring_inline = self.wwi_is_ring_inline(core, idx);
-        let e = &core.sq[idx];
-        let len = e.wr.byte_len() as u32;
-        let (imm, raddr, rkey) = (e.wr.imm, e.wr.remote_addr, e.wr.rkey);
-        if e.inline_data.is_none() && !self.ctx.check_local(&e.wr.sg_list, AccessFlags::NONE, self.pd) {
+    fn start_write_imm(&self, core: &mut QpCore, wr: &SendWr, inline: &Inline) -> Option<SqStage> {
+        let len = wr.byte_len() as u32;
+        if matches!(inline, Inline::No) && !self.ctx.check_local(&wr.sg_list, AccessFlags::NONE, self.pd) {
             return Some(SqStage::Done(WcStatus::LocProtErr));
         }
-        if ring_inline {
+        let (imm, raddr, rkey) = (wr.imm, wr.remote_addr, wr.rkey);
+        if self.wwi_is_ring_inline(core, wr) {
             let h = RecordHeader {
                 kind: RecordKind::WriteImmInline,
                 flags: wire::FLAG_IMM,
@@ -763,9 +864,7 @@ impl QpInner {
                 rkey,
                 raddr,
             };
-            let inline = e.inline_data.clone();
-            let sges = e.wr.sg_list.clone();
-            return self.place_record(core, h, |dst| self.gather_into(dst, inline.as_deref(), &sges));
+            return self.place_record(core, h, |dst| self.gather_into(dst, inline, &wr.sg_list));
         }
         // Room for the notification first, so the data is written exactly once.
         let r = core.remote.as_ref()?;
@@ -778,8 +877,8 @@ impl QpInner {
             rkey,
             raddr,
         };
-        wire::place(core.produced, r.seg().consumer().consumed.load(Ordering::Acquire), r.ring_bytes, h.record_size())?;
-        if let SqStage::Done(st) = self.run_one_sided(core, idx) {
+        wire::place(core.produced, core.reaped, r.ring_bytes, h.record_size())?;
+        if let SqStage::Done(st) = self.run_one_sided(core, wr, inline) {
             if !st.is_success() {
                 return Some(SqStage::Done(st));
             }
@@ -788,12 +887,10 @@ impl QpInner {
     }
 
     /// Carries out a one-sided request on the peer's memory; returns its final stage.
-    fn run_one_sided(&self, core: &QpCore, idx: usize) -> SqStage {
+    fn run_one_sided(&self, core: &QpCore, wr: &SendWr, inline: &Inline) -> SqStage {
         let Some(r) = &core.remote else {
             return SqStage::Done(WcStatus::RetryExcErr);
         };
-        let e = &core.sq[idx];
-        let wr = &e.wr;
         let peer_qp_access = AccessFlags::from_bits_truncate(r.seg().header().access.load(Ordering::Relaxed));
         let (need_remote, need_local) = match wr.opcode {
             WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => (AccessFlags::REMOTE_WRITE, AccessFlags::NONE),
@@ -803,7 +900,7 @@ impl QpInner {
         if !peer_qp_access.contains(need_remote) {
             return SqStage::Done(WcStatus::RemInvReqErr);
         }
-        if e.inline_data.is_none() && !self.ctx.check_local(&wr.sg_list, need_local, self.pd) {
+        if matches!(inline, Inline::No) && !self.ctx.check_local(&wr.sg_list, need_local, self.pd) {
             return SqStage::Done(WcStatus::LocProtErr);
         }
         let len = wr.byte_len();
@@ -815,10 +912,23 @@ impl QpInner {
             Err(st) => return SqStage::Done(st),
         };
         let result = match wr.opcode {
-            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => match &e.inline_data {
+            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => match inline {
                 // SAFETY: inline bytes are ours.
-                Some(d) => unsafe { access.write_from(0, d.as_ptr(), d.len()) },
-                None => {
+                Inline::Owned(d) => unsafe { access.write_from(0, d.as_ptr(), d.len()) },
+                Inline::Borrowed => {
+                    let mut off = 0;
+                    let mut res = Ok(());
+                    for s in &wr.sg_list {
+                        // SAFETY: inline SGEs name caller memory valid during post_send.
+                        res = unsafe { access.write_from(off, s.addr as usize as *const u8, s.length as usize) };
+                        if res.is_err() {
+                            break;
+                        }
+                        off += s.length as usize;
+                    }
+                    res
+                }
+                Inline::No => {
                     let keys = self.ctx.local_keys();
                     let mut off = 0;
                     let mut res = Ok(());
@@ -889,46 +999,56 @@ impl QpInner {
     }
 
     /// Reports finished requests in order: errors always, successes when signaled.
-    fn retire(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+    fn retire(&self, core: &mut QpCore, out: &mut Out) {
         while let Some(front) = core.sq.front() {
             let SqStage::Done(st) = front.stage else {
                 break;
             };
-            if !st.is_success() || front.wr.flags.signaled {
+            if !st.is_success() || front.signaled {
                 out.push((
                     true,
                     WorkCompletion {
-                        wr_id: front.wr.wr_id,
+                        wr_id: front.wr_id,
                         status: st,
-                        opcode: front.wr.opcode.completion_opcode(),
-                        byte_len: if front.wr.opcode.is_atomic() { 8 } else { front.wr.byte_len() as u32 },
+                        opcode: front.opcode.completion_opcode(),
+                        byte_len: front.byte_len,
                         imm: None,
                         qp_num: self.qpn,
                         src_qp: 0,
                     },
                 ));
             }
+            let signaled = front.signaled;
             core.sq.pop_front();
+            core.signaled_outstanding -= signaled as usize;
             core.exec_next = core.exec_next.saturating_sub(1);
         }
     }
 
     /// Requester side: learn which records the peer consumed, detect receiver-not-ready and a
     /// dead peer, run what was waiting.
-    fn progress_outbound(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+    fn progress_outbound(&self, core: &mut QpCore, out: &mut Out) {
+        if self.reap(core, out) {
+            self.execute(core, out);
+        }
+        self.retire(core, out);
+    }
+
+    /// Turns the records the peer consumed into finished requests and watches the head record
+    /// for receiver-not-ready. Returns false if the QP went to error.
+    fn reap(&self, core: &mut QpCore, out: &mut Out) -> bool {
         if core.in_ring > 0 {
-            let Some(r) = &core.remote else { return };
+            let Some(r) = &core.remote else { return true };
             if let Some(target) = r.local.as_ref().and_then(std::sync::Weak::upgrade) {
                 // Same process: do the responder's work now rather than wait for its thread.
                 target.drive_inbound();
             }
             let consumed = r.seg().consumer().consumed.load(Ordering::Acquire);
-            core.cached_consumed = consumed;
             core.reaped = consumed;
             let ring = r.ring();
             let mut error = None;
             for e in core.sq.iter_mut() {
-                let SqStage::InRing { start, end, off } = e.stage else {
+                let SqStage::InRing { start, end, off, target_placed } = e.stage else {
                     if matches!(e.stage, SqStage::Waiting) {
                         break;
                     }
@@ -936,7 +1056,9 @@ impl QpInner {
                 };
                 if end > consumed {
                     // Not consumed: receiver-not-ready if it heads the ring and no receive waits.
-                    if start == consumed && ring.status(off).load(Ordering::Acquire) == status::PENDING {
+                    core.head_waits = core.head_waits.wrapping_add(1);
+                    let probe = core.head_waits % 64 == 0;
+                    if probe && start == consumed && ring.status(off).load(Ordering::Acquire) == status::PENDING {
                         let rq = r.peer.ctrl().rq(r.info.rq_slot as usize).expect("validated at connect");
                         let empty = rq.posted.load(Ordering::Acquire) <= rq.consumed.load(Ordering::Acquire);
                         if empty {
@@ -973,6 +1095,7 @@ impl QpInner {
                 let st = status_of(ring.status(off).load(Ordering::Acquire));
                 e.stage = SqStage::Done(st);
                 core.in_ring -= 1;
+                core.in_ring_data -= target_placed as usize;
                 if !st.is_success() {
                     error = Some(());
                     break;
@@ -980,16 +1103,14 @@ impl QpInner {
             }
             if error.is_some() {
                 self.enter_error(core, out);
-                self.retire(core, out);
-                return;
+                return false;
             }
         }
-        self.execute(core, out);
-        self.retire(core, out);
+        true
     }
 
     /// Responder side: consume records from our ring into posted receives.
-    fn progress_inbound(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+    fn progress_inbound(&self, core: &mut QpCore, out: &mut Out) {
         if !matches!(core.state, QpState::ReadyToReceive | QpState::ReadyToSend) || core.inbound_dead {
             return;
         }
@@ -1014,6 +1135,7 @@ impl QpInner {
             // SAFETY: as above, the status word of this record.
             let st = ring.status(off);
             if h.kind == RecordKind::Pad {
+                ring.clear_lines(off, h.len as usize);
                 core.cons_head += h.len as u64;
                 core.expect_seq = next_seq(core.expect_seq);
                 consumed_any = true;
@@ -1053,6 +1175,10 @@ impl QpInner {
                 }
             };
             st.store(code, Ordering::Release);
+            if h.record_size() > wire::RECORD_ALIGN {
+                ring.clear_lines(off + wire::RECORD_ALIGN, h.record_size() - wire::RECORD_ALIGN);
+            }
+            ring.seq(off).store(0, Ordering::Relaxed);
             core.cons_head += h.record_size() as u64;
             core.expect_seq = next_seq(core.expect_seq);
             consumed_any = true;
@@ -1211,7 +1337,7 @@ impl QpInner {
     }
 
     /// Checks peer liveness and the peer QP's state; fails the connection if it is gone.
-    fn check_peer(&self, core: &mut QpCore, out: &mut Vec<(bool, WorkCompletion)>) {
+    fn check_peer(&self, core: &mut QpCore, out: &mut Out) {
         let Some(r) = &core.remote else { return };
         let peer_state = r.seg().header().state.load(Ordering::Acquire);
         let peer_qp_gone = peer_state == qp_state_code(QpState::Error) || peer_state == QP_DESTROYED;
@@ -1231,17 +1357,32 @@ impl QpInner {
 
     /// One progress pass for the queue `cq` (send side, receive side, or both).
     pub(crate) fn progress(&self, cq: &CqInner) {
-        let Ok(mut core) = self.core.try_lock() else {
+        let recv_side = std::ptr::eq(cq, &*self.recv_cq);
+        let send_side = std::ptr::eq(cq, &*self.send_cq);
+        let inbound = recv_side && {
+            let off = (self.peek_head.load(Ordering::Relaxed) % self.ring_bytes as u64) as usize;
+            self.ring().seq(off).load(Ordering::Acquire) == self.peek_seq.load(Ordering::Relaxed)
+        };
+        let outbound = send_side && self.sq_busy.load(Ordering::Relaxed);
+        if !inbound && !outbound && !cq.overrun() {
+            // Nothing to do; look at the peer's health now and then.
+            let n = self.idle.load(Ordering::Relaxed).wrapping_add(1);
+            self.idle.store(n, Ordering::Relaxed);
+            if n % 64 != 0 {
+                return;
+            }
+        }
+        let Some(mut core) = self.core.try_lock() else {
             return;
         }; // another thread is on it
-        let mut out = Vec::new();
+        let mut out = Out::new();
         if cq.overrun() && core.state != QpState::Error {
             self.enter_error(&mut core, &mut out);
         }
-        if std::ptr::eq(cq, &*self.recv_cq) {
+        if recv_side {
             self.progress_inbound(&mut core, &mut out);
         }
-        if std::ptr::eq(cq, &*self.send_cq) {
+        if send_side {
             self.progress_outbound(&mut core, &mut out);
         }
         if out.is_empty() && core.remote.is_some() && core.state != QpState::Error {
@@ -1255,26 +1396,36 @@ impl QpInner {
                 }
             }
         }
+        self.publish_peek(&core);
         drop(core);
-        self.deliver(out);
+        self.deliver(&out);
+    }
+
+    /// Publishes the lock-free hints from the locked state.
+    fn publish_peek(&self, core: &QpCore) {
+        self.peek_head.store(core.cons_head, Ordering::Relaxed);
+        self.peek_seq.store(core.expect_seq, Ordering::Relaxed);
+        // Unsignaled requests in flight alone do not make polls reap: they are retired on the
+        // periodic slow pass, when ring space or queue slots are needed, or by a later signaled one.
+        let eager = core.signaled_outstanding > 0 || core.exec_next < core.sq.len();
+        self.sq_busy.store(eager, Ordering::Relaxed);
     }
 
     /// Runs the responder side if no other thread is on this queue pair.
     fn drive_inbound(&self) {
-        let Ok(mut core) = self.core.try_lock() else {
+        let Some(mut core) = self.core.try_lock() else {
             return;
         };
-        let mut out = Vec::new();
+        let mut out = Out::new();
         self.progress_inbound(&mut core, &mut out);
+        self.publish_peek(&core);
         drop(core);
-        self.deliver(out);
+        self.deliver(&out);
     }
 
     /// True if a progress pass for `cq` would find something to do.
     pub(crate) fn work_pending(&self, cq: &CqInner) -> bool {
-        let Ok(core) = self.core.lock() else {
-            return true;
-        };
+        let core = self.core.lock();
         if std::ptr::eq(cq, &*self.recv_cq) && !core.inbound_dead {
             let off = (core.cons_head % self.ring_bytes as u64) as usize;
             if self.ring().seq(off).load(Ordering::Acquire) == core.expect_seq {
@@ -1298,19 +1449,20 @@ impl QpInner {
 
     /// Checks the peer now (after a sleep, when its death may be what woke us).
     pub(crate) fn check_peer_now(&self) {
-        let Ok(mut core) = self.core.lock() else {
-            return;
-        };
-        let mut out = Vec::new();
+        let mut core = self.core.lock();
+        let mut out = Out::new();
         core.last_liveness = Instant::now();
+        // After a sleep the next reap probes receiver-not-ready at once.
+        core.head_waits = 63;
         self.check_peer(&mut core, &mut out);
+        self.publish_peek(&core);
         drop(core);
-        self.deliver(out);
+        self.deliver(&out);
     }
 
     /// Marks the QP destroyed for its peer and detaches it from its queues.
     pub fn destroy(&self) {
-        let mut core = self.core.lock().expect("qp lock");
+        let mut core = self.core.lock();
         self.header().state.store(QP_DESTROYED, Ordering::Release);
         if let Some(r) = core.remote.take() {
             self.send_cq.unwatch(r.peer.pidfd());
@@ -1329,6 +1481,17 @@ impl Drop for QpInner {
             self.ctx.rq_slots.lock().expect("slot lock").give(self.rq_slot);
         }
     }
+}
+
+/// Copies an inline request's data out of the caller's buffers.
+fn inline_bytes(wr: &SendWr) -> Vec<u8> {
+    let mut v = Vec::with_capacity(wr.byte_len() as usize);
+    for s in &wr.sg_list {
+        // SAFETY: inline SGEs name caller memory valid for the duration of post_send, during
+        // which this runs.
+        v.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize) });
+    }
+    v
 }
 
 /// A ring mapped in this process, with bounds-checked access to its record words.
@@ -1377,6 +1540,14 @@ impl RingView {
         unsafe { std::ptr::copy_nonoverlapping(self.base.add(off + 8), b.as_mut_ptr(), FIELDS_BYTES) };
         b
     }
+    /// Clears the publish word of every line of a consumed record, so that no stale bytes of
+    /// this lap can look like a record start in the next (records start on any line).
+    fn clear_lines(&self, off: usize, size: usize) {
+        for line in (off..off + size).step_by(wire::RECORD_ALIGN) {
+            self.seq(line).store(0, Ordering::Relaxed);
+        }
+    }
+
     /// Pointer to the payload of a record of `size` bytes at `off`.
     fn payload(&self, off: usize, size: usize) -> *mut u8 {
         assert!(off + size <= self.bytes && size >= HEADER_BYTES, "record outside the ring");
@@ -1479,6 +1650,6 @@ mod tests {
         }
         // The requester's fault: it gets an error; our receive stays posted.
         assert_eq!(b.ring().status(0).load(Ordering::Acquire), status::REM_OP);
-        assert_eq!(b.core.lock().unwrap().rq.len(), 1);
+        assert_eq!(b.core.lock().rq.len(), 1);
     }
 }

@@ -199,6 +199,53 @@ impl RemoteMemory {
     }
 }
 
+const MEMBARRIER_CMD_QUERY: libc::c_long = 0;
+const MEMBARRIER_CMD_GLOBAL_EXPEDITED: libc::c_long = 1 << 1;
+const MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED: libc::c_long = 1 << 2;
+
+static ASYMMETRIC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// Registers this process for expedited global memory barriers (once). Returns whether the
+/// asymmetric scheme is usable: then the hot path pays only a compiler fence and the rare
+/// sleeper pays a `membarrier` syscall that runs a full barrier on every registered CPU.
+pub fn asymmetric_barriers() -> bool {
+    *ASYMMETRIC.get_or_init(|| {
+        if std::env::var_os("PV_SOFT_NO_MEMBARRIER").is_some() {
+            return false;
+        }
+        // SAFETY: plain syscalls with integer arguments.
+        let supported = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0) };
+        supported > 0
+            && supported & MEMBARRIER_CMD_GLOBAL_EXPEDITED != 0
+            // SAFETY: as above.
+            && unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) } == 0
+    })
+}
+
+/// The hot-path half of the wake-up handshake: orders a producer's publish before its check of
+/// the sleeper's doorbell.
+#[inline]
+pub fn producer_barrier() {
+    if asymmetric_barriers() {
+        std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+    } else {
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The sleeper's half: after arming a doorbell and before checking for work, makes every
+/// producer's earlier publishes visible (or its later doorbell checks see the arm).
+pub fn sleeper_barrier() {
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    if asymmetric_barriers() {
+        // SAFETY: plain syscall with integer arguments.
+        let r = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0) };
+        if r != 0 {
+            log::error!("membarrier failed: {}", io::Error::last_os_error());
+        }
+    }
+}
+
 /// Writes `src` into this process's own memory at `addr` through `/proc/self/mem`, which reaches
 /// pages protected against the process itself (the in-process stand-in for a NIC's DMA).
 pub fn write_self_mem(addr: u64, src: &[u8]) -> io::Result<()> {
