@@ -534,3 +534,24 @@ impl SharedReceiveQueue {
 pub fn page_size() -> usize {
     soft::page_size()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hardware_provider_says_clearly_when_there_is_no_device() {
+        match Context::open(Provider::Hardware) {
+            Ok(ctx) => assert_eq!(ctx.provider(), Provider::Hardware), // a real HCA is present
+            Err(VerbsError::NoDevice(why)) => assert!(!why.is_empty()),
+            Err(e) => panic!("unclear error: {e}"),
+        }
+    }
+
+    #[test]
+    fn the_software_device_is_always_listed() {
+        assert!(devices().iter().any(|d| d.provider == Provider::Software));
+        assert_eq!("soft".parse::<Provider>().unwrap(), Provider::Software);
+        assert!("gpu".parse::<Provider>().is_err());
+    }
+}
