@@ -18,9 +18,9 @@ pub fn sizes_between(min: usize, max: usize) -> Vec<usize> {
 
 /// `1 KiB`-style size.
 pub fn fmt_size(n: usize) -> String {
-    if n >= 1 << 20 && n % (1 << 20) == 0 {
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
         format!("{} MiB", n >> 20)
-    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
+    } else if n >= 1 << 10 && n.is_multiple_of(1 << 10) {
         format!("{} KiB", n >> 10)
     } else {
         format!("{n} B")
@@ -80,7 +80,7 @@ impl Spin {
     /// One iteration of a wait loop.
     pub fn tick(&mut self) -> Result<()> {
         self.ticks = self.ticks.wrapping_add(1);
-        if self.ticks % 1024 == 0 && Instant::now() > self.deadline {
+        if self.ticks.is_multiple_of(1024) && Instant::now() > self.deadline {
             return Err(VerbsError::Timeout(self.limit));
         }
         std::hint::spin_loop();

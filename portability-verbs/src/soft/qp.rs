@@ -1057,7 +1057,7 @@ impl QpInner {
                 if end > consumed {
                     // Not consumed: receiver-not-ready if it heads the ring and no receive waits.
                     core.head_waits = core.head_waits.wrapping_add(1);
-                    let probe = core.head_waits % 64 == 0;
+                    let probe = core.head_waits.is_multiple_of(64);
                     if probe && start == consumed && ring.status(off).load(Ordering::Acquire) == status::PENDING {
                         let rq = r.peer.ctrl().rq(r.info.rq_slot as usize).expect("validated at connect");
                         let empty = rq.posted.load(Ordering::Acquire) <= rq.consumed.load(Ordering::Acquire);
@@ -1368,7 +1368,7 @@ impl QpInner {
             // Nothing to do; look at the peer's health now and then.
             let n = self.idle.load(Ordering::Relaxed).wrapping_add(1);
             self.idle.store(n, Ordering::Relaxed);
-            if n % 64 != 0 {
+            if !n.is_multiple_of(64) {
                 return;
             }
         }
@@ -1640,7 +1640,7 @@ mod tests {
     fn descriptors_naming_unregistered_memory_are_refused_without_touching_it() {
         let (cq, _a, b) = connected();
         let d = Descriptor { addr: 0x1000, len: 64, key: 0x4242 }.encode();
-        let buf = vec![0u8; 64];
+        let buf = [0u8; 64];
         let key = b.ctx.register(buf.as_ptr() as u64, 64, AccessFlags::ALL, 1, None).unwrap();
         b.post_recv(&[RecvWr::new(1, &[Sge { addr: buf.as_ptr() as u64, length: 64, lkey: key }])]).unwrap();
         scribble(&b, header(RecordKind::SendDescriptors, 64, 1), status::PENDING, &d);
