@@ -121,6 +121,9 @@ pub struct QpHeader {
     pub pd: AtomicU32,
     /// Receiver-not-ready timer code.
     pub min_rnr_timer: AtomicU32,
+    /// Written by the peer (the producer) only: 1 + the ring position from which its records
+    /// are cancelled (0: none). See the cancel handshake in `qp.rs`.
+    pub cancel_from: AtomicU64,
 }
 
 /// Second line of a queue-pair segment: the inbound ring's consumer position.
@@ -128,6 +131,8 @@ pub struct QpHeader {
 pub struct RingConsumer {
     /// Ring bytes consumed so far (monotonic).
     pub consumed: AtomicU64,
+    /// 1 + the ring position of the record the consumer is taking (monotonic).
+    pub taking: AtomicU64,
 }
 
 /// Magic of a queue-pair segment.

@@ -7,16 +7,25 @@
 //!
 //! Record layout (64-byte aligned, never wrapping inside the ring):
 //! ```text
-//! 0  seq: u32     publish word, written last by the producer (message sequence, never 0)
-//! 4  status: u32  written by the consumer (taken, done, error) and by the producer (cancel)
+//! 0  publish: u64 written last by the producer: a function of the record's absolute position
+//!                 (see `publish_word`), so stale bytes of an earlier lap never match
 //! 8  kind: u8, flags: u8, sge_count: u16, len: u32, imm: u32, rkey: u32, raddr: u64
-//! 32 payload      inline data, or sge_count descriptors of 16 bytes (addr u64, len u32, key u32)
+//! 32 status: u32  0 from the producer; the consumer writes an error code only on failure
+//! 36 (reserved)
+//! 40 payload      inline data, or sge_count descriptors of 16 bytes (addr u64, len u32, key u32)
 //! ```
+//! On success the consumer writes nothing into the ring: a record is done when the consumer's
+//! counter passes it. Every lap overwrites every byte of the ring, so the bytes at a position are
+//! from the current or the previous lap; a previous-lap header carries another position's
+//! publish word, and previous-lap payload matches the expected 64-bit word with probability
+//! 2^-64 (and must then still pass the decoder).
 
 /// Records start on this alignment (a cache line).
 pub const RECORD_ALIGN: usize = 64;
 /// Bytes of a record header.
-pub const HEADER_BYTES: usize = 32;
+pub const HEADER_BYTES: usize = 40;
+/// Offset of the status word in a record.
+pub const STATUS_OFFSET: usize = 32;
 /// Bytes of the part of the header that is decoded (after seq and status).
 pub const FIELDS_BYTES: usize = 24;
 /// Bytes of one descriptor in a descriptor record.
@@ -26,22 +35,24 @@ pub const MAX_DESC: usize = 64;
 /// Largest message length the transport carries (the verbs limit of 2^31 bytes).
 pub const MAX_MESSAGE: u32 = 1 << 31;
 
+/// The publish word of a record starting at absolute ring position `pos` (bytes produced before
+/// it): the line index and a scrambled copy of it, never zero.
+pub fn publish_word(pos: u64) -> u64 {
+    let line = (pos / RECORD_ALIGN as u64) as u32;
+    let check = line.rotate_left(16) ^ 0xA5C3_5A3C;
+    line as u64 | (check as u64) << 32
+}
+
 /// The record statuses (the `status` word).
 pub mod status {
-    /// Published, not yet looked at.
-    pub const PENDING: u32 = 0;
-    /// The consumer has claimed it; the producer can no longer cancel.
-    pub const TAKEN: u32 = 1;
-    /// Delivered.
-    pub const OK: u32 = 2;
+    /// Written by the producer; stays so on success.
+    pub const OK: u32 = 0;
     /// The responder found the request invalid (receive buffer too small, bad descriptor).
     pub const REM_INV_REQ: u32 = 3;
     /// The responder refused the remote access (key, bounds, rights).
     pub const REM_ACCESS: u32 = 4;
     /// The responder failed the operation (for example could not read the sender's memory).
     pub const REM_OP: u32 = 5;
-    /// The producer gave up (receiver-not-ready retries exhausted); never deliver it.
-    pub const CANCELLED: u32 = 6;
 }
 
 /// What a record asks the consumer to do.
@@ -272,9 +283,7 @@ pub struct Placement {
 }
 
 /// Finds room for a record of `size` bytes. `produced` and `consumed` are the monotonic byte
-/// counts of both ends. The producer always keeps one spare line after its newest record: it
-/// zeroes that line's publish word before publishing, so the consumer never mistakes stale bytes
-/// of an earlier lap for a record. Returns `None` when the ring is too full now.
+/// counts of both ends. Returns `None` when the ring is too full now.
 pub fn place(produced: u64, consumed: u64, ring: usize, size: usize) -> Option<Placement> {
     debug_assert!(ring.is_power_of_two() && size.is_multiple_of(RECORD_ALIGN));
     let used = produced.checked_sub(consumed)? as usize;
@@ -285,16 +294,15 @@ pub fn place(produced: u64, consumed: u64, ring: usize, size: usize) -> Option<P
     let off = (produced % ring as u64) as usize;
     let to_end = ring - off;
     let (pad_at, at, advance) = if size <= to_end { (None, off, size) } else { (Some(off), 0, to_end + size) };
-    // Spare line: the record must not end where unconsumed data (or the consumer's head) sits.
-    if advance + RECORD_ALIGN > free {
+    if advance > free {
         return None;
     }
     Some(Placement { pad_at, at, advance })
 }
 
-/// The largest record a ring of `ring` bytes accepts (wrap and spare line included).
+/// The largest record a ring of `ring` bytes accepts (so that one always fits after a wrap).
 pub fn max_record(ring: usize) -> usize {
-    ring / 2 - RECORD_ALIGN
+    ring / 2
 }
 
 #[cfg(test)]
@@ -350,7 +358,7 @@ mod tests {
                 }
                 if let Some(p) = place(produced, consumed, ring, size) {
                     prop_assert!(p.at + size <= ring);
-                    prop_assert!(produced + p.advance as u64 + RECORD_ALIGN as u64 <= consumed + ring as u64);
+                    prop_assert!(produced + p.advance as u64 <= consumed + ring as u64);
                     if let Some(pad) = p.pad_at { prop_assert_eq!(p.at, 0); prop_assert_eq!(pad as u64, produced % ring as u64); }
                     produced += p.advance as u64;
                     inflight.push_back(produced);
@@ -358,6 +366,15 @@ mod tests {
                     prop_assert!(size > max_record(ring) || produced - consumed > 0);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn publish_words_differ_across_laps_and_are_never_zero() {
+        for pos in [0u64, 64, 4096, 1 << 20, 1 << 40] {
+            assert_ne!(publish_word(pos), 0);
+            assert_ne!(publish_word(pos), publish_word(pos + (1 << 17)));
+            assert_ne!(publish_word(pos), publish_word(pos + 64));
         }
     }
 
