@@ -60,6 +60,10 @@ struct Args {
     /// Do not pin.
     #[arg(long)]
     no_pin: bool,
+    /// Spread streamed messages over 16 MiB of target and receive buffers instead of reusing one
+    /// buffer (the default, as perftest and ucx_perftest do; spreading measures memory bandwidth).
+    #[arg(long)]
+    spread: bool,
     /// Also write the results as JSON lines to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -174,6 +178,29 @@ impl Side {
         }
     }
 
+    /// Like `wait_recv`, but sleeps on the completion queue's descriptor after a short spin, so
+    /// a passive target leaves its CPU to the initiator.
+    fn wait_recv_sleeping(&mut self) -> Result<WorkCompletion> {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some(wc) = self.pending_recvs.pop_front() {
+                return Ok(wc);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let n = self.cq.poll_blocking(&mut self.wcs, left)?;
+            let wcs: Vec<WorkCompletion> = self.wcs[..n].to_vec();
+            for wc in wcs {
+                if wc.status != WcStatus::Success {
+                    return Err(VerbsError::PeerUnreachable(format!("completion failed: {wc:?}")));
+                }
+                match wc.opcode {
+                    WcOpcode::Recv | WcOpcode::RecvRdmaWithImm => self.pending_recvs.push_back(wc),
+                    _ => self.send_done += 1,
+                }
+            }
+        }
+    }
+
     fn wait_sends(&mut self, done: u64) -> Result<()> {
         let mut spin = Spin::new(TIMEOUT);
         while self.send_done < done {
@@ -219,20 +246,29 @@ fn target(side: &Side, op: Op) -> (u64, u32) {
     }
 }
 
-/// The client side of one latency point; returns one-way latencies in nanoseconds.
+/// Receives kept posted during a latency run, so that reposting happens off the critical path
+/// (after the next message is sent), as perftest does.
+const LAT_DEPTH: u64 = 8;
+
+/// The client side of one latency point; records one-way latencies in nanoseconds.
 fn client_latency(side: &mut Side, args: &Args, op: Op, size: usize, hist: &mut Histogram<u64>) -> Result<()> {
     let iters = latency_iters(args, size);
     let (raddr, rkey) = target(side, op);
     let total = iters + args.warmup.min(iters);
     let done = side.send_done + 1;
+    for _ in 0..LAT_DEPTH.min(total) {
+        side.post_recv(0, size.max(1))?;
+    }
     for i in 0..total {
         let t0 = Instant::now();
-        side.post_recv(0, size.max(1))?;
         let wr = match op {
             Op::Send => SendWr::send(i, &[side.send_buf.sge(0, size)]),
             _ => SendWr::write_with_imm(i, &[side.send_buf.sge(0, size)], raddr, rkey, i as u32),
         };
         side.qp.post_send(&[wr.inline(size <= 64).signaled(i + 1 == total)])?;
+        if i + LAT_DEPTH < total {
+            side.post_recv(0, size.max(1))?;
+        }
         side.wait_recv()?;
         let rtt = t0.elapsed().as_nanos() as u64;
         if i >= args.warmup.min(iters) {
@@ -249,14 +285,14 @@ fn server_latency(side: &mut Side, args: &Args, op: Op, size: usize) -> Result<(
     let done = side.send_done + 1;
     for i in 0..total {
         side.wait_recv()?;
-        if i + 1 < total {
-            side.post_recv(0, size.max(1))?;
-        }
         let wr = match op {
             Op::Send => SendWr::send(i, &[side.send_buf.sge(0, size)]),
             _ => SendWr::write_with_imm(i, &[side.send_buf.sge(0, size)], raddr, rkey, i as u32),
         };
         side.qp.post_send(&[wr.inline(size <= 64).signaled(i + 1 == total)])?;
+        if i + LAT_DEPTH < total {
+            side.post_recv(0, size.max(1))?;
+        }
     }
     side.wait_sends(done)
 }
@@ -266,7 +302,7 @@ fn client_bandwidth(side: &mut Side, args: &Args, op: Op, size: usize) -> Result
     let count = stream_count(args, size);
     let win = window(size);
     let (raddr, rkey) = target(side, op);
-    let slots = (SEG_REGION / size).max(1) as u64;
+    let slots = if args.spread { (SEG_REGION / size).max(1) as u64 } else { 1 };
     side.post_ctrl_recv()?; // for the end-of-stream acknowledgement
     let start_done = side.send_done;
     let t0 = Instant::now();
@@ -302,11 +338,11 @@ fn client_bandwidth(side: &mut Side, args: &Args, op: Op, size: usize) -> Result
 fn server_bandwidth(side: &mut Side, args: &Args, op: Op, size: usize) -> Result<()> {
     let count = stream_count(args, size);
     if matches!(op, Op::WriteSeg | Op::WriteUser) {
-        side.wait_recv()?; // the client's end-of-stream message (receive posted at sync)
+        side.wait_recv_sleeping()?; // the client's end-of-stream message (receive posted at sync)
         return side.send_ctrl();
     }
     let win = window(size).min(1000);
-    let slots = (RECV_REGION / size).clamp(1, win as usize);
+    let slots = if args.spread { (RECV_REGION / size).clamp(1, win as usize) } else { 1 };
     for k in 0..win {
         side.post_recv((k as usize % slots) * size, size)?;
     }
@@ -363,8 +399,8 @@ fn run_server(args: &Args) -> Result<()> {
     let mut side = Side::setup(Role::Server, args.addr.as_deref().unwrap_or_default())?;
     for p in schedule(args) {
         if p.latency {
-            let size = p.size;
-            sync(&mut side, Role::Server, |s| s.post_recv(0, size.max(1)))?;
+            let (size, depth) = (p.size, LAT_DEPTH.min(latency_iters(args, p.size) * 2));
+            sync(&mut side, Role::Server, |s| (0..depth).try_for_each(|_| s.post_recv(0, size.max(1))))?;
             server_latency(&mut side, args, p.op, p.size)?;
         } else {
             let one_sided = matches!(p.op, Op::WriteSeg | Op::WriteUser);
