@@ -87,3 +87,37 @@ impl Spin {
         Ok(())
     }
 }
+
+/// The physical floor of a one-way message between two CPUs: each of two threads (pinned to
+/// `cpu_a` and `cpu_b`) writes its own cache line and spins on the other's, as a ring flag does.
+/// Returns nanoseconds one way. Measured in the same run as the figures it is compared with,
+/// because this kind of machine drifts from minute to minute.
+pub fn cacheline_one_way_ns(cpu_a: usize, cpu_b: usize) -> f64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    #[repr(align(128))]
+    struct Line(AtomicU64);
+    let (a, b) = (Line(AtomicU64::new(0)), Line(AtomicU64::new(0)));
+    let rounds = 200_000u64;
+    let mut elapsed = Duration::ZERO;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            pin_to_cpu(cpu_b);
+            for i in 1..=rounds {
+                while a.0.load(Ordering::Acquire) != i {
+                    std::hint::spin_loop();
+                }
+                b.0.store(i, Ordering::Release);
+            }
+        });
+        pin_to_cpu(cpu_a);
+        let t0 = Instant::now();
+        for i in 1..=rounds {
+            a.0.store(i, Ordering::Release);
+            while b.0.load(Ordering::Acquire) != i {
+                std::hint::spin_loop();
+            }
+        }
+        elapsed = t0.elapsed();
+    });
+    elapsed.as_nanos() as f64 / (2 * rounds) as f64
+}

@@ -9,7 +9,7 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use benches::{fmt_size, pin_to_cpu, pss_kib, sizes_between, timer_cost_ns, Spin};
+use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, pss_kib, sizes_between, timer_cost_ns, Spin};
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use portability_verbs::*;
@@ -520,6 +520,8 @@ fn client_main(args: &Args) -> Result<()> {
         Command::new(std::env::current_exe().map_err(|e| VerbsError::Os { context: "current_exe".into(), source: e })?);
     cmd.args(std::env::args().skip(1)).args(["--role", "server", "--addr", &addr]);
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    // The hardware floor, before the server starts spinning on its CPU.
+    let floor = (ncpu > 1).then(|| cacheline_one_way_ns(args.cpus[0], args.cpus.get(1).copied().unwrap_or(0)));
     let mut child =
         cmd.spawn().map_err(|e| VerbsError::Os { context: "starting the server process".into(), source: e })?;
     if !args.no_pin {
@@ -536,6 +538,9 @@ fn client_main(args: &Args) -> Result<()> {
         },
         timer_cost_ns()
     );
+    if let Some(ns) = floor {
+        println!("# floor: a cache line crosses between the two CPUs in {ns:.0} ns one way (measured now)");
+    }
     let rows = run_client(args, &mut child, &addr);
     let status = wait_child(&mut child);
     let rows = rows?;

@@ -344,7 +344,7 @@ mod tests {
         }
 
         /// A producer/consumer model: random record sizes, random consumption; placements never
-        /// overlap unconsumed bytes, never cross the end, and keep the spare line.
+        /// overlap unconsumed bytes and never cross the end.
         #[test]
         fn placements_never_overlap_unconsumed_data(ops in proptest::collection::vec((1usize..40, any::<bool>()), 1..300)) {
             let ring = 4096usize;
