@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Builds the fuzz targets with libFuzzer coverage instrumentation on the stable toolchain (no
+# cargo-fuzz or nightly needed) and runs each for SECONDS (default 60).
+#   ./run.sh                 all targets        ./run.sh ring_record 600   one target, 10 min
+set -euo pipefail
+cd "$(dirname "$0")"
+target=$(rustc -vV | sed -n 's/^host: //p')
+export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
+ -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
+ -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
+cargo build --release --target "$target"
+targets=${1:-"ring_record endpoint_info bootstrap_frames"}
+for t in $targets; do
+    mkdir -p "corpus/$t"
+    "target/$target/release/$t" "corpus/$t" -max_total_time="${2:-${SECONDS_PER_TARGET:-60}}"
+done
