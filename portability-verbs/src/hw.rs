@@ -413,25 +413,14 @@ impl HwSrq {
     }
 
     pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
-        for wr in wrs {
-            let mut sges = to_sges(&wr.sg_list);
-            let mut raw = ffi::ibv_recv_wr {
-                wr_id: wr.wr_id,
-                next: ptr::null_mut(),
-                sg_list: sges.as_mut_ptr(),
-                num_sge: sges.len() as i32,
-            };
+        post_recvs(wrs, "ibv_post_srq_recv", |raw| {
             let mut bad = ptr::null_mut();
-            // SAFETY: valid SRQ and a request whose SGE array outlives the call.
-            let rc = unsafe {
+            // SAFETY: valid SRQ; the request and its SGE array outlive the call.
+            unsafe {
                 let ops = &mut (*(*self.srq).context).ops;
-                ops.post_srq_recv.expect("provider implements post_srq_recv")(self.srq, &mut raw, &mut bad)
-            };
-            if rc != 0 {
-                return Err(ret_err("ibv_post_srq_recv", rc));
+                ops.post_srq_recv.expect("provider implements post_srq_recv")(self.srq, raw, &mut bad)
             }
-        }
-        Ok(())
+        })
     }
 }
 
@@ -440,6 +429,27 @@ impl Drop for HwSrq {
         // SAFETY: QPs hold Arcs to the SRQ, so none uses it any more.
         unsafe { ffi::ibv_destroy_srq(self.srq) };
     }
+}
+
+/// Posts receives one by one through `post` (a QP's or an SRQ's post function).
+fn post_recvs(wrs: &[RecvWr], what: &str, mut post: impl FnMut(&mut ffi::ibv_recv_wr) -> i32) -> Result<()> {
+    for wr in wrs {
+        let mut sges = to_sges(&wr.sg_list);
+        let mut raw = ffi::ibv_recv_wr {
+            wr_id: wr.wr_id,
+            next: ptr::null_mut(),
+            sg_list: sges.as_mut_ptr(),
+            num_sge: sges.len() as i32,
+        };
+        let rc = post(&mut raw);
+        if rc != 0 {
+            return Err(match rc {
+                libc::ENOMEM => VerbsError::Exhausted(format!("{what}: queue is full")),
+                _ => VerbsError::InvalidArgument(format!("{what}: {}", std::io::Error::from_raw_os_error(rc))),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn to_sges(list: &[Sge]) -> SmallVec<[ffi::ibv_sge; 4]> {
@@ -664,30 +674,14 @@ impl HwQp {
     }
 
     pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
-        for wr in wrs {
-            let mut sges = to_sges(&wr.sg_list);
-            let mut raw = ffi::ibv_recv_wr {
-                wr_id: wr.wr_id,
-                next: ptr::null_mut(),
-                sg_list: sges.as_mut_ptr(),
-                num_sge: sges.len() as i32,
-            };
+        post_recvs(wrs, "ibv_post_recv", |raw| {
             let mut bad = ptr::null_mut();
             // SAFETY: valid QP; the request and its SGE array outlive the call.
-            let rc = unsafe {
+            unsafe {
                 let ops = &mut (*(*self.qp).context).ops;
-                ops.post_recv.expect("provider implements post_recv")(self.qp, &mut raw, &mut bad)
-            };
-            if rc != 0 {
-                return Err(match rc {
-                    libc::ENOMEM => VerbsError::Exhausted("receive queue is full".into()),
-                    _ => {
-                        VerbsError::InvalidArgument(format!("ibv_post_recv: {}", std::io::Error::from_raw_os_error(rc)))
-                    }
-                });
+                ops.post_recv.expect("provider implements post_recv")(self.qp, raw, &mut bad)
             }
-        }
-        Ok(())
+        })
     }
 }
 

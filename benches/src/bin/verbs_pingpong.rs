@@ -210,6 +210,21 @@ impl Side {
         Ok(())
     }
 
+    /// One latency message: message `i` of `total`, then a receive reposted off the critical
+    /// path while the peer has `LAT_DEPTH` posted.
+    fn ping(&mut self, op: Op, i: u64, size: usize, total: u64) -> Result<()> {
+        let (raddr, rkey) = target(self, op);
+        let wr = match op {
+            Op::Send => SendWr::send(i, &[self.send_buf.sge(0, size)]),
+            _ => SendWr::write_with_imm(i, &[self.send_buf.sge(0, size)], raddr, rkey, i as u32),
+        };
+        self.qp.post_send(&[wr.inline(size <= 64).signaled(i + 1 == total)])?;
+        if i + LAT_DEPTH < total {
+            self.post_recv(0, size.max(1))?;
+        }
+        Ok(())
+    }
+
     fn post_recv(&mut self, off: usize, len: usize) -> Result<()> {
         self.posted += 1;
         self.qp.post_recv(&[RecvWr::new(self.posted, &[self.recv_buf.sge(off, len)])])
@@ -253,7 +268,6 @@ const LAT_DEPTH: u64 = 8;
 /// The client side of one latency point; records one-way latencies in nanoseconds.
 fn client_latency(side: &mut Side, args: &Args, op: Op, size: usize, hist: &mut Histogram<u64>) -> Result<()> {
     let iters = latency_iters(args, size);
-    let (raddr, rkey) = target(side, op);
     let total = iters + args.warmup.min(iters);
     let done = side.send_done + 1;
     for _ in 0..LAT_DEPTH.min(total) {
@@ -261,14 +275,7 @@ fn client_latency(side: &mut Side, args: &Args, op: Op, size: usize, hist: &mut 
     }
     for i in 0..total {
         let t0 = Instant::now();
-        let wr = match op {
-            Op::Send => SendWr::send(i, &[side.send_buf.sge(0, size)]),
-            _ => SendWr::write_with_imm(i, &[side.send_buf.sge(0, size)], raddr, rkey, i as u32),
-        };
-        side.qp.post_send(&[wr.inline(size <= 64).signaled(i + 1 == total)])?;
-        if i + LAT_DEPTH < total {
-            side.post_recv(0, size.max(1))?;
-        }
+        side.ping(op, i, size, total)?;
         side.wait_recv()?;
         let rtt = t0.elapsed().as_nanos() as u64;
         if i >= args.warmup.min(iters) {
@@ -280,19 +287,11 @@ fn client_latency(side: &mut Side, args: &Args, op: Op, size: usize, hist: &mut 
 
 fn server_latency(side: &mut Side, args: &Args, op: Op, size: usize) -> Result<()> {
     let iters = latency_iters(args, size);
-    let (raddr, rkey) = target(side, op);
     let total = iters + args.warmup.min(iters);
     let done = side.send_done + 1;
     for i in 0..total {
         side.wait_recv()?;
-        let wr = match op {
-            Op::Send => SendWr::send(i, &[side.send_buf.sge(0, size)]),
-            _ => SendWr::write_with_imm(i, &[side.send_buf.sge(0, size)], raddr, rkey, i as u32),
-        };
-        side.qp.post_send(&[wr.inline(size <= 64).signaled(i + 1 == total)])?;
-        if i + LAT_DEPTH < total {
-            side.post_recv(0, size.max(1))?;
-        }
+        side.ping(op, i, size, total)?;
     }
     side.wait_sends(done)
 }

@@ -794,35 +794,42 @@ impl QpInner {
 
     /// Copies a request's data (inline bytes, or its checked local SGEs) to `dst`.
     fn gather_into(&self, dst: *mut u8, inline: &Inline, sges: &[Sge]) -> Result<(), WcStatus> {
-        match inline {
+        let need = match inline {
             Inline::Owned(data) => {
                 // SAFETY: `dst` has room for the whole message (the record was sized by its length).
                 unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
                 return Ok(());
             }
-            Inline::Borrowed => {
-                let mut off = 0usize;
-                for s in sges {
-                    // SAFETY: inline SGEs name caller memory valid during post_send (Borrowed is
-                    // only ever seen then); `dst` has room for the whole message.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(s.addr as usize as *const u8, dst.add(off), s.length as usize)
-                    };
-                    off += s.length as usize;
-                }
-                return Ok(());
-            }
-            Inline::No => {}
-        }
-        let keys = self.ctx.local_keys();
+            Inline::Borrowed => None,
+            Inline::No => Some(AccessFlags::NONE),
+        };
+        self.each_local_piece(sges, need, |off, addr, len| {
+            // SAFETY: the piece is a checked local registration, or inline caller memory valid
+            // during post_send; `dst` has room for the sum of the SGE lengths.
+            unsafe { local_copy(dst.add(off), addr as *const u8, len) };
+            Ok(())
+        })
+    }
+
+    /// Walks a local SGE list, calling `f(message_offset, address, length)` for each piece.
+    /// With `need`, each piece is first checked against the key table (held read-locked
+    /// throughout, so a concurrent deregistration waits); without, the SGEs are inline caller
+    /// memory and are not looked up.
+    fn each_local_piece(
+        &self,
+        sges: &[Sge],
+        need: Option<AccessFlags>,
+        mut f: impl FnMut(usize, usize, usize) -> Result<(), WcStatus>,
+    ) -> Result<(), WcStatus> {
+        let keys = need.map(|_| self.ctx.local_keys());
         let mut off = 0usize;
         for s in sges {
-            if !keys.check(s.lkey, s.addr, s.length as u64, AccessFlags::NONE, self.pd) {
-                return Err(WcStatus::LocProtErr);
+            if let (Some(keys), Some(need)) = (&keys, need) {
+                if !keys.check(s.lkey, s.addr, s.length as u64, need, self.pd) {
+                    return Err(WcStatus::LocProtErr);
+                }
             }
-            // SAFETY: the SGE lies in a live local registration (checked under the table lock held
-            // by `keys`), and `dst` has room for the sum of the SGE lengths.
-            unsafe { local_copy(dst.add(off), s.addr as usize as *const u8, s.length as usize) };
+            f(off, s.addr as usize, s.length as usize)?;
             off += s.length as usize;
         }
         Ok(())
@@ -895,55 +902,20 @@ impl QpInner {
             WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => match inline {
                 // SAFETY: inline bytes are ours.
                 Inline::Owned(d) => unsafe { access.write_from(0, d.as_ptr(), d.len()) },
-                Inline::Borrowed => {
-                    let mut off = 0;
-                    let mut res = Ok(());
-                    for s in &wr.sg_list {
-                        // SAFETY: inline SGEs name caller memory valid during post_send.
-                        res = unsafe { access.write_from(off, s.addr as usize as *const u8, s.length as usize) };
-                        if res.is_err() {
-                            break;
-                        }
-                        off += s.length as usize;
-                    }
-                    res
-                }
-                Inline::No => {
-                    let keys = self.ctx.local_keys();
-                    let mut off = 0;
-                    let mut res = Ok(());
-                    for s in &wr.sg_list {
-                        if !keys.check(s.lkey, s.addr, s.length as u64, AccessFlags::NONE, self.pd) {
-                            res = Err(WcStatus::LocProtErr);
-                            break;
-                        }
-                        // SAFETY: checked local registration, held by `keys`.
-                        res = unsafe { access.write_from(off, s.addr as usize as *const u8, s.length as usize) };
-                        if res.is_err() {
-                            break;
-                        }
-                        off += s.length as usize;
-                    }
-                    res
-                }
+                // SAFETY (both arms): the pieces are checked local registrations, or inline SGEs
+                // naming caller memory valid during post_send.
+                Inline::Borrowed => self.each_local_piece(&wr.sg_list, None, |off, addr, len| unsafe {
+                    access.write_from(off, addr as *const u8, len)
+                }),
+                Inline::No => self.each_local_piece(&wr.sg_list, Some(AccessFlags::NONE), |off, addr, len| unsafe {
+                    access.write_from(off, addr as *const u8, len)
+                }),
             },
+            // SAFETY: the pieces are checked local registrations with LOCAL_WRITE.
             WrOpcode::RdmaRead => {
-                let keys = self.ctx.local_keys();
-                let mut off = 0;
-                let mut res = Ok(());
-                for s in &wr.sg_list {
-                    if !keys.check(s.lkey, s.addr, s.length as u64, AccessFlags::LOCAL_WRITE, self.pd) {
-                        res = Err(WcStatus::LocProtErr);
-                        break;
-                    }
-                    // SAFETY: checked local registration with LOCAL_WRITE, held by `keys`.
-                    res = unsafe { access.read_into(off, s.addr as usize as *mut u8, s.length as usize) };
-                    if res.is_err() {
-                        break;
-                    }
-                    off += s.length as usize;
-                }
-                res
+                self.each_local_piece(&wr.sg_list, Some(AccessFlags::LOCAL_WRITE), |off, addr, len| unsafe {
+                    access.read_into(off, addr as *mut u8, len)
+                })
             }
             WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
                 let (cmp_add, swap, cas) = (wr.compare_add, wr.swap, wr.opcode == WrOpcode::AtomicCmpAndSwp);
