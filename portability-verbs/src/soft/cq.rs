@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::ctx::CtxInner;
-use super::qp::QpInner;
+use super::qp::{Out, QpInner};
 use super::sys;
 use crate::error::{Result, VerbsError};
 use crate::types::WorkCompletion;
@@ -134,11 +134,12 @@ impl CqInner {
     }
 
     /// Drives every attached queue pair once.
-    pub(crate) fn progress(&self) {
+    /// Drives every attached queue pair once; completions for this queue are added to `sink`.
+    pub(crate) fn progress(&self, sink: &mut Out) {
         let qps = self.qps.read().expect("cq qp list lock");
         for w in qps.iter() {
             if let Some(qp) = w.upgrade() {
-                qp.progress(self);
+                qp.progress(self, sink);
             }
         }
     }
@@ -162,10 +163,23 @@ impl CqInner {
 
     /// Polls up to `out.len()` completions without blocking.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
-        self.progress();
+        let mut sink = Out::new();
+        self.progress(&mut sink);
+        if !self.overrun() && self.queued.load(Ordering::Acquire) == 0 {
+            // The common case: nothing queued from elsewhere, so this pass's completions go
+            // straight to the caller (no queue, no lock); only what does not fit is queued.
+            let n = out.len().min(sink.len());
+            for (slot, (_, wc)) in out.iter_mut().zip(&sink) {
+                *slot = *wc;
+            }
+            self.push(sink[n..].iter().map(|(_, wc)| *wc));
+            return Ok(n);
+        }
+        // Keep order: this pass's completions queue behind those already there.
+        self.push(sink.iter().map(|(_, wc)| *wc));
         if self.overrun() {
             // Lost completions break every queue pair that reports here.
-            self.progress();
+            self.progress(&mut Out::new());
             return Err(VerbsError::CqOverrun);
         }
         if self.queued.load(Ordering::Acquire) == 0 {

@@ -198,7 +198,7 @@ fn local_qp(ctx_id: u64, qpn: u32) -> Option<std::sync::Weak<QpInner>> {
 }
 
 /// Completions produced by one pass, `true` for send-queue ones; inline up to 8 (no allocation).
-type Out = smallvec::SmallVec<[(bool, WorkCompletion); 8]>;
+pub(crate) type Out = smallvec::SmallVec<[(bool, WorkCompletion); 8]>;
 
 const LIVENESS_EVERY: Duration = Duration::from_millis(10);
 
@@ -1287,7 +1287,9 @@ impl QpInner {
     }
 
     /// One progress pass for the queue `cq` (send side, receive side, or both).
-    pub(crate) fn progress(&self, cq: &CqInner) {
+    /// One progress pass for the queue `cq`; its completions go to `sink` (the poller hands them
+    /// straight to its caller), others to their queues.
+    pub(crate) fn progress(&self, cq: &CqInner, sink: &mut Out) {
         let recv_side = std::ptr::eq(cq, &*self.recv_cq);
         let send_side = std::ptr::eq(cq, &*self.send_cq);
         let inbound = recv_side && {
@@ -1330,7 +1332,19 @@ impl QpInner {
         }
         self.publish_peek(&core);
         drop(core);
-        self.deliver(&out);
+        // Send-queue completions first: a receive found in this pass may have been sent in
+        // answer to one of our requests that this pass also found consumed (causal order, as
+        // on a wire where the acknowledgement precedes the answer).
+        let causal = out.iter().filter(|(s, _)| *s).chain(out.iter().filter(|(s, _)| !*s));
+        for &(from_send_queue, wc) in causal {
+            if (from_send_queue && send_side) || (!from_send_queue && recv_side) {
+                sink.push((from_send_queue, wc));
+            } else if from_send_queue {
+                self.send_cq.push(std::iter::once(wc));
+            } else {
+                self.recv_cq.push(std::iter::once(wc));
+            }
+        }
     }
 
     /// Publishes the lock-free hints from the locked state.
