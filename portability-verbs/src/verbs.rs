@@ -152,6 +152,15 @@ fn mismatch(what: &str) -> VerbsError {
 }
 
 impl ProtectionDomain {
+    /// The provider of this domain.
+    pub fn provider(&self) -> Provider {
+        match &self.0 {
+            PdImpl::Soft(..) => Provider::Software,
+            #[cfg(feature = "hardware")]
+            PdImpl::Hw(_) => Provider::Hardware,
+        }
+    }
+
     /// Registers an owned buffer; the region keeps it alive and frees it when dropped.
     pub fn register(&self, buf: Box<[u8]>, access: AccessFlags) -> Result<MemoryRegion> {
         let addr = buf.as_ptr() as u64;

@@ -1,0 +1,9 @@
+//! Data-path building blocks shared by Madeleine and the SDP sockets: a pipelined pool of
+//! pre-registered buffers, a registration cache, flow control, and copy/zero-copy crossover
+//! tuning. Each lives in one module and is reused, never rewritten, by the upper layers.
+
+pub mod pool;
+pub mod regcache;
+
+pub use pool::{BufferPool, PoolBuf, PoolStats};
+pub use regcache::{CacheStats, CachedBuffer, Registration, RegistrationCache};
