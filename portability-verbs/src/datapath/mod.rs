@@ -2,6 +2,7 @@
 //! pre-registered buffers, a registration cache, flow control, and copy/zero-copy crossover
 //! tuning. Each lives in one module and is reused, never rewritten, by the upper layers.
 
+pub mod fc;
 pub mod pool;
 pub mod regcache;
 
