@@ -3,8 +3,10 @@
 //! tuning. Each lives in one module and is reused, never rewritten, by the upper layers.
 
 pub mod fc;
+pub mod pipe;
 pub mod pool;
 pub mod regcache;
 
+pub use pipe::{FlowStrategy, MsgPipe, PipeStats};
 pub use pool::{BufferPool, PoolBuf, PoolStats};
 pub use regcache::{CacheStats, CachedBuffer, Registration, RegistrationCache};
