@@ -2,11 +2,13 @@
 //! pre-registered buffers, a registration cache, flow control, and copy/zero-copy crossover
 //! tuning. Each lives in one module and is reused, never rewritten, by the upper layers.
 
+pub mod crossover;
 pub mod fc;
 pub mod pipe;
 pub mod pool;
 pub mod regcache;
 
+pub use crossover::{Crossover, CrossoverSource};
 pub use pipe::{FlowStrategy, MsgPipe, PipeStats};
 pub use pool::{BufferPool, PoolBuf, PoolStats};
 pub use regcache::{CacheStats, CachedBuffer, Registration, RegistrationCache};

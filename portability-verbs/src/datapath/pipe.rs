@@ -690,6 +690,16 @@ impl MsgPipe {
         }
     }
 
+    /// One control round trip: sends a 1-byte message and waits for the peer's answer (the
+    /// peer must echo it). What the crossover tuner measures per peer.
+    pub fn round_trip(&mut self, timeout: Duration) -> Result<Duration> {
+        let t = Instant::now();
+        self.send(&[0x52], timeout)?;
+        self.flush()?;
+        self.recv(timeout)?;
+        Ok(t.elapsed())
+    }
+
     /// Receives the next message into a vector, waiting at most `timeout`.
     pub fn recv(&mut self, timeout: Duration) -> Result<Vec<u8>> {
         let deadline = Instant::now() + timeout;
