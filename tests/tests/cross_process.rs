@@ -331,3 +331,49 @@ fn tcp_bootstrap_connects_too() {
         assert!(wcs.iter().all(|w| w.status == WcStatus::Success));
     });
 }
+
+#[test]
+fn flow_controlled_pipes_cross_processes_with_every_strategy() {
+    use portability_verbs::datapath::{crossover, FlowStrategy, MsgPipe};
+    for name in ["credit", "rdma", "window"] {
+        let strategy = FlowStrategy::by_name(name).unwrap();
+        let path = socket_path(&format!("pipe-{name}"));
+        let mut child =
+            Proc::new(env!("CARGO_BIN_EXE_pv_peer")).args(["pipe", name, &format!("unix:{path}")]).spawn().unwrap();
+        let ctx = Context::open(Provider::Software).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(1024).unwrap();
+        let conn = cm::connect(&format!("unix:{path}").parse().unwrap(), &pd, &QpInit::new(&cq), b"", WAIT).unwrap();
+        let mut pipe = MsgPipe::establish(conn.qp, cq, &pd, strategy, WAIT).unwrap();
+        // Random sizes, several in flight at once; replies are read whenever the pipe holds a
+        // message back (as any full-duplex application must, or both ends fill up).
+        let sizes: Vec<usize> = (0..400).map(|i| 1 + (i * 7919) % strategy.max_message()).collect();
+        let (mut next, mut next_reply) = (0, 0);
+        let deadline = Instant::now() + WAIT;
+        while next_reply < sizes.len() {
+            assert!(Instant::now() < deadline, "{name}: stalled at {next}/{next_reply}: {:?}", pipe.stats());
+            if next < sizes.len() && pipe.try_send(&pattern(next as u64, sizes[next])).unwrap() {
+                next += 1;
+                continue;
+            }
+            pipe.flush().unwrap();
+            while let Some(m) = pipe.recv_with(|m| m.to_vec()).unwrap() {
+                assert_eq!(m, pattern(next_reply as u64, sizes[next_reply]), "{name} reply {next_reply}");
+                next_reply += 1;
+            }
+        }
+        // The crossover for this peer, measured over the pipe's round trip.
+        std::env::set_var("PV_CROSSOVER_CACHE", std::env::temp_dir().join(format!("pv-xo-{}.tsv", std::process::id())));
+        let xo = crossover::for_peer(&format!("test-{name}"), || pipe.round_trip(WAIT)).unwrap();
+        assert!(xo.bytes > 0 && xo.round_trip > Duration::ZERO, "{xo:?}");
+        pipe.send(&[], WAIT).unwrap();
+        pipe.flush().unwrap();
+        let deadline = Instant::now() + WAIT;
+        while child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "peer did not exit");
+            let _ = pipe.progress();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(child.wait().unwrap().success());
+    }
+}

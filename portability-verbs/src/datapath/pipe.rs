@@ -54,6 +54,25 @@ impl FlowStrategy {
     /// NIC-assisted defaults: 32 receives of 2 KiB.
     pub const WINDOW: FlowStrategy = FlowStrategy::Window { window: 2048, buffers: 32 };
 
+    /// The default of a strategy by name: `credit`, `rdma` or `window`.
+    pub fn by_name(name: &str) -> Option<FlowStrategy> {
+        match name {
+            "credit" => Some(FlowStrategy::CREDIT),
+            "rdma" => Some(FlowStrategy::RDMA),
+            "window" | "nic" => Some(FlowStrategy::WINDOW),
+            _ => None,
+        }
+    }
+
+    /// Short name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            FlowStrategy::Credit { .. } => "credit",
+            FlowStrategy::Rdma { .. } => "rdma",
+            FlowStrategy::Window { .. } => "window",
+        }
+    }
+
     /// Largest message the pipe carries.
     pub fn max_message(&self) -> usize {
         match *self {
@@ -291,6 +310,8 @@ impl MsgPipe {
         self.qp.post_send(&[SendWr::send(wr_id(TAG_SETUP_SEND, 0), &[self.setup_mr.sge(0, len)])])?;
         let deadline = Instant::now() + timeout;
         let (mut got_setup, mut sent_setup) = (false, false);
+        // Data may follow the peer's setup before our own setup send has completed.
+        let mut early = Vec::new();
         while !(got_setup && sent_setup) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -308,9 +329,13 @@ impl MsgPipe {
                         self.accept_setup(wc.byte_len as usize)?;
                         got_setup = true;
                     }
+                    TAG_DATA_RECV | TAG_NOTIFY_RECV if got_setup => early.push(wc),
                     _ => return Err(VerbsError::Protocol("pipe setup: data before the setup exchange".into())),
                 }
             }
+        }
+        for wc in early {
+            self.handle_completion(wc)?;
         }
         Ok(())
     }
@@ -554,6 +579,30 @@ impl MsgPipe {
                 self.send_record(Record { kind: RecordKind::Credit, credits: grant, len: 0, ack: 0 }, &[])?;
                 self.stats.control += 1;
             }
+        }
+        Ok(())
+    }
+
+    fn handle_completion(&mut self, wc: WorkCompletion) -> Result<()> {
+        if wc.status != WcStatus::Success {
+            return Err(VerbsError::PeerUnreachable(format!(
+                "pipe transfer failed: {:?} ({:?})",
+                wc.status, wc.opcode
+            )));
+        }
+        let (tag, low) = (wc.wr_id >> TAG_SHIFT, wc.wr_id & ((1 << TAG_SHIFT) - 1));
+        match tag {
+            TAG_DATA_SEND => {
+                self.send_pool.release_index(low as u32)?;
+                self.outstanding -= 1;
+            }
+            TAG_ACK_WRITE | TAG_SETUP_SEND => {}
+            TAG_DATA_RECV => self.on_data_recv(low as u32, wc.byte_len as usize)?,
+            TAG_NOTIFY_RECV => {
+                self.on_ring_chunk(wc.imm.ok_or_else(|| VerbsError::Protocol("chunk without immediate".into()))?)?;
+                self.qp.post_recv(&[RecvWr::new(wr_id(TAG_NOTIFY_RECV, 0), &[])])?;
+            }
+            _ => return Err(VerbsError::Protocol(format!("unexpected completion {wc:?}"))),
         }
         Ok(())
     }

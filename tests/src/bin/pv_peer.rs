@@ -12,13 +12,38 @@ use tests::peer_proto::*;
 fn main() {
     env_logger::init();
     let args: Vec<String> = std::env::args().collect();
-    if args.len() != 3 || args[1] != "target" {
-        eprintln!("usage: pv_peer target <unix:/path | host:port>");
-        std::process::exit(2);
-    }
-    if let Err(e) = serve(&args[2]) {
+    let result = match (args.get(1).map(String::as_str), args.len()) {
+        (Some("target"), 3) => serve(&args[2]),
+        (Some("pipe"), 4) => echo_pipe(&args[2], &args[3]),
+        _ => {
+            eprintln!("usage: pv_peer target <addr> | pv_peer pipe <credit|rdma|window> <addr>");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = result {
         eprintln!("pv_peer: {e}");
         std::process::exit(1);
+    }
+}
+
+/// Echoes every message of a flow-controlled pipe until an empty one arrives.
+fn echo_pipe(strategy: &str, addr: &str) -> Result<()> {
+    use portability_verbs::datapath::{FlowStrategy, MsgPipe};
+    let strategy =
+        FlowStrategy::by_name(strategy).ok_or_else(|| VerbsError::InvalidArgument("unknown strategy".into()))?;
+    let addr: cm::CmAddr = addr.parse()?;
+    let ctx = Context::open_default()?;
+    let pd = ctx.alloc_pd()?;
+    let cq = ctx.create_cq(1024)?;
+    let conn = cm::Listener::bind(&addr)?.accept(&pd, &QpInit::new(&cq), b"", Duration::from_secs(20))?;
+    let mut pipe = MsgPipe::establish(conn.qp, cq, &pd, strategy, Duration::from_secs(20))?;
+    loop {
+        let m = pipe.recv(Duration::from_secs(60))?;
+        if m.is_empty() {
+            return Ok(());
+        }
+        pipe.send(&m, Duration::from_secs(20))?;
+        pipe.flush()?;
     }
 }
 
