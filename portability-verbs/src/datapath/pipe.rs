@@ -49,8 +49,8 @@ pub enum FlowStrategy {
 impl FlowStrategy {
     /// Credit-based defaults: 32 buffers of 2 KiB.
     pub const CREDIT: FlowStrategy = FlowStrategy::Credit { buffers: 32, buf_size: 2048 };
-    /// RDMA-based defaults: a 64 KiB ring, 4 KiB coalescing threshold.
-    pub const RDMA: FlowStrategy = FlowStrategy::Rdma { ring_bytes: 64 * 1024, coalesce: 4096 };
+    /// RDMA-based defaults: a 32 KiB ring, 4 KiB coalescing threshold.
+    pub const RDMA: FlowStrategy = FlowStrategy::Rdma { ring_bytes: 32 * 1024, coalesce: 4096 };
     /// NIC-assisted defaults: 32 receives of 2 KiB.
     pub const WINDOW: FlowStrategy = FlowStrategy::Window { window: 2048, buffers: 32 };
 
@@ -108,13 +108,31 @@ impl FlowStrategy {
         }
     }
 
-    /// Memory one pipe end pins: receive buffers or ring, send staging, setup.
-    pub fn memory_per_end(&self) -> usize {
-        match *self {
-            FlowStrategy::Credit { buffers, buf_size } => 2 * buffers as usize * buf_size,
-            FlowStrategy::Rdma { ring_bytes, coalesce } => ring_bytes + SEND_SLOTS * coalesce.max(ring_bytes / 2),
-            FlowStrategy::Window { window, buffers } => (buffers as usize + SEND_SLOTS) * window,
+    /// Sends outstanding at most (staging buffers of one pipe end).
+    fn send_slots(&self) -> usize {
+        match self {
+            FlowStrategy::Rdma { .. } => 4,
+            _ => 16,
         }
+    }
+
+    /// Bytes of one staging buffer.
+    fn send_slot_bytes(&self) -> usize {
+        match *self {
+            FlowStrategy::Credit { buf_size, .. } => buf_size,
+            FlowStrategy::Rdma { ring_bytes, .. } => ring_bytes / 2,
+            FlowStrategy::Window { window, .. } => window,
+        }
+    }
+
+    /// Memory one pipe end registers: receive buffers or ring, send staging, setup.
+    pub fn memory_per_end(&self) -> usize {
+        let recv = match *self {
+            FlowStrategy::Credit { buffers, buf_size } => buffers as usize * buf_size,
+            FlowStrategy::Rdma { ring_bytes, .. } => ring_bytes,
+            FlowStrategy::Window { window, buffers } => buffers as usize * window,
+        };
+        recv + self.send_slots() * self.send_slot_bytes() + 2 * SETUP_BYTES + 16
     }
 }
 
@@ -149,8 +167,6 @@ impl PipeStats {
     }
 }
 
-/// Sends outstanding at most (staging buffers per pipe end).
-const SEND_SLOTS: usize = 16;
 /// Write-with-immediate notifications kept posted (RDMA strategy).
 const NOTIFY_RECEIVES: u32 = 64;
 const SETUP_BYTES: usize = 128;
@@ -247,7 +263,7 @@ impl MsgPipe {
                 Some(pd.alloc(ring_bytes, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?),
             ),
         };
-        let send_pool = BufferPool::new(pd, send_slot, SEND_SLOTS, AccessFlags::NONE)?;
+        let send_pool = BufferPool::new(pd, send_slot, strategy.send_slots(), AccessFlags::NONE)?;
         let (credits_n, ring_n) = match strategy {
             FlowStrategy::Credit { buffers, .. } => (buffers as u64, 1u64),
             FlowStrategy::Rdma { ring_bytes, .. } => (0, ring_bytes as u64),
@@ -417,7 +433,7 @@ impl MsgPipe {
         }
         let accepted = match self.strategy {
             FlowStrategy::Credit { .. } => {
-                if !self.credits.can_send_data() || self.outstanding >= SEND_SLOTS {
+                if !self.credits.can_send_data() || self.outstanding >= self.strategy.send_slots() {
                     false
                 } else {
                     let grant = self.credits.on_send();
@@ -430,7 +446,7 @@ impl MsgPipe {
                 let rec = Record { kind: RecordKind::Data, credits: 0, len: msg.len() as u32, ack: 0 };
                 // The first N/W segments go straight to the transport; what comes while they are
                 // outstanding is coalesced and sent as one segment at the next completion.
-                if self.outstanding < (buffers as usize).min(SEND_SLOTS) && self.coalescer.is_empty() {
+                if self.outstanding < (buffers as usize).min(self.strategy.send_slots()) && self.coalescer.is_empty() {
                     self.send_record(rec, msg)?;
                     true
                 } else {
@@ -493,7 +509,7 @@ impl MsgPipe {
     }
 
     fn flush_window(&mut self) -> Result<()> {
-        if self.coalescer.is_empty() || self.outstanding >= SEND_SLOTS {
+        if self.coalescer.is_empty() || self.outstanding >= self.strategy.send_slots() {
             return Ok(());
         }
         let Some(mut b) = self.send_pool.try_acquire() else { return Ok(()) };
@@ -503,7 +519,7 @@ impl MsgPipe {
     }
 
     fn flush_ring(&mut self) -> Result<()> {
-        if self.coalescer.is_empty() || self.outstanding >= SEND_SLOTS {
+        if self.coalescer.is_empty() || self.outstanding >= self.strategy.send_slots() {
             return Ok(());
         }
         let len = self.coalescer.len() as u64;
@@ -574,7 +590,10 @@ impl MsgPipe {
             self.flush_window()?;
         }
         if let FlowStrategy::Credit { .. } = self.strategy {
-            if self.credits.needs_update() && self.credits.can_send_credit() && self.outstanding < SEND_SLOTS {
+            if self.credits.needs_update()
+                && self.credits.can_send_credit()
+                && self.outstanding < self.strategy.send_slots()
+            {
                 let grant = self.credits.on_send();
                 self.send_record(Record { kind: RecordKind::Credit, credits: grant, len: 0, ack: 0 }, &[])?;
                 self.stats.control += 1;
@@ -865,6 +884,14 @@ mod tests {
             util.push(b.stats().utilization());
         }
         assert!(util[1] > 4.0 * util[0] && util[2] > 4.0 * util[0], "{util:?}");
+    }
+
+    #[test]
+    fn default_strategies_fit_a_connection_in_256_kib_with_the_provider_ring() {
+        let ring = crate::SoftConfig::default().ring_bytes;
+        for s in [FlowStrategy::CREDIT, FlowStrategy::RDMA, FlowStrategy::WINDOW] {
+            assert!(s.memory_per_end() + ring <= 256 * 1024, "{s:?}: {} + {ring}", s.memory_per_end());
+        }
     }
 
     #[test]

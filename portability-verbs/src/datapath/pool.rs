@@ -128,13 +128,36 @@ impl BufferPool {
         self.in_use.fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// Takes a free buffer by index, without a handle (the fast path for senders that track
+    /// buffers in work-request ids): fill it with [`BufferPool::write`], name it with
+    /// [`BufferPool::sge`], give it back with [`BufferPool::release_index`].
+    pub fn acquire_index(&self) -> Option<u32> {
+        self.pop()
+    }
+
+    /// Copies `data` into buffer `index` at `offset`.
+    pub fn write(&self, index: u32, offset: usize, data: &[u8]) {
+        assert!(index < self.count && offset + data.len() <= self.buf_size, "write outside the buffer");
+        self.mr.write(self.offset(index) + offset, data);
+    }
+
+    /// An SGE over `len` bytes of buffer `index`.
+    pub fn sge(&self, index: u32, len: usize) -> Sge {
+        assert!(index < self.count && len <= self.buf_size, "SGE outside the buffer");
+        self.mr.sge(self.offset(index), len)
+    }
+
     /// Returns a buffer that was turned into an index with [`PoolBuf::into_index`] (for example
     /// carried in a work request id while in flight).
     ///
     /// Returns an error for an index this pool never handed out as such (a protocol bug or a
     /// peer naming an unknown buffer), instead of corrupting the free list.
-    pub fn release_index(self: &Arc<Self>, index: u32) -> Result<()> {
-        self.reclaim(index).map(drop)
+    pub fn release_index(&self, index: u32) -> Result<()> {
+        if index >= self.count {
+            return Err(VerbsError::Protocol(format!("buffer index {index} outside a pool of {}", self.count)));
+        }
+        self.push(index);
+        Ok(())
     }
 
     /// Takes back ownership of an in-flight buffer by index.
