@@ -121,7 +121,10 @@ struct Row {
     util: f64,
 }
 
-fn client(args: &Args, addr: &cm::CmAddr, child: &mut Child) -> Result<(Vec<Row>, Vec<(String, String)>)> {
+/// Named figures printed under the table.
+type Notes = Vec<(String, String)>;
+
+fn client(args: &Args, addr: &cm::CmAddr, child: &mut Child) -> Result<(Vec<Row>, Notes)> {
     let mut rows = Vec::new();
     let mut extra = Vec::new();
     for s in strategies() {
@@ -206,7 +209,7 @@ fn client(args: &Args, addr: &cm::CmAddr, child: &mut Child) -> Result<(Vec<Row>
 }
 
 /// Costs of the building blocks, in-process.
-fn micro() -> Result<Vec<(String, String)>> {
+fn micro() -> Result<Notes> {
     let ctx = Context::open(Provider::Software)?;
     let pd = ctx.alloc_pd()?;
     let mut out = Vec::new();
