@@ -215,6 +215,8 @@ pub struct RingSender {
     size: u64,
     sent: u64,
     acked: u64,
+    /// `sent` before the latest reservation, for `unreserve`.
+    before_last: u64,
 }
 
 /// Where a chunk goes in the peer's ring.
@@ -229,7 +231,7 @@ pub struct ChunkPlace {
 impl RingSender {
     /// A ring of `size` bytes.
     pub fn new(size: u64) -> RingSender {
-        RingSender { size, sent: 0, acked: 0 }
+        RingSender { size, sent: 0, acked: 0, before_last: 0 }
     }
     /// The largest chunk ever placed (half the ring, so one always fits after a wrap).
     pub fn max_chunk(&self) -> u64 {
@@ -243,11 +245,17 @@ impl RingSender {
         if self.sent + skip + len - self.acked > self.size {
             return None;
         }
+        self.before_last = self.sent;
         self.sent += skip;
         let offset = self.sent % self.size;
         self.sent += len;
         Some(ChunkPlace { offset, wrapped })
     }
+    /// Gives back the most recent reservation (its chunk was not sent), skipped tail included.
+    pub fn unreserve(&mut self) {
+        self.sent = self.before_last;
+    }
+
     /// The receiver says it consumed up to `pos`. Acknowledgements travel two ways
     /// (piggybacked and written directly), so an older one arriving late is ignored; one past
     /// what was sent is an error.

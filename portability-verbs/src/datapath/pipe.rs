@@ -136,6 +136,16 @@ impl FlowStrategy {
     }
 }
 
+/// Options of a pipe end.
+#[derive(Clone, Default)]
+pub struct PipeOptions {
+    /// Stage outgoing messages in this pool instead of a pool of the pipe's own. Shared by
+    /// many pipes, it keeps send-side memory constant however many peers there are; a pipe
+    /// whose message finds the pool empty reports flow control (`try_send` returns false).
+    /// Its buffers must hold the strategy's largest transfer.
+    pub send_pool: Option<Arc<BufferPool>>,
+}
+
 /// Counters of a pipe end.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PipeStats {
@@ -247,6 +257,18 @@ impl MsgPipe {
         strategy: FlowStrategy,
         timeout: Duration,
     ) -> Result<MsgPipe> {
+        Self::establish_with(qp, cq, pd, strategy, PipeOptions::default(), timeout)
+    }
+
+    /// [`MsgPipe::establish`] with options (a shared send pool).
+    pub fn establish_with(
+        qp: QueuePair,
+        cq: CompletionQueue,
+        pd: &ProtectionDomain,
+        strategy: FlowStrategy,
+        options: PipeOptions,
+        timeout: Duration,
+    ) -> Result<MsgPipe> {
         strategy.validate()?;
         let setup_mr = pd.alloc(2 * SETUP_BYTES, AccessFlags::LOCAL_WRITE)?;
         let ack_mr = pd.alloc(16, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
@@ -263,7 +285,16 @@ impl MsgPipe {
                 Some(pd.alloc(ring_bytes, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?),
             ),
         };
-        let send_pool = BufferPool::new(pd, send_slot, strategy.send_slots(), AccessFlags::NONE)?;
+        let send_pool = match options.send_pool {
+            Some(p) if p.buf_size() >= send_slot => p,
+            Some(p) => {
+                return Err(VerbsError::invalid(format!(
+                    "shared send pool buffers of {} bytes cannot hold this strategy's {send_slot}-byte transfers",
+                    p.buf_size()
+                )))
+            }
+            None => BufferPool::new(pd, send_slot, strategy.send_slots(), AccessFlags::NONE)?,
+        };
         let (credits_n, ring_n) = match strategy {
             FlowStrategy::Credit { buffers, .. } => (buffers as u64, 1u64),
             FlowStrategy::Rdma { ring_bytes, .. } => (0, ring_bytes as u64),
@@ -433,7 +464,10 @@ impl MsgPipe {
         }
         let accepted = match self.strategy {
             FlowStrategy::Credit { .. } => {
-                if !self.credits.can_send_data() || self.outstanding >= self.strategy.send_slots() {
+                if !self.credits.can_send_data()
+                    || self.outstanding >= self.strategy.send_slots()
+                    || self.send_pool.stats().in_use >= self.send_pool.capacity()
+                {
                     false
                 } else {
                     let grant = self.credits.on_send();
@@ -446,7 +480,11 @@ impl MsgPipe {
                 let rec = Record { kind: RecordKind::Data, credits: 0, len: msg.len() as u32, ack: 0 };
                 // The first N/W segments go straight to the transport; what comes while they are
                 // outstanding is coalesced and sent as one segment at the next completion.
-                if self.outstanding < (buffers as usize).min(self.strategy.send_slots()) && self.coalescer.is_empty() {
+                let pool_free = self.send_pool.stats().in_use < self.send_pool.capacity();
+                if pool_free
+                    && self.outstanding < (buffers as usize).min(self.strategy.send_slots())
+                    && self.coalescer.is_empty()
+                {
                     self.send_record(rec, msg)?;
                     true
                 } else {
@@ -483,7 +521,7 @@ impl MsgPipe {
 
     /// Sends one record from a staging buffer (credit and window strategies).
     fn send_record(&mut self, rec: Record, payload: &[u8]) -> Result<()> {
-        let mut b = self.send_pool.try_acquire().ok_or_else(|| VerbsError::Exhausted("pipe send slots".into()))?;
+        let mut b = self.send_pool.try_acquire().ok_or_else(|| VerbsError::Exhausted("pipe send pool".into()))?;
         b.push(&rec.encode());
         b.push(payload);
         self.post_staged(b)
@@ -528,7 +566,11 @@ impl MsgPipe {
         };
         let peer = self.peer_ring.as_ref().expect("set up");
         let (addr, rkey) = (peer.addr + place.offset, peer.rkey);
-        let mut b = self.send_pool.try_acquire().ok_or_else(|| VerbsError::Exhausted("pipe send slots".into()))?;
+        let Some(mut b) = self.send_pool.try_acquire() else {
+            // A shared pool ran dry: give the ring space back and retry at the next progress.
+            self.ring_tx.unreserve();
+            return Ok(());
+        };
         b.push(self.coalescer.bytes());
         self.coalescer.clear();
         let imm = len as u32 | if place.wrapped { 1 << 31 } else { 0 };
@@ -795,12 +837,19 @@ mod tests {
     fn qps() -> (ProtectionDomain, (QueuePair, CompletionQueue), (QueuePair, CompletionQueue)) {
         let ctx = Context::open(Provider::Software).unwrap();
         let pd = ctx.alloc_pd().unwrap();
+        let (a, b) = qps_in(&ctx, &pd);
+        (pd, a, b)
+    }
+
+    type End = (QueuePair, CompletionQueue);
+
+    fn qps_in(ctx: &Context, pd: &ProtectionDomain) -> (End, End) {
         let (ca, cb) = (ctx.create_cq(1024).unwrap(), ctx.create_cq(1024).unwrap());
         let a = pd.create_qp(&QpInit::new(&ca)).unwrap();
         let b = pd.create_qp(&QpInit::new(&cb)).unwrap();
         a.connect_to(b.endpoint()).unwrap();
         b.connect_to(a.endpoint()).unwrap();
-        (pd, (a, ca), (b, cb))
+        ((a, ca), (b, cb))
     }
 
     fn pair(s: FlowStrategy) -> (MsgPipe, MsgPipe) {
@@ -884,6 +933,32 @@ mod tests {
             util.push(b.stats().utilization());
         }
         assert!(util[1] > 4.0 * util[0] && util[2] > 4.0 * util[0], "{util:?}");
+    }
+
+    #[test]
+    fn pipes_can_share_one_send_pool() {
+        let ctx = Context::open(Provider::Software).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let ((a, ca), (b, cb)) = qps_in(&ctx, &pd);
+        let ((c, cc), (d, cd)) = qps_in(&ctx, &pd);
+        let pd2 = pd.clone();
+        let shared = BufferPool::new(&pd, 512, 4, AccessFlags::NONE).unwrap();
+        let s = FlowStrategy::Window { window: 512, buffers: 4 };
+        let opts = PipeOptions { send_pool: Some(shared.clone()) };
+        let (mut p1, mut r1, mut p2, mut r2) = std::thread::scope(|sc| {
+            let h1 = sc.spawn(|| MsgPipe::establish(b, cb, &pd, s, T).unwrap());
+            let h2 = sc.spawn(|| MsgPipe::establish(d, cd, &pd2, s, T).unwrap());
+            let p1 = MsgPipe::establish_with(a, ca, &pd, s, opts.clone(), T).unwrap();
+            let p2 = MsgPipe::establish_with(c, cc, &pd2, s, opts.clone(), T).unwrap();
+            (p1, h1.join().unwrap(), p2, h2.join().unwrap())
+        });
+        stream(&mut p1, &mut r1, &[100; 200]);
+        stream(&mut p2, &mut r2, &[100; 200]);
+        assert!(shared.stats().acquires >= 400 / 4, "{:?}", shared.stats());
+        let too_small = BufferPool::new(&pd, 64, 4, AccessFlags::NONE).unwrap();
+        let ((e, ce), _) = qps_in(&ctx, &pd);
+        let r = MsgPipe::establish_with(e, ce, &pd, s, PipeOptions { send_pool: Some(too_small) }, T);
+        assert!(matches!(r, Err(VerbsError::InvalidArgument(_))));
     }
 
     #[test]
