@@ -188,6 +188,7 @@ const TAG_ACK_WRITE: u64 = 3;
 const TAG_SETUP_RECV: u64 = 4;
 const TAG_DATA_RECV: u64 = 5;
 const TAG_NOTIFY_RECV: u64 = 6;
+const TAG_USER: u64 = 7;
 
 fn wr_id(tag: u64, low: u64) -> u64 {
     tag << TAG_SHIFT | low
@@ -237,6 +238,9 @@ pub struct MsgPipe {
     failed: Option<String>,
     stats: PipeStats,
     wcs: Vec<WorkCompletion>,
+    /// Completions of requests posted through `post_user`, by token.
+    user_done: std::collections::HashMap<u64, WcStatus>,
+    next_user: u64,
 }
 
 // SAFETY: the raw ring pointers in `ChunkStore` point into `ring`, owned by the pipe.
@@ -320,6 +324,8 @@ impl MsgPipe {
             failed: None,
             stats: PipeStats::default(),
             wcs: vec![WorkCompletion::EMPTY; 32],
+            user_done: std::collections::HashMap::new(),
+            next_user: 0,
         };
         pipe.setup(timeout)?;
         Ok(pipe)
@@ -609,6 +615,9 @@ impl MsgPipe {
                     self.outstanding -= 1;
                 }
                 TAG_ACK_WRITE | TAG_SETUP_SEND => {}
+                TAG_USER => {
+                    self.user_done.insert(low, wc.status);
+                }
                 TAG_DATA_RECV => self.on_data_recv(low as u32, wc.byte_len as usize)?,
                 TAG_NOTIFY_RECV => {
                     self.on_ring_chunk(wc.imm.ok_or_else(|| VerbsError::Protocol("chunk without immediate".into()))?)?;
@@ -645,6 +654,13 @@ impl MsgPipe {
     }
 
     fn handle_completion(&mut self, wc: WorkCompletion) -> Result<()> {
+        if wc.wr_id >> TAG_SHIFT == TAG_USER {
+            self.user_done.insert(wc.wr_id & ((1 << TAG_SHIFT) - 1), wc.status);
+            if wc.status != WcStatus::Success {
+                return Err(VerbsError::PeerUnreachable(format!("transfer failed: {:?} ({:?})", wc.status, wc.opcode)));
+            }
+            return Ok(());
+        }
         if wc.status != WcStatus::Success {
             return Err(VerbsError::PeerUnreachable(format!(
                 "pipe transfer failed: {:?} ({:?})",
@@ -658,6 +674,9 @@ impl MsgPipe {
                 self.outstanding -= 1;
             }
             TAG_ACK_WRITE | TAG_SETUP_SEND => {}
+            TAG_USER => {
+                self.user_done.insert(low, wc.status);
+            }
             TAG_DATA_RECV => self.on_data_recv(low as u32, wc.byte_len as usize)?,
             TAG_NOTIFY_RECV => {
                 self.on_ring_chunk(wc.imm.ok_or_else(|| VerbsError::Protocol("chunk without immediate".into()))?)?;
@@ -798,6 +817,40 @@ impl MsgPipe {
             }
             std::hint::spin_loop();
         }
+    }
+
+    /// Posts a request of the caller's on the pipe's queue pair (for example the RDMA read of a
+    /// rendezvous), its `wr_id` replaced by a token; its completion is collected by
+    /// [`MsgPipe::progress`] and handed out by [`MsgPipe::take_user_completion`].
+    pub fn post_user(&mut self, mut wr: SendWr) -> Result<u64> {
+        self.check_failed()?;
+        let token = self.next_user;
+        self.next_user = (self.next_user + 1) & ((1 << TAG_SHIFT) - 1);
+        wr.wr_id = wr_id(TAG_USER, token);
+        wr.flags.signaled = true;
+        self.qp.post_send(&[wr])?;
+        Ok(token)
+    }
+
+    /// The status of a request posted with [`MsgPipe::post_user`], once it completed.
+    pub fn take_user_completion(&mut self, token: u64) -> Option<WcStatus> {
+        self.user_done.remove(&token)
+    }
+
+    /// The completion queue of the pipe (to sleep on its event descriptor).
+    pub fn cq(&self) -> &CompletionQueue {
+        &self.cq
+    }
+
+    /// Bytes accepted by `try_send` but still staged (coalesced, not yet handed to the
+    /// transport): the sender must keep calling `flush`/`progress` until this is 0.
+    pub fn staged(&self) -> usize {
+        self.coalescer.len()
+    }
+
+    /// Why the pipe failed, if it did.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
     }
 
     /// One control round trip: sends a 1-byte message and waits for the peer's answer (the

@@ -1272,12 +1272,22 @@ impl QpInner {
         let Some(r) = &core.remote else { return };
         let peer_state = r.seg().header().state.load(Ordering::Acquire);
         let peer_qp_gone = peer_state == qp_state_code(QpState::Error) || peer_state == QP_DESTROYED;
+        let peer_alive = r.peer.alive();
+        let peer_qpn = r.info.qpn;
+        if peer_qp_gone || !peer_alive {
+            // What the peer sent before it went, and what it consumed of ours, still counts.
+            self.progress_inbound(core, out);
+            if !self.reap(core, out) {
+                return;
+            }
+            self.retire(core, out);
+        }
         let outstanding = core.sq.iter().any(|e| !matches!(e.stage, SqStage::Done(_)));
         // A dead process fails the connection at once. A live peer whose QP broke is noticed
         // only by a request that needs it, as a real responder would (transport retries run out).
-        let gone = !r.peer.alive() || (peer_qp_gone && outstanding);
+        let gone = !peer_alive || (peer_qp_gone && outstanding);
         if gone && core.state != QpState::Error {
-            log::debug!("QP {}: peer QP {} is gone; moving to error", self.qpn, r.info.qpn);
+            log::debug!("QP {}: peer QP {peer_qpn} is gone; moving to error", self.qpn);
             // The oldest outstanding request timed out; the rest are flushed.
             if let Some(e) = core.sq.iter_mut().find(|e| !matches!(e.stage, SqStage::Done(_))) {
                 e.stage = SqStage::Done(WcStatus::RetryExcErr);
@@ -1286,7 +1296,6 @@ impl QpInner {
         }
     }
 
-    /// One progress pass for the queue `cq` (send side, receive side, or both).
     /// One progress pass for the queue `cq`; its completions go to `sink` (the poller hands them
     /// straight to its caller), others to their queues.
     pub(crate) fn progress(&self, cq: &CqInner, sink: &mut Out) {

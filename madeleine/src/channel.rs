@@ -1,0 +1,746 @@
+//! Channels, connections, and the packing and unpacking of messages.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use portability_verbs::datapath::{MsgPipe, Registration};
+use portability_verbs::{cm, AccessFlags, CompletionQueue, SendWr, Sge, WcStatus};
+
+use crate::session::SessionInner;
+use crate::wait::Waiter;
+use crate::wire::{self, Modes, Record};
+use crate::{MadError, RecvMode, Result, SendMode};
+
+/// A received record, owned (a pipe message may hold records of several packs).
+enum Incoming {
+    Begin(u32),
+    Inline {
+        modes: Modes,
+        total: u64,
+        last: bool,
+        data: Vec<u8>,
+    },
+    Rdv {
+        modes: Modes,
+        len: u64,
+        addr: u64,
+        rkey: u32,
+        id: u32,
+    },
+    End(u32),
+    /// A rendezvous of ours was read (routed to the fin set, never queued).
+    Fin(u32),
+}
+
+struct ConnIo {
+    pipe: MsgPipe,
+    incoming: VecDeque<Incoming>,
+    fins: HashSet<u32>,
+    failed: Option<MadError>,
+}
+
+/// A claim on one direction of a connection for a whole message, and that direction's next
+/// sequence number. Unlike a `MutexGuard`, a claim may be released on another thread than the
+/// one that took it, which coroutines migrating between `may` workers need.
+pub(crate) struct Token {
+    busy: std::sync::atomic::AtomicBool,
+    seq: AtomicU32,
+}
+
+impl Token {
+    fn new() -> Token {
+        Token { busy: std::sync::atomic::AtomicBool::new(false), seq: AtomicU32::new(0) }
+    }
+
+    fn try_claim(&self) -> Option<Claim<'_>> {
+        self.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).ok().map(|_| Claim { t: self })
+    }
+
+    /// Claims, yielding (coroutines) or spinning then napping (threads) while another holds it.
+    fn claim(&self, timeout: std::time::Duration) -> Result<Claim<'_>> {
+        let mut w = Waiter::new(timeout, "waiting for a connection held by another sender or receiver");
+        loop {
+            if let Some(c) = self.try_claim() {
+                return Ok(c);
+            }
+            w.pause()?;
+        }
+    }
+}
+
+/// A held [`Token`]; released on drop.
+pub(crate) struct Claim<'a> {
+    t: &'a Token,
+}
+
+impl Claim<'_> {
+    fn seq(&self) -> u32 {
+        self.t.seq.load(Ordering::Relaxed)
+    }
+    fn advance(&self) {
+        self.t.seq.store(self.seq().wrapping_add(1), Ordering::Relaxed);
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.t.busy.store(false, Ordering::Release);
+    }
+}
+
+/// A connection to one peer on one channel.
+pub(crate) struct Conn {
+    peer: usize,
+    io: Mutex<ConnIo>,
+    /// Claimed by a packer for the whole message; the next sequence number to send.
+    send_seq: Token,
+    /// Claimed by an unpacker for the whole message; the next sequence number expected.
+    recv_seq: Token,
+    next_rdv: AtomicU32,
+    max_msg: usize,
+}
+
+impl Conn {
+    pub(crate) fn establish(s: &SessionInner, peer: usize, conn: cm::Connection, cq: CompletionQueue) -> Result<Conn> {
+        let pipe = MsgPipe::establish(conn.qp, cq, &s.pd, s.cfg.strategy, s.cfg.timeout)?;
+        Ok(Conn {
+            peer,
+            max_msg: s.cfg.strategy.max_message(),
+            io: Mutex::new(ConnIo { pipe, incoming: VecDeque::new(), fins: HashSet::new(), failed: None }),
+            send_seq: Token::new(),
+            recv_seq: Token::new(),
+            next_rdv: AtomicU32::new(0),
+        })
+    }
+
+    fn io(&self) -> MutexGuard<'_, ConnIo> {
+        self.io.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lost(&self, why: impl std::fmt::Display) -> MadError {
+        MadError::PeerLost { rank: self.peer, why: why.to_string() }
+    }
+
+    /// Moves what the pipe received into the record queues. Errors fail the connection, but
+    /// records received before stay queued.
+    fn pump(&self, io: &mut ConnIo) -> Result<()> {
+        if let Some(e) = &io.failed {
+            return Err(self.lost(e));
+        }
+        loop {
+            let mut decoded: Result<Option<Vec<Incoming>>, MadError> = Ok(None);
+            let got = io.pipe.recv_with(|m| {
+                decoded = match wire::decode(m) {
+                    Ok(recs) => Ok(Some(
+                        recs.into_iter()
+                            .map(|(r, range)| match r {
+                                Record::Begin { seq } => Incoming::Begin(seq),
+                                Record::Inline { modes, total, last, .. } => {
+                                    Incoming::Inline { modes, total, last, data: m[range].to_vec() }
+                                }
+                                Record::Rdv { modes, len, addr, rkey, id } => {
+                                    Incoming::Rdv { modes, len, addr, rkey, id }
+                                }
+                                Record::End { packs } => Incoming::End(packs),
+                                Record::Fin { id } => Incoming::Fin(id),
+                            })
+                            .collect(),
+                    )),
+                    Err(e) => Err(MadError::Protocol { rank: self.peer, why: e.to_string() }),
+                };
+            });
+            match got {
+                Ok(Some(())) => match std::mem::replace(&mut decoded, Ok(None)) {
+                    Ok(Some(recs)) => {
+                        for r in recs {
+                            match r {
+                                Incoming::Fin(id) => {
+                                    io.fins.insert(id);
+                                }
+                                other => io.incoming.push_back(other),
+                            }
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        let why = e.to_string();
+                        io.failed = Some(e);
+                        return Err(MadError::Protocol { rank: self.peer, why });
+                    }
+                },
+                Ok(None) => return Ok(()),
+                Err(e) => {
+                    let why = e.to_string();
+                    io.failed = Some(self.lost(&why));
+                    return Err(self.lost(why));
+                }
+            }
+        }
+    }
+
+    /// Sends one pipe message and sees it handed to the transport (nothing left staged: the
+    /// sender may stop progressing this connection afterwards), draining what arrives meanwhile
+    /// so two ends sending at once never block each other.
+    fn send_msg(&self, msg: &[u8], timeout: std::time::Duration) -> Result<()> {
+        let mut w = Waiter::new(timeout, "sending a message");
+        let mut accepted = false;
+        loop {
+            {
+                let mut io = self.io();
+                if let Some(e) = &io.failed {
+                    return Err(self.lost(e));
+                }
+                if !accepted {
+                    accepted = io.pipe.try_send(msg).map_err(|e| self.lost(e))?;
+                }
+                if accepted {
+                    io.pipe.flush().map_err(|e| self.lost(e))?;
+                    if io.pipe.staged() == 0 {
+                        return Ok(());
+                    }
+                }
+                // Received data frees our peer's send window only once taken out of the pipe.
+                let _ = self.pump(&mut io);
+            }
+            w.pause()?;
+        }
+    }
+}
+
+/// A communication context with a connection to every other process of the session.
+pub struct Channel {
+    session: Arc<SessionInner>,
+    id: u32,
+    conns: Vec<Option<Arc<Conn>>>,
+    next_source: AtomicUsize,
+}
+
+impl Channel {
+    pub(crate) fn new(session: Arc<SessionInner>, id: u32, conns: Vec<Option<Arc<Conn>>>) -> Channel {
+        Channel { session, id, conns, next_source: AtomicUsize::new(0) }
+    }
+
+    /// The channel's number (channels are numbered in creation order from 1).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.session.cfg.rank
+    }
+
+    /// Number of processes.
+    pub fn size(&self) -> usize {
+        self.session.cfg.size
+    }
+
+    fn conn(&self, rank: usize) -> Result<&Conn> {
+        self.conns.get(rank).and_then(|c| c.as_deref()).ok_or_else(|| {
+            MadError::Invalid(format!("no connection to rank {rank} (size {}, self {})", self.size(), self.rank()))
+        })
+    }
+
+    /// Starts a message to `dest`. Other senders to `dest` on this channel wait until
+    /// `end_packing`: a message is packed atomically.
+    pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
+        let conn = self.conn(dest)?;
+        let seq = conn.send_seq.claim(self.session.cfg.timeout)?;
+        let mut agg = Vec::with_capacity(conn.max_msg);
+        Record::Begin { seq: seq.seq() }.encode(&mut agg);
+        Ok(Packer { ch: self, conn, seq, agg, packs: 0, deferred: Vec::new(), rdv: Vec::new(), finished: false })
+    }
+
+    /// Waits until every process of the session reached this call on this channel (an empty
+    /// message gathered by rank 0 and answered). Call it when no other message is in flight on
+    /// the channel, for example before tearing a session down.
+    pub fn barrier(&self) -> Result<()> {
+        if self.rank() == 0 {
+            for r in 1..self.size() {
+                self.begin_unpacking_from(r)?.end_unpacking()?;
+            }
+            for r in 1..self.size() {
+                self.begin_packing(r)?.end_packing()?;
+            }
+        } else if self.size() > 1 {
+            self.begin_packing(0)?.end_packing()?;
+            self.begin_unpacking_from(0)?.end_unpacking()?;
+        }
+        Ok(())
+    }
+
+    /// Takes the next message from any sender (each caller gets a different message; messages
+    /// of one sender arrive in order).
+    pub fn begin_unpacking(&self) -> Result<Unpacker<'_>> {
+        let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
+        let n = self.conns.len();
+        loop {
+            let start = self.next_source.fetch_add(1, Ordering::Relaxed);
+            for k in 0..n {
+                let Some(conn) = self.conns[(start + k) % n].as_deref() else { continue };
+                let Some(seq) = conn.recv_seq.try_claim() else { continue };
+                if let Some(u) = self.try_begin(conn, seq)? {
+                    return Ok(u);
+                }
+            }
+            w.pause()?;
+        }
+    }
+
+    /// Takes the next message from `source`.
+    pub fn begin_unpacking_from(&self, source: usize) -> Result<Unpacker<'_>> {
+        let conn = self.conn(source)?;
+        let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
+        loop {
+            let seq = conn.recv_seq.claim(self.session.cfg.timeout)?;
+            if let Some(u) = self.try_begin(conn, seq)? {
+                return Ok(u);
+            }
+            w.pause()?;
+        }
+    }
+
+    fn try_begin<'u>(&'u self, conn: &'u Conn, seq: Claim<'u>) -> Result<Option<Unpacker<'u>>> {
+        let mut io = conn.io();
+        let pumped = conn.pump(&mut io);
+        match io.incoming.front() {
+            Some(Incoming::Begin(s)) => {
+                let s = *s;
+                io.incoming.pop_front();
+                if s != seq.seq() {
+                    return Err(MadError::Protocol {
+                        rank: conn.peer,
+                        why: format!("message {s} where {} was due", seq.seq()),
+                    });
+                }
+                drop(io);
+                Ok(Some(Unpacker {
+                    ch: self,
+                    conn,
+                    seq,
+                    unpacks: 0,
+                    pending: Vec::new(),
+                    fins: Vec::new(),
+                    finished: false,
+                }))
+            }
+            Some(_) => Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() }),
+            None => pumped.map(|_| None),
+        }
+    }
+}
+
+/// A pack queued behind a `SendMode::Later` pack (sent at `end_packing`, in order).
+enum Deferred<'p> {
+    Borrowed(&'p [u8], Modes),
+    Owned(Vec<u8>, Modes),
+}
+
+/// A rendezvous the receiver has still to read: its registration (and, for a copied buffer,
+/// the copy) must live until the receiver's `Fin`.
+struct Held<'p> {
+    id: u32,
+    _reg: Registration<'p>,
+    _copy: Option<Box<[u8]>>,
+}
+
+/// A message being packed. Buffers packed `Later` or `Cheaper` stay borrowed until
+/// [`Packer::end_packing`].
+pub struct Packer<'p> {
+    ch: &'p Channel,
+    conn: &'p Conn,
+    seq: Claim<'p>,
+    agg: Vec<u8>,
+    packs: u32,
+    deferred: Vec<Deferred<'p>>,
+    rdv: Vec<Held<'p>>,
+    finished: bool,
+}
+
+impl<'p> Packer<'p> {
+    /// Adds `buf` to the message with the given modes.
+    pub fn pack(&mut self, buf: &'p [u8], send: SendMode, recv: RecvMode) -> Result<()> {
+        let modes = Modes { send, recv };
+        self.packs += 1;
+        if send == SendMode::Later || !self.deferred.is_empty() {
+            // Read at end_packing; what follows a Later pack waits behind it, in order.
+            self.deferred.push(match send {
+                SendMode::Safer => Deferred::Owned(buf.to_vec(), modes),
+                _ => Deferred::Borrowed(buf, modes),
+            });
+            return Ok(());
+        }
+        self.emit(buf, modes)
+    }
+
+    /// Packs a copy of `buf` (`SendMode::Safer`): `buf` is free as soon as this returns, so it
+    /// need not outlive the packer.
+    pub fn pack_safer(&mut self, buf: &[u8], recv: RecvMode) -> Result<()> {
+        let modes = Modes { send: SendMode::Safer, recv };
+        self.packs += 1;
+        if !self.deferred.is_empty() {
+            self.deferred.push(Deferred::Owned(buf.to_vec(), modes));
+            return Ok(());
+        }
+        self.emit(buf, modes)
+    }
+
+    fn emit(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
+        if buf.len() >= self.ch.session.threshold {
+            // SAFETY-free path for copies; borrowed buffers are registered below.
+            self.rendezvous(buf, modes)
+        } else {
+            self.inline(buf, modes)
+        }
+    }
+
+    fn inline(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
+        let total = buf.len() as u64;
+        let mut off = 0;
+        loop {
+            let room = self.conn.max_msg.saturating_sub(self.agg.len() + wire::HEADER);
+            if room < 64.min(buf.len() - off) || (room == 0 && off < buf.len()) {
+                self.flush()?;
+                continue;
+            }
+            let n = room.min(buf.len() - off);
+            let last = off + n == buf.len();
+            Record::Inline { modes, len: n as u32, last, total }.encode(&mut self.agg);
+            self.agg.extend_from_slice(&buf[off..off + n]);
+            off += n;
+            if last {
+                return Ok(());
+            }
+        }
+    }
+
+    fn rendezvous(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
+        let (addr, len, copy) = if modes.send == SendMode::Safer {
+            let c: Box<[u8]> = buf.into();
+            (c.as_ptr() as u64, c.len() as u64, Some(c))
+        } else {
+            (buf.as_ptr() as u64, buf.len() as u64, None)
+        };
+        // SAFETY: the memory is either `buf`, borrowed for 'p (the packer's life, and the
+        // packer waits for the receiver's Fin before it ends), or the copy held next to the
+        // registration for as long as the registration lives.
+        let reg: Registration<'p> = unsafe { self.ch.session.regcache.get_raw(addr, len, AccessFlags::REMOTE_READ) }?;
+        let id = self.conn.next_rdv.fetch_add(1, Ordering::Relaxed);
+        let rec = Record::Rdv { modes, len, addr, rkey: reg.rkey(), id };
+        if self.agg.len() + rec.encoded_len() > self.conn.max_msg {
+            self.flush()?;
+        }
+        rec.encode(&mut self.agg);
+        self.rdv.push(Held { id, _reg: reg, _copy: copy });
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        if self.agg.is_empty() {
+            return Ok(());
+        }
+        self.conn.send_msg(&self.agg, self.ch.session.cfg.timeout)?;
+        self.agg.clear();
+        Ok(())
+    }
+
+    /// Completes the message: sends what was deferred, then waits until the receiver has read
+    /// every zero-copy pack (after this the buffers are free).
+    pub fn end_packing(mut self) -> Result<()> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if self.finished {
+            return Ok(());
+        }
+        self.finished = true;
+        for d in std::mem::take(&mut self.deferred) {
+            match d {
+                Deferred::Borrowed(b, m) => self.emit(b, m)?,
+                Deferred::Owned(v, m) => self.emit(&v, m)?,
+            }
+        }
+        Record::End { packs: self.packs }.encode(&mut self.agg);
+        self.flush()?;
+        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for the receiver to read zero-copy packs");
+        while !self.rdv.is_empty() {
+            {
+                let mut io = self.conn.io();
+                self.conn.pump(&mut io)?;
+                let fins = &mut io.fins;
+                self.rdv.retain(|h| !fins.remove(&h.id));
+            }
+            if !self.rdv.is_empty() {
+                w.pause()?;
+            }
+        }
+        self.seq.advance();
+        Ok(())
+    }
+}
+
+impl Drop for Packer<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            // A message must not be left half-sent, nor a borrowed buffer released while the
+            // receiver may still read it.
+            if let Err(e) = self.finish() {
+                log::error!("madeleine: completing a dropped message to rank {} failed: {e}", self.conn.peer);
+                std::mem::forget(std::mem::take(&mut self.rdv));
+            }
+        }
+    }
+}
+
+/// A zero-copy read in flight (RECEIVE_CHEAPER), kept until `end_unpacking`.
+struct PendingRead<'u> {
+    token: u64,
+    id: u32,
+    _reg: Registration<'u>,
+}
+
+/// A message being unpacked. Buffers unpacked `RecvMode::Cheaper` stay borrowed until
+/// [`Unpacker::end_unpacking`].
+pub struct Unpacker<'u> {
+    ch: &'u Channel,
+    conn: &'u Conn,
+    seq: Claim<'u>,
+    unpacks: u32,
+    pending: Vec<PendingRead<'u>>,
+    fins: Vec<u32>,
+    finished: bool,
+}
+
+impl<'u> Unpacker<'u> {
+    /// The sender's rank.
+    pub fn source(&self) -> usize {
+        self.conn.peer
+    }
+
+    fn mismatch(&self, why: String) -> MadError {
+        MadError::Mismatch { rank: self.conn.peer, why }
+    }
+
+    /// Waits for the next record of this message.
+    fn next_record(&mut self) -> Result<Incoming> {
+        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for message data");
+        loop {
+            {
+                let mut io = self.conn.io();
+                let pumped = self.conn.pump(&mut io);
+                if let Some(r) = io.incoming.pop_front() {
+                    return Ok(r);
+                }
+                pumped?;
+            }
+            w.pause()?;
+        }
+    }
+
+    /// Extracts the next pack into `buf`; with `RecvMode::Express` the data is there when this
+    /// returns, with `RecvMode::Cheaper` after `end_unpacking`.
+    pub fn unpack(&mut self, buf: &'u mut [u8], send: SendMode, recv: RecvMode) -> Result<()> {
+        self.unpack_into(buf, Modes { send, recv })
+    }
+
+    /// Extracts the next pack (which must have been packed `RecvMode::Express`) into `buf`;
+    /// `buf` need not outlive the unpacker.
+    pub fn unpack_express(&mut self, buf: &mut [u8], send: SendMode) -> Result<()> {
+        // SAFETY-free: an Express unpack completes before returning, so the borrow may end here.
+        let modes = Modes { send, recv: RecvMode::Express };
+        self.unpack_now(buf, modes)
+    }
+
+    fn unpack_into(&mut self, buf: &'u mut [u8], modes: Modes) -> Result<()> {
+        if modes.recv == RecvMode::Express {
+            return self.unpack_now(buf, modes);
+        }
+        self.unpacks += 1;
+        match self.next_record()? {
+            Incoming::Rdv { modes: m, len, addr, rkey, id } => {
+                self.check(m, len, modes, buf.len())?;
+                let (token, reg) = self.start_read(buf, addr, rkey)?;
+                self.pending.push(PendingRead { token, id, _reg: reg });
+                Ok(())
+            }
+            Incoming::Inline { modes: m, total, last, data } => {
+                self.check(m, total, modes, buf.len())?;
+                self.copy_inline(buf, data, last)
+            }
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    fn unpack_now(&mut self, buf: &mut [u8], modes: Modes) -> Result<()> {
+        self.unpacks += 1;
+        match self.next_record()? {
+            Incoming::Inline { modes: m, total, last, data } => {
+                self.check(m, total, modes, buf.len())?;
+                self.copy_inline(buf, data, last)
+            }
+            Incoming::Rdv { modes: m, len, addr, rkey, id } => {
+                self.check(m, len, modes, buf.len())?;
+                let (token, reg) = self.start_read(buf, addr, rkey)?;
+                self.wait_read(token)?;
+                drop(reg);
+                self.fins.push(id);
+                Ok(())
+            }
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    fn check(&self, sent: Modes, sent_len: u64, asked: Modes, len: usize) -> Result<()> {
+        if sent != asked {
+            return Err(self.mismatch(format!("pack {} was sent {:?}, unpacked {:?}", self.unpacks, sent, asked)));
+        }
+        if sent_len != len as u64 {
+            return Err(self.mismatch(format!("pack {} has {sent_len} bytes, unpacked into {}", self.unpacks, len)));
+        }
+        Ok(())
+    }
+
+    fn unexpected(&self, r: Incoming) -> MadError {
+        match r {
+            Incoming::End(n) => self.mismatch(format!("the sender packed {n} items, the receiver asked for more")),
+            _ => MadError::Protocol { rank: self.conn.peer, why: "record out of place".into() },
+        }
+    }
+
+    fn copy_inline(&mut self, buf: &mut [u8], first: Vec<u8>, mut last: bool) -> Result<()> {
+        let mut off = first.len();
+        buf[..off].copy_from_slice(&first);
+        while !last {
+            match self.next_record()? {
+                Incoming::Inline { data, last: l, total, .. }
+                    if total == buf.len() as u64 && off + data.len() <= buf.len() =>
+                {
+                    buf[off..off + data.len()].copy_from_slice(&data);
+                    off += data.len();
+                    last = l;
+                }
+                _ => return Err(MadError::Protocol { rank: self.conn.peer, why: "broken fragment sequence".into() }),
+            }
+        }
+        if off != buf.len() {
+            return Err(MadError::Protocol { rank: self.conn.peer, why: "fragments do not add up to the pack".into() });
+        }
+        Ok(())
+    }
+
+    fn start_read<'b>(&self, buf: &'b mut [u8], addr: u64, rkey: u32) -> Result<(u64, Registration<'b>)>
+    where
+        'u: 'b,
+    {
+        if buf.is_empty() {
+            return Err(MadError::Protocol { rank: self.conn.peer, why: "empty rendezvous".into() });
+        }
+        // SAFETY: `buf` is borrowed for 'b, which the registration does not outlive; the read
+        // completes before the registration is dropped (waited for in `wait_read` or
+        // `end_unpacking`).
+        let reg = unsafe {
+            self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::LOCAL_WRITE)
+        }?;
+        let sges: Vec<Sge> = buf
+            .chunks(1 << 30)
+            .map(|c| Sge { addr: c.as_ptr() as u64, length: c.len() as u32, lkey: reg.lkey() })
+            .collect();
+        let mut token = 0;
+        let mut io = self.conn.io();
+        let mut remote = addr;
+        for s in sges {
+            token = io.pipe.post_user(SendWr::read(0, &[s], remote, rkey)).map_err(|e| self.conn.lost(e))?;
+            remote += s.length as u64;
+        }
+        Ok((token, reg))
+    }
+
+    fn wait_read(&self, token: u64) -> Result<()> {
+        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for a zero-copy read");
+        loop {
+            {
+                let mut io = self.conn.io();
+                let _ = io.pipe.progress();
+                match io.pipe.take_user_completion(token) {
+                    Some(WcStatus::Success) => return Ok(()),
+                    Some(st) => return Err(self.conn.lost(format!("zero-copy read failed: {st:?}"))),
+                    None => {
+                        if let Some(f) = io.pipe.failure() {
+                            return Err(self.conn.lost(f));
+                        }
+                    }
+                }
+            }
+            w.pause()?;
+        }
+    }
+
+    /// Completes the message: waits for `RecvMode::Cheaper` data, checks that the sender packed
+    /// exactly what was unpacked, and tells the sender its zero-copy buffers are free.
+    pub fn end_unpacking(mut self) -> Result<()> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if self.finished {
+            return Ok(());
+        }
+        self.finished = true;
+        let mut result = Ok(());
+        for p in std::mem::take(&mut self.pending) {
+            if let Err(e) = self.wait_read(p.token) {
+                result = Err(e);
+                break;
+            }
+            self.fins.push(p.id);
+        }
+        result?;
+        // The End record, or what the sender packed beyond our unpacks.
+        let mut extra = 0u32;
+        let packs = loop {
+            match self.next_record()? {
+                Incoming::End(n) => break n,
+                Incoming::Rdv { id, .. } => {
+                    extra += 1;
+                    self.fins.push(id); // release the sender even though nobody reads it
+                }
+                Incoming::Inline { last, .. } => extra += last as u32,
+                Incoming::Begin(_) | Incoming::Fin(_) => {
+                    return Err(MadError::Protocol { rank: self.conn.peer, why: "message without end".into() })
+                }
+            }
+        };
+        self.send_fins()?;
+        self.seq.advance();
+        if packs != self.unpacks || extra > 0 {
+            return Err(
+                self.mismatch(format!("the sender packed {packs} items, the receiver unpacked {}", self.unpacks))
+            );
+        }
+        Ok(())
+    }
+
+    fn send_fins(&mut self) -> Result<()> {
+        if self.fins.is_empty() {
+            return Ok(());
+        }
+        let mut msg = Vec::new();
+        for id in self.fins.drain(..) {
+            Record::Fin { id }.encode(&mut msg);
+        }
+        self.conn.send_msg(&msg, self.ch.session.cfg.timeout)
+    }
+}
+
+impl Drop for Unpacker<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            if let Err(e) = self.finish() {
+                log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
+                std::mem::forget(std::mem::take(&mut self.pending));
+            }
+        }
+    }
+}

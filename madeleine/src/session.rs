@@ -1,0 +1,222 @@
+//! Sessions: this process's membership in a group (rank, size), and the out-of-band rendezvous
+//! that connects every pair of processes for each channel.
+//!
+//! The rendezvous goes through a directory every process can reach (a shared file system, or
+//! `/tmp` on one host): rank `r` listens on `DIR/rank-r.sock`; for each pair the higher rank
+//! connects to the lower. Channels are created collectively, in the same order everywhere, and
+//! pairs are connected in one global order, which cannot deadlock.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use portability_verbs::datapath::{FlowStrategy, RegistrationCache};
+use portability_verbs::{cm, CompletionQueue, Context, ProtectionDomain, QpCaps, QpInit};
+
+use crate::channel::{Channel, Conn};
+use crate::{MadError, Result};
+
+/// How a session is set up.
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    /// This process's rank, 0-based.
+    pub rank: usize,
+    /// Number of processes.
+    pub size: usize,
+    /// Directory of the rendezvous sockets (shared by the group).
+    pub rendezvous_dir: PathBuf,
+    /// Flow control of the eager path.
+    pub strategy: FlowStrategy,
+    /// How long set-up and blocking calls wait for a peer.
+    pub timeout: Duration,
+    /// Packs of at least this many bytes go by rendezvous (None: the crossover tuner decides).
+    pub rendezvous_threshold: Option<usize>,
+}
+
+impl SessionConfig {
+    /// Explicit configuration.
+    pub fn new(rank: usize, size: usize, rendezvous_dir: impl Into<PathBuf>) -> SessionConfig {
+        SessionConfig {
+            rank,
+            size,
+            rendezvous_dir: rendezvous_dir.into(),
+            strategy: FlowStrategy::RDMA,
+            timeout: Duration::from_secs(30),
+            rendezvous_threshold: None,
+        }
+    }
+
+    /// From the environment: `MAD_RANK`/`MAD_SIZE`, or what launchers set
+    /// (`SLURM_PROCID`/`SLURM_NTASKS`, `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`,
+    /// `PMI_RANK`/`PMI_SIZE`); the directory from `MAD_RENDEZVOUS` (default: a directory under
+    /// the temporary directory named after the job, `SLURM_JOB_ID` when there is one).
+    pub fn from_env() -> Result<SessionConfig> {
+        let get = |k: &str| std::env::var(k).ok();
+        let pairs = [
+            ("MAD_RANK", "MAD_SIZE"),
+            ("SLURM_PROCID", "SLURM_NTASKS"),
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+            ("PMI_RANK", "PMI_SIZE"),
+        ];
+        let (rank, size) = pairs.iter().find_map(|(r, s)| Some((get(r)?, get(s)?))).ok_or_else(|| {
+            MadError::Invalid("no rank and size in the environment (MAD_RANK/MAD_SIZE, SLURM_*, OMPI_*, PMI_*)".into())
+        })?;
+        let parse = |v: &str, what: &str| {
+            v.trim().parse::<usize>().map_err(|_| MadError::Invalid(format!("{what}={v:?} is not a number")))
+        };
+        let (rank, size) = (parse(&rank, "rank")?, parse(&size, "size")?);
+        let dir = get("MAD_RENDEZVOUS").map(PathBuf::from).unwrap_or_else(|| {
+            let job = get("SLURM_JOB_ID").unwrap_or_else(|| "default".into());
+            std::env::temp_dir().join(format!("madeleine-{job}"))
+        });
+        let mut cfg = SessionConfig::new(rank, size, dir);
+        if let Some(t) = get("MAD_RENDEZVOUS_THRESHOLD").and_then(|v| v.parse().ok()) {
+            cfg.rendezvous_threshold = Some(t);
+        }
+        Ok(cfg)
+    }
+}
+
+pub(crate) struct SessionInner {
+    pub cfg: SessionConfig,
+    pub ctx: Context,
+    pub pd: ProtectionDomain,
+    pub regcache: Arc<RegistrationCache>,
+    pub threshold: usize,
+    listener: Mutex<cm::Listener>,
+    next_channel: Mutex<u32>,
+    /// Connections accepted ahead of their turn: (channel, rank) -> connection.
+    stash: Mutex<HashMap<(u32, usize), (cm::Connection, CompletionQueue)>>,
+}
+
+/// A process's membership in a group.
+#[derive(Clone)]
+pub struct Session {
+    pub(crate) inner: Arc<SessionInner>,
+}
+
+fn sock(dir: &std::path::Path, rank: usize) -> PathBuf {
+    dir.join(format!("rank-{rank}.sock"))
+}
+
+impl Session {
+    /// Joins the group described by `cfg` (starts listening; connections are made per channel).
+    pub fn new(cfg: SessionConfig) -> Result<Session> {
+        if cfg.size == 0 || cfg.rank >= cfg.size {
+            return Err(MadError::Invalid(format!("rank {} outside a group of {}", cfg.rank, cfg.size)));
+        }
+        std::fs::create_dir_all(&cfg.rendezvous_dir)
+            .map_err(|e| MadError::Invalid(format!("rendezvous directory {}: {e}", cfg.rendezvous_dir.display())))?;
+        let ctx = Context::open_default()?;
+        let pd = ctx.alloc_pd()?;
+        let listener = cm::Listener::bind(&cm::CmAddr::Unix(sock(&cfg.rendezvous_dir, cfg.rank)))?;
+        let regcache = Arc::new(RegistrationCache::new(&pd, 1 << 30));
+        let threshold = cfg.rendezvous_threshold.unwrap_or(16 * 1024).max(1);
+        Ok(Session {
+            inner: Arc::new(SessionInner {
+                cfg,
+                ctx,
+                pd,
+                regcache,
+                threshold,
+                listener: Mutex::new(listener),
+                next_channel: Mutex::new(0),
+                stash: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.inner.cfg.rank
+    }
+
+    /// Number of processes.
+    pub fn size(&self) -> usize {
+        self.inner.cfg.size
+    }
+
+    /// Packs at least this large go by rendezvous (zero-copy).
+    pub fn rendezvous_threshold(&self) -> usize {
+        self.inner.threshold
+    }
+
+    /// Opens the next channel: collective, every process calls it in the same order. Connects
+    /// this process to every other one for the channel.
+    pub fn channel(&self) -> Result<Channel> {
+        let id = {
+            let mut n = self.inner.next_channel.lock().expect("channel counter");
+            *n += 1;
+            *n
+        };
+        let (rank, size) = (self.rank(), self.size());
+        let mut conns: Vec<Option<Arc<Conn>>> = (0..size).map(|_| None).collect();
+        // Every pair in one global order (i < j): no cycle of waits.
+        for i in 0..size {
+            for j in i + 1..size {
+                if i != rank && j != rank {
+                    continue;
+                }
+                let peer = if i == rank { j } else { i };
+                let (conn, cq) = if rank == j { self.connect(id, peer)? } else { self.accept(id, peer)? };
+                conns[peer] = Some(Arc::new(Conn::establish(&self.inner, peer, conn, cq)?));
+            }
+        }
+        Ok(Channel::new(self.inner.clone(), id, conns))
+    }
+
+    fn qp_init<'a>(&self, cq: &'a CompletionQueue) -> QpInit<'a> {
+        QpInit { caps: QpCaps { max_send_wr: 1024, max_recv_wr: 1024, ..QpCaps::default() }, ..QpInit::new(cq) }
+    }
+
+    fn private(&self, channel: u32) -> Vec<u8> {
+        let mut v = channel.to_le_bytes().to_vec();
+        v.extend_from_slice(&(self.rank() as u64).to_le_bytes());
+        v
+    }
+
+    fn connect(&self, channel: u32, peer: usize) -> Result<(cm::Connection, CompletionQueue)> {
+        let cq = self.inner.ctx.create_cq(4096)?;
+        let addr = cm::CmAddr::Unix(sock(&self.inner.cfg.rendezvous_dir, peer));
+        let conn =
+            cm::connect(&addr, &self.inner.pd, &self.qp_init(&cq), &self.private(channel), self.inner.cfg.timeout)?;
+        Ok((conn, cq))
+    }
+
+    fn accept(&self, channel: u32, peer: usize) -> Result<(cm::Connection, CompletionQueue)> {
+        let deadline = std::time::Instant::now() + self.inner.cfg.timeout;
+        loop {
+            if let Some(c) = self.inner.stash.lock().expect("stash").remove(&(channel, peer)) {
+                return Ok(c);
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(MadError::Timeout(format!("rank {peer} never connected for channel {channel}")));
+            }
+            let cq = self.inner.ctx.create_cq(4096)?;
+            let conn = self.inner.listener.lock().expect("listener").accept(
+                &self.inner.pd,
+                &self.qp_init(&cq),
+                &self.private(channel),
+                left,
+            )?;
+            let p = &conn.peer_private;
+            if p.len() != 12 {
+                return Err(MadError::Protocol { rank: peer, why: "bad rendezvous private data".into() });
+            }
+            let ch = u32::from_le_bytes(p[0..4].try_into().expect("4 bytes"));
+            let from = u64::from_le_bytes(p[4..12].try_into().expect("8 bytes")) as usize;
+            if from >= self.size() || from <= self.rank() {
+                return Err(MadError::Protocol {
+                    rank: from,
+                    why: format!("connection from rank {from} not expected here"),
+                });
+            }
+            if (ch, from) == (channel, peer) {
+                return Ok((conn, cq));
+            }
+            self.inner.stash.lock().expect("stash").insert((ch, from), (conn, cq));
+        }
+    }
+}

@@ -1,0 +1,255 @@
+//! Madeleine's message format, sans-IO: the records a message is made of, carried in the
+//! messages of a flow-controlled pipe ([`portability_verbs::datapath::MsgPipe`]).
+//!
+//! ```text
+//! Begin                      a message starts (seq: per connection and direction)
+//! Inline  modes len last     a fragment of a pack's bytes follows the header
+//! Rdv     modes len addr key id   a large pack: the receiver RDMA-reads it from the sender
+//! End     packs              the message had this many packs
+//! Fin     id                 receiver -> sender: the rendezvous `id` was read
+//! ```
+//! Every header is 16 bytes (Rdv 32); every length is checked on decode.
+
+use crate::{RecvMode, SendMode};
+
+/// Bytes of a record header.
+pub const HEADER: usize = 16;
+/// Bytes of a rendezvous record.
+pub const RDV: usize = 32;
+
+/// A record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    /// A message starts.
+    Begin {
+        /// Sequence number of the message on its connection.
+        seq: u32,
+    },
+    /// A fragment of a pack copied inline.
+    Inline {
+        /// Modes the pack was made with.
+        modes: Modes,
+        /// Bytes of this fragment.
+        len: u32,
+        /// The pack's last fragment.
+        last: bool,
+        /// Total bytes of the pack.
+        total: u64,
+    },
+    /// A pack to be read by the receiver from the sender's registered memory.
+    Rdv {
+        /// Modes the pack was made with.
+        modes: Modes,
+        /// Bytes of the pack.
+        len: u64,
+        /// Address in the sender.
+        addr: u64,
+        /// Remote key of the sender's registration.
+        rkey: u32,
+        /// Identifier the receiver returns in `Fin`.
+        id: u32,
+    },
+    /// The message is complete.
+    End {
+        /// Number of packs in it.
+        packs: u32,
+    },
+    /// A rendezvous was read.
+    Fin {
+        /// Its identifier.
+        id: u32,
+    },
+}
+
+/// The modes of a pack, as sent (so the receiver can check its unpack against them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Modes {
+    /// Send mode.
+    pub send: SendMode,
+    /// Receive mode.
+    pub recv: RecvMode,
+}
+
+impl Modes {
+    fn byte(self) -> u8 {
+        let s = match self.send {
+            SendMode::Safer => 0,
+            SendMode::Later => 1,
+            SendMode::Cheaper => 2,
+        };
+        let r = match self.recv {
+            RecvMode::Express => 0,
+            RecvMode::Cheaper => 1,
+        };
+        s | r << 2
+    }
+    fn from_byte(b: u8) -> Option<Modes> {
+        let send = match b & 3 {
+            0 => SendMode::Safer,
+            1 => SendMode::Later,
+            2 => SendMode::Cheaper,
+            _ => return None,
+        };
+        let recv = match (b >> 2) & 1 {
+            0 => RecvMode::Express,
+            _ => RecvMode::Cheaper,
+        };
+        (b >> 3 == 0).then_some(Modes { send, recv })
+    }
+}
+
+/// Why bytes from a peer are not a valid record sequence.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("malformed message from peer: {0}")]
+pub struct WireError(pub &'static str);
+
+impl Record {
+    /// Appends the encoding (header, and for `Inline` nothing more: the caller appends the
+    /// fragment's bytes).
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let mut h = [0u8; HEADER];
+        match *self {
+            Record::Begin { seq } => {
+                h[0] = 1;
+                h[4..8].copy_from_slice(&seq.to_le_bytes());
+            }
+            Record::Inline { modes, len, last, total } => {
+                h[0] = 2;
+                h[1] = modes.byte();
+                h[2] = last as u8;
+                h[4..8].copy_from_slice(&len.to_le_bytes());
+                h[8..16].copy_from_slice(&total.to_le_bytes());
+            }
+            Record::Rdv { modes, len, addr, rkey, id } => {
+                h[0] = 3;
+                h[1] = modes.byte();
+                h[4..8].copy_from_slice(&rkey.to_le_bytes());
+                h[8..16].copy_from_slice(&addr.to_le_bytes());
+                out.extend_from_slice(&h);
+                let mut x = [0u8; RDV - HEADER];
+                x[0..8].copy_from_slice(&len.to_le_bytes());
+                x[8..12].copy_from_slice(&id.to_le_bytes());
+                out.extend_from_slice(&x);
+                return;
+            }
+            Record::End { packs } => {
+                h[0] = 4;
+                h[4..8].copy_from_slice(&packs.to_le_bytes());
+            }
+            Record::Fin { id } => {
+                h[0] = 5;
+                h[4..8].copy_from_slice(&id.to_le_bytes());
+            }
+        }
+        out.extend_from_slice(&h);
+    }
+
+    /// Bytes the encoding takes (without an inline fragment's data).
+    pub fn encoded_len(&self) -> usize {
+        if matches!(self, Record::Rdv { .. }) {
+            RDV
+        } else {
+            HEADER
+        }
+    }
+}
+
+/// Decodes a pipe message into records; inline fragments come with the byte range of their
+/// data in `msg`.
+pub fn decode(msg: &[u8]) -> Result<Vec<(Record, std::ops::Range<usize>)>, WireError> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    let u32_at = |b: &[u8], i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+    let u64_at = |b: &[u8], i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    while at < msg.len() {
+        let h = msg.get(at..at + HEADER).ok_or(WireError("message ends inside a record header"))?;
+        if h[3] != 0 {
+            return Err(WireError("reserved header byte set"));
+        }
+        let (rec, next, data) = match h[0] {
+            1 => (Record::Begin { seq: u32_at(h, 4) }, at + HEADER, at..at),
+            2 => {
+                let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
+                if h[2] > 1 {
+                    return Err(WireError("bad fragment flag"));
+                }
+                let len = u32_at(h, 4);
+                let total = u64_at(h, 8);
+                let start = at + HEADER;
+                let end = start.checked_add(len as usize).ok_or(WireError("length overflows"))?;
+                if end > msg.len() {
+                    return Err(WireError("inline fragment runs past the message"));
+                }
+                if len as u64 > total {
+                    return Err(WireError("fragment longer than its pack"));
+                }
+                (Record::Inline { modes, len, last: h[2] == 1, total }, end, start..end)
+            }
+            3 => {
+                let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
+                let x = msg.get(at + HEADER..at + RDV).ok_or(WireError("message ends inside a rendezvous record"))?;
+                let rec =
+                    Record::Rdv { modes, len: u64_at(x, 0), addr: u64_at(h, 8), rkey: u32_at(h, 4), id: u32_at(x, 8) };
+                if x[12..].iter().any(|&b| b != 0) {
+                    return Err(WireError("reserved rendezvous bytes set"));
+                }
+                (rec, at + RDV, at..at)
+            }
+            4 => (Record::End { packs: u32_at(h, 4) }, at + HEADER, at..at),
+            5 => (Record::Fin { id: u32_at(h, 4) }, at + HEADER, at..at),
+            _ => return Err(WireError("unknown record tag")),
+        };
+        out.push((rec, data));
+        at = next;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn modes() -> impl Strategy<Value = Modes> {
+        (0u8..3, any::<bool>()).prop_map(|(s, r)| Modes::from_byte(s | (r as u8) << 2).unwrap())
+    }
+
+    fn record() -> impl Strategy<Value = (Record, Vec<u8>)> {
+        prop_oneof![
+            any::<u32>().prop_map(|seq| (Record::Begin { seq }, vec![])),
+            (modes(), proptest::collection::vec(any::<u8>(), 0..64), any::<bool>(), 0u64..1000).prop_map(
+                |(m, d, last, extra)| {
+                    (Record::Inline { modes: m, len: d.len() as u32, last, total: d.len() as u64 + extra }, d)
+                }
+            ),
+            (modes(), any::<u64>(), any::<u64>(), any::<u32>(), any::<u32>())
+                .prop_map(|(m, len, addr, rkey, id)| (Record::Rdv { modes: m, len, addr, rkey, id }, vec![])),
+            any::<u32>().prop_map(|packs| (Record::End { packs }, vec![])),
+            any::<u32>().prop_map(|id| (Record::Fin { id }, vec![])),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn sequences_round_trip(recs in proptest::collection::vec(record(), 0..20)) {
+            let mut bytes = Vec::new();
+            for (r, d) in &recs {
+                r.encode(&mut bytes);
+                bytes.extend_from_slice(d);
+            }
+            let got = decode(&bytes).unwrap();
+            prop_assert_eq!(got.len(), recs.len());
+            for ((r, range), (want, data)) in got.iter().zip(&recs) {
+                prop_assert_eq!(r, want);
+                prop_assert_eq!(&bytes[range.clone()], &data[..]);
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..200)) {
+            if let Ok(recs) = decode(&b) {
+                for (_, r) in recs { prop_assert!(r.end <= b.len()); }
+            }
+        }
+    }
+}

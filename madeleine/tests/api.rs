@@ -1,0 +1,308 @@
+//! Madeleine's contracts, with the ranks of a group as threads of this process (each with its
+//! own session, device context and connections, as separate processes would have).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use madeleine::*;
+
+static GROUP: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `f(rank, channel)` on `n` ranks at once; panics propagate.
+fn group<F>(n: usize, threshold: usize, f: F)
+where
+    F: Fn(usize, &Channel) + Sync,
+{
+    group_with(n, threshold, true, Duration::from_secs(20), f)
+}
+
+fn group_with<F>(n: usize, threshold: usize, barrier: bool, timeout: Duration, f: F)
+where
+    F: Fn(usize, &Channel) + Sync,
+{
+    let dir =
+        std::env::temp_dir().join(format!("mad-test-{}-{}", std::process::id(), GROUP.fetch_add(1, Ordering::Relaxed)));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let (dir, f) = (dir.clone(), &f);
+                s.spawn(move || {
+                    let mut cfg = SessionConfig::new(rank, n, dir);
+                    cfg.timeout = timeout;
+                    cfg.rendezvous_threshold = Some(threshold);
+                    let session = Session::new(cfg).unwrap();
+                    let ch = session.channel().unwrap();
+                    let control = session.channel().unwrap();
+                    f(rank, &ch);
+                    // Nobody tears down while others still talk to it (on a channel of its
+                    // own, so the barrier never meets the test's messages).
+                    if barrier {
+                        control.barrier().unwrap();
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+    });
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Views cells as bytes, so a test can change a buffer the packer holds (what SEND_LATER
+/// allows).
+fn unsafe_cell_bytes(cells: &[std::cell::Cell<u8>]) -> &[u8] {
+    // SAFETY: Cell<u8> has the layout of u8; the packer reads these bytes only at end_packing,
+    // after the last `set`, on this thread.
+    unsafe { std::slice::from_raw_parts(cells.as_ptr() as *const u8, cells.len()) }
+}
+
+fn pattern(seed: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (seed * 131 + i * 7 + (i >> 8)) as u8).collect()
+}
+
+const SMALL: usize = 4096; // rendezvous threshold used by most tests
+
+#[test]
+fn safer_copies_at_pack_later_reads_at_end_packing() {
+    group(2, SMALL, |rank, ch| {
+        for len in [8usize, 100_000] {
+            if rank == 0 {
+                let mut a = vec![1u8; len];
+                // LATER: the buffer is read at end_packing, so changes made up to then (here
+                // through a Cell-like interior, since the packer borrows the buffer) are sent.
+                let b: Vec<std::cell::Cell<u8>> = (0..len).map(|_| std::cell::Cell::new(2)).collect();
+                let b_bytes: &[u8] = unsafe_cell_bytes(&b);
+                let mut p = ch.begin_packing(1).unwrap();
+                p.pack_safer(&a, RecvMode::Express).unwrap();
+                a.fill(9); // SAFER: too late to change what is sent
+                p.pack(b_bytes, SendMode::Later, RecvMode::Express).unwrap();
+                for c in &b {
+                    c.set(3); // before end_packing: this is what the receiver gets
+                }
+                p.end_packing().unwrap();
+                assert_eq!(a[0], 9);
+            } else {
+                let mut a = vec![0u8; len];
+                let mut b = vec![0u8; len];
+                let mut u = ch.begin_unpacking().unwrap();
+                u.unpack_express(&mut a, SendMode::Safer).unwrap();
+                u.unpack_express(&mut b, SendMode::Later).unwrap();
+                u.end_unpacking().unwrap();
+                assert!(a.iter().all(|&x| x == 1), "SAFER data changed after pack");
+                assert!(b.iter().all(|&x| x == 3));
+            }
+        }
+    });
+}
+
+#[test]
+fn express_data_is_there_at_unpack_and_cheaper_after_end_unpacking() {
+    group(2, SMALL, |rank, ch| {
+        let body_len = 200_000;
+        if rank == 0 {
+            let body = pattern(1, body_len);
+            let len = (body.len() as u64).to_le_bytes();
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack(&len, SendMode::Cheaper, RecvMode::Express).unwrap();
+            p.pack(&body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+        } else {
+            // A CHEAPER buffer must outlive the unpacker (the borrow checker insists: the data
+            // may land until end_unpacking), so it is declared first and sized later.
+            let mut body = Vec::new();
+            let mut u = ch.begin_unpacking().unwrap();
+            let mut len = [0u8; 8];
+            u.unpack_express(&mut len, SendMode::Cheaper).unwrap();
+            // The length decides the next unpack (the usual EXPRESS/CHEAPER pattern).
+            let n = u64::from_le_bytes(len) as usize;
+            assert_eq!(n, body_len);
+            body.resize(n, 0);
+            u.unpack(&mut body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            u.end_unpacking().unwrap();
+            assert_eq!(body, pattern(1, body_len));
+        }
+    });
+}
+
+#[test]
+fn every_size_across_protocol_boundaries_and_many_packs_per_message() {
+    group(2, SMALL, |rank, ch| {
+        let sizes = [0usize, 1, 15, 16, 17, 1000, 4095, 4096, 4097, 16_000, 16_400, 70_000, 1 << 20];
+        if rank == 0 {
+            let bufs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| pattern(i, n)).collect();
+            let mut p = ch.begin_packing(1).unwrap();
+            for (i, b) in bufs.iter().enumerate() {
+                let r = if i % 2 == 0 { RecvMode::Express } else { RecvMode::Cheaper };
+                p.pack(b, SendMode::Cheaper, r).unwrap();
+            }
+            p.end_packing().unwrap();
+        } else {
+            let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+            let mut u = ch.begin_unpacking().unwrap();
+            for (i, b) in bufs.iter_mut().enumerate() {
+                let r = if i % 2 == 0 { RecvMode::Express } else { RecvMode::Cheaper };
+                u.unpack(b, SendMode::Cheaper, r).unwrap();
+            }
+            u.end_unpacking().unwrap();
+            for (i, b) in bufs.iter().enumerate() {
+                assert_eq!(b, &pattern(i, sizes[i]), "pack {i} of {} bytes", sizes[i]);
+            }
+        }
+    });
+}
+
+#[test]
+fn any_source_with_per_sender_order() {
+    let n = 4;
+    group(n, SMALL, |rank, ch| {
+        let per = 30;
+        if rank != 0 {
+            for k in 0..per {
+                let mut p = ch.begin_packing(0).unwrap();
+                let v = [rank as u8, k as u8];
+                p.pack_safer(&v, RecvMode::Express).unwrap();
+                p.end_packing().unwrap();
+            }
+        } else {
+            let mut next = vec![0u8; n];
+            for _ in 0..per * (n - 1) {
+                let mut u = ch.begin_unpacking().unwrap();
+                let mut v = [0u8; 2];
+                u.unpack_express(&mut v, SendMode::Safer).unwrap();
+                assert_eq!(u.source(), v[0] as usize);
+                u.end_unpacking().unwrap();
+                assert_eq!(v[1], next[v[0] as usize], "messages from {} out of order", v[0]);
+                next[v[0] as usize] += 1;
+            }
+            // And from a chosen source.
+        }
+    });
+}
+
+#[test]
+fn mode_and_size_mismatches_are_reported() {
+    group(2, SMALL, |rank, ch| {
+        if rank == 0 {
+            for _ in 0..3 {
+                let mut p = ch.begin_packing(1).unwrap();
+                p.pack_safer(&[1u8; 10], RecvMode::Express).unwrap();
+                p.end_packing().unwrap();
+            }
+        } else {
+            let mut b = [0u8; 11];
+            let mut u = ch.begin_unpacking().unwrap();
+            assert!(matches!(u.unpack_express(&mut b, SendMode::Safer), Err(MadError::Mismatch { .. })));
+            drop(u);
+            let mut b = [0u8; 10];
+            let mut u = ch.begin_unpacking().unwrap();
+            assert!(matches!(u.unpack_express(&mut b, SendMode::Cheaper), Err(MadError::Mismatch { .. })));
+            drop(u);
+            // Too few unpacks: reported at end_unpacking.
+            let u = ch.begin_unpacking().unwrap();
+            assert!(matches!(u.end_unpacking(), Err(MadError::Mismatch { .. })));
+        }
+    });
+}
+
+#[test]
+fn many_threads_send_and_receive_at_once_with_checksums() {
+    group(2, SMALL, |rank, ch| {
+        let threads = 4;
+        let per = 40;
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                s.spawn(move || {
+                    if rank == 0 {
+                        for k in 0..per {
+                            let len = (t * 977 + k * 4099) % 20_000;
+                            let body = pattern(t * 1000 + k, len);
+                            let sum: u64 = body.iter().map(|&b| b as u64).sum();
+                            let hdr = [(len as u64).to_le_bytes(), sum.to_le_bytes()].concat();
+                            let mut p = ch.begin_packing(1).unwrap();
+                            p.pack(&hdr, SendMode::Cheaper, RecvMode::Express).unwrap();
+                            p.pack(&body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                            p.end_packing().unwrap();
+                        }
+                    } else {
+                        for _ in 0..per {
+                            let mut body = Vec::new();
+                            let mut u = ch.begin_unpacking().unwrap();
+                            let mut hdr = [0u8; 16];
+                            u.unpack_express(&mut hdr, SendMode::Cheaper).unwrap();
+                            let len = u64::from_le_bytes(hdr[..8].try_into().unwrap()) as usize;
+                            let sum = u64::from_le_bytes(hdr[8..].try_into().unwrap());
+                            body.resize(len, 0);
+                            u.unpack(&mut body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                            u.end_unpacking().unwrap();
+                            assert_eq!(body.iter().map(|&b| b as u64).sum::<u64>(), sum);
+                        }
+                    }
+                });
+            }
+        });
+    });
+}
+
+#[test]
+fn coroutines_send_and_receive_without_blocking_the_scheduler() {
+    // The application sizes coroutine stacks (the library never configures `may`): the verbs
+    // path needs more than may's 32 KiB default, especially unoptimized.
+    may::config().set_stack_size(0x10000);
+    group(2, SMALL, |rank, ch| {
+        let n = 8;
+        let done = AtomicUsize::new(0);
+        may::coroutine::scope(|s| {
+            for c in 0..n {
+                let done = &done;
+                may::go!(s, move || {
+                    if rank == 0 {
+                        let v = pattern(c, 5000 + c);
+                        let len = (v.len() as u64).to_le_bytes();
+                        let mut p = ch.begin_packing(1).unwrap();
+                        p.pack(&len, SendMode::Cheaper, RecvMode::Express).unwrap();
+                        p.pack(&v, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                        p.end_packing().unwrap();
+                    } else {
+                        let mut body = Vec::new();
+                        let mut u = ch.begin_unpacking().unwrap();
+                        let mut len = [0u8; 8];
+                        u.unpack_express(&mut len, SendMode::Cheaper).unwrap();
+                        let n = u64::from_le_bytes(len) as usize;
+                        body.resize(n, 0);
+                        u.unpack(&mut body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                        u.end_unpacking().unwrap();
+                        assert_eq!(body, pattern(n - 5000, n));
+                    }
+                    done.fetch_add(1, Ordering::Relaxed);
+                });
+            }
+        });
+        assert_eq!(done.load(Ordering::Relaxed), n);
+    });
+}
+
+#[test]
+fn a_peer_dying_mid_message_is_an_error_not_a_hang() {
+    // A short timeout: the dead sender's connection must produce an error, not a hang.
+    group_with(2, SMALL, false, Duration::from_secs(3), |rank, ch| {
+        if rank == 0 {
+            // Begin a message, send part of it, then vanish (the connection breaks).
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack_safer(&[7u8; 10], RecvMode::Express).unwrap();
+            std::mem::forget(p); // never ends the message
+        } else {
+            let mut u = match ch.begin_unpacking() {
+                Ok(u) => u,
+                Err(_) => return,
+            };
+            let mut b = [0u8; 10];
+            let r = u.unpack_express(&mut b, SendMode::Safer);
+            // The first pack may or may not have arrived; the second never comes.
+            let mut c = [0u8; 10];
+            let r2 = r.and_then(|_| u.unpack_express(&mut c, SendMode::Safer));
+            assert!(r2.is_err());
+            std::mem::forget(u);
+        }
+    });
+}
