@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use crate::{MadError, Result};
 
 /// Spin phase before napping, unless `MAD_SPIN_US` says otherwise.
-const DEFAULT_SPIN: Duration = Duration::from_micros(20);
+const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 
 /// One blocking wait.
 pub(crate) struct Waiter {
@@ -53,7 +53,7 @@ impl Waiter {
         } else if self.polls < 64 || self.start.elapsed() < self.spin {
             std::hint::spin_loop();
         } else {
-            std::thread::sleep(Duration::from_micros(50));
+            std::thread::sleep(Duration::from_micros(20));
         }
         Ok(())
     }

@@ -44,12 +44,13 @@ struct Args {
 const T: Duration = Duration::from_secs(30);
 const MAX: usize = 16 * 1024;
 
-/// The strategies, sized to carry messages up to 16 KiB with the same 64 KiB of receive memory
-/// (the slides' credits = N/W = 4).
+/// The strategies, sized to carry messages up to 16 KiB: credits = N/W = 4 as in the slides
+/// (64 KiB of receive buffers); the ring needs 128 KiB, as its chunks are at most a quarter
+/// of it.
 fn strategies() -> [FlowStrategy; 3] {
     [
         FlowStrategy::Credit { buffers: 4, buf_size: MAX + 16 },
-        FlowStrategy::Rdma { ring_bytes: 64 * 1024, coalesce: 4096 },
+        FlowStrategy::Rdma { ring_bytes: 128 * 1024, coalesce: 4096 },
         FlowStrategy::Window { window: MAX + 16, buffers: 4 },
     ]
 }

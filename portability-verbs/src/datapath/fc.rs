@@ -233,9 +233,13 @@ impl RingSender {
     pub fn new(size: u64) -> RingSender {
         RingSender { size, sent: 0, acked: 0, before_last: 0 }
     }
-    /// The largest chunk ever placed (half the ring, so one always fits after a wrap).
+    /// The largest chunk ever placed: a quarter of the ring. A chunk that does not fit before
+    /// the end skips the tail, so a reservation may need up to twice its size; with chunks of
+    /// at most R/4 that is at most R/2, always available once the receiver has acknowledged
+    /// down to its threshold (R/4 unacknowledged) — the sender can never wait for an
+    /// acknowledgement the receiver has no reason to send.
     pub fn max_chunk(&self) -> u64 {
-        self.size / 2
+        self.size / 4
     }
     /// Reserves `len` bytes; None if the ring lacks room now.
     pub fn reserve(&mut self, len: u64) -> Option<ChunkPlace> {
@@ -296,7 +300,7 @@ impl RingReceiver {
         }
         let start = self.received + skip;
         let space = self.size - (self.received - self.consumed);
-        if len == 0 || len > self.size / 2 || (start % self.size) + len > self.size || skip + len > space {
+        if len == 0 || len > self.size / 4 || (start % self.size) + len > self.size || skip + len > space {
             return Err(FcError::RingOverrun { len, at: start, space });
         }
         self.received = start + len;
@@ -415,9 +419,12 @@ mod tests {
     #[test]
     fn ring_receiver_refuses_chunks_past_the_allotted_space() {
         let mut r = RingReceiver::new(1024);
-        r.on_chunk(500, false).unwrap();
-        r.on_chunk(500, false).unwrap();
+        for _ in 0..4 {
+            r.on_chunk(256, false).unwrap();
+        }
         assert!(matches!(r.on_chunk(100, false), Err(FcError::RingOverrun { .. })));
+        let mut r = RingReceiver::new(1024);
+        assert!(matches!(r.on_chunk(300, false), Err(FcError::RingOverrun { .. })), "over a quarter of the ring");
         assert!(r.on_chunk(0, false).is_err());
     }
 
@@ -425,7 +432,7 @@ mod tests {
         /// A deterministic in-memory pair: random chunk sizes, random consumption and
         /// acknowledgement timing; nothing lost, duplicated, reordered or overrun.
         #[test]
-        fn ring_pair_never_loses_reorders_or_overruns(ops in proptest::collection::vec((1u64..300, 0u8..3), 1..400)) {
+        fn ring_pair_never_loses_reorders_or_overruns(ops in proptest::collection::vec((1u64..256, 0u8..3), 1..400)) {
             let size = 1024;
             let mut s = RingSender::new(size);
             let mut r = RingReceiver::new(size);

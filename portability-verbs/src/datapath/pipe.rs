@@ -49,7 +49,7 @@ pub enum FlowStrategy {
 impl FlowStrategy {
     /// Credit-based defaults: 32 buffers of 2 KiB.
     pub const CREDIT: FlowStrategy = FlowStrategy::Credit { buffers: 32, buf_size: 2048 };
-    /// RDMA-based defaults: a 32 KiB ring, 4 KiB coalescing threshold.
+    /// RDMA-based defaults: a 32 KiB ring (8 KiB chunks), 4 KiB coalescing threshold.
     pub const RDMA: FlowStrategy = FlowStrategy::Rdma { ring_bytes: 32 * 1024, coalesce: 4096 };
     /// NIC-assisted defaults: 32 receives of 2 KiB.
     pub const WINDOW: FlowStrategy = FlowStrategy::Window { window: 2048, buffers: 32 };
@@ -77,7 +77,7 @@ impl FlowStrategy {
     pub fn max_message(&self) -> usize {
         match *self {
             FlowStrategy::Credit { buf_size, .. } => buf_size - RECORD_HEADER,
-            FlowStrategy::Rdma { ring_bytes, .. } => ring_bytes / 2 - RECORD_HEADER,
+            FlowStrategy::Rdma { ring_bytes, .. } => ring_bytes / 4 - RECORD_HEADER,
             FlowStrategy::Window { window, .. } => window - RECORD_HEADER,
         }
     }
@@ -89,7 +89,7 @@ impl FlowStrategy {
                 ring_bytes >= 4096
                     && ring_bytes.is_power_of_two()
                     && coalesce > RECORD_HEADER
-                    && coalesce <= ring_bytes / 2
+                    && coalesce <= ring_bytes / 4
             }
             FlowStrategy::Window { window, buffers } => buffers >= 1 && window > RECORD_HEADER,
         };
@@ -120,7 +120,7 @@ impl FlowStrategy {
     fn send_slot_bytes(&self) -> usize {
         match *self {
             FlowStrategy::Credit { buf_size, .. } => buf_size,
-            FlowStrategy::Rdma { ring_bytes, .. } => ring_bytes / 2,
+            FlowStrategy::Rdma { ring_bytes, .. } => ring_bytes / 4,
             FlowStrategy::Window { window, .. } => window,
         }
     }
@@ -284,7 +284,7 @@ impl MsgPipe {
                 (window, Some(BufferPool::new(pd, window, buffers as usize, AccessFlags::LOCAL_WRITE)?), None)
             }
             FlowStrategy::Rdma { ring_bytes, .. } => (
-                ring_bytes / 2,
+                ring_bytes / 4,
                 None,
                 Some(pd.alloc(ring_bytes, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?),
             ),
