@@ -9,17 +9,20 @@ use std::time::Instant;
 use madeleine::*;
 
 fn main() -> Result<()> {
+    let mut child = None;
     let cfg = match SessionConfig::from_env() {
         Ok(c) => c,
         Err(_) => {
             // Launch rank 1 and be rank 0.
             let dir = std::env::temp_dir().join(format!("mad-pingpong-{}", std::process::id()));
-            std::process::Command::new(std::env::current_exe().expect("own path"))
-                .env("MAD_RANK", "1")
-                .env("MAD_SIZE", "2")
-                .env("MAD_RENDEZVOUS", &dir)
-                .spawn()
-                .expect("start rank 1");
+            child = Some(
+                std::process::Command::new(std::env::current_exe().expect("own path"))
+                    .env("MAD_RANK", "1")
+                    .env("MAD_SIZE", "2")
+                    .env("MAD_RENDEZVOUS", &dir)
+                    .spawn()
+                    .expect("start rank 1"),
+            );
             SessionConfig::new(0, 2, dir)
         }
     };
@@ -52,5 +55,9 @@ fn main() -> Result<()> {
             println!("{size:>8} B  one-way {:>8.3} us  {:>8.2} GB/s", one_way * 1e6, size as f64 / one_way / 1e9);
         }
     }
-    ch.barrier()
+    ch.barrier()?;
+    if let Some(mut c) = child {
+        c.wait().expect("rank 1 exits");
+    }
+    Ok(())
 }

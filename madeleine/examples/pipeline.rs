@@ -37,17 +37,20 @@ fn recv(ch: &Channel) -> Result<(u64, Vec<u8>)> {
 }
 
 fn main() -> Result<()> {
+    let mut children = Vec::new();
     let cfg = match SessionConfig::from_env() {
         Ok(c) => c,
         Err(_) => {
             let dir = std::env::temp_dir().join(format!("mad-pipeline-{}", std::process::id()));
             for r in 1..3 {
-                std::process::Command::new(std::env::current_exe().expect("own path"))
-                    .env("MAD_RANK", r.to_string())
-                    .env("MAD_SIZE", "3")
-                    .env("MAD_RENDEZVOUS", &dir)
-                    .spawn()
-                    .expect("start a rank");
+                children.push(
+                    std::process::Command::new(std::env::current_exe().expect("own path"))
+                        .env("MAD_RANK", r.to_string())
+                        .env("MAD_SIZE", "3")
+                        .env("MAD_RENDEZVOUS", &dir)
+                        .spawn()
+                        .expect("start a rank"),
+                );
             }
             SessionConfig::new(0, 3, dir)
         }
@@ -87,5 +90,9 @@ fn main() -> Result<()> {
         }
         Ok(())
     })?;
-    ch.barrier()
+    ch.barrier()?;
+    for mut c in children {
+        c.wait().expect("a rank exits");
+    }
+    Ok(())
 }
