@@ -436,7 +436,9 @@ impl<'p> Packer<'p> {
         Ok(())
     }
 
-    fn flush(&mut self) -> Result<()> {
+    /// Hands what was packed so far to the network without ending the message (packs are
+    /// otherwise aggregated until a pipe message is full or `end_packing`).
+    pub fn flush(&mut self) -> Result<()> {
         if self.agg.is_empty() {
             return Ok(());
         }

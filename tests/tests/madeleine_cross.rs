@@ -1,0 +1,79 @@
+//! Madeleine between two processes: this test is rank 0, a `mad_peer` child is rank 1.
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use madeleine::*;
+
+/// Kills the child if the test fails before it exits.
+struct Reap(Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start(mode: &str, tag: &str) -> (Session, Channel, Child) {
+    let dir = std::env::temp_dir().join(format!("mad-cross-{}-{tag}", std::process::id()));
+    let child = Command::new(env!("CARGO_BIN_EXE_mad_peer"))
+        .arg(mode)
+        .env("MAD_RANK", "1")
+        .env("MAD_SIZE", "2")
+        .env("MAD_RENDEZVOUS", &dir)
+        .spawn()
+        .unwrap();
+    let mut cfg = SessionConfig::new(0, 2, dir);
+    cfg.timeout = Duration::from_secs(15);
+    cfg.rendezvous_threshold = Some(4096);
+    let session = Session::new(cfg).unwrap();
+    let ch = session.channel().unwrap();
+    (session, ch, child)
+}
+
+#[test]
+fn messages_of_every_size_cross_processes() {
+    let (_s, ch, child) = start("echo", "echo");
+    let mut child = Reap(child);
+    for (i, n) in [1usize, 100, 4095, 4096, 30_000, 200_000, 1 << 20].into_iter().enumerate() {
+        let body: Vec<u8> = (0..n).map(|k| (k * 13 + i) as u8).collect();
+        let len = (n as u64).to_le_bytes();
+        let mut p = ch.begin_packing(1).unwrap();
+        p.pack(&len, SendMode::Cheaper, RecvMode::Express).unwrap();
+        p.pack(&body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+        p.end_packing().unwrap();
+        let mut back = vec![0u8; n];
+        let mut u = ch.begin_unpacking().unwrap();
+        assert_eq!(u.source(), 1);
+        let mut l = [0u8; 8];
+        u.unpack_express(&mut l, SendMode::Cheaper).unwrap();
+        u.unpack(&mut back, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+        u.end_unpacking().unwrap();
+        assert_eq!(back, body, "{n} bytes");
+    }
+    let zero = 0u64.to_le_bytes();
+    let mut p = ch.begin_packing(1).unwrap();
+    p.pack(&zero, SendMode::Cheaper, RecvMode::Express).unwrap();
+    p.pack(&[], SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+    p.end_packing().unwrap();
+    ch.barrier().unwrap();
+    assert!(child.0.wait().unwrap().success());
+}
+
+#[test]
+fn a_peer_killed_mid_message_gives_an_error_not_a_hang() {
+    let (_s, ch, child) = start("half", "half");
+    let mut child = Reap(child);
+    let mut u = ch.begin_unpacking().unwrap();
+    let mut first = [0u8; 16];
+    u.unpack_express(&mut first, SendMode::Safer).unwrap();
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+    let start = Instant::now();
+    let mut second = [0u8; 16];
+    let r = u.unpack_express(&mut second, SendMode::Safer);
+    assert!(r.is_err(), "the rest of the message cannot come");
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    std::mem::forget(u); // its connection is dead; nothing to complete
+}
