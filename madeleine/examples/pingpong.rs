@@ -23,7 +23,13 @@ fn main() -> Result<()> {
                     .spawn()
                     .expect("start rank 1"),
             );
-            SessionConfig::new(0, 2, dir)
+            let mut cfg = SessionConfig::new(0, 2, dir);
+            if let Some(f) =
+                std::env::var("MAD_FLOW").ok().and_then(|n| portability_verbs::datapath::FlowStrategy::by_name(&n))
+            {
+                cfg.strategy = f;
+            }
+            cfg
         }
     };
     let session = Session::new(cfg)?;

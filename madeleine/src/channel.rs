@@ -399,8 +399,10 @@ impl<'p> Packer<'p> {
         let total = buf.len() as u64;
         let mut off = 0;
         loop {
+            // A record header must fit, and some data too unless little is left.
+            let fits_header = self.agg.len() + wire::HEADER <= self.conn.max_msg;
             let room = self.conn.max_msg.saturating_sub(self.agg.len() + wire::HEADER);
-            if room < 64.min(buf.len() - off) || (room == 0 && off < buf.len()) {
+            if !fits_header || room < 64.min(buf.len() - off) {
                 self.flush()?;
                 continue;
             }
@@ -463,6 +465,9 @@ impl<'p> Packer<'p> {
                 Deferred::Borrowed(b, m) => self.emit(b, m)?,
                 Deferred::Owned(v, m) => self.emit(&v, m)?,
             }
+        }
+        if self.agg.len() + wire::HEADER > self.conn.max_msg {
+            self.flush()?;
         }
         Record::End { packs: self.packs }.encode(&mut self.agg);
         self.flush()?;
@@ -728,11 +733,15 @@ impl<'u> Unpacker<'u> {
         if self.fins.is_empty() {
             return Ok(());
         }
-        let mut msg = Vec::new();
-        for id in self.fins.drain(..) {
-            Record::Fin { id }.encode(&mut msg);
+        let fins: Vec<u32> = self.fins.drain(..).collect();
+        for batch in fins.chunks((self.conn.max_msg / wire::HEADER).max(1)) {
+            let mut msg = Vec::with_capacity(batch.len() * wire::HEADER);
+            for &id in batch {
+                Record::Fin { id }.encode(&mut msg);
+            }
+            self.conn.send_msg(&msg, self.ch.session.cfg.timeout)?;
         }
-        self.conn.send_msg(&msg, self.ch.session.cfg.timeout)
+        Ok(())
     }
 }
 

@@ -26,7 +26,8 @@ pub struct SessionConfig {
     pub size: usize,
     /// Directory of the rendezvous sockets (shared by the group).
     pub rendezvous_dir: PathBuf,
-    /// Flow control of the eager path.
+    /// Flow control of the eager path (default: the NIC-assisted window, lowest small-message
+    /// latency here; `MAD_FLOW=credit|rdma|window` overrides in `from_env`).
     pub strategy: FlowStrategy,
     /// How long set-up and blocking calls wait for a peer.
     pub timeout: Duration,
@@ -41,7 +42,7 @@ impl SessionConfig {
             rank,
             size,
             rendezvous_dir: rendezvous_dir.into(),
-            strategy: FlowStrategy::RDMA,
+            strategy: FlowStrategy::WINDOW,
             timeout: Duration::from_secs(30),
             rendezvous_threshold: None,
         }
@@ -73,6 +74,10 @@ impl SessionConfig {
         let mut cfg = SessionConfig::new(rank, size, dir);
         if let Some(t) = get("MAD_RENDEZVOUS_THRESHOLD").and_then(|v| v.parse().ok()) {
             cfg.rendezvous_threshold = Some(t);
+        }
+        if let Some(name) = get("MAD_FLOW") {
+            cfg.strategy = FlowStrategy::by_name(&name)
+                .ok_or_else(|| MadError::Invalid(format!("MAD_FLOW={name:?}: credit, rdma or window")))?;
         }
         Ok(cfg)
     }

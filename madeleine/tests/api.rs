@@ -306,3 +306,36 @@ fn a_peer_dying_mid_message_is_an_error_not_a_hang() {
         }
     });
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 6, .. proptest::prelude::ProptestConfig::default() })]
+    /// Random pack sequences (sizes around every boundary, all mode combinations) arrive intact.
+    #[test]
+    fn random_pack_sequences_arrive_intact(
+        packs in proptest::collection::vec((0usize..40_000, 0u8..3, proptest::prelude::any::<bool>()), 0..40),
+    ) {
+        let packs = &packs;
+        group(2, SMALL, move |rank, ch| {
+            let mode = |s: u8| [SendMode::Safer, SendMode::Later, SendMode::Cheaper][s as usize];
+            let recv = |e: bool| if e { RecvMode::Express } else { RecvMode::Cheaper };
+            if rank == 0 {
+                let bufs: Vec<Vec<u8>> = packs.iter().enumerate().map(|(i, &(n, _, _))| pattern(i, n)).collect();
+                let mut p = ch.begin_packing(1).unwrap();
+                for (b, &(_, s, e)) in bufs.iter().zip(packs) {
+                    p.pack(b, mode(s), recv(e)).unwrap();
+                }
+                p.end_packing().unwrap();
+            } else {
+                let mut bufs: Vec<Vec<u8>> = packs.iter().map(|&(n, _, _)| vec![0u8; n]).collect();
+                let mut u = ch.begin_unpacking().unwrap();
+                for (b, &(_, s, e)) in bufs.iter_mut().zip(packs) {
+                    u.unpack(b, mode(s), recv(e)).unwrap();
+                }
+                u.end_unpacking().unwrap();
+                for (i, b) in bufs.iter().enumerate() {
+                    assert_eq!(b, &pattern(i, packs[i].0), "pack {i}");
+                }
+            }
+        });
+    }
+}
