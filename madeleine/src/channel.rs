@@ -99,6 +99,8 @@ pub(crate) struct Conn {
     recv_seq: Token,
     next_rdv: AtomicU32,
     max_msg: usize,
+    /// The aggregation buffer, kept between messages (taken by the claiming packer).
+    agg_cache: Mutex<Vec<u8>>,
 }
 
 impl Conn {
@@ -111,6 +113,7 @@ impl Conn {
             send_seq: Token::new(),
             recv_seq: Token::new(),
             next_rdv: AtomicU32::new(0),
+            agg_cache: Mutex::new(Vec::new()),
         })
     }
 
@@ -247,7 +250,9 @@ impl Channel {
     pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
         let conn = self.conn(dest)?;
         let seq = conn.send_seq.claim(self.session.cfg.timeout)?;
-        let mut agg = Vec::with_capacity(conn.max_msg);
+        let mut agg = std::mem::take(&mut *conn.agg_cache.lock().unwrap_or_else(|p| p.into_inner()));
+        agg.clear();
+        agg.reserve(conn.max_msg);
         Record::Begin { seq: seq.seq() }.encode(&mut agg);
         Ok(Packer { ch: self, conn, seq, agg, packs: 0, deferred: Vec::new(), rdv: Vec::new(), finished: false })
     }
@@ -498,6 +503,9 @@ impl Drop for Packer<'_> {
                 std::mem::forget(std::mem::take(&mut self.rdv));
             }
         }
+        // Keep the aggregation buffer for the connection's next message.
+        let agg = std::mem::take(&mut self.agg);
+        *self.conn.agg_cache.lock().unwrap_or_else(|p| p.into_inner()) = agg;
     }
 }
 
