@@ -276,19 +276,18 @@ impl MsgPipe {
         strategy.validate()?;
         let setup_mr = pd.alloc(2 * SETUP_BYTES, AccessFlags::LOCAL_WRITE)?;
         let ack_mr = pd.alloc(16, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
-        let (send_slot, recv_pool, ring) = match strategy {
+        let (recv_pool, ring) = match strategy {
             FlowStrategy::Credit { buffers, buf_size } => {
-                (buf_size, Some(BufferPool::new(pd, buf_size, buffers as usize, AccessFlags::LOCAL_WRITE)?), None)
+                (Some(BufferPool::new(pd, buf_size, buffers as usize, AccessFlags::LOCAL_WRITE)?), None)
             }
             FlowStrategy::Window { window, buffers } => {
-                (window, Some(BufferPool::new(pd, window, buffers as usize, AccessFlags::LOCAL_WRITE)?), None)
+                (Some(BufferPool::new(pd, window, buffers as usize, AccessFlags::LOCAL_WRITE)?), None)
             }
-            FlowStrategy::Rdma { ring_bytes, .. } => (
-                ring_bytes / 4,
-                None,
-                Some(pd.alloc(ring_bytes, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?),
-            ),
+            FlowStrategy::Rdma { ring_bytes, .. } => {
+                (None, Some(pd.alloc(ring_bytes, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?))
+            }
         };
+        let send_slot = strategy.send_slot_bytes();
         let send_pool = match options.send_pool {
             Some(p) if p.buf_size() >= send_slot => p,
             Some(p) => {
@@ -602,29 +601,7 @@ impl MsgPipe {
         let n = self.cq.poll(&mut self.wcs)?;
         for i in 0..n {
             let wc = self.wcs[i];
-            if wc.status != WcStatus::Success {
-                return Err(VerbsError::PeerUnreachable(format!(
-                    "pipe transfer failed: {:?} ({:?})",
-                    wc.status, wc.opcode
-                )));
-            }
-            let (tag, low) = (wc.wr_id >> TAG_SHIFT, wc.wr_id & ((1 << TAG_SHIFT) - 1));
-            match tag {
-                TAG_DATA_SEND => {
-                    self.send_pool.release_index(low as u32)?;
-                    self.outstanding -= 1;
-                }
-                TAG_ACK_WRITE | TAG_SETUP_SEND => {}
-                TAG_USER => {
-                    self.user_done.insert(low, wc.status);
-                }
-                TAG_DATA_RECV => self.on_data_recv(low as u32, wc.byte_len as usize)?,
-                TAG_NOTIFY_RECV => {
-                    self.on_ring_chunk(wc.imm.ok_or_else(|| VerbsError::Protocol("chunk without immediate".into()))?)?;
-                    self.qp.post_recv(&[RecvWr::new(wr_id(TAG_NOTIFY_RECV, 0), &[])])?;
-                }
-                _ => return Err(VerbsError::Protocol(format!("unexpected completion {wc:?}"))),
-            }
+            self.handle_completion(wc)?;
         }
         if let FlowStrategy::Rdma { .. } = self.strategy {
             let acked = self.ack_mr.read_u64(0);
