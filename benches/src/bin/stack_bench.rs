@@ -1,0 +1,757 @@
+//! The main benchmark: every layer of the stack side by side, in one run, on the default
+//! software provider — raw verbs (SEND/RECV and RDMA write-with-immediate), Madeleine, and
+//! plain TCP over loopback as the legacy baseline — with one-way ping-pong latency (median,
+//! p99), streaming bandwidth and CPU efficiency (MB per CPU-second, as WSDLite reports it) per
+//! message size. Prints a table with each layer's ratio to TCP and to raw verbs, and writes
+//! JSON, CSV and SVG plots to a results folder.
+//!
+//! With no arguments it starts its own peer process. `--role server --listen ADDR` and
+//! `--role client --connect ADDR` run the two halves on different hosts (raw and TCP layers).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between, timer_cost_ns};
+use clap::{Parser, ValueEnum};
+use hdrhistogram::Histogram;
+use madeleine::{RecvMode, SendMode, Session, SessionConfig};
+use portability_verbs::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum)]
+enum Layer {
+    /// portability-verbs SEND/RECV.
+    RawSend,
+    /// portability-verbs RDMA write-with-immediate.
+    RawWwi,
+    /// Madeleine pack/unpack (static-buffer path below the threshold, zero-copy above).
+    Madeleine,
+    /// std::net TCP over loopback.
+    Tcp,
+}
+
+impl Layer {
+    fn name(self) -> &'static str {
+        match self {
+            Layer::RawSend => "raw-send",
+            Layer::RawWwi => "raw-wwi",
+            Layer::Madeleine => "madeleine",
+            Layer::Tcp => "tcp",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Role {
+    Both,
+    Client,
+    Server,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Wait {
+    /// Spin on completions (lowest latency).
+    Busy,
+    /// Sleep on completion events (saves CPU).
+    Interrupt,
+}
+
+/// Benchmarks the stack's layers side by side.
+#[derive(Parser, Debug, Clone)]
+#[command(version, about)]
+struct Args {
+    /// Layers to measure.
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["raw-send", "raw-wwi", "madeleine", "tcp"])]
+    layers: Vec<Layer>,
+    /// Smallest message size (bytes).
+    #[arg(long, default_value_t = 1)]
+    min_size: usize,
+    /// Largest message size (bytes, at most 4 MiB).
+    #[arg(long, default_value_t = 4 << 20)]
+    max_size: usize,
+    /// Round trips per latency point (fewer for large sizes).
+    #[arg(long, default_value_t = 2000)]
+    iters: u64,
+    /// Round trips discarded before measuring.
+    #[arg(long, default_value_t = 200)]
+    warmup: u64,
+    /// Bytes streamed per bandwidth point.
+    #[arg(long, default_value_t = 64 << 20)]
+    stream_bytes: u64,
+    /// Stop a layer's remaining sizes after this many seconds.
+    #[arg(long, default_value_t = 20)]
+    duration_cap: u64,
+    /// Provider for the verbs-based layers.
+    #[arg(long, value_enum, default_value_t = ProviderArg::Software)]
+    provider: ProviderArg,
+    /// Pin client and server to these two CPUs (when present).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 0])]
+    cpus: Vec<usize>,
+    /// Do not pin.
+    #[arg(long)]
+    no_pin: bool,
+    /// Busy-poll or sleep on events while waiting.
+    #[arg(long, value_enum, default_value_t = Wait::Busy)]
+    wait: Wait,
+    /// Results folder (default: results/stack-<time>).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Run one half only: `server` (with --listen) or `client` (with --connect).
+    #[arg(long, value_enum, default_value_t = Role::Both)]
+    role: Role,
+    /// Server: TCP address to listen on for the bootstrap and the TCP layer.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Client: the server's address.
+    #[arg(long)]
+    connect: Option<String>,
+    /// Internal: the Madeleine rendezvous directory shared with the spawned peer.
+    #[arg(long, hide = true)]
+    mad_dir: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ProviderArg {
+    Software,
+    Hardware,
+}
+
+const T: Duration = Duration::from_secs(20);
+const MAX: usize = 4 << 20;
+
+/// One measured point.
+#[derive(Clone, Debug)]
+struct Point {
+    layer: Layer,
+    size: usize,
+    median_us: f64,
+    p99_us: f64,
+    gbps: f64,
+    mb_per_cpu_s: f64,
+}
+
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills a zeroed struct.
+    let u = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut u);
+        u
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+fn lat_iters(args: &Args, size: usize) -> u64 {
+    (args.iters * 4096 / (size as u64).max(4096)).max(20)
+}
+
+fn stream_count(args: &Args, size: usize) -> u64 {
+    (args.stream_bytes / size as u64).clamp(20, 200_000)
+}
+
+/// A connected transport of one layer, from one side.
+trait Link {
+    /// Sends `len` bytes of the buffer.
+    fn send(&mut self, len: usize) -> Result<(), String>;
+    /// Receives one message of `len` bytes.
+    fn recv(&mut self, len: usize) -> Result<(), String>;
+}
+
+// ---------------------------------------------------------------- raw verbs
+
+struct RawLink {
+    qp: QueuePair,
+    cq: CompletionQueue,
+    send_buf: MemoryRegion,
+    recv_buf: MemoryRegion,
+    target: (u64, u32),
+    wwi: bool,
+    wait: Wait,
+    posted: u64,
+    wcs: Vec<WorkCompletion>,
+    /// Receives completed, and those handed to the caller.
+    recvs: u64,
+    taken: u64,
+    sends_done: u64,
+    sends: u64,
+}
+
+impl RawLink {
+    fn setup(
+        ctx: &Context,
+        conn_fn: impl FnOnce(&ProtectionDomain, &QpInit, &[u8]) -> Result<cm::Connection>,
+        wwi: bool,
+        wait: Wait,
+    ) -> Result<RawLink> {
+        let pd = ctx.alloc_pd()?;
+        let cq = ctx.create_cq(4096)?;
+        let send_buf = pd.register(vec![0x5a; MAX].into_boxed_slice(), AccessFlags::ALL)?;
+        let recv_buf = pd.alloc(MAX, AccessFlags::ALL)?;
+        let init =
+            QpInit { caps: QpCaps { max_send_wr: 1024, max_recv_wr: 1024, ..QpCaps::default() }, ..QpInit::new(&cq) };
+        let mut private = recv_buf.addr().to_le_bytes().to_vec();
+        private.extend_from_slice(&recv_buf.rkey().to_le_bytes());
+        let conn = conn_fn(&pd, &init, &private)?;
+        let p = &conn.peer_private;
+        if p.len() != 12 {
+            return Err(VerbsError::Protocol("bad private data".into()));
+        }
+        let target =
+            (u64::from_le_bytes(p[..8].try_into().expect("8")), u32::from_le_bytes(p[8..12].try_into().expect("4")));
+        let mut l = RawLink {
+            qp: conn.qp,
+            cq,
+            send_buf,
+            recv_buf,
+            target,
+            wwi,
+            wait,
+            posted: 0,
+            wcs: vec![WorkCompletion::EMPTY; 64],
+            recvs: 0,
+            taken: 0,
+            sends_done: 0,
+            sends: 0,
+        };
+        for _ in 0..512 {
+            l.post_recv()?;
+        }
+        Ok(l)
+    }
+
+    fn post_recv(&mut self) -> Result<()> {
+        self.posted += 1;
+        self.qp.post_recv(&[RecvWr::new(self.posted, &[self.recv_buf.sge(0, MAX)])])
+    }
+
+    fn poll(&mut self) -> Result<(), String> {
+        let n = match self.wait {
+            Wait::Busy => self.cq.poll(&mut self.wcs).map_err(|e| e.to_string())?,
+            Wait::Interrupt => self.cq.poll_blocking(&mut self.wcs, T).map_err(|e| e.to_string())?,
+        };
+        for wc in &self.wcs[..n] {
+            if wc.status != WcStatus::Success {
+                return Err(format!("completion failed: {wc:?}"));
+            }
+            match wc.opcode {
+                WcOpcode::Recv | WcOpcode::RecvRdmaWithImm => self.recvs += 1,
+                _ => self.sends_done += 1,
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Link for RawLink {
+    fn send(&mut self, len: usize) -> Result<(), String> {
+        // Keep at most 256 sends in flight (signal every 64th).
+        let deadline = Instant::now() + T;
+        while self.sends - self.sends_done * 64 >= 256 {
+            self.poll()?;
+            if Instant::now() > deadline {
+                return Err("send queue stuck".into());
+            }
+        }
+        self.sends += 1;
+        let signaled = self.sends.is_multiple_of(64);
+        let sge = [self.send_buf.sge(0, len)];
+        let wr = if self.wwi {
+            SendWr::write_with_imm(self.sends, &sge, self.target.0, self.target.1, len as u32)
+        } else {
+            SendWr::send(self.sends, &sge)
+        };
+        self.qp.post_send(&[wr.inline(len <= 64).signaled(signaled)]).map_err(|e| e.to_string())
+    }
+
+    fn recv(&mut self, _len: usize) -> Result<(), String> {
+        let deadline = Instant::now() + T;
+        let mut polls = 0u32;
+        while self.recvs == self.taken {
+            self.poll()?;
+            polls += 1;
+            if polls.is_multiple_of(1024) && Instant::now() > deadline {
+                return Err("no message within the timeout".into());
+            }
+        }
+        self.taken += 1;
+        self.post_recv().map_err(|e| e.to_string())
+    }
+}
+
+// ---------------------------------------------------------------- Madeleine
+
+struct MadLink {
+    ch: madeleine::Channel,
+    _session: Session,
+    peer: usize,
+    buf: Vec<u8>,
+    rbuf: Vec<u8>,
+}
+
+impl Link for MadLink {
+    fn send(&mut self, len: usize) -> Result<(), String> {
+        let mut p = self.ch.begin_packing(self.peer).map_err(|e| e.to_string())?;
+        p.pack(&self.buf[..len], SendMode::Cheaper, RecvMode::Cheaper).map_err(|e| e.to_string())?;
+        p.end_packing().map_err(|e| e.to_string())
+    }
+    fn recv(&mut self, len: usize) -> Result<(), String> {
+        let mut u = self.ch.begin_unpacking_from(self.peer).map_err(|e| e.to_string())?;
+        u.unpack(&mut self.rbuf[..len], SendMode::Cheaper, RecvMode::Cheaper).map_err(|e| e.to_string())?;
+        u.end_unpacking().map_err(|e| e.to_string())
+    }
+}
+
+// ---------------------------------------------------------------- TCP
+
+struct TcpLink {
+    s: TcpStream,
+    buf: Vec<u8>,
+    wait: Wait,
+}
+
+impl TcpLink {
+    fn new(s: TcpStream, wait: Wait) -> std::io::Result<TcpLink> {
+        s.set_nodelay(true)?;
+        s.set_nonblocking(wait == Wait::Busy)?;
+        Ok(TcpLink { s, buf: vec![0x5a; MAX], wait })
+    }
+}
+
+impl Link for TcpLink {
+    fn send(&mut self, len: usize) -> Result<(), String> {
+        let mut off = 0;
+        let deadline = Instant::now() + T;
+        while off < len {
+            match self.s.write(&self.buf[off..len]) {
+                Ok(n) => off += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() > deadline {
+                        return Err("TCP send timed out".into());
+                    }
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(())
+    }
+    fn recv(&mut self, len: usize) -> Result<(), String> {
+        let mut off = 0;
+        let deadline = Instant::now() + T;
+        let _ = self.wait;
+        while off < len {
+            match self.s.read(&mut self.buf[off..len]) {
+                Ok(0) => return Err("TCP peer closed".into()),
+                Ok(n) => off += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() > deadline {
+                        return Err("TCP receive timed out".into());
+                    }
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------- driving a link
+
+/// The client half of one layer: latency and bandwidth per size.
+fn measure(
+    args: &Args,
+    layer: Layer,
+    link: &mut dyn Link,
+    sizes: &[usize],
+    progress: &mut dyn FnMut(Layer, usize),
+) -> Result<Vec<Point>, String> {
+    let mut out = Vec::new();
+    let started = Instant::now();
+    for &size in sizes {
+        if started.elapsed() > Duration::from_secs(args.duration_cap) {
+            eprintln!("\n{}: duration cap reached, sizes from {} skipped", layer.name(), fmt_size(size));
+            // Tell the server to skip the remaining sizes too.
+            break;
+        }
+        progress(layer, size);
+        let mut h = Histogram::<u64>::new(3).expect("histogram");
+        let iters = lat_iters(args, size);
+        for i in 0..iters + args.warmup.min(iters) {
+            let t = Instant::now();
+            link.send(size)?;
+            link.recv(size)?;
+            if i >= args.warmup.min(iters) {
+                h.record((t.elapsed().as_nanos() as u64 / 2).max(1)).ok();
+            }
+        }
+        let count = stream_count(args, size);
+        let cpu0 = cpu_seconds();
+        let t = Instant::now();
+        for _ in 0..count {
+            link.send(size)?;
+        }
+        link.recv(1)?; // the server's acknowledgement of the whole stream
+        let secs = t.elapsed().as_secs_f64();
+        let cpu = cpu_seconds() - cpu0;
+        let bytes = (count * size as u64) as f64;
+        out.push(Point {
+            layer,
+            size,
+            median_us: h.value_at_quantile(0.5) as f64 / 1e3,
+            p99_us: h.value_at_quantile(0.99) as f64 / 1e3,
+            gbps: bytes / secs / 1e9,
+            // The client's CPU only: the server's is equal by symmetry of the work.
+            mb_per_cpu_s: bytes / 1e6 / (2.0 * cpu).max(1e-9),
+        });
+    }
+    Ok(out)
+}
+
+/// The server half of one layer.
+fn serve(args: &Args, link: &mut dyn Link, sizes: &[usize]) -> Result<(), String> {
+    for &size in sizes {
+        let iters = lat_iters(args, size);
+        for _ in 0..iters + args.warmup.min(iters) {
+            link.recv(size)?;
+            link.send(size)?;
+        }
+        for _ in 0..stream_count(args, size) {
+            link.recv(size)?;
+        }
+        link.send(1)?;
+    }
+    Ok(())
+}
+
+fn sizes(args: &Args) -> Vec<usize> {
+    sizes_between(args.min_size, args.max_size.min(MAX))
+}
+
+fn open_ctx(args: &Args) -> Result<Context> {
+    Context::open(match args.provider {
+        ProviderArg::Software => Provider::Software,
+        ProviderArg::Hardware => Provider::Hardware,
+    })
+}
+
+/// Runs every layer as the server; `addr` is the TCP address of the bootstrap.
+fn server_main(args: &Args, addr: &str) -> Result<(), String> {
+    let tcp = TcpListener::bind(addr).map_err(|e| format!("listen {addr}: {e}"))?;
+    let local = tcp.local_addr().map_err(|e| e.to_string())?;
+    // The verbs connection manager listens on the next port.
+    let cm_addr = cm::CmAddr::Tcp(std::net::SocketAddr::new(local.ip(), local.port() + 1));
+    let listener = cm::Listener::bind(&cm_addr).map_err(|e| format!("verbs bootstrap on {cm_addr}: {e}"))?;
+    let ctx = open_ctx(args).map_err(|e| e.to_string())?;
+    for &layer in &args.layers {
+        let mut link: Box<dyn Link> = match layer {
+            Layer::RawSend | Layer::RawWwi => Box::new(
+                RawLink::setup(&ctx, |pd, init, p| listener.accept(pd, init, p, T), layer == Layer::RawWwi, args.wait)
+                    .map_err(|e| e.to_string())?,
+            ),
+            Layer::Madeleine => {
+                let dir = args.mad_dir.clone().ok_or("madeleine needs the shared directory (same host only)")?;
+                let s = Session::new(SessionConfig::new(1, 2, dir)).map_err(|e| e.to_string())?;
+                let ch = s.channel().map_err(|e| e.to_string())?;
+                Box::new(MadLink { ch, _session: s, peer: 0, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
+            }
+            Layer::Tcp => {
+                let (s, _) = tcp.accept().map_err(|e| e.to_string())?;
+                Box::new(TcpLink::new(s, args.wait).map_err(|e| e.to_string())?)
+            }
+        };
+        serve(args, link.as_mut(), &sizes(args))?;
+    }
+    Ok(())
+}
+
+fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec<Point>, String> {
+    let sock: std::net::SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+    let cm_addr = cm::CmAddr::Tcp(std::net::SocketAddr::new(sock.ip(), sock.port() + 1));
+    let ctx = open_ctx(args).map_err(|e| e.to_string())?;
+    let sizes = sizes(args);
+    let total = sizes.len() * args.layers.len();
+    let mut done = 0usize;
+    let show = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut progress = |layer: Layer, size: usize| {
+        done += 1;
+        if show {
+            let width = 30;
+            let filled = done * width / total.max(1);
+            eprint!(
+                "\r  [{}{}] {:>3}/{total} {:<10} {:>8}   ",
+                "#".repeat(filled),
+                " ".repeat(width - filled),
+                done,
+                layer.name(),
+                fmt_size(size)
+            );
+        }
+    };
+    let mut points = Vec::new();
+    for &layer in &args.layers {
+        if let Some(c) = child.as_mut() {
+            if let Ok(Some(st)) = c.try_wait() {
+                return Err(format!("the server process exited ({st})"));
+            }
+        }
+        let mut link: Box<dyn Link> = match layer {
+            Layer::RawSend | Layer::RawWwi => Box::new(
+                RawLink::setup(
+                    &ctx,
+                    |pd, init, p| cm::connect(&cm_addr, pd, init, p, T),
+                    layer == Layer::RawWwi,
+                    args.wait,
+                )
+                .map_err(|e| e.to_string())?,
+            ),
+            Layer::Madeleine => {
+                let dir = args.mad_dir.clone().ok_or("madeleine needs a shared directory (same host only)")?;
+                let s = Session::new(SessionConfig::new(0, 2, dir)).map_err(|e| e.to_string())?;
+                let ch = s.channel().map_err(|e| e.to_string())?;
+                Box::new(MadLink { ch, _session: s, peer: 1, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
+            }
+            Layer::Tcp => {
+                let deadline = Instant::now() + T;
+                let s = loop {
+                    match TcpStream::connect(sock) {
+                        Ok(s) => break s,
+                        Err(e) if Instant::now() < deadline => {
+                            let _ = e;
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        Err(e) => return Err(format!("TCP connect: {e}")),
+                    }
+                };
+                Box::new(TcpLink::new(s, args.wait).map_err(|e| e.to_string())?)
+            }
+        };
+        points.extend(measure(args, layer, link.as_mut(), &sizes, &mut progress)?);
+    }
+    if show {
+        eprintln!("\r{:70}", "");
+    }
+    Ok(points)
+}
+
+// ---------------------------------------------------------------- output
+
+fn find(points: &[Point], layer: Layer, size: usize) -> Option<&Point> {
+    points.iter().find(|p| p.layer == layer && p.size == size)
+}
+
+fn print_table(points: &[Point], layers: &[Layer]) {
+    println!(
+        "{:>10} {:>9} {:>10} {:>9} {:>9} {:>10} {:>9} {:>9}",
+        "layer", "size", "median us", "p99 us", "GB/s", "MB/CPU-s", "lat/tcp", "bw/raw"
+    );
+    for &layer in layers {
+        for p in points.iter().filter(|p| p.layer == layer) {
+            let tcp = find(points, Layer::Tcp, p.size);
+            let raw = find(points, Layer::RawSend, p.size);
+            let r = |a: Option<f64>| a.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
+            println!(
+                "{:>10} {:>9} {:>10.3} {:>9.3} {:>9.2} {:>10.0} {:>9} {:>9}",
+                layer.name(),
+                fmt_size(p.size),
+                p.median_us,
+                p.p99_us,
+                p.gbps,
+                p.mb_per_cpu_s,
+                r(tcp.map(|t| p.median_us / t.median_us)),
+                r(raw.map(|t| p.gbps / t.gbps)),
+            );
+        }
+    }
+}
+
+fn write_results(dir: &std::path::Path, points: &[Point], meta: &str) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut csv = String::from("layer,size,median_us,p99_us,gbps,mb_per_cpu_s\n");
+    let mut json = format!("{{\"meta\":{meta},\"points\":[");
+    for (i, p) in points.iter().enumerate() {
+        csv.push_str(&format!(
+            "{},{},{:.4},{:.4},{:.4},{:.1}\n",
+            p.layer.name(),
+            p.size,
+            p.median_us,
+            p.p99_us,
+            p.gbps,
+            p.mb_per_cpu_s
+        ));
+        json.push_str(&format!(
+            "{}{{\"layer\":\"{}\",\"size\":{},\"median_us\":{:.4},\"p99_us\":{:.4},\"gbps\":{:.4},\"mb_per_cpu_s\":{:.1}}}",
+            if i > 0 { "," } else { "" },
+            p.layer.name(),
+            p.size,
+            p.median_us,
+            p.p99_us,
+            p.gbps,
+            p.mb_per_cpu_s
+        ));
+    }
+    json.push_str("]}\n");
+    std::fs::write(dir.join("results.csv"), csv)?;
+    std::fs::write(dir.join("results.json"), json)?;
+    std::fs::write(dir.join("latency.svg"), svg_plot(points, "one-way latency (us, median)", |p| p.median_us))?;
+    std::fs::write(dir.join("bandwidth.svg"), svg_plot(points, "bandwidth (GB/s)", |p| p.gbps))?;
+    Ok(())
+}
+
+/// A log-log line chart of `value` against message size, one line per layer.
+fn svg_plot(points: &[Point], title: &str, value: impl Fn(&Point) -> f64) -> String {
+    let (w, h, m) = (720.0, 420.0, 60.0);
+    let xs: Vec<f64> = points.iter().map(|p| (p.size as f64).log2()).collect();
+    let ys: Vec<f64> = points.iter().map(|p| value(p).max(1e-3).log10()).collect();
+    let (x0, x1) = (xs.iter().cloned().fold(f64::MAX, f64::min), xs.iter().cloned().fold(f64::MIN, f64::max).max(1.0));
+    let (y0, y1) =
+        (ys.iter().cloned().fold(f64::MAX, f64::min).floor(), ys.iter().cloned().fold(f64::MIN, f64::max).ceil());
+    let sx = |x: f64| m + (x - x0) / (x1 - x0).max(1e-9) * (w - 2.0 * m);
+    let sy = |y: f64| h - m - (y - y0) / (y1 - y0).max(1e-9) * (h - 2.0 * m);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">{title}</text>\n",
+        w / 2.0
+    );
+    for d in (y0 as i32)..=(y1 as i32) {
+        let y = sy(d as f64);
+        s.push_str(&format!("<line x1=\"{m}\" x2=\"{}\" y1=\"{y}\" y2=\"{y}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n", w - m, m - 6.0, y + 4.0, 10f64.powi(d)));
+    }
+    let mut p2 = x0.ceil() as i32;
+    while (p2 as f64) <= x1 {
+        let x = sx(p2 as f64);
+        s.push_str(&format!("<line x1=\"{x}\" x2=\"{x}\" y1=\"{m}\" y2=\"{}\" stroke=\"#eee\"/><text x=\"{x}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", h - m, h - m + 16.0, fmt_size(1usize << p2)));
+        p2 += 2;
+    }
+    let colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"];
+    let mut layers: Vec<Layer> = points.iter().map(|p| p.layer).collect();
+    layers.dedup();
+    for (k, layer) in layers.iter().enumerate() {
+        let pts: Vec<String> = points
+            .iter()
+            .filter(|p| p.layer == *layer)
+            .map(|p| format!("{:.1},{:.1}", sx((p.size as f64).log2()), sy(value(p).max(1e-3).log10())))
+            .collect();
+        let c = colors[k % colors.len()];
+        s.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>\n",
+            pts.join(" ")
+        ));
+        s.push_str(&format!(
+            "<text x=\"{}\" y=\"{}\" fill=\"{c}\">{}</text>\n",
+            w - m + 4.0,
+            m + 16.0 * k as f64,
+            layer.name()
+        ));
+    }
+    s.push_str(&format!(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">message size</text>\n</svg>\n",
+        w / 2.0,
+        h - 16.0
+    ));
+    s
+}
+
+fn main() {
+    env_logger::init();
+    let args = Args::parse();
+    if let Err(e) = run(&args) {
+        eprintln!("stack_bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    if args.min_size == 0 || args.min_size > args.max_size || args.max_size > MAX {
+        return Err(format!("sizes must satisfy 1 <= --min-size <= --max-size <= {MAX}"));
+    }
+    match args.role {
+        Role::Server => {
+            if !args.no_pin {
+                pin_to_cpu(args.cpus.get(1).copied().unwrap_or(0));
+            }
+            let addr = args.listen.as_deref().ok_or("--role server needs --listen ADDR")?;
+            server_main(args, addr)
+        }
+        Role::Client => {
+            let addr = args.connect.clone().ok_or("--role client needs --connect ADDR")?;
+            if args.layers.contains(&Layer::Madeleine) && args.mad_dir.is_none() {
+                return Err("the madeleine layer runs on one host only (drop it with --layers)".into());
+            }
+            let points = client_main(args, &addr, &mut None)?;
+            report(args, &points, None)
+        }
+        Role::Both => {
+            let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+            let floor = (ncpu > 1 && !args.no_pin)
+                .then(|| cacheline_one_way_ns(args.cpus[0], args.cpus.get(1).copied().unwrap_or(0)));
+            // A free port for the bootstrap (and the next one for the verbs connection manager).
+            let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
+            let addr = format!("127.0.0.1:{port}");
+            let dir = std::env::temp_dir().join(format!("stack-bench-{}", std::process::id()));
+            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+            let mut child = Command::new(exe)
+                .args(std::env::args().skip(1))
+                .args(["--role", "server", "--listen", &addr, "--mad-dir"])
+                .arg(&dir)
+                .spawn()
+                .map_err(|e| format!("starting the server: {e}"))?;
+            if !args.no_pin {
+                pin_to_cpu(args.cpus[0]);
+            }
+            let mut args2 = args.clone();
+            args2.mad_dir = Some(dir.clone());
+            let mut child_opt = Some(child);
+            let result = client_main(&args2, &addr, &mut child_opt);
+            child = child_opt.take().expect("child");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let status = loop {
+                match child.try_wait() {
+                    Ok(Some(st)) => break Some(st),
+                    _ if Instant::now() > deadline => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break None;
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(5)),
+                }
+            };
+            let _ = std::fs::remove_dir_all(&dir);
+            let points = result?;
+            if !status.is_some_and(|s| s.success()) {
+                return Err(format!("the server process ended badly: {status:?}"));
+            }
+            report(args, &points, floor)
+        }
+    }
+}
+
+fn report(args: &Args, points: &[Point], floor: Option<f64>) -> Result<(), String> {
+    let timer = timer_cost_ns();
+    println!(
+        "# stack_bench: {} provider, two processes on one host, {:?} waiting",
+        match args.provider {
+            ProviderArg::Software => "software",
+            ProviderArg::Hardware => "hardware",
+        },
+        args.wait
+    );
+    println!(
+        "# timer cost {timer:.1} ns (included in latencies, not subtracted){}",
+        floor.map(|f| format!("; cache-line floor {f:.0} ns one way")).unwrap_or_default()
+    );
+    print_table(points, &args.layers);
+    let out = args.out.clone().unwrap_or_else(|| {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        PathBuf::from("results").join(format!("stack-{t}"))
+    });
+    let meta = format!(
+        "{{\"provider\":\"{:?}\",\"wait\":\"{:?}\",\"timer_ns\":{timer:.1},\"floor_ns\":{}}}",
+        args.provider,
+        args.wait,
+        floor.map(|f| format!("{f:.1}")).unwrap_or_else(|| "null".into())
+    );
+    write_results(&out, points, &meta).map_err(|e| format!("writing {}: {e}", out.display()))?;
+    println!("# results (JSON, CSV, latency.svg, bandwidth.svg) in {}", out.display());
+    Ok(())
+}
