@@ -118,7 +118,7 @@ enum ProviderArg {
     Hardware,
 }
 
-const T: Duration = Duration::from_secs(20);
+const T: Duration = Duration::from_secs(10);
 const MAX: usize = 4 << 20;
 
 /// One measured point.
@@ -600,13 +600,14 @@ fn write_results(dir: &std::path::Path, points: &[Point], meta: &str) -> std::io
 
 /// A log-log line chart of `value` against message size, one line per layer.
 fn svg_plot(points: &[Point], title: &str, value: impl Fn(&Point) -> f64) -> String {
-    let (w, h, m) = (720.0, 420.0, 60.0);
+    let (w, h, m) = (760.0, 420.0, 60.0);
+    let right = 110.0; // room for the legend
     let xs: Vec<f64> = points.iter().map(|p| (p.size as f64).log2()).collect();
     let ys: Vec<f64> = points.iter().map(|p| value(p).max(1e-3).log10()).collect();
     let (x0, x1) = (xs.iter().cloned().fold(f64::MAX, f64::min), xs.iter().cloned().fold(f64::MIN, f64::max).max(1.0));
     let (y0, y1) =
         (ys.iter().cloned().fold(f64::MAX, f64::min).floor(), ys.iter().cloned().fold(f64::MIN, f64::max).ceil());
-    let sx = |x: f64| m + (x - x0) / (x1 - x0).max(1e-9) * (w - 2.0 * m);
+    let sx = |x: f64| m + (x - x0) / (x1 - x0).max(1e-9) * (w - m - right);
     let sy = |y: f64| h - m - (y - y0) / (y1 - y0).max(1e-9) * (h - 2.0 * m);
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
@@ -615,7 +616,7 @@ fn svg_plot(points: &[Point], title: &str, value: impl Fn(&Point) -> f64) -> Str
     );
     for d in (y0 as i32)..=(y1 as i32) {
         let y = sy(d as f64);
-        s.push_str(&format!("<line x1=\"{m}\" x2=\"{}\" y1=\"{y}\" y2=\"{y}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n", w - m, m - 6.0, y + 4.0, 10f64.powi(d)));
+        s.push_str(&format!("<line x1=\"{m}\" x2=\"{}\" y1=\"{y}\" y2=\"{y}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n", w - right, m - 6.0, y + 4.0, 10f64.powi(d)));
     }
     let mut p2 = x0.ceil() as i32;
     while (p2 as f64) <= x1 {
@@ -639,7 +640,7 @@ fn svg_plot(points: &[Point], title: &str, value: impl Fn(&Point) -> f64) -> Str
         ));
         s.push_str(&format!(
             "<text x=\"{}\" y=\"{}\" fill=\"{c}\">{}</text>\n",
-            w - m + 4.0,
+            w - right + 10.0,
             m + 16.0 * k as f64,
             layer.name()
         ));

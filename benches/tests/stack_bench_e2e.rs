@@ -1,0 +1,55 @@
+//! Runs the main benchmark end to end with tiny sizes, so it cannot silently rot: its output
+//! must be complete and well formed, and bad arguments must give a clear usage error.
+
+use std::process::Command;
+
+#[test]
+fn runs_end_to_end_and_writes_complete_results() {
+    let out = std::env::temp_dir().join(format!("stack-bench-e2e-{}", std::process::id()));
+    let run = Command::new(env!("CARGO_BIN_EXE_stack_bench"))
+        .args(["--max-size", "4096", "--iters", "40", "--warmup", "5", "--stream-bytes", "200000", "--no-pin", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "stack_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
+    let layers = ["raw-send", "raw-wwi", "madeleine", "tcp"];
+    let sizes = 13; // 1 B .. 4 KiB
+    for l in layers {
+        let rows = stdout.lines().filter(|line| line.split_whitespace().next() == Some(l)).count();
+        assert_eq!(rows, sizes, "{l} rows in:\n{stdout}");
+    }
+    let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 1 + layers.len() * sizes);
+    for line in csv.lines().skip(1) {
+        let f: Vec<&str> = line.split(',').collect();
+        assert_eq!(f.len(), 6, "{line}");
+        for v in &f[1..] {
+            let x: f64 = v.parse().unwrap_or_else(|_| panic!("not a number in {line}"));
+            assert!(x.is_finite() && x >= 0.0, "{line}");
+        }
+        let lat: f64 = f[2].parse().unwrap();
+        assert!(lat > 0.0, "a latency of zero measures nothing: {line}");
+    }
+    let json = std::fs::read_to_string(out.join("results.json")).unwrap();
+    assert!(json.starts_with("{\"meta\":{") && json.trim_end().ends_with("]}"));
+    assert_eq!(json.matches("\"layer\":").count(), layers.len() * sizes);
+    for svg in ["latency.svg", "bandwidth.svg"] {
+        let s = std::fs::read_to_string(out.join(svg)).unwrap();
+        assert!(s.starts_with("<svg") && s.contains("<polyline") && s.trim_end().ends_with("</svg>"), "{svg}");
+    }
+    let _ = std::fs::remove_dir_all(out);
+}
+
+#[test]
+fn bad_arguments_give_a_clear_usage_error() {
+    let run = Command::new(env!("CARGO_BIN_EXE_stack_bench")).args(["--layers", "carrier-pigeon"]).output().unwrap();
+    assert!(!run.status.success());
+    assert!(String::from_utf8_lossy(&run.stderr).contains("invalid value"));
+    let run = Command::new(env!("CARGO_BIN_EXE_stack_bench"))
+        .args(["--min-size", "100", "--max-size", "10"])
+        .output()
+        .unwrap();
+    assert!(!run.status.success());
+    assert!(String::from_utf8_lossy(&run.stderr).contains("sizes must satisfy"));
+}
