@@ -13,7 +13,7 @@ fn runs_end_to_end_and_writes_complete_results() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(run.status.success(), "stack_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
-    let layers = ["raw-send", "raw-wwi", "madeleine", "tcp"];
+    let layers = ["raw-send", "raw-wwi", "mad-copy", "mad-zcopy", "tcp"];
     let sizes = 13; // 1 B .. 4 KiB
     for l in layers {
         let rows = stdout.lines().filter(|line| line.split_whitespace().next() == Some(l)).count();
@@ -31,6 +31,7 @@ fn runs_end_to_end_and_writes_complete_results() {
         let lat: f64 = f[2].parse().unwrap();
         assert!(lat > 0.0, "a latency of zero measures nothing: {line}");
     }
+    assert!(stdout.contains("crossover chosen"), "{stdout}");
     let json = std::fs::read_to_string(out.join("results.json")).unwrap();
     assert!(json.starts_with("{\"meta\":{") && json.trim_end().ends_with("]}"));
     assert_eq!(json.matches("\"layer\":").count(), layers.len() * sizes);

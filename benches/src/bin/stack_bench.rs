@@ -26,18 +26,38 @@ enum Layer {
     RawSend,
     /// portability-verbs RDMA write-with-immediate.
     RawWwi,
-    /// Madeleine pack/unpack (static-buffer path below the threshold, zero-copy above).
+    /// Madeleine pack/unpack, the library choosing (static buffers below its threshold,
+    /// zero-copy above).
     Madeleine,
+    /// Madeleine forced onto the static-buffer (copy) path.
+    MadCopy,
+    /// Madeleine forced onto the zero-copy (rendezvous) path.
+    MadZcopy,
     /// std::net TCP over loopback.
     Tcp,
 }
 
 impl Layer {
+    fn is_madeleine(self) -> bool {
+        matches!(self, Layer::Madeleine | Layer::MadCopy | Layer::MadZcopy)
+    }
+
+    /// The rendezvous threshold the layer forces, if any.
+    fn mad_threshold(self) -> Option<usize> {
+        match self {
+            Layer::MadCopy => Some(usize::MAX),
+            Layer::MadZcopy => Some(1),
+            _ => None,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Layer::RawSend => "raw-send",
             Layer::RawWwi => "raw-wwi",
             Layer::Madeleine => "madeleine",
+            Layer::MadCopy => "mad-copy",
+            Layer::MadZcopy => "mad-zcopy",
             Layer::Tcp => "tcp",
         }
     }
@@ -63,7 +83,7 @@ enum Wait {
 #[command(version, about)]
 struct Args {
     /// Layers to measure.
-    #[arg(long, value_enum, value_delimiter = ',', default_values = ["raw-send", "raw-wwi", "madeleine", "tcp"])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["raw-send", "raw-wwi", "mad-copy", "mad-zcopy", "tcp"])]
     layers: Vec<Layer>,
     /// Smallest message size (bytes).
     #[arg(long, default_value_t = 1)]
@@ -118,7 +138,7 @@ enum ProviderArg {
     Hardware,
 }
 
-const T: Duration = Duration::from_secs(10);
+const T: Duration = Duration::from_secs(5);
 const MAX: usize = 4 << 20;
 
 /// One measured point.
@@ -303,6 +323,17 @@ impl Link for MadLink {
     }
 }
 
+fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> {
+    let mut cfg = SessionConfig::new(rank, 2, dir);
+    cfg.timeout = T;
+    if let Some(t) = layer.mad_threshold() {
+        cfg.rendezvous_threshold = Some(t);
+    }
+    let s = Session::new(cfg).map_err(|e| e.to_string())?;
+    let ch = s.channel().map_err(|e| e.to_string())?;
+    Ok(MadLink { ch, _session: s, peer: 1 - rank, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
+}
+
 // ---------------------------------------------------------------- TCP
 
 struct TcpLink {
@@ -449,13 +480,11 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
                 RawLink::setup(&ctx, |pd, init, p| listener.accept(pd, init, p, T), layer == Layer::RawWwi, args.wait)
                     .map_err(|e| e.to_string())?,
             ),
-            Layer::Madeleine => {
+            l if l.is_madeleine() => {
                 let dir = args.mad_dir.clone().ok_or("madeleine needs the shared directory (same host only)")?;
-                let s = Session::new(SessionConfig::new(1, 2, dir)).map_err(|e| e.to_string())?;
-                let ch = s.channel().map_err(|e| e.to_string())?;
-                Box::new(MadLink { ch, _session: s, peer: 0, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
+                Box::new(mad_link(l, 1, dir)?)
             }
-            Layer::Tcp => {
+            _ => {
                 let (s, _) = tcp.accept().map_err(|e| e.to_string())?;
                 Box::new(TcpLink::new(s, args.wait).map_err(|e| e.to_string())?)
             }
@@ -505,13 +534,11 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                 )
                 .map_err(|e| e.to_string())?,
             ),
-            Layer::Madeleine => {
+            l if l.is_madeleine() => {
                 let dir = args.mad_dir.clone().ok_or("madeleine needs a shared directory (same host only)")?;
-                let s = Session::new(SessionConfig::new(0, 2, dir)).map_err(|e| e.to_string())?;
-                let ch = s.channel().map_err(|e| e.to_string())?;
-                Box::new(MadLink { ch, _session: s, peer: 1, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
+                Box::new(mad_link(l, 0, dir)?)
             }
-            Layer::Tcp => {
+            _ => {
                 let deadline = Instant::now() + T;
                 let s = loop {
                     match TcpStream::connect(sock) {
@@ -676,7 +703,7 @@ fn run(args: &Args) -> Result<(), String> {
         }
         Role::Client => {
             let addr = args.connect.clone().ok_or("--role client needs --connect ADDR")?;
-            if args.layers.contains(&Layer::Madeleine) && args.mad_dir.is_none() {
+            if args.layers.iter().any(|l| l.is_madeleine()) && args.mad_dir.is_none() {
                 return Err("the madeleine layer runs on one host only (drop it with --layers)".into());
             }
             let points = client_main(args, &addr, &mut None)?;
@@ -742,6 +769,14 @@ fn report(args: &Args, points: &[Point], floor: Option<f64>) -> Result<(), Strin
         floor.map(|f| format!("; cache-line floor {f:.0} ns one way")).unwrap_or_default()
     );
     print_table(points, &args.layers);
+    if let Some(p) = points.iter().find(|p| p.layer == Layer::RawSend && p.size <= 64) {
+        let rtt = Duration::from_nanos((2.0 * p.median_us * 1e3) as u64);
+        let x = portability_verbs::datapath::crossover::crossover_from(
+            portability_verbs::datapath::crossover::copy_curve(),
+            rtt,
+        );
+        println!("# copy/zero-copy crossover chosen for this peer: {} (copy curve of this process, round trip {:.2} us of this run)", fmt_size(x), 2.0 * p.median_us);
+    }
     let out = args.out.clone().unwrap_or_else(|| {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         PathBuf::from("results").join(format!("stack-{t}"))
