@@ -121,3 +121,20 @@ pub fn cacheline_one_way_ns(cpu_a: usize, cpu_b: usize) -> f64 {
     });
     elapsed.as_nanos() as f64 / (2 * rounds) as f64
 }
+
+/// Waits up to `limit` for a child process to exit, killing it after that. Returns its exit
+/// status, or None if it had to be killed.
+pub fn wait_child(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + limit;
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) => return Some(st),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+        }
+    }
+}

@@ -7,7 +7,7 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between};
+use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between, wait_child};
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use portability_verbs::datapath::{crossover, BufferPool, FlowStrategy, MsgPipe, RegistrationCache};
@@ -296,17 +296,7 @@ fn run(args: &Args) -> Result<()> {
         pin_to_cpu(1);
     }
     let result = client(args, &addr, &mut child);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(st)) => break Some(st),
-            _ if Instant::now() > deadline => {
-                let _ = child.kill();
-                break None;
-            }
-            _ => std::thread::sleep(Duration::from_millis(5)),
-        }
-    };
+    let status = wait_child(&mut child, Duration::from_secs(10));
     let (rows, extra) = result?;
     if !status.is_some_and(|s| s.success()) {
         return Err(VerbsError::PeerUnreachable(format!("server ended badly: {status:?}")));

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between, timer_cost_ns};
+use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between, timer_cost_ns, wait_child};
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use madeleine::{RecvMode, SendMode, Session, SessionConfig};
@@ -357,14 +357,17 @@ fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> 
 struct TcpLink {
     s: TcpStream,
     buf: Vec<u8>,
-    wait: Wait,
 }
 
 impl TcpLink {
+    /// Busy waiting: a nonblocking socket polled in a loop; interrupt waiting: blocking calls
+    /// (with timeouts, so a dead peer cannot hang the run).
     fn new(s: TcpStream, wait: Wait) -> std::io::Result<TcpLink> {
         s.set_nodelay(true)?;
         s.set_nonblocking(wait == Wait::Busy)?;
-        Ok(TcpLink { s, buf: vec![0x5a; MAX], wait })
+        s.set_read_timeout(Some(T))?;
+        s.set_write_timeout(Some(T))?;
+        Ok(TcpLink { s, buf: vec![0x5a; MAX] })
     }
 }
 
@@ -388,7 +391,6 @@ impl Link for TcpLink {
     fn recv(&mut self, len: usize) -> Result<(), String> {
         let mut off = 0;
         let deadline = Instant::now() + T;
-        let _ = self.wait;
         while off < len {
             match self.s.read(&mut self.buf[off..len]) {
                 Ok(0) => return Err("TCP peer closed".into()),
@@ -758,18 +760,7 @@ fn run(args: &Args) -> Result<(), String> {
             let mut child_opt = Some(child);
             let result = client_main(&args2, &addr, &mut child_opt);
             child = child_opt.take().expect("child");
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let status = loop {
-                match child.try_wait() {
-                    Ok(Some(st)) => break Some(st),
-                    _ if Instant::now() > deadline => {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        break None;
-                    }
-                    _ => std::thread::sleep(Duration::from_millis(5)),
-                }
-            };
+            let status = wait_child(&mut child, Duration::from_secs(10));
             let _ = std::fs::remove_dir_all(&dir);
             let points = result?;
             if !status.is_some_and(|s| s.success()) {

@@ -571,16 +571,9 @@ fn client_main(args: &Args) -> Result<()> {
 }
 
 fn wait_child(child: &mut Child) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match child.try_wait() {
-            Ok(Some(st)) if st.success() => return Ok(()),
-            Ok(Some(st)) => return Err(VerbsError::PeerUnreachable(format!("server process failed: {st}"))),
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-            _ => {
-                let _ = child.kill();
-                return Err(VerbsError::PeerUnreachable("server process did not finish".into()));
-            }
-        }
+    match benches::wait_child(child, Duration::from_secs(10)) {
+        Some(st) if st.success() => Ok(()),
+        Some(st) => Err(VerbsError::PeerUnreachable(format!("server process failed: {st}"))),
+        None => Err(VerbsError::PeerUnreachable("server process did not finish".into())),
     }
 }
