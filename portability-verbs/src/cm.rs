@@ -195,6 +195,12 @@ enum Stream {
 }
 
 impl Stream {
+    fn addrs(&self) -> (Option<SocketAddr>, Option<SocketAddr>) {
+        match self {
+            Stream::Unix(_) => (None, None),
+            Stream::Tcp(s) => (s.local_addr().ok(), s.peer_addr().ok()),
+        }
+    }
     fn set_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
         match self {
             Stream::Unix(s) => s.set_read_timeout(t).and(s.set_write_timeout(t)),
@@ -218,6 +224,10 @@ pub struct Connection {
     pub qp: QueuePair,
     /// The peer's private data.
     pub peer_private: Vec<u8>,
+    /// Our end of the bootstrap socket, when it was TCP (what SDP reports as `local_addr`).
+    pub local_addr: Option<SocketAddr>,
+    /// The peer's end of the bootstrap socket, when it was TCP.
+    pub peer_addr: Option<SocketAddr>,
 }
 
 /// Listens for bootstrap connections.
@@ -293,7 +303,8 @@ impl Listener {
             other => return Err(VerbsError::Protocol(format!("expected READY, got {other:?}"))),
         }
         qp.modify(QpTransition::Rts(RtsAttr::default()))?;
-        Ok(Connection { qp, peer_private })
+        let (local_addr, peer_addr) = stream.addrs();
+        Ok(Connection { qp, peer_private, local_addr, peer_addr })
     }
 
     fn accept_stream(&self, deadline: Instant) -> Result<Stream> {
@@ -362,7 +373,8 @@ pub fn connect(
     qp.modify(QpTransition::Rtr(RtrAttr::new(server)))?;
     qp.modify(QpTransition::Rts(RtsAttr::default()))?;
     write_frame(&mut stream, &Frame::Ready)?;
-    Ok(Connection { qp, peer_private })
+    let (local_addr, peer_addr) = stream.addrs();
+    Ok(Connection { qp, peer_private, local_addr, peer_addr })
 }
 
 fn left(deadline: Instant) -> Result<Duration> {

@@ -1,5 +1,16 @@
 //! # sockets-compat
 //!
-//! Sockets Direct Protocol stream sockets (buffer-copy, zero-copy, asynchronous zero-copy) over
-//! `portability-verbs`. Not built yet: this crate reserves the name and the place in the
-//! workspace; see `docs/ARCHITECTURE.md`.
+//! Sockets Direct Protocol stream sockets over `portability-verbs`, with `std::net` semantics:
+//! [`SdpListener`] and [`SdpStream`] behave like `TcpListener` and `TcpStream` (a byte stream,
+//! partial reads, EOF after shutdown, errors when the peer dies, nonblocking mode), while the
+//! bytes travel as SDP messages ([`wire`]) over the verbs layer.
+//!
+//! Send designs: BSDP (buffer copy through pre-registered buffers with the data-path flow
+//! control) and ZSDP (synchronous zero-copy: SrcAvail, the receiver's RDMA read, RdmaRdCompl).
+//! AZ-SDP (asynchronous zero-copy with memory protection) is not built yet.
+
+pub mod stream;
+pub mod wire;
+
+pub use stream::{SdpConfig, SdpListener, SdpStream};
+pub use wire::Design;

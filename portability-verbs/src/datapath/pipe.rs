@@ -825,6 +825,12 @@ impl MsgPipe {
         self.coalescer.len()
     }
 
+    /// Whether everything accepted has been handed over and every transfer completed (what a
+    /// closing socket lingers for before it tears the queue pair down).
+    pub fn idle(&self) -> bool {
+        self.outstanding == 0 && self.coalescer.is_empty()
+    }
+
     /// Why the pipe failed, if it did.
     pub fn failure(&self) -> Option<&str> {
         self.failed.as_deref()

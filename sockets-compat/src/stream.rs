@@ -1,0 +1,833 @@
+//! SDP stream sockets with `std::net` semantics: [`SdpListener`] and [`SdpStream`].
+//!
+//! A connection is set up over an out-of-band TCP socket on the given address (the bootstrap
+//! of `portability_verbs::cm`), then carries SDP messages ([`crate::wire`]) over a
+//! flow-controlled message pipe (`datapath::pipe`, whose credit, RDMA-ring or window flow
+//! control is the slides' buffer-copy flow control). How a socket *sends* is its design:
+//!
+//! - BSDP copies stream bytes into Data messages through the pipe's pre-registered buffers;
+//! - ZSDP, for writes of at least the zero-copy threshold, advertises the registered user
+//!   buffer in a SrcAvail; the receiver RDMA-reads it straight into the buffer its `read` was
+//!   given and answers RdmaRdCompl, and only then does `write` return (one outstanding).
+//!
+//! Receivers handle every message kind whatever their own design, so the two ends need not
+//! agree. A peer's malformed message, an unhonored advertisement (the read fails) or a dead
+//! peer fail the socket with an I/O error; stream bytes already delivered stay readable.
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use log::debug;
+use portability_verbs::cm::{self, CmAddr};
+use portability_verbs::datapath::{FlowStrategy, MsgPipe, RegistrationCache};
+use portability_verbs::{AccessFlags, Context, ProtectionDomain, QpCaps, QpInit, SendWr, Sge, VerbsError, WcStatus};
+
+use crate::wire::{Advert, Design, Message, Sequencer, WireError, BSDH_LEN};
+
+/// How long connection setup may take.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a closing socket waits for its last messages to be taken.
+const LINGER: Duration = Duration::from_secs(2);
+/// Private data that marks an SDP connection attempt.
+const SDP_MAGIC: &[u8] = b"SDP1";
+
+/// Per-socket settings, by default from the environment: `SDP_DESIGN` (`bsdp`, `zsdp`),
+/// `SDP_FLOW` (`credit`, `rdma`, `window`: must be the same at both ends) and
+/// `SDP_ZCOPY_THRESHOLD` (bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SdpConfig {
+    /// How this end sends.
+    pub design: Design,
+    /// The buffer-copy flow control (both ends must use the same).
+    pub flow: FlowStrategy,
+    /// Writes of at least this many bytes go zero-copy (ZSDP).
+    pub zcopy_threshold: usize,
+}
+
+impl SdpConfig {
+    /// Credit-based defaults sized for streams: 16 private buffers of 8 KiB.
+    pub const CREDIT: FlowStrategy = FlowStrategy::Credit { buffers: 16, buf_size: 8192 + 16 };
+    /// RDMA-ring defaults: a 128 KiB ring, 4 KiB coalescing.
+    pub const RDMA: FlowStrategy = FlowStrategy::Rdma { ring_bytes: 128 * 1024, coalesce: 4096 };
+    /// Window defaults: 16 receives of 8 KiB.
+    pub const WINDOW: FlowStrategy = FlowStrategy::Window { window: 8192, buffers: 16 };
+
+    /// The settings from the environment (invalid values are an error, not ignored).
+    pub fn from_env() -> io::Result<SdpConfig> {
+        let mut c = SdpConfig::default();
+        if let Ok(v) = std::env::var("SDP_DESIGN") {
+            c.design = Design::by_name(&v).ok_or_else(|| invalid(format!("SDP_DESIGN={v:?}: bsdp or zsdp")))?;
+        }
+        if let Ok(v) = std::env::var("SDP_FLOW") {
+            c.flow = match v.as_str() {
+                "credit" => Self::CREDIT,
+                "rdma" => Self::RDMA,
+                "window" => Self::WINDOW,
+                _ => return Err(invalid(format!("SDP_FLOW={v:?}: credit, rdma or window"))),
+            };
+        }
+        if let Ok(v) = std::env::var("SDP_ZCOPY_THRESHOLD") {
+            c.zcopy_threshold = v.parse().map_err(|_| invalid(format!("SDP_ZCOPY_THRESHOLD={v:?}: bytes")))?;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn validate(&self) -> io::Result<()> {
+        if self.design == Design::AzSdp {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "AZ-SDP (memory-protected asynchronous zero-copy) is not implemented yet; use bsdp or zsdp",
+            ));
+        }
+        if self.flow.max_message() <= BSDH_LEN {
+            return Err(invalid("flow-control messages too small for an SDP header".into()));
+        }
+        Ok(())
+    }
+}
+
+impl Default for SdpConfig {
+    fn default() -> Self {
+        SdpConfig { design: Design::Bsdp, flow: Self::CREDIT, zcopy_threshold: 64 * 1024 }
+    }
+}
+
+fn invalid(why: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, why)
+}
+
+fn verbs_io(e: VerbsError) -> io::Error {
+    let kind = match &e {
+        VerbsError::Timeout(_) => io::ErrorKind::TimedOut,
+        VerbsError::PeerUnreachable(_) => io::ErrorKind::ConnectionReset,
+        VerbsError::Protocol(_) => io::ErrorKind::ConnectionAborted,
+        VerbsError::InvalidArgument(_) => io::ErrorKind::InvalidInput,
+        VerbsError::Os { source, .. } => source.kind(),
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, e)
+}
+
+/// The verbs objects every socket of the process shares.
+struct Runtime {
+    ctx: Context,
+    pd: ProtectionDomain,
+    regcache: RegistrationCache,
+}
+
+fn runtime() -> io::Result<&'static Runtime> {
+    static RT: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
+    let rt = RT.get_or_init(|| {
+        let ctx = Context::open_default().map_err(|e| e.to_string())?;
+        let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
+        let regcache = RegistrationCache::new(&pd, 1 << 30);
+        Ok(Runtime { ctx, pd, regcache })
+    });
+    rt.as_ref().map_err(|e| io::Error::other(format!("opening the verbs device: {e}")))
+}
+
+fn resolve(addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
+    addr.to_socket_addrs()?.next().ok_or_else(|| invalid("address resolves to nothing".into()))
+}
+
+/// A listening SDP socket.
+pub struct SdpListener {
+    inner: cm::Listener,
+    local: SocketAddr,
+    config: SdpConfig,
+}
+
+impl SdpListener {
+    /// Binds to `addr` (port 0 picks a free port) with the settings from the environment.
+    pub fn bind(addr: impl ToSocketAddrs) -> io::Result<SdpListener> {
+        Self::bind_with(addr, SdpConfig::from_env()?)
+    }
+
+    /// Binds with explicit settings (accepted sockets send with `config.design`).
+    pub fn bind_with(addr: impl ToSocketAddrs, config: SdpConfig) -> io::Result<SdpListener> {
+        config.validate()?;
+        runtime()?;
+        let inner = cm::Listener::bind(&CmAddr::Tcp(resolve(addr)?)).map_err(verbs_io)?;
+        let local = match inner.local_addr() {
+            CmAddr::Tcp(a) => *a,
+            CmAddr::Unix(_) => unreachable!("bound a TCP address"),
+        };
+        Ok(SdpListener { inner, local, config })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        Ok(self.local)
+    }
+
+    /// Waits for a connection and returns the connected socket and the peer's address.
+    pub fn accept(&self) -> io::Result<(SdpStream, SocketAddr)> {
+        let rt = runtime()?;
+        loop {
+            let cq = rt.ctx.create_cq(4096).map_err(verbs_io)?;
+            match self.inner.accept(&rt.pd, &qp_init(&cq), SDP_MAGIC, Duration::from_secs(1)) {
+                Ok(conn) => {
+                    if conn.peer_private != SDP_MAGIC {
+                        debug!("rejecting a non-SDP bootstrap peer");
+                        continue;
+                    }
+                    let s = SdpStream::establish(conn, cq, self.config)?;
+                    let peer = s.peer_addr()?;
+                    return Ok((s, peer));
+                }
+                // No client yet: keep listening, as a blocking accept does.
+                Err(VerbsError::Timeout(_)) => continue,
+                Err(e) => return Err(verbs_io(e)),
+            }
+        }
+    }
+
+    /// An endless iterator over accepted connections.
+    pub fn incoming(&self) -> impl Iterator<Item = io::Result<SdpStream>> + '_ {
+        std::iter::repeat_with(move || self.accept().map(|(s, _)| s))
+    }
+}
+
+fn qp_init(cq: &portability_verbs::CompletionQueue) -> QpInit<'_> {
+    QpInit { caps: QpCaps { max_send_wr: 512, max_recv_wr: 512, ..QpCaps::default() }, ..QpInit::new(cq) }
+}
+
+/// Queued receive-side stream content, in arrival order.
+enum RxItem {
+    /// Copied stream bytes and how many were read already.
+    Bytes(Vec<u8>, usize),
+    /// A peer buffer to RDMA-read, and how many of its bytes were read already.
+    Src(Advert, u32),
+}
+
+/// The sender's one outstanding SrcAvail.
+#[derive(Clone, Copy)]
+enum ZcopyState {
+    None,
+    /// Advertised, waiting for RdmaRdCompl.
+    Waiting,
+    /// The receiver read this many bytes and is done with the buffer.
+    Done(u32),
+}
+
+struct Conn {
+    pipe: MsgPipe,
+    seq: Sequencer,
+    config: SdpConfig,
+    local: SocketAddr,
+    peer: SocketAddr,
+    rx: VecDeque<RxItem>,
+    /// The peer sent Disconnect (after everything queued in `rx`).
+    eof: bool,
+    /// Why the socket failed, if it did.
+    failed: Option<(io::ErrorKind, String)>,
+    read_shut: bool,
+    write_shut: bool,
+    zcopy: ZcopyState,
+    nonblocking: bool,
+    read_timeout: Option<Duration>,
+    write_timeout: Option<Duration>,
+    peer_design: Design,
+    tx: Vec<u8>,
+}
+
+/// A connected SDP stream socket: a reliable byte stream like `TcpStream`.
+pub struct SdpStream {
+    conn: Arc<Mutex<Conn>>,
+}
+
+impl SdpStream {
+    /// Connects to an SDP listener at `addr` with the settings from the environment.
+    pub fn connect(addr: impl ToSocketAddrs) -> io::Result<SdpStream> {
+        Self::connect_with(addr, SdpConfig::from_env()?)
+    }
+
+    /// Connects with explicit settings.
+    pub fn connect_with(addr: impl ToSocketAddrs, config: SdpConfig) -> io::Result<SdpStream> {
+        config.validate()?;
+        let rt = runtime()?;
+        let cq = rt.ctx.create_cq(4096).map_err(verbs_io)?;
+        let conn = cm::connect(&CmAddr::Tcp(resolve(addr)?), &rt.pd, &qp_init(&cq), SDP_MAGIC, SETUP_TIMEOUT)
+            .map_err(verbs_io)?;
+        if conn.peer_private != SDP_MAGIC {
+            return Err(io::Error::new(io::ErrorKind::ConnectionRefused, "the listener is not an SDP socket"));
+        }
+        Self::establish(conn, cq, config)
+    }
+
+    fn establish(conn: cm::Connection, cq: portability_verbs::CompletionQueue, config: SdpConfig) -> io::Result<Self> {
+        let rt = runtime()?;
+        let unknown = || io::Error::other("bootstrap socket had no TCP address");
+        let (local, peer) = (conn.local_addr.ok_or_else(unknown)?, conn.peer_addr.ok_or_else(unknown)?);
+        let pipe = MsgPipe::establish(conn.qp, cq, &rt.pd, config.flow, SETUP_TIMEOUT).map_err(verbs_io)?;
+        let c = Conn {
+            pipe,
+            seq: Sequencer::default(),
+            config,
+            local,
+            peer,
+            rx: VecDeque::new(),
+            eof: false,
+            failed: None,
+            read_shut: false,
+            write_shut: false,
+            zcopy: ZcopyState::None,
+            nonblocking: false,
+            read_timeout: None,
+            write_timeout: None,
+            peer_design: Design::Bsdp,
+            tx: Vec::with_capacity(config.flow.max_message()),
+        };
+        Ok(SdpStream { conn: Arc::new(Mutex::new(c)) })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Conn> {
+        // A panic while holding the lock cannot leave the protocol half-updated in a way later
+        // calls would misread: every path re-checks `failed` first.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        Ok(self.lock().peer)
+    }
+
+    /// This end's address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        Ok(self.lock().local)
+    }
+
+    /// Shuts down reading, writing or both. Shutting down writing sends Disconnect: the peer
+    /// reads EOF after the bytes already written.
+    pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        let mut c = self.lock();
+        if matches!(how, Shutdown::Read | Shutdown::Both) {
+            c.read_shut = true;
+        }
+        if matches!(how, Shutdown::Write | Shutdown::Both) && !c.write_shut {
+            c.write_shut = true;
+            drop(c);
+            self.send_control(Message::Disconnect)?;
+        }
+        Ok(())
+    }
+
+    /// Nonblocking mode: reads and writes that would wait return `WouldBlock` instead. (A
+    /// nonblocking ZSDP socket copies: it cannot hold the caller's buffer past the call.)
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        self.lock().nonblocking = on;
+        Ok(())
+    }
+
+    /// Bounds how long `read` waits (`None`: forever). A zero duration is invalid, as in std.
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        if t == Some(Duration::ZERO) {
+            return Err(invalid("zero read timeout".into()));
+        }
+        self.lock().read_timeout = t;
+        Ok(())
+    }
+
+    /// Bounds how long `write` waits (`None`: forever). A zero duration is invalid, as in std.
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        if t == Some(Duration::ZERO) {
+            return Err(invalid("zero write timeout".into()));
+        }
+        self.lock().write_timeout = t;
+        Ok(())
+    }
+
+    /// Another handle to the same socket (for example a reader thread and a writer thread).
+    pub fn try_clone(&self) -> io::Result<SdpStream> {
+        Ok(SdpStream { conn: self.conn.clone() })
+    }
+
+    /// This end's send design.
+    pub fn design(&self) -> Design {
+        self.lock().config.design
+    }
+
+    /// Switches this end's send design (announced to the peer with ModeChange).
+    pub fn set_design(&self, design: Design) -> io::Result<()> {
+        SdpConfig { design, ..self.lock().config }.validate()?;
+        self.lock().config.design = design;
+        self.send_control(Message::ModeChange(design))
+    }
+
+    /// The design the peer last announced (BSDP until it announces one).
+    pub fn peer_design(&self) -> Design {
+        self.lock().peer_design
+    }
+
+    fn send_control(&self, m: Message<'_>) -> io::Result<()> {
+        let deadline = self.lock().write_timeout.map(|t| Instant::now() + t);
+        let mut pacer = Pacer::default();
+        loop {
+            {
+                let mut c = self.lock();
+                if c.try_send(&m)? {
+                    break;
+                }
+                c.pump()?;
+            }
+            pacer.pause(deadline, "sending a control message")?;
+        }
+        self.drain_staged(deadline)
+    }
+
+    /// Drives the pipe until nothing accepted is still coalesced on our side.
+    fn drain_staged(&self, deadline: Option<Instant>) -> io::Result<()> {
+        let mut pacer = Pacer::default();
+        loop {
+            {
+                let mut c = self.lock();
+                c.flush_pipe()?;
+                if c.pipe.staged() == 0 {
+                    return Ok(());
+                }
+                c.pump()?;
+            }
+            pacer.pause(deadline, "handing data to the transport")?;
+        }
+    }
+
+    fn read_impl(&self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let deadline = self.lock().read_timeout.map(|t| Instant::now() + t);
+        let mut pacer = Pacer::default();
+        loop {
+            {
+                let mut c = self.lock();
+                if let Some(n) = c.try_read(buf)? {
+                    return Ok(n);
+                }
+                if c.nonblocking {
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+            }
+            pacer.pause(deadline, "reading")?;
+        }
+    }
+
+    fn write_impl(&self, buf: &[u8]) -> io::Result<usize> {
+        let (zcopy, nonblocking, timeout) = {
+            let c = self.lock();
+            c.check_writable()?;
+            (c.config.design == Design::Zsdp && buf.len() >= c.config.zcopy_threshold, c.nonblocking, c.write_timeout)
+        };
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        if zcopy && !nonblocking {
+            return self.write_zcopy(buf, timeout);
+        }
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut pacer = Pacer::default();
+        let mut sent = 0;
+        while sent < buf.len() {
+            let progressed = {
+                let mut c = self.lock();
+                let chunk = (buf.len() - sent).min(c.max_payload());
+                if c.try_send(&Message::Data(&buf[sent..sent + chunk]))? {
+                    sent += chunk;
+                    true
+                } else {
+                    c.pump()?;
+                    false
+                }
+            };
+            if !progressed {
+                if nonblocking {
+                    break;
+                }
+                if sent > 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+                    break; // a partial write, as a timed-out socket write reports it
+                }
+                pacer.pause(deadline, "writing")?;
+            } else {
+                pacer = Pacer::default();
+            }
+        }
+        if sent == 0 {
+            self.lock().flush_pipe()?;
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        if !nonblocking {
+            // No kernel drives the transport after we return: hand the coalesced tail over now.
+            self.drain_staged(deadline)?;
+        } else {
+            self.lock().flush_pipe()?;
+        }
+        Ok(sent)
+    }
+
+    /// ZSDP: advertise the registered buffer and wait until the receiver has read it.
+    fn write_zcopy(&self, buf: &[u8], timeout: Option<Duration>) -> io::Result<usize> {
+        let rt = runtime()?;
+        let buf = &buf[..buf.len().min(u32::MAX as usize)];
+        let reg = rt.regcache.get(buf, AccessFlags::REMOTE_READ).map_err(verbs_io)?;
+        let advert = Advert { len: buf.len() as u32, rkey: reg.rkey(), addr: buf.as_ptr() as u64 };
+        self.lock().zcopy = ZcopyState::Waiting;
+        self.send_control(Message::SrcAvail(advert))?;
+        let mut deadline = timeout.map(|t| Instant::now() + t);
+        let mut cancelled = false;
+        let mut pacer = Pacer::default();
+        loop {
+            {
+                let mut c = self.lock();
+                let pumped = c.pump();
+                if let ZcopyState::Done(n) = c.zcopy {
+                    c.zcopy = ZcopyState::None;
+                    if n == 0 {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, "the receiver read nothing in time"));
+                    }
+                    return Ok(n as usize);
+                }
+                if let Err(e) = pumped {
+                    // The buffer may still be read by a peer we no longer hear: make sure the
+                    // queue pair is down before the registration (and `buf`) is let go.
+                    c.abort_locally();
+                    return Err(e);
+                }
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                if cancelled {
+                    // The peer answers neither the advertisement nor its cancellation: the
+                    // connection is dropped so the buffer can no longer be read.
+                    let mut c = self.lock();
+                    c.abort_locally();
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the receiver did not answer a cancelled SrcAvail",
+                    ));
+                }
+                cancelled = true;
+                self.send_control(Message::SrcAvailCancel)?;
+                deadline = timeout.map(|t| Instant::now() + t);
+            }
+            pacer.pause(None, "waiting for RdmaRdCompl")?;
+        }
+    }
+}
+
+impl Conn {
+    fn max_payload(&self) -> usize {
+        self.config.flow.max_message() - BSDH_LEN
+    }
+
+    fn check_ok(&self) -> io::Result<()> {
+        match &self.failed {
+            Some((kind, why)) => Err(io::Error::new(*kind, why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn check_writable(&self) -> io::Result<()> {
+        self.check_ok()?;
+        if self.write_shut {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "socket shut down for writing"));
+        }
+        Ok(())
+    }
+
+    fn fail(&mut self, kind: io::ErrorKind, why: String) -> io::Error {
+        if self.failed.is_none() {
+            debug!("SDP socket {} -> {} failed: {why}", self.local, self.peer);
+            self.failed = Some((kind, why));
+        }
+        let (k, w) = self.failed.clone().expect("set");
+        io::Error::new(k, w)
+    }
+
+    fn fail_verbs(&mut self, e: VerbsError) -> io::Error {
+        let kind = match &e {
+            VerbsError::Timeout(_) => io::ErrorKind::TimedOut,
+            _ => io::ErrorKind::ConnectionReset,
+        };
+        self.fail(kind, format!("connection lost: {e}"))
+    }
+
+    /// Stops all traffic at once: the queue pair goes to error, so the peer can no longer read
+    /// any buffer we advertised.
+    fn abort_locally(&mut self) {
+        let _ = self.pipe.qp().modify(portability_verbs::QpTransition::Error);
+        self.fail(io::ErrorKind::ConnectionAborted, "connection aborted".into());
+    }
+
+    fn try_send(&mut self, m: &Message<'_>) -> io::Result<bool> {
+        self.check_ok()?;
+        let h = self.seq.stamp(0, 0);
+        self.tx.clear();
+        m.encode(&h, &mut self.tx);
+        match self.pipe.try_send(&self.tx) {
+            Ok(true) => Ok(true),
+            Ok(false) => {
+                self.seq.unstamp();
+                Ok(false)
+            }
+            Err(e) => Err(self.fail_verbs(e)),
+        }
+    }
+
+    fn flush_pipe(&mut self) -> io::Result<()> {
+        self.pipe.flush().map_err(|e| self.fail_verbs(e))
+    }
+
+    /// Takes in every message that has arrived, queueing stream content and applying control.
+    fn pump(&mut self) -> io::Result<()> {
+        self.check_ok()?;
+        if self.pipe.staged() > 0 {
+            self.flush_pipe()?;
+        }
+        loop {
+            let mut outcome: Result<Option<Control>, io::Error> = Ok(None);
+            let got = {
+                let (seq, rx, eof) = (&mut self.seq, &mut self.rx, &mut self.eof);
+                self.pipe.recv_with(|bytes| outcome = take_message(bytes, seq, rx, eof))
+            };
+            match got {
+                Ok(Some(())) => {}
+                Ok(None) => return Ok(()),
+                Err(e) => return Err(self.fail_verbs(e)),
+            }
+            match outcome {
+                Ok(None) => {}
+                Ok(Some(ctl)) => self.apply(ctl)?,
+                Err(e) => {
+                    // A malformed message: tell the peer, then fail.
+                    let _ = self.try_send(&Message::Abort);
+                    let _ = self.pipe.flush();
+                    return Err(self.fail(e.kind(), e.to_string()));
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, ctl: Control) -> io::Result<()> {
+        match ctl {
+            Control::ReadDone(n) => match self.zcopy {
+                ZcopyState::Waiting => self.zcopy = ZcopyState::Done(n),
+                _ => {
+                    return Err(self.fail(io::ErrorKind::InvalidData, "RdmaRdCompl with no SrcAvail outstanding".into()))
+                }
+            },
+            Control::Cancel => {
+                // Withdraw the oldest advertisement not fully read; answer with what was read.
+                if let Some(i) = self.rx.iter().position(|r| matches!(r, RxItem::Src(..))) {
+                    let RxItem::Src(_, done) = self.rx.remove(i).expect("found") else { unreachable!() };
+                    self.answer_read(done)?;
+                }
+                // Otherwise it crossed our RdmaRdCompl, which already answered.
+            }
+            Control::Mode(d) => self.peer_design = d,
+            Control::Abort => {
+                return Err(self.fail(io::ErrorKind::ConnectionReset, "the peer aborted the connection".into()))
+            }
+        }
+        Ok(())
+    }
+
+    fn answer_read(&mut self, n: u32) -> io::Result<()> {
+        let deadline = Instant::now() + SETUP_TIMEOUT;
+        while !self.try_send(&Message::RdmaRdCompl { len: n })? {
+            self.pipe.progress().map_err(|e| self.fail_verbs(e))?;
+            if Instant::now() > deadline {
+                return Err(self.fail(io::ErrorKind::TimedOut, "no credit to answer a SrcAvail".into()));
+            }
+        }
+        self.flush_pipe()
+    }
+
+    /// One nonblocking read attempt: `Some(n)` bytes read (0 at EOF), `None` if nothing yet.
+    fn try_read(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        if self.read_shut {
+            return Ok(Some(0));
+        }
+        let pumped = self.pump();
+        // Bytes that arrived before a failure are still delivered, then the error.
+        match self.rx.front_mut() {
+            Some(RxItem::Bytes(v, off)) => {
+                let n = buf.len().min(v.len() - *off);
+                buf[..n].copy_from_slice(&v[*off..*off + n]);
+                *off += n;
+                if *off == v.len() {
+                    self.rx.pop_front();
+                }
+                Ok(Some(n))
+            }
+            Some(RxItem::Src(a, done)) => {
+                pumped?;
+                let (a, done) = (*a, *done);
+                let n = (buf.len() as u64).min((a.len - done) as u64) as usize;
+                self.rdma_read(&mut buf[..n], a.addr + done as u64, a.rkey)?;
+                let done = done + n as u32;
+                if done == a.len {
+                    self.rx.pop_front();
+                    self.answer_read(done)?;
+                } else if let Some(RxItem::Src(_, d)) = self.rx.front_mut() {
+                    *d = done;
+                }
+                Ok(Some(n))
+            }
+            None => {
+                pumped?;
+                Ok(if self.eof { Some(0) } else { None })
+            }
+        }
+    }
+
+    /// Reads peer memory straight into `buf` and waits for it to land.
+    fn rdma_read(&mut self, buf: &mut [u8], addr: u64, rkey: u32) -> io::Result<()> {
+        let rt = runtime()?;
+        let reg = rt.regcache.get(buf, AccessFlags::LOCAL_WRITE).map_err(verbs_io)?;
+        let sge = Sge { addr: buf.as_ptr() as u64, length: buf.len() as u32, lkey: reg.lkey() };
+        let token = self.pipe.post_user(SendWr::read(0, &[sge], addr, rkey)).map_err(|e| self.fail_verbs(e))?;
+        let deadline = Instant::now() + SETUP_TIMEOUT;
+        loop {
+            self.pipe.progress().map_err(|e| self.fail_verbs(e))?;
+            match self.pipe.take_user_completion(token) {
+                Some(WcStatus::Success) => return Ok(()),
+                Some(st) => {
+                    // The peer advertised memory it does not let us read.
+                    let _ = self.try_send(&Message::Abort);
+                    let _ = self.pipe.flush();
+                    return Err(self.fail(
+                        io::ErrorKind::ConnectionAborted,
+                        format!("the peer's SrcAvail could not be read: {st:?}"),
+                    ));
+                }
+                None if Instant::now() > deadline => {
+                    return Err(self.fail(io::ErrorKind::TimedOut, "an RDMA read did not complete".into()))
+                }
+                None => std::hint::spin_loop(),
+            }
+        }
+    }
+}
+
+/// What an incoming message asks of the connection beyond queueing stream content.
+enum Control {
+    ReadDone(u32),
+    Cancel,
+    Mode(Design),
+    Abort,
+}
+
+fn take_message(
+    bytes: &[u8],
+    seq: &mut Sequencer,
+    rx: &mut VecDeque<RxItem>,
+    eof: &mut bool,
+) -> Result<Option<Control>, io::Error> {
+    let bad = |e: WireError| io::Error::new(io::ErrorKind::InvalidData, format!("malformed SDP message: {e}"));
+    let (h, m) = Message::decode(bytes).map_err(bad)?;
+    seq.accept(&h).map_err(bad)?;
+    if *eof && !matches!(m, Message::RdmaRdCompl { .. } | Message::Abort | Message::ModeChange(_)) {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "stream content after Disconnect"));
+    }
+    Ok(match m {
+        Message::Data([]) => None,
+        Message::Data(d) => {
+            rx.push_back(RxItem::Bytes(d.to_vec(), 0));
+            None
+        }
+        Message::SrcAvail(a) => {
+            rx.push_back(RxItem::Src(a, 0));
+            None
+        }
+        Message::SinkAvail(_) => {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "SinkAvail is not used by this implementation"))
+        }
+        Message::RdmaRdCompl { len } => Some(Control::ReadDone(len)),
+        Message::SrcAvailCancel => Some(Control::Cancel),
+        Message::ModeChange(d) => Some(Control::Mode(d)),
+        Message::Disconnect => {
+            *eof = true;
+            None
+        }
+        Message::Abort => Some(Control::Abort),
+    })
+}
+
+/// Waits between polls: spins first (the latency path), then yields, then naps.
+#[derive(Default)]
+struct Pacer {
+    polls: u32,
+}
+
+impl Pacer {
+    fn pause(&mut self, deadline: Option<Instant>, what: &str) -> io::Result<()> {
+        self.polls += 1;
+        if self.polls.is_multiple_of(64) && deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, format!("timed out {what}")));
+        }
+        if self.polls < 4000 {
+            std::hint::spin_loop();
+        } else if self.polls < 6000 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        Ok(())
+    }
+}
+
+impl Read for SdpStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read_impl(buf)
+    }
+}
+
+impl Read for &SdpStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read_impl(buf)
+    }
+}
+
+impl Write for SdpStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_impl(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        (&*self).flush()
+    }
+}
+
+impl Write for &SdpStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_impl(buf)
+    }
+    /// Every write hands its bytes to the transport before returning; flush only drives what
+    /// flow control still holds.
+    fn flush(&mut self) -> io::Result<()> {
+        let mut c = self.lock();
+        c.flush_pipe()?;
+        c.pump()
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
+        // Close: Disconnect after the bytes written, then linger until the peer took them.
+        let deadline = Instant::now() + LINGER;
+        if !self.write_shut {
+            while !matches!(self.try_send(&Message::Disconnect), Ok(true) | Err(_)) && Instant::now() < deadline {
+                let _ = self.pipe.progress();
+            }
+        }
+        while Instant::now() < deadline && self.pipe.failure().is_none() && !self.pipe.idle() {
+            let _ = self.pipe.flush();
+            let _ = self.pipe.progress();
+            std::thread::yield_now();
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! Stream-socket conformance: byte-exact streams in every design and flow control, partial
+//! reads, shutdown and EOF, nonblocking mode, timeouts, many connections at once.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::Shutdown;
+use std::thread;
+use std::time::Duration;
+
+use sockets_compat::{Design, SdpConfig, SdpListener, SdpStream};
+
+/// A deterministic pseudo-random byte source (xorshift), so failures reproduce.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+fn pair(client: SdpConfig, server: SdpConfig) -> (SdpStream, SdpStream) {
+    let l = SdpListener::bind_with("127.0.0.1:0", server).unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = thread::spawn(move || SdpStream::connect_with(addr, client).unwrap());
+    let (s, peer) = l.accept().unwrap();
+    let c = t.join().unwrap();
+    assert_eq!(peer, c.local_addr().unwrap());
+    assert_eq!(s.local_addr().unwrap(), addr);
+    assert_eq!(c.peer_addr().unwrap(), addr);
+    for x in [&s, &c] {
+        x.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        x.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
+    }
+    (c, s)
+}
+
+/// Writes a random stream in random-sized writes across every protocol boundary and checks
+/// the reader, reading in random-sized pieces, gets exactly it.
+fn random_stream(cfg: SdpConfig, seed: u64) {
+    let (mut c, mut s) = pair(cfg, cfg);
+    let mut rng = Rng(seed);
+    let sizes: Vec<usize> = (0..60)
+        .map(|i| match i % 4 {
+            0 => 1 + rng.below(64),
+            1 => 1 + rng.below(20_000),
+            2 => cfg.zcopy_threshold.saturating_sub(1) + rng.below(3),
+            _ => 1 + rng.below(300_000),
+        })
+        .collect();
+    let total: usize = sizes.iter().sum();
+    let data = rng.bytes(total);
+    let expect = data.clone();
+    let writer = thread::spawn(move || {
+        let mut off = 0;
+        for n in sizes {
+            c.write_all(&data[off..off + n]).unwrap();
+            off += n;
+        }
+        c.shutdown(Shutdown::Write).unwrap();
+        c
+    });
+    let mut got = Vec::with_capacity(total);
+    let mut buf = vec![0u8; 400_000];
+    loop {
+        let want = 1 + rng.below(buf.len());
+        let n = s.read(&mut buf[..want]).unwrap();
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    let _c = writer.join().unwrap();
+    assert_eq!(got.len(), expect.len());
+    assert!(got == expect, "stream corrupted ({cfg:?})");
+}
+
+#[test]
+fn bsdp_streams_are_byte_exact_under_every_flow_control() {
+    for (i, flow) in [SdpConfig::CREDIT, SdpConfig::RDMA, SdpConfig::WINDOW].into_iter().enumerate() {
+        random_stream(SdpConfig { design: Design::Bsdp, flow, ..SdpConfig::default() }, 11 + i as u64);
+    }
+}
+
+#[test]
+fn zsdp_streams_are_byte_exact_across_the_threshold() {
+    for (i, threshold) in [1usize, 4096, 64 * 1024].into_iter().enumerate() {
+        let cfg = SdpConfig { design: Design::Zsdp, zcopy_threshold: threshold, ..SdpConfig::default() };
+        random_stream(cfg, 101 + i as u64);
+    }
+}
+
+#[test]
+fn a_zsdp_sender_talks_to_a_bsdp_receiver() {
+    let z = SdpConfig { design: Design::Zsdp, zcopy_threshold: 1000, ..SdpConfig::default() };
+    let (mut c, mut s) = pair(z, SdpConfig::default());
+    let data = Rng(5).bytes(50_000);
+    let d = data.clone();
+    let t = thread::spawn(move || {
+        c.write_all(&d).unwrap();
+        c
+    });
+    let mut got = vec![0u8; data.len()];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(got, data);
+    let mut back = t.join().unwrap();
+    s.write_all(b"ok").unwrap();
+    let mut two = [0u8; 2];
+    back.read_exact(&mut two).unwrap();
+    assert_eq!(&two, b"ok");
+}
+
+#[test]
+fn partial_reads_leave_the_rest_for_the_next_read() {
+    for design in [Design::Bsdp, Design::Zsdp] {
+        let cfg = SdpConfig { design, zcopy_threshold: 8, ..SdpConfig::default() };
+        let (mut c, mut s) = pair(cfg, cfg);
+        let t = thread::spawn(move || {
+            c.write_all(b"0123456789").unwrap();
+            c
+        });
+        let mut three = [0u8; 3];
+        let mut got = Vec::new();
+        while got.len() < 10 {
+            let n = s.read(&mut three).unwrap();
+            assert!(n > 0 && n <= 3);
+            got.extend_from_slice(&three[..n]);
+        }
+        assert_eq!(got, b"0123456789");
+        drop(t.join().unwrap());
+    }
+}
+
+#[test]
+fn shutdown_gives_eof_after_the_data_and_forbids_writing() {
+    let (mut c, mut s) = pair(SdpConfig::default(), SdpConfig::default());
+    c.write_all(b"last words").unwrap();
+    c.shutdown(Shutdown::Write).unwrap();
+    let mut got = String::new();
+    s.read_to_string(&mut got).unwrap();
+    assert_eq!(got, "last words");
+    assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "EOF stays EOF");
+    assert_eq!(c.write(b"x").unwrap_err().kind(), ErrorKind::BrokenPipe);
+    // The other direction still works.
+    s.write_all(b"reply").unwrap();
+    let mut r = [0u8; 5];
+    c.read_exact(&mut r).unwrap();
+    assert_eq!(&r, b"reply");
+}
+
+#[test]
+fn dropping_a_socket_is_eof_for_the_peer() {
+    let (mut c, mut s) = pair(SdpConfig::default(), SdpConfig::default());
+    c.write_all(&[7u8; 100_000]).unwrap_or_else(|e| panic!("{e}"));
+    let t = thread::spawn(move || drop(c));
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).unwrap();
+    t.join().unwrap();
+    assert_eq!(got.len(), 100_000);
+    assert!(got.iter().all(|&b| b == 7));
+}
+
+#[test]
+fn nonblocking_mode_returns_would_block() {
+    let (mut c, mut s) = pair(SdpConfig::default(), SdpConfig::default());
+    s.set_nonblocking(true).unwrap();
+    assert_eq!(s.read(&mut [0u8; 4]).unwrap_err().kind(), ErrorKind::WouldBlock);
+    // A nonblocking writer fills the flow-control window and then gets WouldBlock.
+    c.set_nonblocking(true).unwrap();
+    let chunk = vec![1u8; 64 * 1024];
+    let mut written = 0;
+    let blocked = loop {
+        match c.write(&chunk) {
+            Ok(n) => written += n,
+            Err(e) => break e,
+        }
+        assert!(written < 64 << 20, "a reader that never reads must stop a nonblocking writer");
+    };
+    assert_eq!(blocked.kind(), ErrorKind::WouldBlock);
+    // Everything written arrives.
+    let mut got = 0;
+    let mut buf = vec![0u8; 1 << 16];
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while got < written {
+        match s.read(&mut buf) {
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => assert!(std::time::Instant::now() < deadline),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(got, written);
+}
+
+#[test]
+fn read_timeouts_expire() {
+    let (_c, mut s) = pair(SdpConfig::default(), SdpConfig::default());
+    s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    assert_eq!(s.read(&mut [0u8; 4]).unwrap_err().kind(), ErrorKind::TimedOut);
+    assert!(s.set_read_timeout(Some(Duration::ZERO)).is_err());
+}
+
+#[test]
+fn a_zsdp_writer_whose_reader_never_reads_times_out_and_the_buffer_is_released() {
+    let z = SdpConfig { design: Design::Zsdp, zcopy_threshold: 1024, ..SdpConfig::default() };
+    let (mut c, mut s) = pair(z, SdpConfig::default());
+    c.set_write_timeout(Some(Duration::from_millis(100))).unwrap();
+    let buf = vec![3u8; 8192];
+    let e = c.write(&buf).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut);
+    drop(buf);
+    // The connection is gone: the reader gets an error, never bytes of a freed buffer.
+    let mut r = vec![0u8; 8192];
+    assert!(s.read(&mut r).is_err());
+}
+
+#[test]
+fn try_clone_shares_the_socket_between_a_reader_and_a_writer_thread() {
+    let (c, s) = pair(SdpConfig::default(), SdpConfig::default());
+    let echo = thread::spawn(move || {
+        let mut r = s.try_clone().unwrap();
+        let mut w = s;
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = r.read(&mut buf).unwrap();
+            if n == 0 {
+                return;
+            }
+            w.write_all(&buf[..n]).unwrap();
+        }
+    });
+    let mut w = c.try_clone().unwrap();
+    let mut r = c;
+    let data = Rng(9).bytes(300_000);
+    let d = data.clone();
+    let writer = thread::spawn(move || {
+        w.write_all(&d).unwrap();
+        w.shutdown(Shutdown::Write).unwrap();
+    });
+    let mut got = Vec::new();
+    r.read_to_end(&mut got).unwrap();
+    writer.join().unwrap();
+    echo.join().unwrap();
+    assert!(got == data);
+}
+
+#[test]
+fn many_connections_at_once() {
+    let l = SdpListener::bind_with("127.0.0.1:0", SdpConfig::default()).unwrap();
+    let addr = l.local_addr().unwrap();
+    const N: usize = 12;
+    let server = thread::spawn(move || {
+        let mut socks: Vec<SdpStream> = l.incoming().take(N).map(|s| s.unwrap()).collect();
+        // Echo one message on every socket, in an interleaved order.
+        socks.reverse();
+        for s in &mut socks {
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let mut b = [0u8; 8];
+            s.read_exact(&mut b).unwrap();
+            s.write_all(&b).unwrap();
+        }
+    });
+    let clients: Vec<_> = (0..N)
+        .map(|i| {
+            thread::spawn(move || {
+                let mut c = SdpStream::connect_with(addr, SdpConfig::default()).unwrap();
+                c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                c.write_all(&(i as u64).to_le_bytes()).unwrap();
+                let mut b = [0u8; 8];
+                c.read_exact(&mut b).unwrap();
+                assert_eq!(u64::from_le_bytes(b), i as u64);
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    server.join().unwrap();
+}
+
+#[test]
+fn bad_settings_are_errors() {
+    let az = SdpConfig { design: Design::AzSdp, ..SdpConfig::default() };
+    assert_eq!(SdpListener::bind_with("127.0.0.1:0", az).err().unwrap().kind(), ErrorKind::Unsupported);
+    assert!(SdpStream::connect_with("127.0.0.1:1", SdpConfig::default()).is_err());
+}
