@@ -257,6 +257,9 @@ impl Message<'_> {
             }
             mid::MODE_CHANGE => {
                 need(4)?;
+                if body[1..4] != [0, 0, 0] {
+                    return Err(WireError::BadField { field: "reserved bytes of ModeChange", value: body[3] as u64 });
+                }
                 let d =
                     Design::from_code(body[0]).ok_or(WireError::BadField { field: "mode", value: body[0] as u64 })?;
                 Message::ModeChange(d)
@@ -406,6 +409,9 @@ mod tests {
         assert!(matches!(Message::decode(&out), Err(WireError::BadField { .. })));
         out.clear();
         Message::ModeChange(Design::Zsdp).encode(&Bsdh::default(), &mut out);
+        out[BSDH_LEN + 2] = 1;
+        assert!(matches!(Message::decode(&out), Err(WireError::BadField { .. })), "one encoding per message");
+        out[BSDH_LEN + 2] = 0;
         out[BSDH_LEN] = 9;
         assert!(matches!(Message::decode(&out), Err(WireError::BadField { .. })));
         out[0] = 0x55;
