@@ -29,7 +29,10 @@ pub fn fmt_size(n: usize) -> String {
 
 /// Pins the calling thread to `cpu` if the machine has it (silently does nothing otherwise).
 pub fn pin_to_cpu(cpu: usize) {
-    let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    // Online CPUs, not `available_parallelism`: that one reflects this thread's current
+    // affinity, so a thread spawned by a pinned thread could never pin itself elsewhere.
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
     if cpu >= n {
         return;
     }

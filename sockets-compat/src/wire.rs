@@ -34,6 +34,14 @@ pub enum WireError {
     /// An id this implementation does not know.
     #[error("unknown SDP message id {0:#04x}")]
     UnknownId(u8),
+    /// A message whose sequence number does not follow the previous one.
+    #[error("SDP message out of order: mseq {got}, expected {expected}")]
+    OutOfOrder {
+        /// The message's mseq.
+        got: u32,
+        /// The mseq that should have come.
+        expected: u32,
+    },
     /// A field out of its allowed range.
     #[error("bad SDP {field}: {value}")]
     BadField {
@@ -302,7 +310,7 @@ impl Sequencer {
     /// may not acknowledge messages we never sent.
     pub fn accept(&mut self, h: &Bsdh) -> Result<(), WireError> {
         if h.mseq != self.last_in.wrapping_add(1) {
-            return Err(WireError::BadField { field: "mseq (out of order)", value: h.mseq as u64 });
+            return Err(WireError::OutOfOrder { got: h.mseq, expected: self.last_in.wrapping_add(1) });
         }
         if self.next_out.wrapping_sub(h.mseq_ack) > (1 << 31) {
             return Err(WireError::BadField { field: "mseq_ack (ahead of what was sent)", value: h.mseq_ack as u64 });

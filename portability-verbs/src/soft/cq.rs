@@ -165,33 +165,53 @@ impl CqInner {
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         let mut sink = Out::new();
         self.progress(&mut sink);
-        if !self.overrun() && self.queued.load(Ordering::Acquire) == 0 {
-            // The common case: nothing queued from elsewhere, so this pass's completions go
-            // straight to the caller (no queue, no lock); only what does not fit is queued.
-            let n = out.len().min(sink.len());
-            for (slot, (_, wc)) in out.iter_mut().zip(&sink) {
-                *slot = *wc;
-            }
-            self.push(sink[n..].iter().map(|(_, wc)| *wc));
-            return Ok(n);
-        }
-        // Keep order: this pass's completions queue behind those already there.
-        self.push(sink.iter().map(|(_, wc)| *wc));
         if self.overrun() {
             // Lost completions break every queue pair that reports here.
             self.progress(&mut Out::new());
             return Err(VerbsError::CqOverrun);
         }
-        if self.queued.load(Ordering::Acquire) == 0 {
-            return Ok(0);
+        // This pass's direct completions are older than anything queued for their queue pairs
+        // (see `QpInner::progress`): they go first, and what does not fit goes to the queue's
+        // front, ahead of newer ones.
+        let n = out.len().min(sink.len());
+        for (slot, (_, wc)) in out.iter_mut().zip(&sink) {
+            *slot = *wc;
+        }
+        if sink.len() > n {
+            self.push_front(sink[n..].iter().map(|(_, wc)| *wc));
+        }
+        if n == out.len() || self.queued.load(Ordering::Acquire) == 0 {
+            return Ok(n);
         }
         let mut s = self.state.lock().expect("cq lock");
-        let n = out.len().min(s.queue.len());
-        for (slot, wc) in out.iter_mut().zip(s.queue.drain(..n)) {
+        let m = (out.len() - n).min(s.queue.len());
+        for (slot, wc) in out[n..].iter_mut().zip(s.queue.drain(..m)) {
             *slot = wc;
         }
-        self.queued.fetch_sub(n, Ordering::Relaxed);
-        Ok(n)
+        self.queued.fetch_sub(m, Ordering::Relaxed);
+        Ok(n + m)
+    }
+
+    /// Whether completions wait in the queue (a hint read without the lock).
+    pub(crate) fn has_queued(&self) -> bool {
+        self.queued.load(Ordering::Acquire) != 0
+    }
+
+    /// Puts completions back at the queue's front, in order (a poll's overflow).
+    fn push_front(&self, wcs: impl DoubleEndedIterator<Item = WorkCompletion>) {
+        let mut s = self.state.lock().expect("cq lock");
+        let mut pushed = 0;
+        for wc in wcs.rev() {
+            if s.queue.len() >= self.capacity {
+                if !self.overrun.swap(true, Ordering::Relaxed) {
+                    log::error!("completion queue overrun (capacity {})", self.capacity);
+                }
+            } else {
+                s.queue.push_front(wc);
+                pushed += 1;
+            }
+        }
+        self.queued.fetch_add(pushed, Ordering::Release);
     }
 
     /// Arms the queue: the next completion or peer activity makes [`CqInner::event_fd`]

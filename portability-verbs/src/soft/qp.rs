@@ -382,8 +382,10 @@ impl QpInner {
             (s, t) => return Err(VerbsError::InvalidState(format!("no transition {t:?} from {s:?}"))),
         }
         self.publish_peek(&core);
-        drop(core);
+        // Delivered under the lock: completions of one queue pair reach its queues in order
+        // even when several threads drive it.
         self.deliver(&flushed);
+        drop(core);
         Ok(())
     }
 
@@ -536,8 +538,8 @@ impl QpInner {
         // A message may have been waiting for this receive.
         self.progress_inbound(&mut core, &mut out);
         self.publish_peek(&core);
+        self.deliver(&out); // under the lock: per-QP completion order across threads
         drop(core);
-        self.deliver(&out);
         r
     }
 
@@ -601,8 +603,8 @@ impl QpInner {
         }
         self.retire(&mut core, &mut out);
         self.publish_peek(&core);
+        self.deliver(&out); // under the lock: per-QP completion order across threads
         drop(core);
-        self.deliver(&out);
         result
     }
 
@@ -1340,20 +1342,29 @@ impl QpInner {
             }
         }
         self.publish_peek(&core);
-        drop(core);
         // Send-queue completions first: a receive found in this pass may have been sent in
         // answer to one of our requests that this pass also found consumed (causal order, as
         // on a wire where the acknowledgement precedes the answer).
+        // Everything is handed over before the lock is released, so a thread that drives this
+        // queue pair next cannot get newer completions of it queued ahead of these. The poller
+        // takes this pass's completions directly only if nothing is queued at its CQ: then
+        // whatever gets queued later is newer and `CqInner::poll` returns the direct ones first.
+        let direct = !cq.has_queued();
         let causal = out.iter().filter(|(s, _)| *s).chain(out.iter().filter(|(s, _)| !*s));
         for &(from_send_queue, wc) in causal {
             if (from_send_queue && send_side) || (!from_send_queue && recv_side) {
-                sink.push((from_send_queue, wc));
+                if direct {
+                    sink.push((from_send_queue, wc));
+                } else {
+                    cq.push(std::iter::once(wc));
+                }
             } else if from_send_queue {
                 self.send_cq.push(std::iter::once(wc));
             } else {
                 self.recv_cq.push(std::iter::once(wc));
             }
         }
+        drop(core);
     }
 
     /// Publishes the lock-free hints from the locked state.
@@ -1373,8 +1384,8 @@ impl QpInner {
         let mut out = Out::new();
         self.progress_inbound(&mut core, &mut out);
         self.publish_peek(&core);
+        self.deliver(&out); // under the lock: per-QP completion order across threads
         drop(core);
-        self.deliver(&out);
     }
 
     /// True if a progress pass for `cq` would find something to do.
@@ -1410,8 +1421,8 @@ impl QpInner {
         core.head_waits = 63;
         self.check_peer(&mut core, &mut out);
         self.publish_peek(&core);
+        self.deliver(&out); // under the lock: per-QP completion order across threads
         drop(core);
-        self.deliver(&out);
     }
 
     /// Marks the QP destroyed for its peer and detaches it from its queues.
