@@ -6,7 +6,7 @@
 //!     cargo run --release -p benches --bin sdp_bench
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -226,5 +226,4 @@ fn main() {
             println!();
         }
     }
-    let _ = Shutdown::Both;
 }

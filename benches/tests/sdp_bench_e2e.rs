@@ -1,0 +1,25 @@
+//! Runs the SDP benchmark end to end with tiny sizes: every table complete, every figure a
+//! positive number.
+
+use std::process::Command;
+
+#[test]
+fn sdp_bench_runs_end_to_end() {
+    let run = Command::new(env!("CARGO_BIN_EXE_sdp_bench"))
+        .args(["--max", "4096", "--iters", "60", "--volume", "400000", "--compute-us", "0,20"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "sdp_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
+    let rows: Vec<Vec<f64>> = stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty() && !l.contains("bsdp"))
+        .map(|l| l.split_whitespace().filter_map(|w| w.parse::<f64>().ok()).collect())
+        .collect();
+    // Latency: 8 B .. 4 KiB (10 rows); throughput: 1 KiB .. 4 KiB (3); overlap 2 x 2.
+    assert_eq!(rows.len(), 10 + 3 + 4, "{stdout}");
+    for r in &rows {
+        let figures = &r[r.len() - 3..];
+        assert!(figures.iter().all(|&x| x > 0.0 && x.is_finite()), "{r:?} in\n{stdout}");
+    }
+}
