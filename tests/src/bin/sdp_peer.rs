@@ -1,0 +1,38 @@
+//! The other process of the SDP cross-process tests.
+//!
+//!     sdp_peer <addr> send-then-die <bytes>   connect, write <bytes> bytes, exit without closing
+//!     sdp_peer <addr> echo                    connect, echo everything until EOF, then close
+
+use std::io::{Read, Write};
+
+use sockets_compat::{SdpConfig, SdpStream};
+
+fn main() {
+    env_logger::init();
+    let args: Vec<String> = std::env::args().collect();
+    let (addr, mode) = (&args[1], args[2].as_str());
+    let mut s = SdpStream::connect_with(addr.as_str(), SdpConfig::default()).expect("connect");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20))).expect("timeout");
+    match mode {
+        "send-then-die" => {
+            let n: usize = args[3].parse().expect("byte count");
+            let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+            s.write_all(&data).expect("write");
+            // Wait until the peer has read it all (it says so), then die without closing.
+            let mut ok = [0u8; 1];
+            s.read_exact(&mut ok).expect("go-ahead");
+            std::process::exit(0);
+        }
+        "echo" => {
+            let mut buf = vec![0u8; 1 << 16];
+            loop {
+                let n = s.read(&mut buf).expect("read");
+                if n == 0 {
+                    break;
+                }
+                s.write_all(&buf[..n]).expect("write");
+            }
+        }
+        other => panic!("unknown mode {other}"),
+    }
+}
