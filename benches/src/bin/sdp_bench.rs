@@ -41,12 +41,13 @@ struct Args {
 trait Stream: Read + Write + Send + 'static {}
 impl<T: Read + Write + Send + 'static> Stream for T {}
 
-/// Fills `buf` completely, retrying on WouldBlock (the busy-polling TCP reader).
-fn read_full(s: &mut dyn Stream, buf: &mut [u8]) -> std::io::Result<()> {
+/// Runs `op` until it has moved `len` bytes, retrying on WouldBlock (busy-polling TCP) for at
+/// most 30 s. `op` gets the offset reached and returns the bytes it moved (0: the peer closed).
+fn whole(len: usize, mut op: impl FnMut(usize) -> std::io::Result<usize>) -> std::io::Result<()> {
     let mut off = 0;
     let deadline = Instant::now() + Duration::from_secs(30);
-    while off < buf.len() {
-        match s.read(&mut buf[off..]) {
+    while off < len {
+        match op(off) {
             Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
             Ok(n) => off += n,
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
@@ -61,22 +62,12 @@ fn read_full(s: &mut dyn Stream, buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+fn read_full(s: &mut dyn Stream, buf: &mut [u8]) -> std::io::Result<()> {
+    whole(buf.len(), |off| s.read(&mut buf[off..]))
+}
+
 fn write_full(s: &mut dyn Stream, buf: &[u8]) -> std::io::Result<()> {
-    let mut off = 0;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while off < buf.len() {
-        match s.write(&buf[off..]) {
-            Ok(n) => off += n,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if Instant::now() > deadline {
-                    return Err(ErrorKind::TimedOut.into());
-                }
-                std::hint::spin_loop()
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    whole(buf.len(), |off| s.write(&buf[off..]))
 }
 
 /// A connected pair of the named transport: (client, server).
