@@ -139,6 +139,7 @@ pub struct SdpListener {
     inner: cm::Listener,
     local: SocketAddr,
     config: SdpConfig,
+    nonblocking: std::sync::atomic::AtomicBool,
 }
 
 impl SdpListener {
@@ -156,7 +157,7 @@ impl SdpListener {
             CmAddr::Tcp(a) => *a,
             CmAddr::Unix(_) => unreachable!("bound a TCP address"),
         };
-        Ok(SdpListener { inner, local, config })
+        Ok(SdpListener { inner, local, config, nonblocking: false.into() })
     }
 
     /// The bound address.
@@ -164,12 +165,37 @@ impl SdpListener {
         Ok(self.local)
     }
 
+    /// Nonblocking mode: `accept` returns `WouldBlock` when no client is waiting.
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        self.nonblocking.store(on, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Waits for a connection and returns the connected socket and the peer's address.
     pub fn accept(&self) -> io::Result<(SdpStream, SocketAddr)> {
+        self.accept_until(None)
+    }
+
+    /// [`SdpListener::accept`] that gives up with `TimedOut` after `limit` (an extension to
+    /// the std API: lets tests and tools wait for a peer that may have failed to start).
+    pub fn accept_timeout(&self, limit: Duration) -> io::Result<(SdpStream, SocketAddr)> {
+        self.accept_until(Some(Instant::now() + limit))
+    }
+
+    fn accept_until(&self, deadline: Option<Instant>) -> io::Result<(SdpStream, SocketAddr)> {
         let rt = runtime()?;
         loop {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "no connection in time"));
+            }
+            let nonblocking = self.nonblocking.load(std::sync::atomic::Ordering::Relaxed);
+            // A nonblocking accept still lets a client that is already knocking finish setup.
+            let mut wait = if nonblocking { Duration::from_millis(1) } else { Duration::from_millis(200) };
+            if let Some(d) = deadline {
+                wait = wait.min(d.saturating_duration_since(Instant::now())).max(Duration::from_millis(1));
+            }
             let cq = rt.ctx.create_cq(4096).map_err(verbs_io)?;
-            match self.inner.accept(&rt.pd, &qp_init(&cq), SDP_MAGIC, Duration::from_secs(1)) {
+            match self.inner.accept(&rt.pd, &qp_init(&cq), SDP_MAGIC, wait) {
                 Ok(conn) => {
                     if conn.peer_private != SDP_MAGIC {
                         debug!("rejecting a non-SDP bootstrap peer");
@@ -179,6 +205,7 @@ impl SdpListener {
                     let peer = s.peer_addr()?;
                     return Ok((s, peer));
                 }
+                Err(VerbsError::Timeout(_)) if nonblocking => return Err(io::ErrorKind::WouldBlock.into()),
                 // No client yet: keep listening, as a blocking accept does.
                 Err(VerbsError::Timeout(_)) => continue,
                 Err(e) => return Err(verbs_io(e)),

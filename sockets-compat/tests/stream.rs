@@ -29,7 +29,7 @@ fn pair(client: SdpConfig, server: SdpConfig) -> (SdpStream, SdpStream) {
     let l = SdpListener::bind_with("127.0.0.1:0", server).unwrap();
     let addr = l.local_addr().unwrap();
     let t = thread::spawn(move || SdpStream::connect_with(addr, client).unwrap());
-    let (s, peer) = l.accept().unwrap();
+    let (s, peer) = l.accept_timeout(Duration::from_secs(20)).unwrap();
     let c = t.join().unwrap();
     assert_eq!(peer, c.local_addr().unwrap());
     assert_eq!(s.local_addr().unwrap(), addr);
@@ -288,4 +288,12 @@ fn bad_settings_are_errors() {
     let az = SdpConfig { design: Design::AzSdp, ..SdpConfig::default() };
     assert_eq!(SdpListener::bind_with("127.0.0.1:0", az).err().unwrap().kind(), ErrorKind::Unsupported);
     assert!(SdpStream::connect_with("127.0.0.1:1", SdpConfig::default()).is_err());
+}
+
+#[test]
+fn accept_without_a_client_times_out_or_would_block() {
+    let l = SdpListener::bind_with("127.0.0.1:0", SdpConfig::default()).unwrap();
+    assert_eq!(l.accept_timeout(Duration::from_millis(50)).err().unwrap().kind(), ErrorKind::TimedOut);
+    l.set_nonblocking(true).unwrap();
+    assert_eq!(l.accept().err().unwrap().kind(), ErrorKind::WouldBlock);
 }

@@ -29,7 +29,7 @@ fn reap(mut c: Child) -> std::process::ExitStatus {
 fn echo_across_processes_is_byte_exact() {
     let l = SdpListener::bind_with("127.0.0.1:0", SdpConfig::default()).unwrap();
     let child = spawn(l.local_addr().unwrap(), &["echo"]);
-    let (mut s, _) = l.accept().unwrap();
+    let (mut s, _) = l.accept_timeout(Duration::from_secs(20)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let data: Vec<u8> = (0..1_000_000u32).map(|i| (i * 7 % 253) as u8).collect();
     let mut r = s.try_clone().unwrap();
@@ -50,7 +50,7 @@ fn a_peer_dying_mid_stream_is_a_reset_after_its_data() {
     let l = SdpListener::bind_with("127.0.0.1:0", SdpConfig::default()).unwrap();
     let n = 300_000usize;
     let child = spawn(l.local_addr().unwrap(), &["send-then-die", &n.to_string()]);
-    let (mut s, _) = l.accept().unwrap();
+    let (mut s, _) = l.accept_timeout(Duration::from_secs(20)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let mut got = vec![0u8; n];
     s.read_exact(&mut got).unwrap();

@@ -88,7 +88,7 @@ fn connect(layer: &str, zcopy_threshold: usize) -> (Box<dyn Stream>, Box<dyn Str
     let l = SdpListener::bind_with("127.0.0.1:0", cfg).expect("bind");
     let a = l.local_addr().expect("addr");
     let t = thread::spawn(move || SdpStream::connect_with(a, cfg).expect("connect"));
-    let s = l.accept().expect("accept").0;
+    let s = l.accept_timeout(Duration::from_secs(20)).expect("accept").0;
     let c = t.join().expect("connect thread");
     for x in [&c, &s] {
         x.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");

@@ -1,0 +1,87 @@
+//! A hand-made peer that breaks the protocol: the socket fails with a clear I/O error, after
+//! delivering what arrived intact, and never hangs.
+
+use std::io::{ErrorKind, Read};
+use std::time::Duration;
+
+use portability_verbs::cm::{self, CmAddr};
+use portability_verbs::datapath::MsgPipe;
+use portability_verbs::{Context, QpInit};
+use sockets_compat::wire::{Advert, Bsdh, Message};
+use sockets_compat::{SdpConfig, SdpListener};
+
+const T: Duration = Duration::from_secs(10);
+
+/// Accepts on an SDP listener while a raw pipe peer connects; returns the socket and the peer.
+fn with_raw_peer(send: impl FnOnce(&mut MsgPipe) + Send + 'static) -> sockets_compat::SdpStream {
+    let l = SdpListener::bind_with("127.0.0.1:0", SdpConfig::default()).unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let ctx = Context::open_default().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(256).unwrap();
+        let conn = cm::connect(&CmAddr::Tcp(addr), &pd, &QpInit::new(&cq), b"SDP1", T).unwrap();
+        let mut pipe = MsgPipe::establish(conn.qp, cq, &pd, SdpConfig::CREDIT, T).unwrap();
+        send(&mut pipe);
+        // Stay up long enough for the socket to read everything.
+        let end = std::time::Instant::now() + Duration::from_secs(2);
+        while std::time::Instant::now() < end {
+            let _ = pipe.progress();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
+    // A peer thread that failed must fail the test, not hang it.
+    let (s, _) = l.accept_timeout(T).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    s
+}
+
+fn encode(mseq: u32, m: Message<'_>) -> Vec<u8> {
+    let mut v = Vec::new();
+    m.encode(&Bsdh { mseq, ..Bsdh::default() }, &mut v);
+    v
+}
+
+#[test]
+fn a_malformed_header_fails_the_socket_after_the_good_bytes() {
+    let mut s = with_raw_peer(|p| {
+        p.send(&encode(1, Message::Data(b"good")), T).unwrap();
+        p.send(&[0xFF, 0, 0, 0, 0, 0, 0, 99, 0, 0, 0, 2], T).unwrap(); // length lies
+    });
+    let mut buf = [0u8; 4];
+    s.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"good");
+    let e = s.read(&mut buf).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
+    assert!(s.read(&mut buf).is_err(), "the socket stays failed");
+}
+
+#[test]
+fn an_out_of_order_sequence_number_fails_the_socket() {
+    let mut s = with_raw_peer(|p| {
+        p.send(&encode(1, Message::Data(b"a")), T).unwrap();
+        p.send(&encode(3, Message::Data(b"b")), T).unwrap();
+    });
+    let mut buf = [0u8; 8];
+    assert_eq!(s.read(&mut buf).unwrap(), 1);
+    assert_eq!(s.read(&mut buf).unwrap_err().kind(), ErrorKind::InvalidData);
+}
+
+#[test]
+fn an_advertised_buffer_the_peer_does_not_honor_is_an_error_not_garbage() {
+    let mut s = with_raw_peer(|p| {
+        let bogus = Advert { len: 4096, rkey: 0xdead_beef, addr: 0x1000 };
+        p.send(&encode(1, Message::SrcAvail(bogus)), T).unwrap();
+    });
+    let mut buf = vec![0u8; 4096];
+    let e = s.read(&mut buf).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset), "{e:?}");
+}
+
+#[test]
+fn an_abort_is_a_reset() {
+    let mut s = with_raw_peer(|p| {
+        p.send(&encode(1, Message::Abort), T).unwrap();
+    });
+    assert_eq!(s.read(&mut [0u8; 8]).unwrap_err().kind(), ErrorKind::ConnectionReset);
+}
