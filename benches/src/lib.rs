@@ -141,3 +141,40 @@ pub fn wait_child(child: &mut std::process::Child, limit: Duration) -> Option<st
         }
     }
 }
+
+/// Runs `op` until it has moved `len` bytes, retrying on `WouldBlock` (busy-polling nonblocking
+/// sockets) for at most `limit`. `op` gets the offset reached and returns the bytes it moved;
+/// 0 means the peer closed (`UnexpectedEof`). The whole-buffer read and write of the TCP and
+/// SDP benchmark layers.
+pub fn io_whole(
+    len: usize,
+    limit: Duration,
+    mut op: impl FnMut(usize) -> std::io::Result<usize>,
+) -> std::io::Result<()> {
+    use std::io::ErrorKind;
+    let mut off = 0;
+    let deadline = Instant::now() + limit;
+    while off < len {
+        match op(off) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => off += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if Instant::now() > deadline {
+                    return Err(ErrorKind::TimedOut.into());
+                }
+                std::hint::spin_loop()
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The role of a two-process benchmark run: the client starts its server peer itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PeerRole {
+    /// Measures, and starts the server.
+    Client,
+    /// Answers the client.
+    Server,
+}

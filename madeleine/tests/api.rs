@@ -57,6 +57,30 @@ fn unsafe_cell_bytes(cells: &[std::cell::Cell<u8>]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(cells.as_ptr() as *const u8, cells.len()) }
 }
 
+/// Sends `body` to rank 1 as a length packed EXPRESS and the body packed CHEAPER.
+fn send_sized(ch: &Channel, body: &[u8]) {
+    let len = (body.len() as u64).to_le_bytes();
+    let mut p = ch.begin_packing(1).unwrap();
+    p.pack(&len, SendMode::Cheaper, RecvMode::Express).unwrap();
+    p.pack(body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+    p.end_packing().unwrap();
+}
+
+/// Receives what `send_sized` sent: the usual EXPRESS/CHEAPER pattern.
+fn recv_sized(ch: &Channel) -> Vec<u8> {
+    // A CHEAPER buffer must outlive the unpacker (the borrow checker insists: the data may
+    // land until end_unpacking), so it is declared first and sized later.
+    let mut body = Vec::new();
+    let mut u = ch.begin_unpacking().unwrap();
+    let mut len = [0u8; 8];
+    u.unpack_express(&mut len, SendMode::Cheaper).unwrap();
+    // The length decides the next unpack.
+    body.resize(u64::from_le_bytes(len) as usize, 0);
+    u.unpack(&mut body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+    u.end_unpacking().unwrap();
+    body
+}
+
 fn pattern(seed: usize, len: usize) -> Vec<u8> {
     (0..len).map(|i| (seed * 131 + i * 7 + (i >> 8)) as u8).collect()
 }
@@ -101,25 +125,10 @@ fn express_data_is_there_at_unpack_and_cheaper_after_end_unpacking() {
     group(2, SMALL, |rank, ch| {
         let body_len = 200_000;
         if rank == 0 {
-            let body = pattern(1, body_len);
-            let len = (body.len() as u64).to_le_bytes();
-            let mut p = ch.begin_packing(1).unwrap();
-            p.pack(&len, SendMode::Cheaper, RecvMode::Express).unwrap();
-            p.pack(&body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
-            p.end_packing().unwrap();
+            send_sized(ch, &pattern(1, body_len));
         } else {
-            // A CHEAPER buffer must outlive the unpacker (the borrow checker insists: the data
-            // may land until end_unpacking), so it is declared first and sized later.
-            let mut body = Vec::new();
-            let mut u = ch.begin_unpacking().unwrap();
-            let mut len = [0u8; 8];
-            u.unpack_express(&mut len, SendMode::Cheaper).unwrap();
-            // The length decides the next unpack (the usual EXPRESS/CHEAPER pattern).
-            let n = u64::from_le_bytes(len) as usize;
-            assert_eq!(n, body_len);
-            body.resize(n, 0);
-            u.unpack(&mut body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
-            u.end_unpacking().unwrap();
+            let body = recv_sized(ch);
+            assert_eq!(body.len(), body_len);
             assert_eq!(body, pattern(1, body_len));
         }
     });
@@ -257,21 +266,10 @@ fn coroutines_send_and_receive_without_blocking_the_scheduler() {
                 let done = &done;
                 may::go!(s, move || {
                     if rank == 0 {
-                        let v = pattern(c, 5000 + c);
-                        let len = (v.len() as u64).to_le_bytes();
-                        let mut p = ch.begin_packing(1).unwrap();
-                        p.pack(&len, SendMode::Cheaper, RecvMode::Express).unwrap();
-                        p.pack(&v, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
-                        p.end_packing().unwrap();
+                        send_sized(ch, &pattern(c, 5000 + c));
                     } else {
-                        let mut body = Vec::new();
-                        let mut u = ch.begin_unpacking().unwrap();
-                        let mut len = [0u8; 8];
-                        u.unpack_express(&mut len, SendMode::Cheaper).unwrap();
-                        let n = u64::from_le_bytes(len) as usize;
-                        body.resize(n, 0);
-                        u.unpack(&mut body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
-                        u.end_unpacking().unwrap();
+                        let body = recv_sized(ch);
+                        let n = body.len();
                         assert_eq!(body, pattern(n - 5000, n));
                     }
                     done.fetch_add(1, Ordering::Relaxed);

@@ -8,16 +8,12 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between, wait_child};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use hdrhistogram::Histogram;
 use portability_verbs::datapath::{crossover, BufferPool, FlowStrategy, MsgPipe, RegistrationCache};
 use portability_verbs::*;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Role {
-    Client,
-    Server,
-}
+use benches::PeerRole as Role;
 
 /// Flow-control strategies side by side (latency, bandwidth, buffer utilization).
 #[derive(Parser, Debug, Clone)]

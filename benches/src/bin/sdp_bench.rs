@@ -5,12 +5,12 @@
 //!
 //!     cargo run --release -p benches --bin sdp_bench
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between};
+use benches::{cacheline_one_way_ns, fmt_size, io_whole, pin_to_cpu, sizes_between};
 use clap::Parser;
 use hdrhistogram::Histogram;
 use sockets_compat::{Design, SdpConfig, SdpListener, SdpStream};
@@ -41,33 +41,12 @@ struct Args {
 trait Stream: Read + Write + Send + 'static {}
 impl<T: Read + Write + Send + 'static> Stream for T {}
 
-/// Runs `op` until it has moved `len` bytes, retrying on WouldBlock (busy-polling TCP) for at
-/// most 30 s. `op` gets the offset reached and returns the bytes it moved (0: the peer closed).
-fn whole(len: usize, mut op: impl FnMut(usize) -> std::io::Result<usize>) -> std::io::Result<()> {
-    let mut off = 0;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while off < len {
-        match op(off) {
-            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
-            Ok(n) => off += n,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if Instant::now() > deadline {
-                    return Err(ErrorKind::TimedOut.into());
-                }
-                std::hint::spin_loop()
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 fn read_full(s: &mut dyn Stream, buf: &mut [u8]) -> std::io::Result<()> {
-    whole(buf.len(), |off| s.read(&mut buf[off..]))
+    io_whole(buf.len(), Duration::from_secs(30), |off| s.read(&mut buf[off..]))
 }
 
 fn write_full(s: &mut dyn Stream, buf: &[u8]) -> std::io::Result<()> {
-    whole(buf.len(), |off| s.write(&buf[off..]))
+    io_whole(buf.len(), Duration::from_secs(30), |off| s.write(&buf[off..]))
 }
 
 /// A connected pair of the named transport: (client, server).

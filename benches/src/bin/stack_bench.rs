@@ -373,37 +373,12 @@ impl TcpLink {
 
 impl Link for TcpLink {
     fn send(&mut self, len: usize) -> Result<(), String> {
-        let mut off = 0;
-        let deadline = Instant::now() + T;
-        while off < len {
-            match self.s.write(&self.buf[off..len]) {
-                Ok(n) => off += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() > deadline {
-                        return Err("TCP send timed out".into());
-                    }
-                }
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-        Ok(())
+        let (s, buf) = (&mut self.s, &self.buf);
+        benches::io_whole(len, T, |off| s.write(&buf[off..len])).map_err(|e| format!("TCP send: {e}"))
     }
     fn recv(&mut self, len: usize) -> Result<(), String> {
-        let mut off = 0;
-        let deadline = Instant::now() + T;
-        while off < len {
-            match self.s.read(&mut self.buf[off..len]) {
-                Ok(0) => return Err("TCP peer closed".into()),
-                Ok(n) => off += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() > deadline {
-                        return Err("TCP receive timed out".into());
-                    }
-                }
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-        Ok(())
+        let (s, buf) = (&mut self.s, &mut self.buf);
+        benches::io_whole(len, T, |off| s.read(&mut buf[off..len])).map_err(|e| format!("TCP receive: {e}"))
     }
     fn put(&mut self, v: u64) {
         self.buf[..8].copy_from_slice(&v.to_le_bytes());

@@ -26,11 +26,7 @@ enum Op {
     WriteUser,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Role {
-    Client,
-    Server,
-}
+use benches::PeerRole as Role;
 
 /// Raw verbs ping-pong and streaming benchmark over two processes.
 #[derive(Parser, Debug, Clone)]

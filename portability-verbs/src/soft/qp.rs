@@ -842,30 +842,22 @@ impl QpInner {
         if matches!(inline, Inline::No) && !self.ctx.check_local(&wr.sg_list, AccessFlags::NONE, self.pd) {
             return Some(SqStage::Done(WcStatus::LocProtErr));
         }
-        let (imm, raddr, rkey) = (wr.imm, wr.remote_addr, wr.rkey);
+        let header = |kind| RecordHeader {
+            kind,
+            flags: wire::FLAG_IMM,
+            sge_count: 0,
+            len,
+            imm: wr.imm,
+            rkey: wr.rkey,
+            raddr: wr.remote_addr,
+        };
         if self.wwi_is_ring_inline(core, wr) {
-            let h = RecordHeader {
-                kind: RecordKind::WriteImmInline,
-                flags: wire::FLAG_IMM,
-                sge_count: 0,
-                len,
-                imm,
-                rkey,
-                raddr,
-            };
+            let h = header(RecordKind::WriteImmInline);
             return self.place_record(core, h, |dst| self.gather_into(dst, inline, &wr.sg_list));
         }
         // Room for the notification first, so the data is written exactly once.
         let r = core.remote.as_ref()?;
-        let h = RecordHeader {
-            kind: RecordKind::WriteImmNotify,
-            flags: wire::FLAG_IMM,
-            sge_count: 0,
-            len,
-            imm,
-            rkey,
-            raddr,
-        };
+        let h = header(RecordKind::WriteImmNotify);
         wire::place(core.produced, core.reaped, r.ring_bytes, h.record_size())?;
         if let SqStage::Done(st) = self.run_one_sided(core, wr, inline) {
             if !st.is_success() {
