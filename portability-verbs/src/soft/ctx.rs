@@ -300,7 +300,7 @@ impl LocalKeys<'_> {
 }
 
 /// Copies `len` bytes from `src` to `dst`, both in this process. The provider's stand-in for DMA:
-/// while any range is memory-protected it goes through `/proc/self/mem`, which ignores protection.
+/// where a range is held by `protect` it goes through `/proc/self/mem`, which ignores protection.
 ///
 /// # Safety
 /// Both ranges must be valid mapped memory of this process that the caller has checked against a
@@ -309,7 +309,7 @@ pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) {
     if len == 0 {
         return;
     }
-    if crate::protect::any_active() {
+    if crate::protect::overlaps(dst as usize, len) || crate::protect::read_blocked(src as usize, len) {
         // SAFETY: the caller guarantees `src` is valid for `len` bytes; reading it may fault only if
         // it is protected against reads, which /proc/self/mem handles.
         let mut tmp = vec![0u8; len];

@@ -260,8 +260,13 @@ pub fn write_self_mem(addr: u64, src: &[u8]) -> io::Result<()> {
 
 /// Reads from this process's own memory through `/proc/self/mem` (reaches read-protected pages).
 pub fn read_self_mem(addr: u64, dst: &mut [u8]) -> io::Result<()> {
-    let f = std::fs::OpenOptions::new().read(true).open("/proc/self/mem")?;
-    f.read_exact_at(dst, addr)
+    thread_local! {
+        static SELF_MEM: Option<File> = std::fs::OpenOptions::new().read(true).open("/proc/self/mem").ok();
+    }
+    SELF_MEM.with(|f| match f {
+        Some(f) => f.read_exact_at(dst, addr),
+        None => Err(io::Error::other("cannot open /proc/self/mem")),
+    })
 }
 
 #[cfg(test)]

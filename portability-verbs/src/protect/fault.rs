@@ -1,0 +1,201 @@
+//! The SIGSEGV handler behind [`super::protect`]: a touch of a held page waits for the hold to
+//! go, then retries; any other fault goes to the handler that was installed before ours (the
+//! `may` runtime's stack-guard handler, Rust's own, or the default action).
+//!
+//! Everything here is async-signal-safe: the handler reads the lock-free hold table, sleeps on
+//! a futex and touches only atomics and a const-initialized thread-local. It takes no lock and
+//! allocates nothing, so it cannot deadlock with the code it interrupted.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::{blocking_hold, RELEASES, SLOTS};
+use crate::error::{Result, VerbsError};
+
+/// The handler that was installed before ours (leaked, never freed: the handler may read it
+/// at any time).
+static PREVIOUS: AtomicPtr<libc::sigaction> = AtomicPtr::new(std::ptr::null_mut());
+static INSTALL: Mutex<()> = Mutex::new(());
+/// Rung when a thread starts waiting in a fault (and by [`ring_bell`]): progress engines sleep
+/// on it.
+static BELL: AtomicU32 = AtomicU32::new(0);
+static HANDLED: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// The last fault this thread let retry without finding a hold: (address, release
+    /// generation). A second identical fault is not ours.
+    static LAST_RETRY: Cell<(usize, u32)> = const { Cell::new((0, 0)) };
+}
+
+/// Faults waited out so far in this process.
+pub fn faults_handled() -> u64 {
+    HANDLED.load(Ordering::Relaxed)
+}
+
+/// The bell's current value, to pass to [`wait_bell`].
+pub fn fault_bell() -> u32 {
+    BELL.load(Ordering::Acquire)
+}
+
+/// Rings the bell: wakes whoever sleeps in [`wait_bell`] (new work for a progress engine).
+pub fn ring_bell() {
+    BELL.fetch_add(1, Ordering::AcqRel);
+    futex_wake_all(&BELL);
+}
+
+/// Sleeps until the bell moves past `seen` or `timeout` passes.
+pub fn wait_bell(seen: u32, timeout: Duration) {
+    futex_wait(&BELL, seen, timeout);
+}
+
+/// Makes sure our handler is the current SIGSEGV handler, chaining to whatever was there. Cheap
+/// when it already is (one `sigaction` query); re-installs if something replaced it since.
+pub(super) fn ensure_installed() -> Result<()> {
+    let ours = on_fault as *const () as libc::sighandler_t;
+    if current_handler()? == ours {
+        return Ok(());
+    }
+    let _g = INSTALL.lock().unwrap_or_else(|p| p.into_inner());
+    if current_handler()? == ours {
+        return Ok(());
+    }
+    // SAFETY: sigaction is plain data; an all-zero value is a valid starting point.
+    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+    action.sa_sigaction = ours;
+    action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+    // SAFETY: sa_mask is a valid sigset_t to initialize.
+    unsafe { libc::sigemptyset(&mut action.sa_mask) };
+    let previous: &'static mut libc::sigaction = Box::leak(Box::new(
+        // SAFETY: as above.
+        unsafe { std::mem::zeroed() },
+    ));
+    // SAFETY: valid action and out-pointer; our handler is async-signal-safe.
+    if unsafe { libc::sigaction(libc::SIGSEGV, &action, previous) } != 0 {
+        return Err(VerbsError::last_os("installing the SIGSEGV handler"));
+    }
+    PREVIOUS.store(previous, Ordering::Release);
+    log::debug!("memory-protection fault handler installed");
+    Ok(())
+}
+
+fn current_handler() -> Result<libc::sighandler_t> {
+    // SAFETY: querying with a null new action only writes the out-pointer.
+    let mut cur: libc::sigaction = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sigaction(libc::SIGSEGV, std::ptr::null(), &mut cur) } != 0 {
+        return Err(VerbsError::last_os("querying the SIGSEGV handler"));
+    }
+    Ok(cur.sa_sigaction)
+}
+
+/// True if the faulting access was a write (x86-64 reports it in the page-fault error code);
+/// elsewhere every fault counts as a write, which waits for read-only holds too.
+fn faulted_on_write(ctx: *mut libc::c_void) -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        if ctx.is_null() {
+            return true;
+        }
+        // SAFETY: the kernel passes a valid ucontext_t to SA_SIGINFO handlers.
+        let uc = unsafe { &*(ctx as *const libc::ucontext_t) };
+        uc.uc_mcontext.gregs[libc::REG_ERR as usize] & 2 != 0
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    {
+        let _ = ctx;
+        true
+    }
+}
+
+extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo_t for SIGSEGV to SA_SIGINFO handlers.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    if wait_out(addr, faulted_on_write(ctx)) {
+        return; // the access retries on pages opened since
+    }
+    chain(sig, info, ctx);
+}
+
+/// Waits while a hold forbids the access. Returns `true` if the fault was (or may have been)
+/// ours and the access should retry, `false` to hand the fault on.
+fn wait_out(addr: usize, write: bool) -> bool {
+    let mut counted = false;
+    loop {
+        let seen = RELEASES.load(Ordering::Acquire);
+        let Some(i) = blocking_hold(addr, 1, write) else { break };
+        if !counted {
+            counted = true;
+            SLOTS[i].faults.fetch_add(1, Ordering::Relaxed);
+            HANDLED.fetch_add(1, Ordering::Relaxed);
+        }
+        // Tell the progress engine someone is stuck, on every round (it may have napped).
+        ring_bell();
+        futex_wait(&RELEASES, seen, Duration::from_millis(2));
+    }
+    if counted {
+        LAST_RETRY.with(|c| c.set((0, 0)));
+        return true;
+    }
+    // No hold now. A release may have raced with the fault (pages opened, then the slot freed):
+    // then the generation moved after the fault, so a retry is right. The same address faulting
+    // twice with no release in between is a genuine fault.
+    let generation = RELEASES.load(Ordering::Acquire);
+    LAST_RETRY.with(|c| {
+        if c.get() == (addr, generation) {
+            false
+        } else {
+            c.set((addr, generation));
+            true
+        }
+    })
+}
+
+fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    let prev = PREVIOUS.load(Ordering::Acquire);
+    // SAFETY: a non-null PREVIOUS points at a leaked, never-freed sigaction.
+    let prev = unsafe { prev.as_ref() };
+    match prev {
+        Some(p) if p.sa_sigaction != libc::SIG_DFL && p.sa_sigaction != libc::SIG_IGN => {
+            if p.sa_flags & libc::SA_SIGINFO != 0 {
+                // SAFETY: with SA_SIGINFO, sa_sigaction holds a three-argument handler.
+                let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                    unsafe { std::mem::transmute(p.sa_sigaction) };
+                f(sig, info, ctx);
+            } else {
+                // SAFETY: without SA_SIGINFO, it holds a one-argument handler.
+                let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(p.sa_sigaction) };
+                f(sig);
+            }
+        }
+        _ => {
+            // Default action: restore it and return, so the access faults again and kills the
+            // process the ordinary way (with a core dump where enabled).
+            // SAFETY: zeroed sigaction is SIG_DFL with an empty mask.
+            let dfl: libc::sigaction = unsafe { std::mem::zeroed() };
+            // SAFETY: sigaction is async-signal-safe.
+            unsafe { libc::sigaction(sig, &dfl, std::ptr::null_mut()) };
+        }
+    }
+}
+
+/// Sleeps while `*word == seen`, at most `timeout` (spurious wakeups are fine for callers).
+pub(super) fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
+    // SAFETY: FUTEX_WAIT on a valid aligned u32 with a valid timeout; async-signal-safe.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            seen,
+            &ts as *const libc::timespec,
+        )
+    };
+}
+
+/// Wakes every sleeper on `word`.
+pub(super) fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a valid aligned u32.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, i32::MAX) };
+}
