@@ -9,6 +9,7 @@
 //! control) and ZSDP (synchronous zero-copy: SrcAvail, the receiver's RDMA read, RdmaRdCompl).
 //! AZ-SDP (asynchronous zero-copy with memory protection) is not built yet.
 
+mod engine;
 pub mod stream;
 pub mod wire;
 

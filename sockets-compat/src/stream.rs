@@ -8,7 +8,22 @@
 //! - BSDP copies stream bytes into Data messages through the pipe's pre-registered buffers;
 //! - ZSDP, for writes of at least the zero-copy threshold, advertises the registered user
 //!   buffer in a SrcAvail; the receiver RDMA-reads it straight into the buffer its `read` was
-//!   given and answers RdmaRdCompl, and only then does `write` return (one outstanding).
+//!   given and answers RdmaRdCompl, and only then does `write` return (one outstanding);
+//! - AZ-SDP advertises the same way but returns at once, with the buffer's whole pages made
+//!   read-only (`portability_verbs::protect`) until RdmaRdCompl releases them; several
+//!   SrcAvails are outstanding. The unaligned head and tail of a buffer go as Data (the paper's
+//!   hybrid). An AZ-SDP receiver makes the whole pages of its `read` buffer inaccessible, starts
+//!   the RDMA read and returns; touching them waits in the fault handler until the data is
+//!   there. A touch of a held buffer is a page fault; after `az_fault_limit` of them a socket
+//!   falls back to ZSDP for good. The background engine ([`crate::engine`]) finishes transfers
+//!   while the application computes or waits in a fault.
+//!
+//! The AZ-SDP contract for the application: after `write` returns, changing the buffer never
+//! changes what the peer receives (the change waits); after `read` returns `n`, reading those
+//! bytes shows the data (the read waits). A written buffer must stay mapped until `flush`
+//! returns (freeing a large allocation unmaps it; unmapping a held buffer loses the transfer and
+//! fails the socket), and system calls given a held buffer see `EFAULT` rather than waiting —
+//! touch it, or call [`SdpStream::wait_transfers`], first.
 //!
 //! Receivers handle every message kind whatever their own design, so the two ends need not
 //! agree. A peer's malformed message, an unhonored advertisement (the read fails) or a dead
@@ -22,8 +37,11 @@ use std::time::{Duration, Instant};
 
 use log::debug;
 use portability_verbs::cm::{self, CmAddr};
-use portability_verbs::datapath::{FlowStrategy, MsgPipe, RegistrationCache};
+use portability_verbs::datapath::{FlowStrategy, MsgPipe, Registration, RegistrationCache};
+use portability_verbs::protect::{self, ProtectedRange, Protection};
 use portability_verbs::{AccessFlags, Context, ProtectionDomain, QpCaps, QpInit, SendWr, Sge, VerbsError, WcStatus};
+
+use crate::engine::{self, Background};
 
 use crate::wire::{Advert, Design, Message, Sequencer, WireError, BSDH_LEN};
 
@@ -34,17 +52,21 @@ const LINGER: Duration = Duration::from_secs(2);
 /// Private data that marks an SDP connection attempt.
 const SDP_MAGIC: &[u8] = b"SDP1";
 
-/// Per-socket settings, by default from the environment: `SDP_DESIGN` (`bsdp`, `zsdp`),
-/// `SDP_FLOW` (`credit`, `rdma`, `window`: must be the same at both ends) and
-/// `SDP_ZCOPY_THRESHOLD` (bytes).
+/// Per-socket settings, by default from the environment: `SDP_DESIGN` (`bsdp`, `zsdp`,
+/// `azsdp`), `SDP_FLOW` (`credit`, `rdma`, `window`: must be the same at both ends),
+/// `SDP_ZCOPY_THRESHOLD` (bytes), `SDP_AZ_OUTSTANDING` and `SDP_AZ_FAULT_LIMIT`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SdpConfig {
     /// How this end sends.
     pub design: Design,
     /// The buffer-copy flow control (both ends must use the same).
     pub flow: FlowStrategy,
-    /// Writes of at least this many bytes go zero-copy (ZSDP).
+    /// Writes of at least this many bytes go zero-copy (ZSDP, AZ-SDP).
     pub zcopy_threshold: usize,
+    /// AZ-SDP: SrcAvails a socket may have outstanding before `write` waits.
+    pub az_max_outstanding: usize,
+    /// AZ-SDP: page faults on held buffers after which the socket falls back to ZSDP.
+    pub az_fault_limit: u32,
 }
 
 impl SdpConfig {
@@ -72,16 +94,19 @@ impl SdpConfig {
         if let Ok(v) = std::env::var("SDP_ZCOPY_THRESHOLD") {
             c.zcopy_threshold = v.parse().map_err(|_| invalid(format!("SDP_ZCOPY_THRESHOLD={v:?}: bytes")))?;
         }
+        if let Ok(v) = std::env::var("SDP_AZ_OUTSTANDING") {
+            c.az_max_outstanding = v.parse().map_err(|_| invalid(format!("SDP_AZ_OUTSTANDING={v:?}: a count")))?;
+        }
+        if let Ok(v) = std::env::var("SDP_AZ_FAULT_LIMIT") {
+            c.az_fault_limit = v.parse().map_err(|_| invalid(format!("SDP_AZ_FAULT_LIMIT={v:?}: a count")))?;
+        }
         c.validate()?;
         Ok(c)
     }
 
     fn validate(&self) -> io::Result<()> {
-        if self.design == Design::AzSdp {
-            return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "AZ-SDP (memory-protected asynchronous zero-copy) is not implemented yet; use bsdp or zsdp",
-            ));
+        if self.az_max_outstanding == 0 || self.az_max_outstanding > 256 {
+            return Err(invalid("az_max_outstanding must be 1..=256".into()));
         }
         if self.flow.max_message() <= BSDH_LEN {
             return Err(invalid("flow-control messages too small for an SDP header".into()));
@@ -92,7 +117,13 @@ impl SdpConfig {
 
 impl Default for SdpConfig {
     fn default() -> Self {
-        SdpConfig { design: Design::Bsdp, flow: Self::CREDIT, zcopy_threshold: 64 * 1024 }
+        SdpConfig {
+            design: Design::Bsdp,
+            flow: Self::CREDIT,
+            zcopy_threshold: 64 * 1024,
+            az_max_outstanding: 16,
+            az_fault_limit: 64,
+        }
     }
 }
 
@@ -231,14 +262,30 @@ enum RxItem {
     Src(Advert, u32),
 }
 
-/// The sender's one outstanding SrcAvail.
-#[derive(Clone, Copy)]
-enum ZcopyState {
-    None,
-    /// Advertised, waiting for RdmaRdCompl.
-    Waiting,
-    /// The receiver read this many bytes and is done with the buffer.
-    Done(u32),
+/// A SrcAvail of ours the receiver has not answered yet.
+struct Outbound {
+    len: u32,
+    /// AZ-SDP: the read-only hold and registration of the buffer, released by the answer.
+    /// ZSDP keeps both in the waiting `write` instead.
+    held: Option<(ProtectedRange, Registration<'static>)>,
+}
+
+/// An RDMA read of a peer's SrcAvail in flight, in posting (and completion) order.
+struct PendingRead {
+    token: u64,
+    /// AZ-SDP: our receive buffer, inaccessible until the read completes.
+    hold: Option<ProtectedRange>,
+    _reg: Registration<'static>,
+    /// Answer RdmaRdCompl with this length once complete (the advert's last read).
+    answer: Option<u32>,
+}
+
+/// What one read attempt found.
+enum ReadStep {
+    Got(usize),
+    Nothing,
+    /// The next bytes are copied by the CPU, but a hold covers the buffer: wait, then retry.
+    BufferHeld,
 }
 
 struct Conn {
@@ -254,7 +301,17 @@ struct Conn {
     failed: Option<(io::ErrorKind, String)>,
     read_shut: bool,
     write_shut: bool,
-    zcopy: ZcopyState,
+    /// Our SrcAvails not answered yet, oldest first.
+    sends: VecDeque<Outbound>,
+    /// ZSDP: the answer to the waiting write's SrcAvail.
+    zcopy_answer: Option<u32>,
+    reads: VecDeque<PendingRead>,
+    /// Faults waited out on this socket's held buffers.
+    faults: u32,
+    /// AZ-SDP gave up after too many faults: this socket sends and receives as ZSDP now.
+    fell_back: bool,
+    /// Registered with the background engine.
+    watched: bool,
     nonblocking: bool,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
@@ -302,7 +359,12 @@ impl SdpStream {
             failed: None,
             read_shut: false,
             write_shut: false,
-            zcopy: ZcopyState::None,
+            sends: VecDeque::new(),
+            zcopy_answer: None,
+            reads: VecDeque::new(),
+            faults: 0,
+            fell_back: false,
+            watched: false,
             nonblocking: false,
             read_timeout: None,
             write_timeout: None,
@@ -390,6 +452,34 @@ impl SdpStream {
         self.lock().peer_design
     }
 
+    /// The design this end really uses now: ZSDP once an AZ-SDP socket has fallen back.
+    pub fn effective_design(&self) -> Design {
+        self.lock().effective_design()
+    }
+
+    /// Page faults waited out on this socket's held buffers so far (AZ-SDP).
+    pub fn faults(&self) -> u32 {
+        self.lock().faults
+    }
+
+    /// Waits until every transfer this socket started has completed and its buffers are
+    /// released (AZ-SDP; immediate otherwise). `write` and `read` never need this: touching a
+    /// buffer waits by itself. Useful before handing a buffer to a system call.
+    pub fn wait_transfers(&self, timeout: Duration) -> io::Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut pacer = Pacer::default();
+        loop {
+            {
+                let mut c = self.lock();
+                c.pump()?;
+                if c.sends.is_empty() && c.reads.is_empty() {
+                    return Ok(());
+                }
+            }
+            pacer.pause(Some(deadline), "waiting for transfers to complete")?;
+        }
+    }
+
     fn send_control(&self, m: Message<'_>) -> io::Result<()> {
         let deadline = self.lock().write_timeout.map(|t| Instant::now() + t);
         let mut pacer = Pacer::default();
@@ -431,30 +521,70 @@ impl SdpStream {
         loop {
             {
                 let mut c = self.lock();
-                if let Some(n) = c.try_read(buf)? {
-                    return Ok(n);
-                }
-                if c.nonblocking {
-                    return Err(io::ErrorKind::WouldBlock.into());
+                match c.try_read(buf)? {
+                    ReadStep::Got(n) => {
+                        if !c.reads.is_empty() {
+                            self.watch(&mut c);
+                        }
+                        return Ok(n);
+                    }
+                    // Our own or another socket's transfer holds the buffer: it ends without us.
+                    ReadStep::BufferHeld => protect::ring_bell(),
+                    ReadStep::Nothing if c.nonblocking => return Err(io::ErrorKind::WouldBlock.into()),
+                    ReadStep::Nothing => {}
                 }
             }
             pacer.pause(deadline, "reading")?;
         }
     }
 
+    /// Hands the socket to the background engine, which finishes its transfers in flight.
+    fn watch(&self, c: &mut Conn) {
+        if !c.watched {
+            c.watched = true;
+            let socket: Arc<Mutex<dyn Background>> = self.conn.clone();
+            engine::watch(&socket);
+        }
+    }
+
+    /// Waits until no transfer holds `buf` against reading (a receive whose data has not
+    /// landed), driving this socket meanwhile: `write` reads the buffer.
+    fn wait_readable(&self, buf: &[u8], deadline: Option<Instant>) -> io::Result<()> {
+        let mut pacer = Pacer::default();
+        while protect::read_blocked(buf.as_ptr() as usize, buf.len()) {
+            self.lock().pump()?;
+            if !protect::read_blocked(buf.as_ptr() as usize, buf.len()) {
+                break;
+            }
+            protect::ring_bell();
+            pacer.pause(deadline, "waiting for a held buffer")?;
+        }
+        Ok(())
+    }
+
     fn write_impl(&self, buf: &[u8]) -> io::Result<usize> {
-        let (zcopy, nonblocking, timeout) = {
+        let (design, zcopy, nonblocking, timeout) = {
             let c = self.lock();
             c.check_writable()?;
-            (c.config.design == Design::Zsdp && buf.len() >= c.config.zcopy_threshold, c.nonblocking, c.write_timeout)
+            (c.effective_design(), buf.len() >= c.config.zcopy_threshold, c.nonblocking, c.write_timeout)
         };
         if buf.is_empty() {
             return Ok(0);
         }
-        if zcopy && !nonblocking {
-            return self.write_zcopy(buf, timeout);
-        }
         let deadline = timeout.map(|t| Instant::now() + t);
+        // Sending reads the buffer: a receive still landing in it must finish first.
+        self.wait_readable(buf, deadline)?;
+        // A nonblocking socket copies: it cannot hold the caller's buffer past the call.
+        match design {
+            Design::Zsdp if zcopy && !nonblocking => self.write_zcopy(buf, timeout),
+            Design::AzSdp if zcopy && !nonblocking => self.write_async(buf, deadline),
+            _ => self.write_copy(buf, nonblocking, deadline),
+        }
+    }
+
+    /// BSDP: copies `buf` into Data messages; may send part of it (nonblocking, or timed out
+    /// after some progress).
+    fn write_copy(&self, buf: &[u8], nonblocking: bool, deadline: Option<Instant>) -> io::Result<usize> {
         let mut pacer = Pacer::default();
         let mut sent = 0;
         while sent < buf.len() {
@@ -494,13 +624,79 @@ impl SdpStream {
         Ok(sent)
     }
 
+    /// AZ-SDP: the unaligned head and tail go as Data, the whole pages between as a SrcAvail
+    /// of the read-only-protected buffer; returns without waiting for the receiver.
+    fn write_async(&self, buf: &[u8], deadline: Option<Instant>) -> io::Result<usize> {
+        let (head, middle) = whole_pages(buf.as_ptr() as usize, buf.len().min(u32::MAX as usize & !0xfff));
+        if middle == 0 {
+            return self.write_copy(buf, false, deadline);
+        }
+        if head > 0 {
+            let n = self.write_copy(&buf[..head], false, deadline)?;
+            if n < head {
+                return Ok(n);
+            }
+        }
+        match self.advertise_held(&buf[head..head + middle], deadline) {
+            Ok(()) => {}
+            Err(e) if head > 0 && e.kind() == io::ErrorKind::TimedOut => return Ok(head),
+            Err(e) => return Err(e),
+        }
+        let tail = &buf[head + middle..];
+        if tail.is_empty() {
+            return Ok(buf.len());
+        }
+        match self.write_copy(tail, false, deadline) {
+            Ok(n) => Ok(head + middle + n),
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => Ok(head + middle),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Protects `pages` read-only, advertises them and returns; RdmaRdCompl releases them.
+    fn advertise_held(&self, pages: &[u8], deadline: Option<Instant>) -> io::Result<()> {
+        let rt = runtime()?;
+        let mut pacer = Pacer::default();
+        loop {
+            {
+                let mut c = self.lock();
+                c.pump()?;
+                if c.sends.len() < c.config.az_max_outstanding {
+                    break;
+                }
+            }
+            pacer.pause(deadline, "waiting for an outstanding SrcAvail to be read")?;
+        }
+        let (addr, len) = (pages.as_ptr() as usize, pages.len());
+        // SAFETY: the pages stay mapped until the receiver answers, by the AZ-SDP contract
+        // (module docs); a failed socket drops the registration only after its QP is down.
+        let reg =
+            unsafe { rt.regcache.get_raw(addr as u64, len as u64, AccessFlags::REMOTE_READ) }.map_err(verbs_io)?;
+        let advert = Advert { len: len as u32, rkey: reg.rkey(), addr: addr as u64 };
+        // SAFETY: whole pages of the caller's buffer; our own code reads them only (BSDP copies)
+        // and the provider reaches them like DMA, so nothing in the progress path faults.
+        let hold = unsafe { protect::protect(addr, len, Protection::ReadOnly) }.map_err(verbs_io)?;
+        {
+            let mut c = self.lock();
+            c.check_writable()?;
+            c.sends.push_back(Outbound { len: len as u32, held: Some((hold, reg)) });
+            self.watch(&mut c);
+        }
+        // If this fails the socket has failed, which released the hold.
+        self.send_control(Message::SrcAvail(advert))
+    }
+
     /// ZSDP: advertise the registered buffer and wait until the receiver has read it.
     fn write_zcopy(&self, buf: &[u8], timeout: Option<Duration>) -> io::Result<usize> {
         let rt = runtime()?;
         let buf = &buf[..buf.len().min(u32::MAX as usize)];
         let reg = rt.regcache.get(buf, AccessFlags::REMOTE_READ).map_err(verbs_io)?;
         let advert = Advert { len: buf.len() as u32, rkey: reg.rkey(), addr: buf.as_ptr() as u64 };
-        self.lock().zcopy = ZcopyState::Waiting;
+        {
+            let mut c = self.lock();
+            c.zcopy_answer = None;
+            c.sends.push_back(Outbound { len: advert.len, held: None });
+        }
         self.send_control(Message::SrcAvail(advert))?;
         let mut deadline = timeout.map(|t| Instant::now() + t);
         let mut cancelled = false;
@@ -509,8 +705,7 @@ impl SdpStream {
             {
                 let mut c = self.lock();
                 let pumped = c.pump();
-                if let ZcopyState::Done(n) = c.zcopy {
-                    c.zcopy = ZcopyState::None;
+                if let Some(n) = c.zcopy_answer.take() {
                     if n == 0 {
                         return Err(io::Error::new(io::ErrorKind::TimedOut, "the receiver read nothing in time"));
                     }
@@ -543,9 +738,67 @@ impl SdpStream {
     }
 }
 
+/// Splits a buffer at `addr` of `len` bytes into its unaligned head and its whole pages:
+/// `(head, middle)` in bytes (`middle` 0 when no whole page fits).
+fn whole_pages(addr: usize, len: usize) -> (usize, usize) {
+    let page = portability_verbs::page_size();
+    let head = (addr.next_multiple_of(page) - addr).min(len);
+    let middle = (len - head) / page * page;
+    if middle == 0 {
+        (len, 0)
+    } else {
+        (head, middle)
+    }
+}
+
+impl Background for Conn {
+    fn background_progress(&mut self) -> bool {
+        if self.failed.is_none() && (!self.sends.is_empty() || !self.reads.is_empty()) {
+            // Errors are recorded in the socket; its next call reports them.
+            let _ = self.pump();
+        }
+        self.failed.is_none() && (!self.sends.is_empty() || !self.reads.is_empty())
+    }
+}
+
 impl Conn {
     fn max_payload(&self) -> usize {
         self.config.flow.max_message() - BSDH_LEN
+    }
+
+    fn effective_design(&self) -> Design {
+        if self.fell_back {
+            Design::Zsdp
+        } else {
+            self.config.design
+        }
+    }
+
+    /// Counts the faults a released hold saw; too many make an AZ-SDP socket fall back.
+    fn note_faults(&mut self, hold: &ProtectedRange) {
+        self.faults = self.faults.saturating_add(hold.faults());
+        if !self.fell_back && self.config.design == Design::AzSdp && self.faults >= self.config.az_fault_limit {
+            self.fell_back = true;
+            log::info!(
+                "SDP socket {} -> {}: {} page faults on held buffers, falling back to ZSDP",
+                self.local,
+                self.peer,
+                self.faults
+            );
+            // Informational for the peer; a full pipe just skips the announcement.
+            let _ = self.try_send(&Message::ModeChange(Design::Zsdp));
+        }
+    }
+
+    /// Ends every transfer in flight at once: the queue pair goes to error first, so nothing
+    /// can still read or write the buffers, then the holds and registrations are dropped.
+    fn release_all(&mut self) {
+        if self.sends.is_empty() && self.reads.is_empty() {
+            return;
+        }
+        let _ = self.pipe.qp().modify(portability_verbs::QpTransition::Error);
+        self.sends.clear();
+        self.reads.clear();
     }
 
     fn check_ok(&self) -> io::Result<()> {
@@ -567,6 +820,8 @@ impl Conn {
         if self.failed.is_none() {
             debug!("SDP socket {} -> {} failed: {why}", self.local, self.peer);
             self.failed = Some((kind, why));
+            // Never leave application buffers inaccessible behind a dead connection.
+            self.release_all();
         }
         let (k, w) = self.failed.clone().expect("set");
         io::Error::new(k, w)
@@ -602,6 +857,40 @@ impl Conn {
         }
     }
 
+    /// Finishes the RDMA reads that completed, in order: releases their holds and answers
+    /// the adverts they ended.
+    fn complete_reads(&mut self) -> io::Result<()> {
+        if self.reads.is_empty() {
+            return Ok(());
+        }
+        self.pipe.progress().map_err(|e| self.fail_verbs(e))?;
+        while let Some(front) = self.reads.front() {
+            match self.pipe.take_user_completion(front.token) {
+                None => break,
+                Some(WcStatus::Success) => {
+                    let r = self.reads.pop_front().expect("front");
+                    if let Some(h) = &r.hold {
+                        self.note_faults(h);
+                    }
+                    drop(r.hold);
+                    if let Some(n) = r.answer {
+                        self.answer_read(n)?;
+                    }
+                }
+                Some(st) => {
+                    // The peer advertised memory it does not let us read.
+                    let _ = self.try_send(&Message::Abort);
+                    let _ = self.pipe.flush();
+                    return Err(self.fail(
+                        io::ErrorKind::ConnectionAborted,
+                        format!("the peer's SrcAvail could not be read: {st:?}"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn flush_pipe(&mut self) -> io::Result<()> {
         self.pipe.flush().map_err(|e| self.fail_verbs(e))
     }
@@ -620,7 +909,7 @@ impl Conn {
             };
             match got {
                 Ok(Some(())) => {}
-                Ok(None) => return Ok(()),
+                Ok(None) => return self.complete_reads(),
                 Err(e) => return Err(self.fail_verbs(e)),
             }
             match outcome {
@@ -638,16 +927,26 @@ impl Conn {
 
     fn apply(&mut self, ctl: Control) -> io::Result<()> {
         match ctl {
-            Control::ReadDone(n) => match self.zcopy {
-                ZcopyState::Waiting => self.zcopy = ZcopyState::Done(n),
-                _ => {
+            Control::ReadDone(n) => match self.sends.pop_front() {
+                Some(Outbound { held: None, .. }) => self.zcopy_answer = Some(n),
+                Some(Outbound { len, held: Some((hold, reg)) }) => {
+                    self.note_faults(&hold);
+                    drop((hold, reg));
+                    if n != len {
+                        let why = format!("RdmaRdCompl for {n} of an uncancelled {len}-byte SrcAvail");
+                        return Err(self.fail(io::ErrorKind::InvalidData, why));
+                    }
+                }
+                None => {
                     return Err(self.fail(io::ErrorKind::InvalidData, "RdmaRdCompl with no SrcAvail outstanding".into()))
                 }
             },
             Control::Cancel => {
-                // Withdraw the oldest advertisement not fully read; answer with what was read.
+                // Withdraw the oldest advertisement not fully read; answer with what was read,
+                // after the reads already started on it have landed.
                 if let Some(i) = self.rx.iter().position(|r| matches!(r, RxItem::Src(..))) {
                     let RxItem::Src(_, done) = self.rx.remove(i).expect("found") else { unreachable!() };
+                    self.finish_reads()?;
                     self.answer_read(done)?;
                 }
                 // Otherwise it crossed our RdmaRdCompl, which already answered.
@@ -671,69 +970,106 @@ impl Conn {
         self.flush_pipe()
     }
 
-    /// One nonblocking read attempt: `Some(n)` bytes read (0 at EOF), `None` if nothing yet.
-    fn try_read(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    /// One nonblocking read attempt.
+    fn try_read(&mut self, buf: &mut [u8]) -> io::Result<ReadStep> {
         if self.read_shut {
-            return Ok(Some(0));
+            return Ok(ReadStep::Got(0));
         }
         let pumped = self.pump();
         // Bytes that arrived before a failure are still delivered, then the error.
         match self.rx.front_mut() {
             Some(RxItem::Bytes(v, off)) => {
                 let n = buf.len().min(v.len() - *off);
+                if protect::overlaps(buf.as_ptr() as usize, n) {
+                    // A plain copy would fault here, with our lock held.
+                    return Ok(ReadStep::BufferHeld);
+                }
                 buf[..n].copy_from_slice(&v[*off..*off + n]);
                 *off += n;
                 if *off == v.len() {
                     self.rx.pop_front();
                 }
-                Ok(Some(n))
+                Ok(ReadStep::Got(n))
             }
             Some(RxItem::Src(a, done)) => {
                 pumped?;
                 let (a, done) = (*a, *done);
                 let n = (buf.len() as u64).min((a.len - done) as u64) as usize;
-                self.rdma_read(&mut buf[..n], a.addr + done as u64, a.rkey)?;
-                let done = done + n as u32;
-                if done == a.len {
-                    self.rx.pop_front();
-                    self.answer_read(done)?;
-                } else if let Some(RxItem::Src(_, d)) = self.rx.front_mut() {
-                    *d = done;
+                // An AZ-SDP receiver holds the whole pages and lets their read land later;
+                // the unaligned head is read at once.
+                let (head, middle) = if self.effective_design() == Design::AzSdp {
+                    whole_pages(buf.as_ptr() as usize, n)
+                } else {
+                    (n, 0)
+                };
+                let end = done + (head + middle) as u32;
+                let answer = (end == a.len).then_some(end);
+                if head > 0 {
+                    let dst = &mut buf[..head];
+                    let token =
+                        self.post_read(dst, a.addr + done as u64, a.rkey, false, answer.filter(|_| middle == 0))?;
+                    self.wait_read(token)?;
                 }
-                Ok(Some(n))
+                if middle > 0 {
+                    let dst = &mut buf[head..head + middle];
+                    self.post_read(dst, a.addr + done as u64 + head as u64, a.rkey, true, answer)?;
+                }
+                if end == a.len {
+                    self.rx.pop_front();
+                } else if let Some(RxItem::Src(_, d)) = self.rx.front_mut() {
+                    *d = end;
+                }
+                Ok(ReadStep::Got(head + middle))
             }
             None => {
                 pumped?;
-                Ok(if self.eof { Some(0) } else { None })
+                Ok(if self.eof { ReadStep::Got(0) } else { ReadStep::Nothing })
             }
         }
     }
 
-    /// Reads peer memory straight into `buf` and waits for it to land.
-    fn rdma_read(&mut self, buf: &mut [u8], addr: u64, rkey: u32) -> io::Result<()> {
+    /// Starts an RDMA read of peer memory into `dst`; with `hold`, `dst` (whole pages) stays
+    /// inaccessible until the read completes.
+    fn post_read(&mut self, dst: &mut [u8], addr: u64, rkey: u32, hold: bool, answer: Option<u32>) -> io::Result<u64> {
         let rt = runtime()?;
-        let reg = rt.regcache.get(buf, AccessFlags::LOCAL_WRITE).map_err(verbs_io)?;
-        let sge = Sge { addr: buf.as_ptr() as u64, length: buf.len() as u32, lkey: reg.lkey() };
+        // SAFETY: `dst` stays mapped until the read completes: a synchronous read waits for
+        // it, an AZ-SDP read relies on the contract in the module docs; a failed socket drops
+        // the registration only after its QP is down.
+        let reg = unsafe { rt.regcache.get_raw(dst.as_ptr() as u64, dst.len() as u64, AccessFlags::LOCAL_WRITE) }
+            .map_err(verbs_io)?;
+        let hold = if hold {
+            // SAFETY: whole pages of the caller's buffer; the provider writes them like DMA, and
+            // our own code copies into held memory only after the hold is gone (`BufferHeld`).
+            Some(unsafe { protect::protect(dst.as_ptr() as usize, dst.len(), Protection::None) }.map_err(verbs_io)?)
+        } else {
+            None
+        };
+        let sge = Sge { addr: dst.as_ptr() as u64, length: dst.len() as u32, lkey: reg.lkey() };
         let token = self.pipe.post_user(SendWr::read(0, &[sge], addr, rkey)).map_err(|e| self.fail_verbs(e))?;
+        self.reads.push_back(PendingRead { token, hold, _reg: reg, answer });
+        Ok(token)
+    }
+
+    /// Waits until the read `token` (and every read before it) has completed.
+    fn wait_read(&mut self, token: u64) -> io::Result<()> {
         let deadline = Instant::now() + SETUP_TIMEOUT;
         loop {
-            self.pipe.progress().map_err(|e| self.fail_verbs(e))?;
-            match self.pipe.take_user_completion(token) {
-                Some(WcStatus::Success) => return Ok(()),
-                Some(st) => {
-                    // The peer advertised memory it does not let us read.
-                    let _ = self.try_send(&Message::Abort);
-                    let _ = self.pipe.flush();
-                    return Err(self.fail(
-                        io::ErrorKind::ConnectionAborted,
-                        format!("the peer's SrcAvail could not be read: {st:?}"),
-                    ));
-                }
-                None if Instant::now() > deadline => {
-                    return Err(self.fail(io::ErrorKind::TimedOut, "an RDMA read did not complete".into()))
-                }
-                None => std::hint::spin_loop(),
+            self.complete_reads()?;
+            if !self.reads.iter().any(|r| r.token == token) {
+                return Ok(());
             }
+            if Instant::now() > deadline {
+                return Err(self.fail(io::ErrorKind::TimedOut, "an RDMA read did not complete".into()));
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Waits until every read in flight has completed.
+    fn finish_reads(&mut self) -> io::Result<()> {
+        match self.reads.back() {
+            Some(r) => self.wait_read(r.token),
+            None => Ok(()),
         }
     }
 }
@@ -830,12 +1166,23 @@ impl Write for &SdpStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.write_impl(buf)
     }
-    /// Every write hands its bytes to the transport before returning; flush only drives what
-    /// flow control still holds.
+    /// Every write hands its bytes to the transport before returning; flush drives what flow
+    /// control still holds and, for AZ-SDP, waits until the peer has read every buffer written
+    /// (after which they may be freed or unmapped).
     fn flush(&mut self) -> io::Result<()> {
-        let mut c = self.lock();
-        c.flush_pipe()?;
-        c.pump()
+        let deadline = self.lock().write_timeout.map(|t| Instant::now() + t);
+        let mut pacer = Pacer::default();
+        loop {
+            {
+                let mut c = self.lock();
+                c.flush_pipe()?;
+                c.pump()?;
+                if c.sends.is_empty() {
+                    return Ok(());
+                }
+            }
+            pacer.pause(deadline, "waiting for the peer to read the buffers written")?;
+        }
     }
 }
 
@@ -844,17 +1191,23 @@ impl Drop for Conn {
         if self.failed.is_some() {
             return;
         }
-        // Close: Disconnect after the bytes written, then linger until the peer took them.
+        // Close: Disconnect after the bytes written, then linger until the peer took them
+        // (and, for AZ-SDP, read the buffers still held).
         let deadline = Instant::now() + LINGER;
         if !self.write_shut {
             while !matches!(self.try_send(&Message::Disconnect), Ok(true) | Err(_)) && Instant::now() < deadline {
                 let _ = self.pipe.progress();
             }
         }
-        while Instant::now() < deadline && self.pipe.failure().is_none() && !self.pipe.idle() {
+        while Instant::now() < deadline
+            && self.failed.is_none()
+            && self.pipe.failure().is_none()
+            && !(self.pipe.idle() && self.sends.is_empty() && self.reads.is_empty())
+        {
             let _ = self.pipe.flush();
-            let _ = self.pipe.progress();
+            let _ = self.pump();
             std::thread::yield_now();
         }
+        self.release_all();
     }
 }

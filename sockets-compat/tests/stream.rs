@@ -8,38 +8,8 @@ use std::time::Duration;
 
 use sockets_compat::{Design, SdpConfig, SdpListener, SdpStream};
 
-/// A deterministic pseudo-random byte source (xorshift), so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-}
-
-fn pair(client: SdpConfig, server: SdpConfig) -> (SdpStream, SdpStream) {
-    let l = SdpListener::bind_with("127.0.0.1:0", server).unwrap();
-    let addr = l.local_addr().unwrap();
-    let t = thread::spawn(move || SdpStream::connect_with(addr, client).unwrap());
-    let (s, peer) = l.accept_timeout(Duration::from_secs(20)).unwrap();
-    let c = t.join().unwrap();
-    assert_eq!(peer, c.local_addr().unwrap());
-    assert_eq!(s.local_addr().unwrap(), addr);
-    assert_eq!(c.peer_addr().unwrap(), addr);
-    for x in [&s, &c] {
-        x.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        x.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
-    }
-    (c, s)
-}
+mod common;
+use common::{pair, Rng};
 
 /// Writes a random stream in random-sized writes across every protocol boundary and checks
 /// the reader, reading in random-sized pieces, gets exactly it.
@@ -63,6 +33,8 @@ fn random_stream(cfg: SdpConfig, seed: u64) {
             c.write_all(&data[off..off + n]).unwrap();
             off += n;
         }
+        // AZ-SDP: `data` may be unmapped once the peer has read it all.
+        c.flush().unwrap();
         c.shutdown(Shutdown::Write).unwrap();
         c
     });
@@ -97,6 +69,19 @@ fn zsdp_streams_are_byte_exact_across_the_threshold() {
 }
 
 #[test]
+fn azsdp_streams_are_byte_exact_across_the_threshold() {
+    for (i, threshold) in [4096usize, 64 * 1024].into_iter().enumerate() {
+        // The reader looks at every buffer at once (faults), so it falls back to ZSDP midway.
+        let cfg = SdpConfig { design: Design::AzSdp, zcopy_threshold: threshold, ..SdpConfig::default() };
+        random_stream(cfg, 201 + i as u64);
+    }
+    // Never falling back: every touch waits out its transfer.
+    let cfg =
+        SdpConfig { design: Design::AzSdp, zcopy_threshold: 4096, az_fault_limit: u32::MAX, ..SdpConfig::default() };
+    random_stream(cfg, 301);
+}
+
+#[test]
 fn a_zsdp_sender_talks_to_a_bsdp_receiver() {
     let z = SdpConfig { design: Design::Zsdp, zcopy_threshold: 1000, ..SdpConfig::default() };
     let (mut c, mut s) = pair(z, SdpConfig::default());
@@ -118,7 +103,7 @@ fn a_zsdp_sender_talks_to_a_bsdp_receiver() {
 
 #[test]
 fn partial_reads_leave_the_rest_for_the_next_read() {
-    for design in [Design::Bsdp, Design::Zsdp] {
+    for design in [Design::Bsdp, Design::Zsdp, Design::AzSdp] {
         let cfg = SdpConfig { design, zcopy_threshold: 8, ..SdpConfig::default() };
         let (mut c, mut s) = pair(cfg, cfg);
         let t = thread::spawn(move || {
@@ -285,8 +270,8 @@ fn many_connections_at_once() {
 
 #[test]
 fn bad_settings_are_errors() {
-    let az = SdpConfig { design: Design::AzSdp, ..SdpConfig::default() };
-    assert_eq!(SdpListener::bind_with("127.0.0.1:0", az).err().unwrap().kind(), ErrorKind::Unsupported);
+    let none = SdpConfig { design: Design::AzSdp, az_max_outstanding: 0, ..SdpConfig::default() };
+    assert_eq!(SdpListener::bind_with("127.0.0.1:0", none).err().unwrap().kind(), ErrorKind::InvalidInput);
     assert!(SdpStream::connect_with("127.0.0.1:1", SdpConfig::default()).is_err());
 }
 

@@ -301,26 +301,37 @@ impl LocalKeys<'_> {
 
 /// Copies `len` bytes from `src` to `dst`, both in this process. The provider's stand-in for DMA:
 /// where a range is held by `protect` it goes through `/proc/self/mem`, which ignores protection.
+/// Returns `false` if a held range could not be reached (the application unmapped a buffer the
+/// transport still owned): the caller reports an access error instead of faulting.
 ///
 /// # Safety
 /// Both ranges must be valid mapped memory of this process that the caller has checked against a
-/// registration (or provider-owned memory).
-pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) {
+/// registration (or provider-owned memory), except that held ranges may have been unmapped.
+#[must_use]
+pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
     if len == 0 {
-        return;
+        return true;
     }
-    if crate::protect::overlaps(dst as usize, len) || crate::protect::read_blocked(src as usize, len) {
-        // SAFETY: the caller guarantees `src` is valid for `len` bytes; reading it may fault only if
-        // it is protected against reads, which /proc/self/mem handles.
-        let mut tmp = vec![0u8; len];
-        if sys::read_self_mem(src as u64, &mut tmp).is_ok() && sys::write_self_mem(dst as u64, &tmp).is_ok() {
-            return;
+    // Checked on both ends: a send hold only forbids writes, but its pages may be gone.
+    let (dst_held, src_held) =
+        (crate::protect::overlaps(dst as usize, len), crate::protect::overlaps(src as usize, len));
+    if dst_held || src_held {
+        // SAFETY: these slices are only handed to the kernel, which checks the addresses itself
+        // (EFAULT rather than a fault) and copies through /proc/self/mem regardless of protection.
+        let (d, s) = unsafe { (std::slice::from_raw_parts_mut(dst, len), std::slice::from_raw_parts(src, len)) };
+        // One copy where the kernel can read the source (not held, or held read-only)...
+        let direct = if dst_held { sys::write_self_mem(dst as u64, s) } else { sys::read_self_mem(src as u64, d) };
+        if direct.is_ok() {
+            return true;
         }
-        log::error!("copy through /proc/self/mem failed; falling back to a plain copy");
+        // ...else bounce (an inaccessible source into a held destination), or report it gone.
+        let mut tmp = vec![0u8; len];
+        return sys::read_self_mem(src as u64, &mut tmp).is_ok() && sys::write_self_mem(dst as u64, &tmp).is_ok();
     }
     // SAFETY: the caller guarantees both ranges are valid; overlapping registered buffers are the
     // caller's own business, so use the overlap-tolerant copy.
     unsafe { std::ptr::copy(src, dst, len) };
+    true
 }
 
 /// A fresh, process-unique and reboot-unique 64-bit id.

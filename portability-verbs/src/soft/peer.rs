@@ -235,7 +235,11 @@ impl RemoteAccess<'_> {
         match self.reach {
             // SAFETY: the destination was validated against a live registration (in use until
             // this guard drops); the caller vouches for the source.
-            Reach::Direct(p) => unsafe { local_copy(p.add(off), src, len) },
+            Reach::Direct(p) => {
+                if !unsafe { local_copy(p.add(off), src, len) } {
+                    return Err(WcStatus::RemAccessErr);
+                }
+            }
             Reach::Remote(addr) => {
                 // SAFETY: the caller vouches that `src` is valid for `len` bytes.
                 let bytes = unsafe { std::slice::from_raw_parts(src, len) };
@@ -256,7 +260,11 @@ impl RemoteAccess<'_> {
         }
         match self.reach {
             // SAFETY: as in `write_from`, with the roles swapped.
-            Reach::Direct(p) => unsafe { local_copy(dst, p.add(off), len) },
+            Reach::Direct(p) => {
+                if !unsafe { local_copy(dst, p.add(off), len) } {
+                    return Err(WcStatus::RemAccessErr);
+                }
+            }
             Reach::Remote(addr) => {
                 // SAFETY: the caller vouches that `dst` is valid for `len` bytes.
                 let bytes = unsafe { std::slice::from_raw_parts_mut(dst, len) };

@@ -808,8 +808,11 @@ impl QpInner {
         self.each_local_piece(sges, need, |off, addr, len| {
             // SAFETY: the piece is a checked local registration, or inline caller memory valid
             // during post_send; `dst` has room for the sum of the SGE lengths.
-            unsafe { local_copy(dst.add(off), addr as *const u8, len) };
-            Ok(())
+            if unsafe { local_copy(dst.add(off), addr as *const u8, len) } {
+                Ok(())
+            } else {
+                Err(WcStatus::LocProtErr)
+            }
         })
     }
 
@@ -933,6 +936,8 @@ impl QpInner {
                                 // SAFETY: checked local registration of 8 writable bytes.
                                 unsafe { local_copy(s.addr as usize as *mut u8, bytes.as_ptr(), 8) }
                             })
+                            .filter(|&copied| copied)
+                            .map(|_| ())
                             .ok_or(WcStatus::LocProtErr)
                     })
             }
@@ -1158,8 +1163,11 @@ impl QpInner {
                 (
                     self.scatter(recv, h.len as usize, |dst, off, n| {
                         // SAFETY: `off + n <= len` and the payload holds `len` bytes inside the ring.
-                        unsafe { local_copy(dst, payload.add(off), n) };
-                        Ok(())
+                        if unsafe { local_copy(dst, payload.add(off), n) } {
+                            Ok(())
+                        } else {
+                            Err(status::REM_ACCESS)
+                        }
                     }),
                     false,
                 )
@@ -1199,7 +1207,7 @@ impl QpInner {
                         // the table lock); the payload holds `len` bytes inside the ring.
                         unsafe { local_copy(h.raddr as usize as *mut u8, payload, h.len as usize) }
                     });
-                (placed.ok_or(status::REM_ACCESS), false)
+                (placed.filter(|&copied| copied).map(|_| ()).ok_or(status::REM_ACCESS), false)
             }
             RecordKind::WriteImmNotify => (Ok(()), false),
             RecordKind::Pad => (Ok(()), true),
