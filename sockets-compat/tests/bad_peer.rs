@@ -1,20 +1,25 @@
 //! A hand-made peer that breaks the protocol: the socket fails with a clear I/O error, after
 //! delivering what arrived intact, and never hangs.
 
-use std::io::{ErrorKind, Read};
+use std::io::{ErrorKind, Read, Write};
 use std::time::Duration;
 
 use portability_verbs::cm::{self, CmAddr};
 use portability_verbs::datapath::MsgPipe;
 use portability_verbs::{Context, QpInit};
 use sockets_compat::wire::{Advert, Bsdh, Message};
-use sockets_compat::{SdpConfig, SdpListener};
+use sockets_compat::{Design, SdpConfig, SdpListener};
 
 const T: Duration = Duration::from_secs(10);
 
 /// Accepts on an SDP listener while a raw pipe peer connects; returns the socket and the peer.
 fn with_raw_peer(send: impl FnOnce(&mut MsgPipe) + Send + 'static) -> sockets_compat::SdpStream {
-    let l = SdpListener::bind_with("127.0.0.1:0", SdpConfig::default()).unwrap();
+    with_raw_peer_and(SdpConfig::default(), send)
+}
+
+/// [`with_raw_peer`] for a socket with settings `cfg`.
+fn with_raw_peer_and(cfg: SdpConfig, send: impl FnOnce(&mut MsgPipe) + Send + 'static) -> sockets_compat::SdpStream {
+    let l = SdpListener::bind_with("127.0.0.1:0", cfg).unwrap();
     let addr = l.local_addr().unwrap();
     std::thread::spawn(move || {
         let ctx = Context::open_default().unwrap();
@@ -84,4 +89,53 @@ fn an_abort_is_a_reset() {
         p.send(&encode(1, Message::Abort), T).unwrap();
     });
     assert_eq!(s.read(&mut [0u8; 8]).unwrap_err().kind(), ErrorKind::ConnectionReset);
+}
+
+const PAGE: usize = 4096;
+
+fn az() -> SdpConfig {
+    SdpConfig { design: Design::AzSdp, zcopy_threshold: PAGE, ..SdpConfig::default() }
+}
+
+/// The page-aligned `pages`-page window of `v` (which has a page to spare).
+fn aligned(v: &mut [u8], pages: usize) -> &mut [u8] {
+    let off = (v.as_ptr() as usize).next_multiple_of(PAGE) - v.as_ptr() as usize;
+    &mut v[off..off + pages * PAGE]
+}
+
+#[test]
+fn a_peer_that_aborts_instead_of_reading_a_held_buffer_releases_it() {
+    let mut s = with_raw_peer_and(az(), |p| {
+        let advert = p.recv(T).unwrap();
+        assert!(matches!(Message::decode(&advert).unwrap().1, Message::SrcAvail(_)));
+        std::thread::sleep(Duration::from_millis(50));
+        p.send(&encode(1, Message::Abort), T).unwrap();
+    });
+    let mut v = vec![0u8; 17 * PAGE];
+    let buf = aligned(&mut v, 16);
+    s.write_all(buf).unwrap();
+    // The store waits for the transfer, which ends with the connection: it must not hang.
+    buf.fill(1);
+    assert!(buf.iter().all(|&b| b == 1));
+    assert_eq!(s.write(b"x").unwrap_err().kind(), ErrorKind::ConnectionReset);
+}
+
+#[test]
+fn an_unhonored_advert_into_a_held_receive_buffer_releases_it_and_fails_the_socket() {
+    let mut s = with_raw_peer_and(az(), |p| {
+        let bogus = Advert { len: 16 * PAGE as u32, rkey: 0xdead_beef, addr: 0x10000 };
+        p.send(&encode(1, Message::SrcAvail(bogus)), T).unwrap();
+    });
+    let mut v = vec![0u8; 17 * PAGE];
+    let buf = aligned(&mut v, 16);
+    // The read may return at once (the data to land later) or fail already.
+    let first = s.read(buf);
+    // Either way the buffer is readable again (not inaccessible behind a dead transfer), and
+    // nothing was written into it.
+    assert!(buf.iter().all(|&b| b == 0));
+    let e = match first {
+        Err(e) => e,
+        Ok(_) => s.read(buf).unwrap_err(),
+    };
+    assert!(matches!(e.kind(), ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset), "{e:?}");
 }

@@ -264,20 +264,20 @@ fn add_hold(w: &mut Writer, start: usize, end: usize, level: u8) -> Result<usize
     let mut done: SmallVec<[(usize, usize, u8); 4]> = SmallVec::new();
     for (x, y, base) in before {
         let now = base.max(level);
-        if now != base {
-            // SAFETY: the caller of `protect` vouches for the range; `x..y` lies inside it.
-            if let Err(e) = unsafe { set_protection(x, y, now) } {
-                for (x, y, base) in done {
-                    // SAFETY: restores what was there before on the same range.
-                    let _ = unsafe { set_protection(x, y, base) };
-                }
-                s.level.store(OPEN, Ordering::Release);
-                ACTIVE.fetch_sub(1, Ordering::AcqRel);
-                w.free.push(i);
-                return Err(e);
+        // Applied even where other holds already ask for as much: pages unmapped and mapped
+        // again under a stale hold (against the contract) must not stay open.
+        // SAFETY: the caller of `protect` vouches for the range; `x..y` lies inside it.
+        if let Err(e) = unsafe { set_protection(x, y, now) } {
+            for (x, y, base) in done {
+                // SAFETY: restores what was there before on the same range.
+                let _ = unsafe { set_protection(x, y, base) };
             }
-            done.push((x, y, base));
+            s.level.store(OPEN, Ordering::Release);
+            ACTIVE.fetch_sub(1, Ordering::AcqRel);
+            w.free.push(i);
+            return Err(e);
         }
+        done.push((x, y, base));
     }
     Ok(i)
 }

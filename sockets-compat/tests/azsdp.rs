@@ -1,0 +1,256 @@
+//! The AZ-SDP contract: after `write` returns, changing the buffer never changes what the
+//! receiver gets (the change waits); after `read` returns, the buffer shows the data (a look
+//! waits). Unaligned buffers, buffers sharing pages with other data, mmap aliases, the
+//! fallback to ZSDP, and a buffer unmapped under the transport.
+
+use std::io::{ErrorKind, Read, Write};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use portability_verbs::protect;
+use sockets_compat::{Design, SdpConfig, SdpStream};
+
+mod common;
+use common::{pair, Rng};
+
+const PAGE: usize = 4096;
+
+fn az() -> SdpConfig {
+    SdpConfig { design: Design::AzSdp, zcopy_threshold: PAGE, az_fault_limit: u32::MAX, ..SdpConfig::default() }
+}
+
+/// Page-aligned anonymous memory of its own mapping, unmapped on drop.
+struct Pages {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain memory; the tests hand it between threads like a Vec.
+unsafe impl Send for Pages {}
+
+impl Pages {
+    fn new(len: usize) -> Pages {
+        // SAFETY: a private anonymous mapping with no preconditions.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        Pages { ptr: p.cast(), len }
+    }
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping is `len` bytes, owned by self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: unmaps what `new` mapped.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Reads `n` bytes on another thread after `delay`, so the writer's transfers stay in flight.
+fn late_reader(mut s: SdpStream, n: usize, delay: Duration) -> thread::JoinHandle<(SdpStream, Vec<u8>)> {
+    thread::spawn(move || {
+        thread::sleep(delay);
+        let mut got = vec![0u8; n];
+        s.read_exact(&mut got).unwrap();
+        (s, got)
+    })
+}
+
+#[test]
+fn after_write_returns_changing_the_buffer_never_changes_what_the_peer_gets() {
+    let (mut c, s) = pair(az(), az());
+    let mut mem = Pages::new(64 * 1024);
+    let original = Rng(1).bytes(mem.len);
+    mem.bytes().copy_from_slice(&original);
+    let reader = late_reader(s, 2 * mem.len, Duration::from_millis(150));
+    let t = Instant::now();
+    c.write_all(mem.bytes()).unwrap();
+    assert!(t.elapsed() < Duration::from_millis(100), "an AZ-SDP write waited for the reader");
+    // The application reuses its buffer at once: the store waits until the peer has read it.
+    mem.bytes().fill(0xee);
+    assert!(t.elapsed() >= Duration::from_millis(100), "a store into a buffer in flight did not wait");
+    c.write_all(mem.bytes()).unwrap();
+    c.flush().unwrap();
+    let (_s, got) = reader.join().unwrap();
+    assert!(got[..mem.len] == original[..], "the peer saw a change made after write returned");
+    assert!(got[mem.len..].iter().all(|&b| b == 0xee));
+    assert!(c.faults() >= 1);
+}
+
+#[test]
+fn after_read_returns_the_buffer_shows_the_data() {
+    let (mut c, mut s) = pair(az(), az());
+    let data = Rng(2).bytes(256 * 1024 + 333);
+    let d = data.clone();
+    let writer = thread::spawn(move || {
+        c.write_all(&d).unwrap();
+        c.flush().unwrap();
+        c
+    });
+    let mut mem = Pages::new(data.len().next_multiple_of(PAGE) + PAGE);
+    // An unaligned start and length: the head is read at once, the whole pages later.
+    let buf = &mut mem.bytes()[7..7 + data.len()];
+    let mut off = 0;
+    while off < data.len() {
+        let n = s.read(&mut buf[off..]).unwrap();
+        assert!(n > 0);
+        off += n;
+    }
+    assert!(buf[..] == data[..], "a look after read returned missed data");
+    drop(writer.join().unwrap());
+}
+
+#[test]
+fn pages_shared_with_other_data_are_never_held() {
+    let (mut c, s) = pair(az(), az());
+    let mut mem = Pages::new(6 * PAGE);
+    // The buffer shares its first and last pages with the application's other data.
+    let (start, len) = (100, 4 * PAGE + 500);
+    let original = Rng(3).bytes(len);
+    mem.bytes()[start..start + len].copy_from_slice(&original);
+    let reader = late_reader(s, len, Duration::from_millis(100));
+    c.write_all(&mem.bytes()[start..start + len]).unwrap();
+    // Neighbours on the shared pages are free to change at once (no fault, no wait).
+    let t = Instant::now();
+    mem.bytes()[..start].fill(1);
+    mem.bytes()[start + len..].fill(2);
+    assert!(t.elapsed() < Duration::from_millis(50));
+    // The buffer itself is not.
+    mem.bytes()[start..start + len].fill(3);
+    c.flush().unwrap();
+    let (_s, got) = reader.join().unwrap();
+    assert!(got == original);
+    assert!(mem.bytes()[..start].iter().all(|&b| b == 1) && mem.bytes()[start + len..].iter().all(|&b| b == 2));
+}
+
+#[test]
+fn mmap_aliases_are_protected_together() {
+    let len = 16 * PAGE;
+    // SAFETY: plain memfd and mmap calls; both mappings are unmapped at the end.
+    let (a, b, fd) = unsafe {
+        let fd = libc::memfd_create(c"sdp-alias".as_ptr(), 0);
+        assert!(fd >= 0);
+        assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
+        let map = || {
+            let m = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+            assert_ne!(m, libc::MAP_FAILED);
+            m as *mut u8
+        };
+        (map(), map(), fd)
+    };
+    // SAFETY: the two mappings of `len` bytes made above, both ours.
+    let (a_bytes, b_bytes) =
+        unsafe { (std::slice::from_raw_parts_mut(a, len), std::slice::from_raw_parts_mut(b, len)) };
+    let alias = protect::register_alias(a as usize, b as usize, len).unwrap();
+    let original = Rng(4).bytes(len);
+    a_bytes.copy_from_slice(&original);
+    let (mut c, s) = pair(az(), az());
+    let reader = late_reader(s, len, Duration::from_millis(150));
+    let t = Instant::now();
+    c.write_all(a_bytes).unwrap();
+    // Writing through the other mapping changes the same memory: it must wait too.
+    b_bytes.fill(9);
+    assert!(t.elapsed() >= Duration::from_millis(100), "a store through an alias did not wait");
+    let (_s, got) = reader.join().unwrap();
+    assert!(got == original, "a change through an alias reached the peer");
+    c.flush().unwrap();
+    drop(alias);
+    // SAFETY: unmapping what was mapped above.
+    unsafe {
+        libc::munmap(a.cast(), len);
+        libc::munmap(b.cast(), len);
+        libc::close(fd);
+    }
+}
+
+#[test]
+fn a_socket_that_faults_too_often_falls_back_to_zsdp() {
+    let cfg = SdpConfig { az_fault_limit: 3, ..az() };
+    let (mut c, mut s) = pair(cfg, SdpConfig::default());
+    let mut mem = Pages::new(8 * PAGE);
+    let reader = thread::spawn(move || {
+        let mut got = vec![0u8; 8 * PAGE];
+        for i in 0..10u8 {
+            s.read_exact(&mut got).unwrap();
+            let bad = got.iter().position(|&b| b != i);
+            assert!(bad.is_none(), "message {i}: byte {bad:?} is {}", got[bad.unwrap_or(0)]);
+        }
+        s
+    });
+    for i in 0..10u8 {
+        // Touching the buffer right after each write faults until the socket gives up.
+        mem.bytes().fill(i);
+        c.write_all(mem.bytes()).unwrap();
+    }
+    c.flush().unwrap();
+    let s = reader.join().unwrap();
+    assert!(c.faults() >= 3);
+    assert_eq!(c.design(), Design::AzSdp);
+    assert_eq!(c.effective_design(), Design::Zsdp);
+    assert_eq!(s.peer_design(), Design::Zsdp);
+}
+
+#[test]
+fn an_echo_server_sends_back_the_buffer_it_just_received() {
+    let (mut c, mut s) = pair(az(), az());
+    let server = thread::spawn(move || {
+        let mut mem = Pages::new(32 * PAGE);
+        for _ in 0..5 {
+            let buf = mem.bytes();
+            let mut off = 0;
+            while off < buf.len() {
+                let n = s.read(&mut buf[off..]).unwrap();
+                // Sending a buffer whose receive has not landed waits for the data first.
+                s.write_all(&buf[off..off + n]).unwrap();
+                off += n;
+            }
+        }
+        s.flush().unwrap();
+        s
+    });
+    for round in 0..5 {
+        let data = Rng(50 + round).bytes(32 * PAGE);
+        let mut mem = Pages::new(32 * PAGE);
+        mem.bytes().copy_from_slice(&data);
+        c.write_all(mem.bytes()).unwrap();
+        let mut back = Pages::new(32 * PAGE);
+        c.read_exact(back.bytes()).unwrap();
+        assert!(back.bytes() == &data[..], "round {round} came back different");
+        c.flush().unwrap();
+    }
+    drop(server.join().unwrap());
+}
+
+#[test]
+fn a_buffer_unmapped_under_the_transport_fails_the_socket_cleanly() {
+    let (mut c, s) = pair(az(), az());
+    let mut mem = Pages::new(16 * PAGE);
+    mem.bytes().fill(5);
+    c.write_all(mem.bytes()).unwrap();
+    // Against the contract: unmapped before the peer read it (no flush).
+    drop(mem);
+    let mut s = s;
+    let mut got = vec![0u8; 16 * PAGE];
+    let err = s.read_exact(&mut got).unwrap_err();
+    assert!(matches!(err.kind(), ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset), "{err:?}");
+    // The writer learns of it too, and never hangs.
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        match c.write(&[1]) {
+            Err(_) => break,
+            Ok(_) if Instant::now() < end => thread::sleep(Duration::from_millis(10)),
+            Ok(_) => panic!("the writer never heard of the failed transfer"),
+        }
+    }
+}
