@@ -1,6 +1,8 @@
 //! Helpers shared by the benchmark programs: sizes, CPU pinning, memory and timer measurement,
 //! and bounded busy-waiting.
 
+pub mod plot;
+
 use std::time::{Duration, Instant};
 
 use portability_verbs::{Result, VerbsError};
@@ -29,17 +31,31 @@ pub fn fmt_size(n: usize) -> String {
 
 /// Pins the calling thread to `cpu` if the machine has it (silently does nothing otherwise).
 pub fn pin_to_cpu(cpu: usize) {
-    // Online CPUs, not `available_parallelism`: that one reflects this thread's current
-    // affinity, so a thread spawned by a pinned thread could never pin itself elsewhere.
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
-    if cpu >= n {
-        return;
+    if cpu < online_cpus() {
+        set_affinity(&[cpu]);
     }
+}
+
+/// Lets the calling thread (and the threads it spawns from now on) run on every online CPU
+/// again, after [`pin_to_cpu`].
+pub fn unpin() {
+    set_affinity(&(0..online_cpus()).collect::<Vec<_>>());
+}
+
+/// Online CPUs, not `available_parallelism`: that one reflects this thread's current affinity,
+/// so a thread spawned by a pinned thread could never pin itself elsewhere.
+fn online_cpus() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize
+}
+
+fn set_affinity(cpus: &[usize]) {
     // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it; sched_setaffinity reads it.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
@@ -152,17 +168,23 @@ pub fn io_whole(
     mut op: impl FnMut(usize) -> std::io::Result<usize>,
 ) -> std::io::Result<()> {
     use std::io::ErrorKind;
-    let mut off = 0;
+    let (mut off, mut polls) = (0, 0u64);
     let deadline = Instant::now() + limit;
     while off < len {
         match op(off) {
             Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
             Ok(n) => off += n,
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if Instant::now() > deadline {
-                    return Err(ErrorKind::TimedOut.into());
+                polls += 1;
+                if polls % 1024 == 0 {
+                    if Instant::now() > deadline {
+                        return Err(ErrorKind::TimedOut.into());
+                    }
+                    // Busy-polling, but not starving a peer that shares the CPU.
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop()
                 }
-                std::hint::spin_loop()
             }
             Err(e) => return Err(e),
         }
@@ -177,4 +199,35 @@ pub enum PeerRole {
     Client,
     /// Answers the client.
     Server,
+}
+
+/// A page-aligned byte buffer (as benchmarks allocate with `posix_memalign`), so zero-copy
+/// designs that work in whole pages see whole pages.
+pub struct PageBuf {
+    v: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl PageBuf {
+    /// `len` bytes of `fill`, starting on a page boundary.
+    pub fn new(len: usize, fill: u8) -> PageBuf {
+        let page = portability_verbs::page_size();
+        let v = vec![fill; len + page];
+        let off = (v.as_ptr() as usize).next_multiple_of(page) - v.as_ptr() as usize;
+        PageBuf { v, off, len }
+    }
+}
+
+impl std::ops::Deref for PageBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.v[self.off..self.off + self.len]
+    }
+}
+
+impl std::ops::DerefMut for PageBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.v[self.off..self.off + self.len]
+    }
 }

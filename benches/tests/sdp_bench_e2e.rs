@@ -5,8 +5,12 @@ use std::process::Command;
 
 #[test]
 fn sdp_bench_runs_end_to_end() {
+    let out = std::env::temp_dir().join(format!("sdp-bench-e2e-{}", std::process::id()));
     let run = Command::new(env!("CARGO_BIN_EXE_sdp_bench"))
         .args(["--max", "4096", "--iters", "60", "--volume", "400000", "--compute-us", "0,20"])
+        .args(["--windows", "1,4", "--connections", "1,2"])
+        .arg("--out")
+        .arg(&out)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);
@@ -16,10 +20,18 @@ fn sdp_bench_runs_end_to_end() {
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty() && !l.contains("bsdp"))
         .map(|l| l.split_whitespace().filter_map(|w| w.parse::<f64>().ok()).collect())
         .collect();
-    // Latency: 8 B .. 4 KiB (10 rows); throughput: 1 KiB .. 4 KiB (3); overlap 2 x 2.
-    assert_eq!(rows.len(), 10 + 3 + 4, "{stdout}");
+    // Latency: 8 B .. 4 KiB (10 rows); throughput: 1 KiB .. 4 KiB (3); overlap 2 x 2; fault
+    // window 2 x 2; hot-spot 2 x 2; multi-stream 2; multi-client 2.
+    assert_eq!(rows.len(), 10 + 3 + 4 + 4 + 4 + 2 + 2, "{stdout}");
     for r in &rows {
-        let figures = &r[r.len() - 3..];
+        let figures = &r[r.len() - 4..];
         assert!(figures.iter().all(|&x| x > 0.0 && x.is_finite()), "{r:?} in\n{stdout}");
     }
+    let json = std::fs::read_to_string(out.join("results.json")).unwrap();
+    assert_eq!(json.matches("\"key\"").count(), 10, "{json}");
+    for key in ["latency", "throughput", "multi_client"] {
+        let svg = std::fs::read_to_string(out.join(format!("{key}.svg"))).unwrap();
+        assert_eq!(svg.matches("<polyline").count(), 4, "{key}.svg");
+    }
+    std::fs::remove_dir_all(&out).ok();
 }

@@ -76,7 +76,7 @@ fn run() {
         if busy {
             idle_rounds = 0;
             // Transfers in flight: look again soon, at once if someone waits in a fault.
-            protect::wait_bell(bell, Duration::from_micros(50));
+            protect::wait_bell(bell, Duration::from_micros(200));
         } else {
             idle_rounds = idle_rounds.saturating_add(1);
             let nap = if idle_rounds < 100 { Duration::from_millis(1) } else { Duration::from_millis(100) };

@@ -6,8 +6,9 @@
 //! bytes travel as SDP messages ([`wire`]) over the verbs layer.
 //!
 //! Send designs: BSDP (buffer copy through pre-registered buffers with the data-path flow
-//! control) and ZSDP (synchronous zero-copy: SrcAvail, the receiver's RDMA read, RdmaRdCompl).
-//! AZ-SDP (asynchronous zero-copy with memory protection) is not built yet.
+//! control), ZSDP (synchronous zero-copy: SrcAvail, the receiver's RDMA read, RdmaRdCompl) and
+//! AZ-SDP (asynchronous zero-copy: the buffer is memory-protected until the transfer completes,
+//! so `write` and `read` return at once; see [`stream`] for the contract).
 
 mod engine;
 pub mod stream;

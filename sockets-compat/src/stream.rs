@@ -312,6 +312,8 @@ struct Conn {
     fell_back: bool,
     /// Registered with the background engine.
     watched: bool,
+    /// When the application last called into the socket.
+    last_call: Instant,
     nonblocking: bool,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
@@ -365,6 +367,7 @@ impl SdpStream {
             faults: 0,
             fell_back: false,
             watched: false,
+            last_call: Instant::now(),
             nonblocking: false,
             read_timeout: None,
             write_timeout: None,
@@ -377,7 +380,9 @@ impl SdpStream {
     fn lock(&self) -> MutexGuard<'_, Conn> {
         // A panic while holding the lock cannot leave the protocol half-updated in a way later
         // calls would misread: every path re-checks `failed` first.
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+        let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        c.last_call = Instant::now();
+        c
     }
 
     /// The peer's address.
@@ -751,9 +756,18 @@ fn whole_pages(addr: usize, len: usize) -> (usize, usize) {
     }
 }
 
+/// How long after the application's last call on a socket the engine leaves it to the
+/// application (unless a thread waits in a fault): on a loaded machine a third thread polling
+/// a busy socket only steals its CPU and its lock.
+const APP_ACTIVE: Duration = Duration::from_micros(500);
+
 impl Background for Conn {
     fn background_progress(&mut self) -> bool {
-        if self.failed.is_none() && (!self.sends.is_empty() || !self.reads.is_empty()) {
+        let in_flight = !self.sends.is_empty() || !self.reads.is_empty();
+        if in_flight && protect::fault_waiters() == 0 && self.last_call.elapsed() < APP_ACTIVE {
+            return true;
+        }
+        if self.failed.is_none() && in_flight {
             // Errors are recorded in the socket; its next call reports them.
             let _ = self.pump();
         }
@@ -1037,16 +1051,22 @@ impl Conn {
         // the registration only after its QP is down.
         let reg = unsafe { rt.regcache.get_raw(dst.as_ptr() as u64, dst.len() as u64, AccessFlags::LOCAL_WRITE) }
             .map_err(verbs_io)?;
-        let hold = if hold {
-            // SAFETY: whole pages of the caller's buffer; the provider writes them like DMA, and
-            // our own code copies into held memory only after the hold is gone (`BufferHeld`).
-            Some(unsafe { protect::protect(dst.as_ptr() as usize, dst.len(), Protection::None) }.map_err(verbs_io)?)
-        } else {
-            None
-        };
         let sge = Sge { addr: dst.as_ptr() as u64, length: dst.len() as u32, lkey: reg.lkey() };
         let token = self.pipe.post_user(SendWr::read(0, &[sge], addr, rkey)).map_err(|e| self.fail_verbs(e))?;
-        self.reads.push_back(PendingRead { token, hold, _reg: reg, answer });
+        self.reads.push_back(PendingRead { token, hold: None, _reg: reg, answer });
+        if hold {
+            // Protect only what is still in flight once the application gets control back: the
+            // data landing before the pages close is harmless (the caller has not returned), and
+            // a read already complete needs no hold (the software provider's usually is).
+            self.complete_reads()?;
+            if let Some(r) = self.reads.iter_mut().find(|r| r.token == token) {
+                // SAFETY: whole pages of the caller's buffer; the provider writes them like DMA,
+                // and our own code copies into held memory only after the hold is gone
+                // (`BufferHeld`).
+                let h = unsafe { protect::protect(dst.as_ptr() as usize, dst.len(), Protection::None) };
+                r.hold = Some(h.map_err(verbs_io)?);
+            }
+        }
         Ok(token)
     }
 

@@ -1,22 +1,30 @@
-//! The SDP paper's benchmarks on the software provider: BSDP, ZSDP and TCP loopback side by
-//! side in one run (ping-pong latency, ttcp-style unidirectional throughput, and throughput
-//! with computation between sends). Both ends are threads of this process, pinned to CPUs 0
-//! and 1; TCP busy-polls nonblocking sockets, as SDP's receive path does.
+//! The AZ-SDP paper's benchmark suite on the software provider: BSDP, ZSDP, AZ-SDP and TCP
+//! loopback side by side in one run. Single connection: ping-pong latency, ttcp-style
+//! unidirectional throughput, throughput with computation between sends (overlap), and the
+//! page-fault window (the sender touches its buffer every W writes). Several connections:
+//! hot-spot latency (one server, several clients), multi-stream throughput (a thread pair per
+//! connection) and multi-client throughput (one server thread reading every client).
+//!
+//! Both ends are threads of this process; single-connection tests pin them to CPUs 0 and 1.
+//! TCP busy-polls nonblocking sockets, as SDP's receive path does. Buffers are page-aligned.
+//! Tables go to stdout; JSON and SVG charts to `--out` (default `results/sdp-<time>`).
 //!
 //!     cargo run --release -p benches --bin sdp_bench
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use benches::{cacheline_one_way_ns, fmt_size, io_whole, pin_to_cpu, sizes_between};
+use benches::plot::{line_chart, Axes, Series};
+use benches::{cacheline_one_way_ns, fmt_size, io_whole, pin_to_cpu, sizes_between, unpin, PageBuf};
 use clap::Parser;
 use hdrhistogram::Histogram;
 use sockets_compat::{Design, SdpConfig, SdpListener, SdpStream};
 
 #[derive(Parser)]
-#[command(about = "SDP designs against TCP loopback: latency, throughput, overlap")]
+#[command(about = "SDP designs against TCP loopback: the AZ-SDP paper's benchmark suite")]
 struct Args {
     /// Largest message of the latency and throughput sweeps.
     #[arg(long, default_value_t = 1 << 20)]
@@ -30,77 +38,140 @@ struct Args {
     /// Computation between sends in the overlap test, microseconds (comma-separated).
     #[arg(long, default_value = "0,25,50,100,200", value_delimiter = ',')]
     compute_us: Vec<u64>,
-    /// Which transports (bsdp, zsdp, tcp).
-    #[arg(long, default_value = "bsdp,zsdp,tcp", value_delimiter = ',')]
+    /// Page-fault windows: the sender touches its buffer every W writes (comma-separated).
+    #[arg(long, default_value = "1,2,4,8,16,64", value_delimiter = ',')]
+    windows: Vec<usize>,
+    /// Connection counts of the multi-connection tests (comma-separated).
+    #[arg(long, default_value = "1,2,4", value_delimiter = ',')]
+    connections: Vec<usize>,
+    /// Which transports (bsdp, zsdp, azsdp, tcp).
+    #[arg(long, default_value = "bsdp,zsdp,azsdp,tcp", value_delimiter = ',')]
     layers: Vec<String>,
-    /// ZSDP's zero-copy threshold.
+    /// The zero-copy threshold of ZSDP and AZ-SDP.
     #[arg(long, default_value_t = 16 * 1024)]
     zcopy_threshold: usize,
+    /// Where to write results.json and the charts.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
-trait Stream: Read + Write + Send + 'static {}
-impl<T: Read + Write + Send + 'static> Stream for T {}
+/// A connected byte stream of any layer.
+trait Stream: Read + Write + Send + 'static {
+    fn nonblocking(&self, on: bool);
+}
+
+impl Stream for TcpStream {
+    fn nonblocking(&self, on: bool) {
+        self.set_nonblocking(on).expect("set_nonblocking");
+    }
+}
+
+impl Stream for SdpStream {
+    fn nonblocking(&self, on: bool) {
+        self.set_nonblocking(on).expect("set_nonblocking");
+    }
+}
+
+const T: Duration = Duration::from_secs(60);
 
 fn read_full(s: &mut dyn Stream, buf: &mut [u8]) -> std::io::Result<()> {
-    io_whole(buf.len(), Duration::from_secs(30), |off| s.read(&mut buf[off..]))
+    io_whole(buf.len(), T, |off| s.read(&mut buf[off..]))
 }
 
 fn write_full(s: &mut dyn Stream, buf: &[u8]) -> std::io::Result<()> {
-    io_whole(buf.len(), Duration::from_secs(30), |off| s.write(&buf[off..]))
+    io_whole(buf.len(), T, |off| s.write(&buf[off..]))
 }
 
-/// A connected pair of the named transport: (client, server).
-fn connect(layer: &str, zcopy_threshold: usize) -> (Box<dyn Stream>, Box<dyn Stream>) {
+/// Reads one byte per page: what an application looking at its data does (for AZ-SDP it
+/// waits until receives into `buf` have landed).
+fn touch(buf: &[u8]) -> u64 {
+    std::hint::black_box(buf).iter().step_by(4096).map(|&b| b as u64).sum()
+}
+
+/// `n` connected pairs of the named transport on one listener: (client, server) each.
+fn connect_many(layer: &str, zcopy_threshold: usize, n: usize) -> Vec<(Box<dyn Stream>, Box<dyn Stream>)> {
     if layer == "tcp" {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind");
         let a = l.local_addr().expect("addr");
-        let c = TcpStream::connect(a).expect("connect");
-        let s = l.accept().expect("accept").0;
-        for x in [&c, &s] {
-            x.set_nodelay(true).expect("nodelay");
-            x.set_nonblocking(true).expect("nonblocking");
-        }
-        return (Box::new(c), Box::new(s));
+        return (0..n)
+            .map(|_| {
+                let c = TcpStream::connect(a).expect("connect");
+                let s = l.accept().expect("accept").0;
+                for x in [&c, &s] {
+                    x.set_nodelay(true).expect("nodelay");
+                    x.set_nonblocking(true).expect("nonblocking");
+                }
+                (Box::new(c) as Box<dyn Stream>, Box::new(s) as Box<dyn Stream>)
+            })
+            .collect();
     }
     let design = Design::by_name(layer).unwrap_or_else(|| panic!("unknown layer {layer}"));
     let cfg = SdpConfig { design, zcopy_threshold, ..SdpConfig::default() };
     let l = SdpListener::bind_with("127.0.0.1:0", cfg).expect("bind");
     let a = l.local_addr().expect("addr");
-    let t = thread::spawn(move || SdpStream::connect_with(a, cfg).expect("connect"));
-    let s = l.accept_timeout(Duration::from_secs(20)).expect("accept").0;
-    let c = t.join().expect("connect thread");
-    for x in [&c, &s] {
-        x.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
-        x.set_write_timeout(Some(Duration::from_secs(30))).expect("timeout");
-    }
-    (Box::new(c), Box::new(s))
+    (0..n)
+        .map(|_| {
+            let t = thread::spawn(move || SdpStream::connect_with(a, cfg).expect("connect"));
+            let s = l.accept_timeout(Duration::from_secs(20)).expect("accept").0;
+            let c = t.join().expect("connect thread");
+            for x in [&c, &s] {
+                x.set_read_timeout(Some(T)).expect("timeout");
+                x.set_write_timeout(Some(T)).expect("timeout");
+            }
+            (Box::new(c) as Box<dyn Stream>, Box::new(s) as Box<dyn Stream>)
+        })
+        .collect()
 }
 
-/// Median one-way latency (half round trip) in microseconds.
-fn pingpong(layer: &str, size: usize, iters: usize, zt: usize) -> f64 {
-    let (mut c, mut s) = connect(layer, zt);
+fn connect(layer: &str, zcopy_threshold: usize) -> (Box<dyn Stream>, Box<dyn Stream>) {
+    connect_many(layer, zcopy_threshold, 1).pop().expect("one pair")
+}
+
+/// Round trips of `size` from `c` against an echoing `s` on another thread: the one-way
+/// latencies (half round trips) in nanoseconds.
+fn pingpong_pair(
+    mut c: Box<dyn Stream>,
+    mut s: Box<dyn Stream>,
+    size: usize,
+    iters: usize,
+    pin: bool,
+) -> Histogram<u64> {
+    let warm = iters / 10;
     let server = thread::spawn(move || {
-        pin_to_cpu(1);
-        let mut buf = vec![0u8; size];
-        for _ in 0..iters + iters / 10 {
+        if pin {
+            pin_to_cpu(1);
+        }
+        let mut buf = PageBuf::new(size, 0);
+        for _ in 0..iters + warm {
             read_full(&mut *s, &mut buf).expect("server read");
             write_full(&mut *s, &buf).expect("server write");
         }
+        s.flush().expect("server flush");
         s
     });
-    pin_to_cpu(0);
+    if pin {
+        pin_to_cpu(0);
+    }
     let mut h = Histogram::<u64>::new(3).expect("histogram");
-    let mut buf = vec![1u8; size];
-    for i in 0..iters + iters / 10 {
+    let mut buf = PageBuf::new(size, 1);
+    for i in 0..iters + warm {
         let t = Instant::now();
         write_full(&mut *c, &buf).expect("client write");
         read_full(&mut *c, &mut buf).expect("client read");
-        if i >= iters / 10 {
-            h.record(t.elapsed().as_nanos() as u64).expect("record");
+        touch(&buf);
+        if i >= warm {
+            h.record(t.elapsed().as_nanos() as u64 / 2).expect("record");
         }
     }
+    c.flush().expect("client flush");
     drop(server.join().expect("server"));
-    h.value_at_quantile(0.5) as f64 / 2000.0
+    h
+}
+
+/// Median one-way latency in microseconds.
+fn pingpong(layer: &str, size: usize, iters: usize, zt: usize) -> f64 {
+    let (c, s) = connect(layer, zt);
+    pingpong_pair(c, s, size, iters, true).value_at_quantile(0.5) as f64 / 1000.0
 }
 
 fn spin_for(d: Duration) {
@@ -110,34 +181,223 @@ fn spin_for(d: Duration) {
     }
 }
 
-/// Unidirectional throughput in GB/s: `volume` bytes in writes of `size`, with `compute`
-/// of busy work after each write (the overlap test); the receiver reads `size` at a time.
-fn throughput(layer: &str, size: usize, volume: usize, compute: Duration, zt: usize) -> f64 {
+/// How a throughput sender behaves between writes.
+#[derive(Clone, Copy, Default)]
+struct SenderLoad {
+    /// Busy work after each write (the overlap test).
+    compute: Duration,
+    /// Store into the buffer after every `touch_every` writes (the page-fault window).
+    touch_every: Option<usize>,
+}
+
+/// Sends `count` writes of `size` from `c`; returns once the peer has taken them all in
+/// (flush: AZ-SDP must not free a buffer the peer still reads).
+fn send_stream(c: &mut dyn Stream, size: usize, count: usize, load: SenderLoad) {
+    let mut buf = PageBuf::new(size, 7);
+    for i in 0..count {
+        write_full(c, &buf).expect("sender write");
+        if !load.compute.is_zero() {
+            spin_for(load.compute);
+        }
+        if load.touch_every.is_some_and(|w| (i + 1) % w == 0) {
+            std::hint::black_box(&mut buf[..])[0] = i as u8;
+        }
+    }
+    // AZ-SDP: the buffer goes back to the allocator only once the peer has read it.
+    c.flush().expect("sender flush");
+}
+
+/// Receives `count` messages of `size` into one buffer and looks at the last one.
+fn receive_stream(s: &mut dyn Stream, size: usize, count: usize) {
+    let mut buf = PageBuf::new(size, 0);
+    for _ in 0..count {
+        read_full(s, &mut buf).expect("receiver read");
+    }
+    touch(&buf);
+}
+
+/// Unidirectional throughput in GB/s of `volume` bytes in writes of `size`; the receiver
+/// reads `size` at a time and acknowledges the end.
+fn throughput(layer: &str, size: usize, volume: usize, load: SenderLoad, zt: usize) -> f64 {
     let (mut c, mut s) = connect(layer, zt);
     let count = (volume / size).max(8);
     let receiver = thread::spawn(move || {
         pin_to_cpu(1);
-        let mut buf = vec![0u8; size];
-        for _ in 0..count {
-            read_full(&mut *s, &mut buf).expect("receiver read");
-        }
+        receive_stream(&mut *s, size, count);
         write_full(&mut *s, &[1]).expect("ack");
         s
     });
     pin_to_cpu(0);
-    let buf = vec![7u8; size];
     let t = Instant::now();
-    for _ in 0..count {
-        write_full(&mut *c, &buf).expect("sender write");
-        if !compute.is_zero() {
-            spin_for(compute);
-        }
-    }
+    send_stream(&mut *c, size, count, load);
     let mut ack = [0u8];
     read_full(&mut *c, &mut ack).expect("ack");
     let secs = t.elapsed().as_secs_f64();
+    c.flush().expect("flush");
     drop(receiver.join().expect("receiver"));
     (count * size) as f64 / secs / 1e9
+}
+
+/// Hot-spot: `n` clients ping-pong with one server (a thread per connection); the median
+/// one-way latency over all clients, microseconds.
+fn hot_spot(layer: &str, n: usize, size: usize, iters: usize, zt: usize) -> f64 {
+    let pairs = connect_many(layer, zt, n);
+    let runs: Vec<_> =
+        pairs.into_iter().map(|(c, s)| thread::spawn(move || pingpong_pair(c, s, size, iters, false))).collect();
+    let mut all = Histogram::<u64>::new(3).expect("histogram");
+    for r in runs {
+        all.add(r.join().expect("client")).expect("merge");
+    }
+    all.value_at_quantile(0.5) as f64 / 1000.0
+}
+
+/// Multi-stream: `n` connections, each with its own sender and receiver thread; aggregate GB/s.
+fn multi_stream(layer: &str, n: usize, size: usize, volume: usize, zt: usize) -> f64 {
+    let pairs = connect_many(layer, zt, n);
+    let count = (volume / n / size).max(8);
+    let t = Instant::now();
+    let threads: Vec<_> = pairs
+        .into_iter()
+        .flat_map(|(mut c, mut s)| {
+            [
+                thread::spawn(move || {
+                    send_stream(&mut *c, size, count, SenderLoad::default());
+                    let mut ack = [0u8];
+                    read_full(&mut *c, &mut ack).expect("ack");
+                    c.flush().expect("flush");
+                }),
+                thread::spawn(move || {
+                    receive_stream(&mut *s, size, count);
+                    write_full(&mut *s, &[1]).expect("ack");
+                    s.flush().expect("flush");
+                }),
+            ]
+        })
+        .collect();
+    for th in threads {
+        th.join().expect("stream thread");
+    }
+    (n * count * size) as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// Multi-client: `n` client threads send to one server thread that reads every connection in
+/// turn (nonblocking, as a select loop does); aggregate GB/s.
+fn multi_client(layer: &str, n: usize, size: usize, volume: usize, zt: usize) -> f64 {
+    let pairs = connect_many(layer, zt, n);
+    let count = (volume / n / size).max(8);
+    let (clients, mut servers): (Vec<_>, Vec<_>) = pairs.into_iter().unzip();
+    let t = Instant::now();
+    let senders: Vec<_> = clients
+        .into_iter()
+        .map(|mut c| {
+            thread::spawn(move || {
+                send_stream(&mut *c, size, count, SenderLoad::default());
+                let mut ack = [0u8];
+                read_full(&mut *c, &mut ack).expect("ack");
+                c.flush().expect("flush");
+            })
+        })
+        .collect();
+    let mut bufs: Vec<PageBuf> = (0..n).map(|_| PageBuf::new(size, 0)).collect();
+    let mut got = vec![0usize; n];
+    let total = count * size;
+    for s in &servers {
+        s.nonblocking(true);
+    }
+    let deadline = Instant::now() + T;
+    while got.iter().any(|&g| g < total) {
+        assert!(Instant::now() < deadline, "multi-client server stalled");
+        for (i, s) in servers.iter_mut().enumerate() {
+            if got[i] == total {
+                continue;
+            }
+            let off = got[i] % size;
+            match s.read(&mut bufs[i][off..]) {
+                Ok(0) => panic!("a client closed early"),
+                Ok(k) => got[i] += k,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("multi-client read: {e}"),
+            }
+        }
+    }
+    for (s, b) in servers.iter_mut().zip(&bufs) {
+        touch(b);
+        s.nonblocking(false);
+        write_full(&mut **s, &[1]).expect("ack");
+    }
+    let secs = t.elapsed().as_secs_f64();
+    for th in senders {
+        th.join().expect("client");
+    }
+    (n * total) as f64 / secs / 1e9
+}
+
+/// One measured table: rows of `x` against a figure per layer.
+struct Table {
+    key: String,
+    title: String,
+    x_name: &'static str,
+    x_sizes: bool,
+    log_y: bool,
+    layers: Vec<String>,
+    rows: Vec<(f64, Vec<f64>)>,
+}
+
+impl Table {
+    fn start(key: &str, title: String, x_name: &'static str, x_sizes: bool, log_y: bool, layers: &[String]) -> Table {
+        println!("\n## {title}");
+        print!("{x_name:>10}");
+        for l in layers {
+            print!("{l:>10}");
+        }
+        println!();
+        Table { key: key.into(), title, x_name, x_sizes, log_y, layers: layers.to_vec(), rows: Vec::new() }
+    }
+
+    /// Measures and prints one row.
+    fn row(&mut self, x: f64, label: String, mut figure: impl FnMut(&str) -> f64) {
+        print!("{label:>10}");
+        let mut v = Vec::new();
+        for l in &self.layers {
+            let f = figure(l);
+            print!("{f:>10.2}");
+            std::io::stdout().flush().ok();
+            v.push(f);
+        }
+        println!();
+        self.rows.push((x, v));
+    }
+
+    fn json(&self) -> String {
+        let rows: Vec<String> = self
+            .rows
+            .iter()
+            .map(|(x, v)| {
+                let figs: Vec<String> = self.layers.iter().zip(v).map(|(l, f)| format!("\"{l}\":{f:.4}")).collect();
+                format!("{{\"x\":{x},{}}}", figs.join(","))
+            })
+            .collect();
+        format!(
+            "{{\"key\":\"{}\",\"title\":\"{}\",\"x\":\"{}\",\"rows\":[{}]}}",
+            self.key,
+            self.title,
+            self.x_name,
+            rows.join(",")
+        )
+    }
+
+    fn svg(&self) -> String {
+        let series: Vec<Series> = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(k, l)| Series { name: l.clone(), points: self.rows.iter().map(|(x, v)| (*x, v[k])).collect() })
+            .collect();
+        line_chart(
+            &Axes { title: &self.title, x_label: self.x_name, x_sizes: self.x_sizes, log_y: self.log_y },
+            &series,
+        )
+    }
 }
 
 fn main() {
@@ -145,55 +405,116 @@ fn main() {
     let a = Args::parse();
     let floor = cacheline_one_way_ns(0, 1);
     println!("# sdp_bench: threads on CPUs 0 and 1; cache-line one-way floor now {floor:.0} ns");
-    println!("# zcopy threshold {} (ZSDP), BSDP buffers {:?}", fmt_size(a.zcopy_threshold), SdpConfig::CREDIT);
+    println!(
+        "# zero-copy threshold {} (ZSDP, AZ-SDP), BSDP buffers {:?}, AZ-SDP outstanding {}",
+        fmt_size(a.zcopy_threshold),
+        SdpConfig::CREDIT,
+        SdpConfig::default().az_max_outstanding
+    );
+    let zt = a.zcopy_threshold;
     let sizes = sizes_between(8, a.max);
+    let mut tables = Vec::new();
 
-    println!("\n## Ping-pong latency, one way, median (us)");
-    print!("{:>8}", "size");
-    for l in &a.layers {
-        print!("{l:>10}");
-    }
-    println!();
+    let mut t =
+        Table::start("latency", "Ping-pong latency, one way, median (us)".into(), "size", true, true, &a.layers);
     for &size in &sizes {
-        print!("{:>8}", fmt_size(size));
         let iters = (a.iters * 64 * 1024 / size.max(64 * 1024)).max(50);
-        for l in &a.layers {
-            print!("{:>10.2}", pingpong(l, size, iters, a.zcopy_threshold));
-        }
-        println!();
+        t.row(size as f64, fmt_size(size), |l| pingpong(l, size, iters, zt));
     }
+    tables.push(t);
 
-    println!("\n## Unidirectional throughput (GB/s)");
-    print!("{:>8}", "size");
-    for l in &a.layers {
-        print!("{l:>10}");
-    }
-    println!();
+    let mut t = Table::start("throughput", "Unidirectional throughput (GB/s)".into(), "size", true, false, &a.layers);
     for &size in sizes.iter().filter(|&&s| s >= 1024) {
-        print!("{:>8}", fmt_size(size));
-        for l in &a.layers {
-            let vol = a.volume.min(size * 20_000);
-            print!("{:>10.2}", throughput(l, size, vol, Duration::ZERO, a.zcopy_threshold));
+        let vol = a.volume.min(size * 20_000);
+        t.row(size as f64, fmt_size(size), |l| throughput(l, size, vol, SenderLoad::default(), zt));
+    }
+    tables.push(t);
+
+    for size in [64 * 1024, 1 << 20] {
+        let title = format!("Overlap: throughput at {} with computation between sends (GB/s)", fmt_size(size));
+        let mut t = Table::start(&format!("overlap_{size}"), title, "compute us", false, false, &a.layers);
+        for &us in &a.compute_us {
+            // Enough sends for a steady state, bounded in time.
+            let n = if us == 0 { 2000 } else { (400_000 / us as usize).clamp(200, 4000) };
+            let load = SenderLoad { compute: Duration::from_micros(us), ..SenderLoad::default() };
+            t.row(us as f64, format!("{us}us"), |l| {
+                throughput(l, size, (size * n).min(a.volume.max(size * 8)), load, zt)
+            });
         }
-        println!();
+        tables.push(t);
     }
 
     for size in [64 * 1024, 1 << 20] {
-        println!("\n## Overlap: throughput at {} with computation between sends (GB/s)", fmt_size(size));
-        print!("{:>10}", "compute");
-        for l in &a.layers {
-            print!("{l:>10}");
+        let title =
+            format!("Page-fault window: throughput at {}, buffer touched every W writes (GB/s)", fmt_size(size));
+        let mut t = Table::start(&format!("fault_window_{size}"), title, "W", false, false, &a.layers);
+        for &w in &a.windows {
+            let load = SenderLoad { touch_every: Some(w.max(1)), ..SenderLoad::default() };
+            let vol = a.volume.min(size * 4000);
+            t.row(w as f64, format!("{w}"), |l| throughput(l, size, vol, load, zt));
         }
-        println!();
-        for &us in &a.compute_us {
-            print!("{:>8}us", us);
-            for l in &a.layers {
-                let per = Duration::from_micros(us);
-                // Enough sends for a steady state, bounded in time.
-                let n = if us == 0 { 2000 } else { (400_000 / us as usize).clamp(200, 4000) };
-                print!("{:>10.2}", throughput(l, size, size * n, per, a.zcopy_threshold));
-            }
-            println!();
+        tables.push(t);
+    }
+
+    // Several connections: every thread may run anywhere.
+    unpin();
+    for size in [8usize, 64 * 1024] {
+        let title = format!("Hot-spot latency at {}: one server, N clients, median one way (us)", fmt_size(size));
+        let mut t = Table::start(&format!("hot_spot_{size}"), title, "clients", false, false, &a.layers);
+        for &n in &a.connections {
+            let iters = if size < 4096 { a.iters / 2 } else { a.iters / 10 }.max(50);
+            t.row(n as f64, format!("{n}"), |l| hot_spot(l, n, size, iters, zt));
         }
+        tables.push(t);
+    }
+
+    let size = 64 * 1024;
+    let vol = a.volume.min(size * 8000);
+    let mut t = Table::start(
+        "multi_stream",
+        format!("Multi-stream throughput at {} (GB/s, aggregate)", fmt_size(size)),
+        "streams",
+        false,
+        false,
+        &a.layers,
+    );
+    for &n in &a.connections {
+        t.row(n as f64, format!("{n}"), |l| multi_stream(l, n, size, vol, zt));
+    }
+    tables.push(t);
+    let mut t = Table::start(
+        "multi_client",
+        format!("Multi-client throughput at {} into one server thread (GB/s, aggregate)", fmt_size(size)),
+        "clients",
+        false,
+        false,
+        &a.layers,
+    );
+    for &n in &a.connections {
+        t.row(n as f64, format!("{n}"), |l| multi_client(l, n, size, vol, zt));
+    }
+    tables.push(t);
+
+    let out = a.out.clone().unwrap_or_else(|| {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        PathBuf::from("results").join(format!("sdp-{t}"))
+    });
+    let written = std::fs::create_dir_all(&out).and_then(|_| {
+        let json: Vec<String> = tables.iter().map(Table::json).collect();
+        std::fs::write(
+            out.join("results.json"),
+            format!(
+                "{{\"meta\":{{\"floor_ns\":{floor:.1},\"zcopy_threshold\":{zt}}},\"tables\":[{}]}}\n",
+                json.join(",")
+            ),
+        )?;
+        for t in &tables {
+            std::fs::write(out.join(format!("{}.svg", t.key)), t.svg())?;
+        }
+        Ok(())
+    });
+    match written {
+        Ok(()) => println!("\n# results (results.json and one SVG chart per table) in {}", out.display()),
+        Err(e) => eprintln!("sdp_bench: writing {}: {e}", out.display()),
     }
 }

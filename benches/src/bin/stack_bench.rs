@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use benches::plot::{line_chart, Axes, Series};
 use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between, timer_cost_ns, wait_child};
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
@@ -630,57 +631,16 @@ fn write_results(dir: &std::path::Path, points: &[Point], meta: &str) -> std::io
 
 /// A log-log line chart of `value` against message size, one line per layer.
 fn svg_plot(points: &[Point], title: &str, value: impl Fn(&Point) -> f64) -> String {
-    let (w, h, m) = (760.0, 420.0, 60.0);
-    let right = 110.0; // room for the legend
-    let xs: Vec<f64> = points.iter().map(|p| (p.size as f64).log2()).collect();
-    let ys: Vec<f64> = points.iter().map(|p| value(p).max(1e-3).log10()).collect();
-    let (x0, x1) = (xs.iter().cloned().fold(f64::MAX, f64::min), xs.iter().cloned().fold(f64::MIN, f64::max).max(1.0));
-    let (y0, y1) =
-        (ys.iter().cloned().fold(f64::MAX, f64::min).floor(), ys.iter().cloned().fold(f64::MIN, f64::max).ceil());
-    let sx = |x: f64| m + (x - x0) / (x1 - x0).max(1e-9) * (w - m - right);
-    let sy = |y: f64| h - m - (y - y0) / (y1 - y0).max(1e-9) * (h - 2.0 * m);
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">{title}</text>\n",
-        w / 2.0
-    );
-    for d in (y0 as i32)..=(y1 as i32) {
-        let y = sy(d as f64);
-        s.push_str(&format!("<line x1=\"{m}\" x2=\"{}\" y1=\"{y}\" y2=\"{y}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n", w - right, m - 6.0, y + 4.0, 10f64.powi(d)));
-    }
-    let mut p2 = x0.ceil() as i32;
-    while (p2 as f64) <= x1 {
-        let x = sx(p2 as f64);
-        s.push_str(&format!("<line x1=\"{x}\" x2=\"{x}\" y1=\"{m}\" y2=\"{}\" stroke=\"#eee\"/><text x=\"{x}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", h - m, h - m + 16.0, fmt_size(1usize << p2)));
-        p2 += 2;
-    }
-    let colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"];
     let mut layers: Vec<Layer> = points.iter().map(|p| p.layer).collect();
     layers.dedup();
-    for (k, layer) in layers.iter().enumerate() {
-        let pts: Vec<String> = points
-            .iter()
-            .filter(|p| p.layer == *layer)
-            .map(|p| format!("{:.1},{:.1}", sx((p.size as f64).log2()), sy(value(p).max(1e-3).log10())))
-            .collect();
-        let c = colors[k % colors.len()];
-        s.push_str(&format!(
-            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>\n",
-            pts.join(" ")
-        ));
-        s.push_str(&format!(
-            "<text x=\"{}\" y=\"{}\" fill=\"{c}\">{}</text>\n",
-            w - right + 10.0,
-            m + 16.0 * k as f64,
-            layer.name()
-        ));
-    }
-    s.push_str(&format!(
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">message size</text>\n</svg>\n",
-        w / 2.0,
-        h - 16.0
-    ));
-    s
+    let series: Vec<Series> = layers
+        .iter()
+        .map(|l| Series {
+            name: l.name().to_string(),
+            points: points.iter().filter(|p| p.layer == *l).map(|p| (p.size as f64, value(p))).collect(),
+        })
+        .collect();
+    line_chart(&Axes { title, x_label: "message size", x_sizes: true, log_y: true }, &series)
 }
 
 fn main() {

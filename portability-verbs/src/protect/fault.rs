@@ -7,7 +7,7 @@
 //! allocates nothing, so it cannot deadlock with the code it interrupted.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -22,6 +22,8 @@ static INSTALL: Mutex<()> = Mutex::new(());
 /// on it.
 static BELL: AtomicU32 = AtomicU32::new(0);
 static HANDLED: AtomicU64 = AtomicU64::new(0);
+/// Threads waiting in the handler right now.
+static WAITING: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     /// The last fault this thread let retry without finding a hold: (address, release
@@ -32,6 +34,12 @@ thread_local! {
 /// Faults waited out so far in this process.
 pub fn faults_handled() -> u64 {
     HANDLED.load(Ordering::Relaxed)
+}
+
+/// Threads stopped in the fault handler right now, waiting for a hold to go: a progress engine
+/// that otherwise leaves busy sockets to their own threads must step in.
+pub fn fault_waiters() -> usize {
+    WAITING.load(Ordering::Acquire)
 }
 
 /// The bell's current value, to pass to [`wait_bell`].
@@ -120,7 +128,7 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut l
 /// Waits while a hold forbids the access. Returns `true` if the fault was (or may have been)
 /// ours and the access should retry, `false` to hand the fault on.
 fn wait_out(addr: usize, write: bool) -> bool {
-    let mut counted = false;
+    let (mut counted, mut rounds) = (false, 0u32);
     loop {
         let seen = RELEASES.load(Ordering::Acquire);
         let Some(i) = blocking_hold(addr, 1, write) else { break };
@@ -128,12 +136,22 @@ fn wait_out(addr: usize, write: bool) -> bool {
             counted = true;
             SLOTS[i].faults.fetch_add(1, Ordering::Relaxed);
             HANDLED.fetch_add(1, Ordering::Relaxed);
+            WAITING.fetch_add(1, Ordering::AcqRel);
         }
         // Tell the progress engine someone is stuck, on every round (it may have napped).
         ring_bell();
         futex_wait(&RELEASES, seen, Duration::from_millis(2));
+        rounds += 1;
+        if rounds == 5000 {
+            // About ten seconds: say why this thread is stuck (write(2) is async-signal-safe).
+            let msg = b"portability-verbs: a thread has waited ~10 s on a memory-protected buffer still in \
+flight (a peer that does not read, or a buffer freed or reused before the socket's flush?)\n";
+            // SAFETY: writes a static message to stderr.
+            unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+        }
     }
     if counted {
+        WAITING.fetch_sub(1, Ordering::AcqRel);
         LAST_RETRY.with(|c| c.set((0, 0)));
         return true;
     }

@@ -28,7 +28,7 @@ use smallvec::SmallVec;
 
 use crate::error::{Result, VerbsError};
 
-pub use fault::{fault_bell, faults_handled, ring_bell, wait_bell};
+pub use fault::{fault_bell, fault_waiters, faults_handled, ring_bell, wait_bell};
 
 /// How many holds may exist at once in the process.
 pub const MAX_HOLDS: usize = 1024;

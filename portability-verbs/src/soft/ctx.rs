@@ -320,7 +320,11 @@ pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
         // (EFAULT rather than a fault) and copies through /proc/self/mem regardless of protection.
         let (d, s) = unsafe { (std::slice::from_raw_parts_mut(dst, len), std::slice::from_raw_parts(src, len)) };
         // One copy where the kernel can read the source (not held, or held read-only)...
-        let direct = if dst_held { sys::write_self_mem(dst as u64, s) } else { sys::read_self_mem(src as u64, d) };
+        let direct = if dst_held {
+            sys::write_self_mem(dst as u64, s)
+        } else {
+            sys::read_self_vm(src as u64, d).or_else(|_| sys::read_self_mem(src as u64, d))
+        };
         if direct.is_ok() {
             return true;
         }

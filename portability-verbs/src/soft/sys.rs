@@ -258,6 +258,23 @@ pub fn write_self_mem(addr: u64, src: &[u8]) -> io::Result<()> {
     })
 }
 
+/// Reads from this process's own memory by cross-memory attach: one kernel copy that fails with
+/// `EFAULT` (instead of faulting) where `addr` is unmapped or unreadable.
+pub fn read_self_vm(addr: u64, dst: &mut [u8]) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < dst.len() {
+        let local = libc::iovec { iov_base: dst[done..].as_mut_ptr().cast(), iov_len: dst.len() - done };
+        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut _, iov_len: dst.len() - done };
+        // SAFETY: `local` describes writable memory of `dst`; the kernel validates the remote range.
+        let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+        if n <= 0 {
+            return Err(if n == 0 { io::ErrorKind::UnexpectedEof.into() } else { io::Error::last_os_error() });
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
 /// Reads from this process's own memory through `/proc/self/mem` (reaches read-protected pages).
 pub fn read_self_mem(addr: u64, dst: &mut [u8]) -> io::Result<()> {
     thread_local! {
