@@ -470,30 +470,19 @@ fn main() {
 
     let size = 64 * 1024;
     let vol = a.volume.min(size * 8000);
-    let mut t = Table::start(
-        "multi_stream",
-        format!("Multi-stream throughput at {} (GB/s, aggregate)", fmt_size(size)),
-        "streams",
-        false,
-        false,
-        &a.layers,
-    );
-    for &n in &a.connections {
-        t.row(n as f64, format!("{n}"), |l| multi_stream(l, n, size, vol, zt));
+    type Aggregate = fn(&str, usize, usize, usize, usize) -> f64;
+    let aggregates: [(&str, &str, &'static str, Aggregate); 2] = [
+        ("multi_stream", "Multi-stream throughput", "streams", multi_stream),
+        ("multi_client", "Multi-client throughput into one server thread", "clients", multi_client),
+    ];
+    for (key, what, x_name, run) in aggregates {
+        let title = format!("{what} at {} (GB/s, aggregate)", fmt_size(size));
+        let mut t = Table::start(key, title, x_name, false, false, &a.layers);
+        for &n in &a.connections {
+            t.row(n as f64, format!("{n}"), |l| run(l, n, size, vol, zt));
+        }
+        tables.push(t);
     }
-    tables.push(t);
-    let mut t = Table::start(
-        "multi_client",
-        format!("Multi-client throughput at {} into one server thread (GB/s, aggregate)", fmt_size(size)),
-        "clients",
-        false,
-        false,
-        &a.layers,
-    );
-    for &n in &a.connections {
-        t.row(n as f64, format!("{n}"), |l| multi_client(l, n, size, vol, zt));
-    }
-    tables.push(t);
 
     let out = a.out.clone().unwrap_or_else(|| {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
