@@ -290,8 +290,16 @@ fn remove_hold(w: &mut Writer, i: usize) {
         if base.max(level) != base {
             // SAFETY: the range was protected by `add_hold`; this loosens it to what the other
             // holds still need.
-            if let Err(e) = unsafe { set_protection(x, y, base) } {
-                log::error!("unprotecting a released buffer failed: {e}");
+            if unsafe { set_protection(x, y, base) }.is_err() {
+                // Part of the range was unmapped under the hold (against the contract), and
+                // mprotect stops at the first hole: loosen page by page, so pages mapped there
+                // since (another buffer, held and released meanwhile) are not left closed.
+                let page = crate::soft::page_size();
+                for p in (x..y).step_by(page) {
+                    // SAFETY: as above, one page at a time; unmapped pages just fail.
+                    let _ = unsafe { set_protection(p, p + page, base) };
+                }
+                log::debug!("unprotected a partly unmapped buffer page by page");
             }
         }
     }
