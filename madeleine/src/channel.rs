@@ -4,13 +4,18 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use portability_verbs::datapath::{MsgPipe, Registration};
+use portability_verbs::datapath::{FlowStrategy, Lane, MsgPipe, PipeOptions, Registration};
 use portability_verbs::{cm, AccessFlags, CompletionQueue, SendWr, Sge, WcStatus};
+use smallvec::SmallVec;
 
 use crate::session::SessionInner;
 use crate::wait::Waiter;
 use crate::wire::{self, Modes, Record};
 use crate::{MadError, RecvMode, Result, SendMode};
+
+/// Inline bytes of a received record: small ones (the latency-critical case) without a heap
+/// allocation.
+type InlineBytes = SmallVec<[u8; 64]>;
 
 /// A received record, owned (a pipe message may hold records of several packs).
 enum Incoming {
@@ -19,8 +24,16 @@ enum Incoming {
         modes: Modes,
         total: u64,
         last: bool,
-        data: Vec<u8>,
+        data: InlineBytes,
     },
+    /// A pack whose bytes follow on the bulk lane.
+    Bulk {
+        modes: Modes,
+        total: u64,
+    },
+    /// Bulk-lane bytes taken out of the pipe before their unpacker came (so that the records
+    /// behind them could be seen): the slow path, one extra copy.
+    BulkData(Vec<u8>),
     Rdv {
         modes: Modes,
         len: u64,
@@ -29,8 +42,6 @@ enum Incoming {
         id: u32,
     },
     End(u32),
-    /// A rendezvous of ours was read (routed to the fin set, never queued).
-    Fin(u32),
 }
 
 struct ConnIo {
@@ -38,6 +49,17 @@ struct ConnIo {
     incoming: VecDeque<Incoming>,
     fins: HashSet<u32>,
     failed: Option<MadError>,
+    /// Bytes of an announced bulk pack still in the pipe's bulk lane.
+    bulk_left: u64,
+}
+
+/// How far [`Conn::pump`] goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pump {
+    /// Stop at bulk-lane data: its unpacker copies it straight from the pipe.
+    StopAtBulk,
+    /// Take everything out, bulk data too (for a waiter that must see what lies behind it).
+    Drain,
 }
 
 /// A claim on one direction of a connection for a whole message, and that direction's next
@@ -99,17 +121,31 @@ pub(crate) struct Conn {
     recv_seq: Token,
     next_rdv: AtomicU32,
     max_msg: usize,
+    /// Largest bulk-lane chunk (0: no bulk lane).
+    bulk_chunk: usize,
     /// The aggregation buffer, kept between messages (taken by the claiming packer).
     agg_cache: Mutex<Vec<u8>>,
 }
 
 impl Conn {
     pub(crate) fn establish(s: &SessionInner, peer: usize, conn: cm::Connection, cq: CompletionQueue) -> Result<Conn> {
-        let pipe = MsgPipe::establish(conn.qp, cq, &s.pd, s.cfg.strategy, s.cfg.timeout)?;
+        let bulk_ring = match s.cfg.strategy {
+            FlowStrategy::Credit { .. } => 0,
+            _ => s.cfg.bulk_ring_bytes,
+        };
+        let options = PipeOptions { bulk_ring, ..PipeOptions::default() };
+        let pipe = MsgPipe::establish_with(conn.qp, cq, &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
         Ok(Conn {
             peer,
             max_msg: s.cfg.strategy.max_message(),
-            io: Mutex::new(ConnIo { pipe, incoming: VecDeque::new(), fins: HashSet::new(), failed: None }),
+            bulk_chunk: pipe.bulk_chunk_max(),
+            io: Mutex::new(ConnIo {
+                pipe,
+                incoming: VecDeque::new(),
+                fins: HashSet::new(),
+                failed: None,
+                bulk_left: 0,
+            }),
             send_seq: Token::new(),
             recv_seq: Token::new(),
             next_rdv: AtomicU32::new(0),
@@ -125,53 +161,70 @@ impl Conn {
         MadError::PeerLost { rank: self.peer, why: why.to_string() }
     }
 
-    /// Moves what the pipe received into the record queues. Errors fail the connection, but
-    /// records received before stay queued.
-    fn pump(&self, io: &mut ConnIo) -> Result<()> {
+    /// Moves what the pipe received into the record queues (with `Pump::StopAtBulk`, not past
+    /// an announced bulk pack's data). Errors fail the connection, but records received before
+    /// stay queued.
+    fn pump(&self, io: &mut ConnIo, how: Pump) -> Result<()> {
         if let Some(e) = &io.failed {
             return Err(self.lost(e));
         }
         loop {
-            let mut decoded: Result<Option<Vec<Incoming>>, MadError> = Ok(None);
-            let got = io.pipe.recv_with(|m| {
-                decoded = match wire::decode(m) {
-                    Ok(recs) => Ok(Some(
-                        recs.into_iter()
-                            .map(|(r, range)| match r {
+            if io.bulk_left > 0 && how == Pump::StopAtBulk {
+                return Ok(());
+            }
+            let ConnIo { pipe, incoming, fins, bulk_left, .. } = io;
+            let mut bad: Option<String> = None;
+            let got = pipe.recv_lane(|lane, m| {
+                if *bulk_left > 0 {
+                    if lane != Lane::Bulk || m.len() as u64 > *bulk_left {
+                        bad = Some("bulk pack data missing or too long".into());
+                        return;
+                    }
+                    *bulk_left -= m.len() as u64;
+                    incoming.push_back(Incoming::BulkData(m.to_vec()));
+                    return;
+                }
+                if lane == Lane::Bulk {
+                    bad = Some("bulk data nobody announced".into());
+                    return;
+                }
+                match wire::decode(m) {
+                    Ok(recs) => {
+                        for (r, range) in recs {
+                            incoming.push_back(match r {
                                 Record::Begin { seq } => Incoming::Begin(seq),
                                 Record::Inline { modes, total, last, .. } => {
-                                    Incoming::Inline { modes, total, last, data: m[range].to_vec() }
+                                    Incoming::Inline { modes, total, last, data: InlineBytes::from_slice(&m[range]) }
                                 }
                                 Record::Rdv { modes, len, addr, rkey, id } => {
                                     Incoming::Rdv { modes, len, addr, rkey, id }
                                 }
-                                Record::End { packs } => Incoming::End(packs),
-                                Record::Fin { id } => Incoming::Fin(id),
-                            })
-                            .collect(),
-                    )),
-                    Err(e) => Err(MadError::Protocol { rank: self.peer, why: e.to_string() }),
-                };
-            });
-            match got {
-                Ok(Some(())) => match std::mem::replace(&mut decoded, Ok(None)) {
-                    Ok(Some(recs)) => {
-                        for r in recs {
-                            match r {
-                                Incoming::Fin(id) => {
-                                    io.fins.insert(id);
+                                Record::Bulk { modes, total } => {
+                                    if total == 0 {
+                                        bad = Some("empty bulk pack".into());
+                                        return;
+                                    }
+                                    *bulk_left = total;
+                                    Incoming::Bulk { modes, total }
                                 }
-                                other => io.incoming.push_back(other),
-                            }
+                                Record::End { packs } => Incoming::End(packs),
+                                Record::Fin { id } => {
+                                    fins.insert(id);
+                                    continue;
+                                }
+                            });
                         }
                     }
-                    Ok(None) => {}
-                    Err(e) => {
-                        let why = e.to_string();
-                        io.failed = Some(e);
+                    Err(e) => bad = Some(e.to_string()),
+                }
+            });
+            match got {
+                Ok(Some(())) => {
+                    if let Some(why) = bad {
+                        io.failed = Some(MadError::Protocol { rank: self.peer, why: why.clone() });
                         return Err(MadError::Protocol { rank: self.peer, why });
                     }
-                },
+                }
                 Ok(None) => return Ok(()),
                 Err(e) => {
                     let why = e.to_string();
@@ -180,6 +233,36 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// Waits until the pipe requests behind `tokens` (bulk chunks of ours) completed.
+    fn wait_tokens(&self, tokens: &mut Vec<u64>, timeout: std::time::Duration) -> Result<()> {
+        let mut w = Waiter::new(timeout, "waiting for bulk data to leave");
+        while !tokens.is_empty() {
+            {
+                let mut io = self.io();
+                let _ = io.pipe.progress();
+                let mut failed = None;
+                tokens.retain(|&t| match io.pipe.take_user_completion(t) {
+                    Some(WcStatus::Success) => false,
+                    Some(st) => {
+                        failed = Some(st);
+                        false
+                    }
+                    None => true,
+                });
+                if let Some(st) = failed {
+                    return Err(self.lost(format!("bulk transfer failed: {st:?}")));
+                }
+                if let Some(f) = io.pipe.failure() {
+                    return Err(self.lost(f));
+                }
+            }
+            if !tokens.is_empty() {
+                w.pause()?;
+            }
+        }
+        Ok(())
     }
 
     /// Sends one pipe message and sees it handed to the transport (nothing left staged: the
@@ -204,7 +287,7 @@ impl Conn {
                     }
                 }
                 // Received data frees our peer's send window only once taken out of the pipe.
-                let _ = self.pump(&mut io);
+                let _ = self.pump(&mut io, Pump::Drain);
             }
             w.pause()?;
         }
@@ -254,7 +337,18 @@ impl Channel {
         agg.clear();
         agg.reserve(conn.max_msg);
         Record::Begin { seq: seq.seq() }.encode(&mut agg);
-        Ok(Packer { ch: self, conn, seq, agg, packs: 0, deferred: Vec::new(), rdv: Vec::new(), finished: false })
+        Ok(Packer {
+            ch: self,
+            conn,
+            seq,
+            agg,
+            packs: 0,
+            deferred: Vec::new(),
+            rdv: Vec::new(),
+            bulk_tokens: Vec::new(),
+            bulk_regs: Vec::new(),
+            finished: false,
+        })
     }
 
     /// Waits until every process of the session reached this call on this channel (an empty
@@ -308,7 +402,7 @@ impl Channel {
 
     fn try_begin<'u>(&'u self, conn: &'u Conn, seq: Claim<'u>) -> Result<Option<Unpacker<'u>>> {
         let mut io = conn.io();
-        let pumped = conn.pump(&mut io);
+        let pumped = if io.incoming.is_empty() { conn.pump(&mut io, Pump::StopAtBulk) } else { Ok(()) };
         match io.incoming.front() {
             Some(Incoming::Begin(s)) => {
                 let s = *s;
@@ -360,6 +454,9 @@ pub struct Packer<'p> {
     packs: u32,
     deferred: Vec<Deferred<'p>>,
     rdv: Vec<Held<'p>>,
+    /// Bulk chunks of borrowed buffers still being written, and their registrations.
+    bulk_tokens: Vec<u64>,
+    bulk_regs: Vec<Registration<'p>>,
     finished: bool,
 }
 
@@ -376,7 +473,7 @@ impl<'p> Packer<'p> {
             });
             return Ok(());
         }
-        self.emit(buf, modes)
+        self.emit_borrowed(buf, modes)
     }
 
     /// Packs a copy of `buf` (`SendMode::Safer`): `buf` is free as soon as this returns, so it
@@ -391,13 +488,77 @@ impl<'p> Packer<'p> {
         self.emit(buf, modes)
     }
 
+    /// Sends a pack whose buffer lives as long as the packer (`Later`/`Cheaper` packs may be
+    /// read until `end_packing`).
+    fn emit_borrowed(&mut self, buf: &'p [u8], modes: Modes) -> Result<()> {
+        if modes.send != SendMode::Safer && self.wants_bulk(buf.len()) {
+            // SAFETY: `buf` is borrowed for 'p, the packer's life; `finish` waits until every
+            // chunk written from it completed before the registration is dropped.
+            let reg =
+                unsafe { self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?;
+            self.announce_bulk(buf.len(), modes)?;
+            let tokens = self.bulk_chunks(buf, &reg)?;
+            self.bulk_tokens.extend(tokens);
+            self.bulk_regs.push(reg);
+            return Ok(());
+        }
+        self.emit(buf, modes)
+    }
+
+    /// Sends a pack whose buffer may be reused as soon as this returns.
     fn emit(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
         if buf.len() >= self.ch.session.threshold {
-            // SAFETY-free path for copies; borrowed buffers are registered below.
             self.rendezvous(buf, modes)
+        } else if self.wants_bulk(buf.len()) {
+            // SAFETY: `buf` outlives this call, which waits for its chunks before returning
+            // and dropping the registration.
+            let reg =
+                unsafe { self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?;
+            self.announce_bulk(buf.len(), modes)?;
+            let mut tokens = self.bulk_chunks(buf, &reg)?;
+            self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)
         } else {
             self.inline(buf, modes)
         }
+    }
+
+    /// Whether a pack of `len` bytes goes by the bulk lane (more than fits one pipe message,
+    /// below the rendezvous threshold).
+    fn wants_bulk(&self, len: usize) -> bool {
+        self.conn.bulk_chunk > 0 && len > self.conn.max_msg - 3 * wire::HEADER && len < self.ch.session.threshold
+    }
+
+    /// Ends the current pipe message with a bulk announcement.
+    fn announce_bulk(&mut self, len: usize, modes: Modes) -> Result<()> {
+        if self.agg.len() + wire::HEADER > self.conn.max_msg {
+            self.flush()?;
+        }
+        Record::Bulk { modes, total: len as u64 }.encode(&mut self.agg);
+        self.flush()
+    }
+
+    /// Writes `buf` (registered as `reg`) into the peer's bulk ring, chunk by chunk, waiting
+    /// for ring space (while draining what arrives, so two ends sending at once never block
+    /// each other). Returns the chunks' tokens: `buf` is in use until they complete.
+    fn bulk_chunks(&self, buf: &[u8], reg: &Registration<'_>) -> Result<Vec<u64>> {
+        let mut tokens = Vec::with_capacity(buf.len().div_ceil(self.conn.bulk_chunk));
+        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for room in the peer's bulk ring");
+        for c in buf.chunks(self.conn.bulk_chunk) {
+            let sge = Sge { addr: c.as_ptr() as u64, length: c.len() as u32, lkey: reg.lkey() };
+            loop {
+                {
+                    let mut io = self.conn.io();
+                    if let Some(t) = io.pipe.try_send_bulk(sge).map_err(|e| self.conn.lost(e))? {
+                        tokens.push(t);
+                        break;
+                    }
+                    io.pipe.progress().map_err(|e| self.conn.lost(e))?;
+                    let _ = self.conn.pump(&mut io, Pump::Drain);
+                }
+                w.pause()?;
+            }
+        }
+        Ok(tokens)
     }
 
     fn inline(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
@@ -467,7 +628,7 @@ impl<'p> Packer<'p> {
         self.finished = true;
         for d in std::mem::take(&mut self.deferred) {
             match d {
-                Deferred::Borrowed(b, m) => self.emit(b, m)?,
+                Deferred::Borrowed(b, m) => self.emit_borrowed(b, m)?,
                 Deferred::Owned(v, m) => self.emit(&v, m)?,
             }
         }
@@ -476,11 +637,14 @@ impl<'p> Packer<'p> {
         }
         Record::End { packs: self.packs }.encode(&mut self.agg);
         self.flush()?;
+        let mut tokens = std::mem::take(&mut self.bulk_tokens);
+        self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
+        self.bulk_regs.clear();
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for the receiver to read zero-copy packs");
         while !self.rdv.is_empty() {
             {
                 let mut io = self.conn.io();
-                self.conn.pump(&mut io)?;
+                self.conn.pump(&mut io, Pump::Drain)?;
                 let fins = &mut io.fins;
                 self.rdv.retain(|h| !fins.remove(&h.id));
             }
@@ -501,6 +665,7 @@ impl Drop for Packer<'_> {
             if let Err(e) = self.finish() {
                 log::error!("madeleine: completing a dropped message to rank {} failed: {e}", self.conn.peer);
                 std::mem::forget(std::mem::take(&mut self.rdv));
+                std::mem::forget(std::mem::take(&mut self.bulk_regs));
             }
         }
         // Keep the aggregation buffer for the connection's next message.
@@ -538,13 +703,17 @@ impl<'u> Unpacker<'u> {
         MadError::Mismatch { rank: self.conn.peer, why }
     }
 
-    /// Waits for the next record of this message.
-    fn next_record(&mut self) -> Result<Incoming> {
+    /// Waits for the next record of this message (`how` says whether the pipe may be drained
+    /// past bulk data, which only `end_unpacking` skipping unread packs wants).
+    fn next_record_with(&mut self, how: Pump) -> Result<Incoming> {
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for message data");
         loop {
             {
                 let mut io = self.conn.io();
-                let pumped = self.conn.pump(&mut io);
+                if let Some(r) = io.incoming.pop_front() {
+                    return Ok(r);
+                }
+                let pumped = self.conn.pump(&mut io, how);
                 if let Some(r) = io.incoming.pop_front() {
                     return Ok(r);
                 }
@@ -552,6 +721,70 @@ impl<'u> Unpacker<'u> {
             }
             w.pause()?;
         }
+    }
+
+    fn next_record(&mut self) -> Result<Incoming> {
+        self.next_record_with(Pump::StopAtBulk)
+    }
+
+    /// Copies a bulk pack's bytes into `buf`: straight from the pipe's bulk lane, or from what
+    /// a drain took out of it first.
+    fn read_bulk(&mut self, buf: &mut [u8]) -> Result<()> {
+        let mut off = 0;
+        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for bulk data");
+        while off < buf.len() {
+            let mut progressed = false;
+            {
+                let mut io = self.conn.io();
+                if let Some(Incoming::BulkData(d)) = io.incoming.front() {
+                    if d.len() > buf.len() - off {
+                        return Err(self.bad("bulk data longer than its pack"));
+                    }
+                    buf[off..off + d.len()].copy_from_slice(d);
+                    off += d.len();
+                    io.incoming.pop_front();
+                    continue;
+                }
+                if !io.incoming.is_empty() || io.bulk_left == 0 {
+                    return Err(self.bad("bulk data missing"));
+                }
+                if let Some(e) = &io.failed {
+                    return Err(self.conn.lost(e));
+                }
+                let ConnIo { pipe, bulk_left, .. } = &mut *io;
+                let mut bad = false;
+                let got = pipe.recv_lane(|lane, m| {
+                    if lane != Lane::Bulk || m.len() > buf.len() - off {
+                        bad = true;
+                        return;
+                    }
+                    buf[off..off + m.len()].copy_from_slice(m);
+                    off += m.len();
+                    *bulk_left -= m.len() as u64;
+                    progressed = true;
+                });
+                match got {
+                    Ok(_) if bad => {
+                        let e = self.bad("bulk data out of place");
+                        io.failed = Some(self.bad("bulk data out of place"));
+                        return Err(e);
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        io.failed = Some(self.conn.lost(&e));
+                        return Err(self.conn.lost(e));
+                    }
+                }
+            }
+            if !progressed {
+                w.pause()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn bad(&self, why: &str) -> MadError {
+        MadError::Protocol { rank: self.conn.peer, why: why.into() }
     }
 
     /// Extracts the next pack into `buf`; with `RecvMode::Express` the data is there when this
@@ -584,6 +817,10 @@ impl<'u> Unpacker<'u> {
                 self.check(m, total, modes, buf.len())?;
                 self.copy_inline(buf, data, last)
             }
+            Incoming::Bulk { modes: m, total } => {
+                self.check(m, total, modes, buf.len())?;
+                self.read_bulk(buf)
+            }
             other => Err(self.unexpected(other)),
         }
     }
@@ -602,6 +839,10 @@ impl<'u> Unpacker<'u> {
                 drop(reg);
                 self.fins.push(id);
                 Ok(())
+            }
+            Incoming::Bulk { modes: m, total } => {
+                self.check(m, total, modes, buf.len())?;
+                self.read_bulk(buf)
             }
             other => Err(self.unexpected(other)),
         }
@@ -624,7 +865,7 @@ impl<'u> Unpacker<'u> {
         }
     }
 
-    fn copy_inline(&mut self, buf: &mut [u8], first: Vec<u8>, mut last: bool) -> Result<()> {
+    fn copy_inline(&mut self, buf: &mut [u8], first: InlineBytes, mut last: bool) -> Result<()> {
         let mut off = first.len();
         buf[..off].copy_from_slice(&first);
         while !last {
@@ -715,14 +956,16 @@ impl<'u> Unpacker<'u> {
         // The End record, or what the sender packed beyond our unpacks.
         let mut extra = 0u32;
         let packs = loop {
-            match self.next_record()? {
+            match self.next_record_with(Pump::Drain)? {
                 Incoming::End(n) => break n,
+                Incoming::Bulk { .. } => extra += 1,
+                Incoming::BulkData(_) => {}
                 Incoming::Rdv { id, .. } => {
                     extra += 1;
                     self.fins.push(id); // release the sender even though nobody reads it
                 }
                 Incoming::Inline { last, .. } => extra += last as u32,
-                Incoming::Begin(_) | Incoming::Fin(_) => {
+                Incoming::Begin(_) => {
                     return Err(MadError::Protocol { rank: self.conn.peer, why: "message without end".into() })
                 }
             }

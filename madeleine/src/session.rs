@@ -33,6 +33,11 @@ pub struct SessionConfig {
     pub timeout: Duration,
     /// Packs of at least this many bytes go by rendezvous (None: the crossover tuner decides).
     pub rendezvous_threshold: Option<usize>,
+    /// Bytes of each connection's inbound bulk ring (a power of two, at least 4 KiB; 0: no
+    /// bulk lane). Packs too large for one eager message and below the rendezvous threshold
+    /// are copied through it in chunks of a quarter of it, the sender's copy in and the
+    /// receiver's copy out overlapping (`MAD_BULK_RING` in `from_env`).
+    pub bulk_ring_bytes: usize,
 }
 
 impl SessionConfig {
@@ -45,6 +50,7 @@ impl SessionConfig {
             strategy: FlowStrategy::WINDOW,
             timeout: Duration::from_secs(30),
             rendezvous_threshold: None,
+            bulk_ring_bytes: 2 << 20,
         }
     }
 
@@ -74,6 +80,9 @@ impl SessionConfig {
         let mut cfg = SessionConfig::new(rank, size, dir);
         if let Some(t) = get("MAD_RENDEZVOUS_THRESHOLD").and_then(|v| v.parse().ok()) {
             cfg.rendezvous_threshold = Some(t);
+        }
+        if let Some(v) = get("MAD_BULK_RING") {
+            cfg.bulk_ring_bytes = parse(&v, "MAD_BULK_RING")?;
         }
         if let Some(name) = get("MAD_FLOW") {
             cfg.strategy = FlowStrategy::by_name(&name)

@@ -5,9 +5,11 @@
 //! Begin                      a message starts (seq: per connection and direction)
 //! Inline  modes len last     a fragment of a pack's bytes follows the header
 //! Rdv     modes len addr key id   a large pack: the receiver RDMA-reads it from the sender
+//! Bulk    modes total        a pack whose `total` bytes follow as bulk-lane chunks
 //! End     packs              the message had this many packs
 //! Fin     id                 receiver -> sender: the rendezvous `id` was read
 //! ```
+//! A `Bulk` record ends its pipe message: the pack's chunks come next on the pipe's bulk lane.
 //! Every header is 16 bytes (Rdv 32); every length is checked on decode.
 
 use crate::{RecvMode, SendMode};
@@ -48,6 +50,13 @@ pub enum Record {
         rkey: u32,
         /// Identifier the receiver returns in `Fin`.
         id: u32,
+    },
+    /// A pack whose bytes follow as bulk-lane chunks.
+    Bulk {
+        /// Modes the pack was made with.
+        modes: Modes,
+        /// Bytes of the pack.
+        total: u64,
     },
     /// The message is complete.
     End {
@@ -132,6 +141,11 @@ impl Record {
                 out.extend_from_slice(&x);
                 return;
             }
+            Record::Bulk { modes, total } => {
+                h[0] = 6;
+                h[1] = modes.byte();
+                h[8..16].copy_from_slice(&total.to_le_bytes());
+            }
             Record::End { packs } => {
                 h[0] = 4;
                 h[4..8].copy_from_slice(&packs.to_le_bytes());
@@ -154,10 +168,14 @@ impl Record {
     }
 }
 
+/// The records of one pipe message, with the byte ranges of inline data (no allocation for
+/// the usual few records: this is on every message's path).
+pub type Decoded = smallvec::SmallVec<[(Record, std::ops::Range<usize>); 4]>;
+
 /// Decodes a pipe message into records; inline fragments come with the byte range of their
 /// data in `msg`.
-pub fn decode(msg: &[u8]) -> Result<Vec<(Record, std::ops::Range<usize>)>, WireError> {
-    let mut out = Vec::new();
+pub fn decode(msg: &[u8]) -> Result<Decoded, WireError> {
+    let mut out = Decoded::new();
     let mut at = 0;
     let u32_at = |b: &[u8], i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
     let u64_at = |b: &[u8], i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
@@ -196,6 +214,16 @@ pub fn decode(msg: &[u8]) -> Result<Vec<(Record, std::ops::Range<usize>)>, WireE
                 (rec, at + RDV, at..at)
             }
             4 => (Record::End { packs: u32_at(h, 4) }, at + HEADER, at..at),
+            6 => {
+                let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
+                if h[2] != 0 || h[4..8] != [0; 4] {
+                    return Err(WireError("reserved bulk bytes set"));
+                }
+                if at + HEADER != msg.len() {
+                    return Err(WireError("records after a bulk announcement"));
+                }
+                (Record::Bulk { modes, total: u64_at(h, 8) }, at + HEADER, at..at)
+            }
             5 => (Record::Fin { id: u32_at(h, 4) }, at + HEADER, at..at),
             _ => return Err(WireError("unknown record tag")),
         };
@@ -229,13 +257,21 @@ mod tests {
         ]
     }
 
+    fn bulk() -> impl Strategy<Value = Record> {
+        (modes(), any::<u64>()).prop_map(|(m, total)| Record::Bulk { modes: m, total })
+    }
+
     proptest! {
         #[test]
-        fn sequences_round_trip(recs in proptest::collection::vec(record(), 0..20)) {
+        fn sequences_round_trip(mut recs in proptest::collection::vec(record(), 0..20), tail in proptest::option::of(bulk())) {
             let mut bytes = Vec::new();
             for (r, d) in &recs {
                 r.encode(&mut bytes);
                 bytes.extend_from_slice(d);
+            }
+            if let Some(b) = tail {
+                b.encode(&mut bytes);
+                recs.push((b, vec![]));
             }
             let got = decode(&bytes).unwrap();
             prop_assert_eq!(got.len(), recs.len());
@@ -250,6 +286,15 @@ mod tests {
             if let Ok(recs) = decode(&b) {
                 for (_, r) in recs { prop_assert!(r.end <= b.len()); }
             }
+        }
+
+        #[test]
+        fn a_bulk_announcement_must_end_its_message(m in modes(), total in any::<u64>(), (after, data) in record()) {
+            let mut bytes = Vec::new();
+            Record::Bulk { modes: m, total }.encode(&mut bytes);
+            after.encode(&mut bytes);
+            bytes.extend_from_slice(&data);
+            prop_assert!(decode(&bytes).is_err());
         }
     }
 }

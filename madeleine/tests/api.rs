@@ -136,8 +136,34 @@ fn express_data_is_there_at_unpack_and_cheaper_after_end_unpacking() {
 
 #[test]
 fn every_size_across_protocol_boundaries_and_many_packs_per_message() {
-    group(2, SMALL, |rank, ch| {
-        let sizes = [0usize, 1, 15, 16, 17, 1000, 4095, 4096, 4097, 16_000, 16_400, 70_000, 1 << 20];
+    // With a small rendezvous threshold (inline, bulk, rendezvous) and with none (inline and
+    // bulk only, the bulk ring of 1 MiB wrapping in 256 KiB chunks).
+    for threshold in [SMALL, usize::MAX] {
+        every_size_with(threshold);
+    }
+}
+
+fn every_size_with(threshold: usize) {
+    group(2, threshold, |rank, ch| {
+        let sizes = [
+            0usize,
+            1,
+            15,
+            16,
+            17,
+            1000,
+            1970,
+            2100,
+            4095,
+            4096,
+            4097,
+            16_000,
+            16_400,
+            70_000,
+            262_144,
+            262_145,
+            1 << 20,
+        ];
         if rank == 0 {
             let bufs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| pattern(i, n)).collect();
             let mut p = ch.begin_packing(1).unwrap();
@@ -157,6 +183,58 @@ fn every_size_across_protocol_boundaries_and_many_packs_per_message() {
             for (i, b) in bufs.iter().enumerate() {
                 assert_eq!(b, &pattern(i, sizes[i]), "pack {i} of {} bytes", sizes[i]);
             }
+        }
+    });
+}
+
+/// Both ranks send messages with packs larger than the peer's bulk ring before either
+/// receives: each sender, waiting for ring space, must drain the other's data (the slow path)
+/// instead of deadlocking; everything arrives intact.
+#[test]
+fn crossing_bulk_messages_do_not_deadlock() {
+    group(2, usize::MAX, |rank, ch| {
+        let peer = 1 - rank;
+        let len = 3 << 20;
+        let bodies: Vec<Vec<u8>> = (0..3).map(|i| pattern(rank * 10 + i, len)).collect();
+        for b in &bodies {
+            let mut p = ch.begin_packing(peer).unwrap();
+            p.pack_safer(&(b.len() as u64).to_le_bytes(), RecvMode::Express).unwrap();
+            p.pack(b, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            p.pack_safer(b"tail", RecvMode::Express).unwrap();
+            p.end_packing().unwrap();
+        }
+        for i in 0..3 {
+            let mut n = [0u8; 8];
+            let mut body = vec![0u8; len];
+            let mut tail = [0u8; 4];
+            let mut u = ch.begin_unpacking_from(peer).unwrap();
+            u.unpack_express(&mut n, SendMode::Safer).unwrap();
+            u.unpack(&mut body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            u.unpack_express(&mut tail, SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            assert_eq!(u64::from_le_bytes(n), len as u64);
+            assert!(body == pattern(peer * 10 + i, len), "message {i} from {peer} corrupted");
+            assert_eq!(&tail, b"tail");
+        }
+    });
+}
+
+/// A receiver that leaves a bulk pack unread gets a mismatch error, and the connection goes on
+/// working for the next message.
+#[test]
+fn an_unread_bulk_pack_is_a_mismatch_and_the_connection_survives() {
+    group(2, usize::MAX, |rank, ch| {
+        let big = pattern(3, 300_000);
+        if rank == 0 {
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack(&big, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+            send_sized(ch, &big);
+        } else {
+            let u = ch.begin_unpacking().unwrap();
+            let e = u.end_unpacking().unwrap_err();
+            assert!(matches!(e, MadError::Mismatch { .. }), "{e}");
+            assert_eq!(recv_sized(ch), big);
         }
     });
 }

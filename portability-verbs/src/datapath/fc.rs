@@ -120,10 +120,13 @@ impl Record {
     }
 }
 
+/// The records of one chunk: (header, payload range) pairs, inline for the usual few.
+pub type ParsedChunk = smallvec::SmallVec<[(Record, std::ops::Range<usize>); 4]>;
+
 /// Splits a received chunk into records, validating every length. Returns (header, payload
-/// range) pairs.
-pub fn parse_chunk(chunk: &[u8]) -> Result<Vec<(Record, std::ops::Range<usize>)>, FcError> {
-    let mut out = Vec::new();
+/// range) pairs (without allocating for up to four records: this is on every message's path).
+pub fn parse_chunk(chunk: &[u8]) -> Result<ParsedChunk, FcError> {
+    let mut out = ParsedChunk::new();
     let mut at = 0usize;
     while at < chunk.len() {
         let hdr: &[u8; RECORD_HEADER] = chunk

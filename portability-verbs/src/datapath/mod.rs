@@ -9,6 +9,6 @@ pub mod pool;
 pub mod regcache;
 
 pub use crossover::{Crossover, CrossoverSource};
-pub use pipe::{FlowStrategy, MsgPipe, PipeOptions, PipeStats};
+pub use pipe::{FlowStrategy, Lane, MsgPipe, PipeOptions, PipeStats};
 pub use pool::{BufferPool, PoolBuf, PoolStats};
 pub use regcache::{CacheStats, CachedBuffer, Registration, RegistrationCache};

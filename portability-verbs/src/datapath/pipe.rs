@@ -139,6 +139,12 @@ impl FlowStrategy {
 /// Options of a pipe end.
 #[derive(Clone, Default)]
 pub struct PipeOptions {
+    /// Bytes of this end's inbound bulk ring (0: none). The bulk lane carries large data in
+    /// chunks of up to a quarter of the peer's ring, RDMA-written straight from the sender's
+    /// registered memory (one copy in, one copy out, pipelined across the two ends), in order
+    /// with the pipe's messages. Needs the window or RDMA strategy (a chunk consumes a receive
+    /// without a credit). See [`MsgPipe::try_send_bulk`].
+    pub bulk_ring: usize,
     /// Stage outgoing messages in this pool instead of a pool of the pipe's own. Shared by
     /// many pipes, it keeps send-side memory constant however many peers there are; a pipe
     /// whose message finds the pool empty reports flow control (`try_send` returns false).
@@ -177,9 +183,29 @@ impl PipeStats {
     }
 }
 
+/// Which lane a received message came by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lane {
+    /// A message of the flow-controlled message path (`try_send`).
+    Message,
+    /// A chunk of the bulk lane (`try_send_bulk`).
+    Bulk,
+}
+
+/// Immediate-data bit marking a bulk-lane chunk (bit 31 marks a wrapped chunk, the low 30
+/// bits carry the length).
+const IMM_BULK: u32 = 1 << 30;
+const IMM_WRAPPED: u32 = 1 << 31;
+const IMM_LEN: u32 = IMM_BULK - 1;
+/// Largest bulk ring (chunk lengths must fit the immediate's 30 bits).
+const MAX_BULK_RING: usize = 1 << 30;
+
 /// Write-with-immediate notifications kept posted (RDMA strategy).
 const NOTIFY_RECEIVES: u32 = 64;
 const SETUP_BYTES: usize = 128;
+/// Setup payload: strategy code (8 bytes), then nine u64 (two strategy parameters, message
+/// ring address and key, acknowledgement slots address and key, bulk ring address, key, size).
+const SETUP_PAYLOAD: usize = 80;
 
 const TAG_SHIFT: u32 = 56;
 const TAG_SETUP_SEND: u64 = 1;
@@ -189,6 +215,10 @@ const TAG_SETUP_RECV: u64 = 4;
 const TAG_DATA_RECV: u64 = 5;
 const TAG_NOTIFY_RECV: u64 = 6;
 const TAG_USER: u64 = 7;
+const TAG_INLINE_SEND: u64 = 8;
+
+/// Largest record (header and payload) sent inline, straight from the caller's bytes.
+const INLINE_MAX: usize = 256;
 
 fn wr_id(tag: u64, low: u64) -> u64 {
     tag << TAG_SHIFT | low
@@ -199,21 +229,28 @@ enum ChunkStore {
     /// A receive buffer, reposted when all its messages are read.
     Buf(PoolBuf),
     /// Ring bytes, acknowledged when all its messages are read (position after the chunk).
-    Ring { base: *const u8, end_pos: u64 },
+    Ring { base: *const u8, end_pos: u64, lane: Lane },
 }
 
 struct Chunk {
     store: ChunkStore,
-    /// (offset, len) of each unread message, in order.
-    msgs: VecDeque<(usize, usize)>,
+    /// (offset, len) of each message, in order; those before `next` are read.
+    msgs: smallvec::SmallVec<[(usize, usize); 4]>,
+    next: usize,
 }
 
 struct PeerRing {
     addr: u64,
     rkey: u32,
-    ack_addr: u64,
-    ack_rkey: u32,
 }
+
+/// Offsets in `ack_mr`: where the peer writes how much of our message ring / bulk ring it
+/// consumed, and the 8 bytes we write our own acknowledgements from.
+const ACK_RING: usize = 0;
+const ACK_RING_SRC: usize = 8;
+const ACK_BULK: usize = 16;
+const ACK_BULK_SRC: usize = 24;
+const ACK_BYTES: usize = 32;
 
 /// A flow-controlled message pipe.
 pub struct MsgPipe {
@@ -224,16 +261,26 @@ pub struct MsgPipe {
     send_pool: Arc<BufferPool>,
     setup_mr: MemoryRegion,
     ring: Option<MemoryRegion>,
-    /// Our slot where the peer writes how much of our chunks it consumed; and the 8 bytes we
-    /// write from when acknowledging.
+    /// The slots where the peer writes how much of our rings it consumed, and the bytes we
+    /// write our acknowledgements from (`ACK_*` offsets).
     ack_mr: MemoryRegion,
     peer_ring: Option<PeerRing>,
+    /// Our inbound bulk ring, and the peer's (None: that direction has no bulk lane).
+    bulk_ring: Option<MemoryRegion>,
+    peer_bulk: Option<PeerRing>,
+    bulk_tx: RingSender,
+    bulk_rx: RingReceiver,
+    peer_bulk_ack_seen: u64,
+    /// The peer's acknowledgement slots (address and key of its `ack_mr`).
+    peer_acks: Option<(u64, u32)>,
     credits: Credits,
     ring_tx: RingSender,
     ring_rx: RingReceiver,
     coalescer: Coalescer,
     inbox: VecDeque<Chunk>,
     outstanding: usize,
+    /// Records up to this size go inline (the queue pair's limit, at most `INLINE_MAX`).
+    inline_max: usize,
     peer_ack_seen: u64,
     failed: Option<String>,
     stats: PipeStats,
@@ -274,8 +321,23 @@ impl MsgPipe {
         timeout: Duration,
     ) -> Result<MsgPipe> {
         strategy.validate()?;
+        if options.bulk_ring > 0 {
+            if matches!(strategy, FlowStrategy::Credit { .. }) {
+                return Err(VerbsError::invalid("the bulk lane needs the window or RDMA strategy, not credits"));
+            }
+            if options.bulk_ring < 4096 || options.bulk_ring > MAX_BULK_RING || !options.bulk_ring.is_power_of_two() {
+                return Err(VerbsError::invalid(format!(
+                    "bulk ring of {} bytes: a power of two from 4 KiB to 1 GiB",
+                    options.bulk_ring
+                )));
+            }
+        }
         let setup_mr = pd.alloc(2 * SETUP_BYTES, AccessFlags::LOCAL_WRITE)?;
-        let ack_mr = pd.alloc(16, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
+        let ack_mr = pd.alloc(ACK_BYTES, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
+        let bulk_ring = match options.bulk_ring {
+            0 => None,
+            n => Some(pd.alloc(n, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?),
+        };
         let (recv_pool, ring) = match strategy {
             FlowStrategy::Credit { buffers, buf_size } => {
                 (Some(BufferPool::new(pd, buf_size, buffers as usize, AccessFlags::LOCAL_WRITE)?), None)
@@ -303,6 +365,7 @@ impl MsgPipe {
             FlowStrategy::Rdma { ring_bytes, .. } => (0, ring_bytes as u64),
             FlowStrategy::Window { buffers, .. } => (buffers as u64, 1),
         };
+        let inline_max = (qp.caps().max_inline_data as usize).min(INLINE_MAX);
         let mut pipe = MsgPipe {
             qp,
             cq,
@@ -313,12 +376,19 @@ impl MsgPipe {
             ring,
             ack_mr,
             peer_ring: None,
+            bulk_rx: RingReceiver::new(options.bulk_ring as u64),
+            bulk_ring,
+            peer_bulk: None,
+            bulk_tx: RingSender::new(1),
+            peer_bulk_ack_seen: 0,
+            peer_acks: None,
             credits: Credits::new(credits_n),
             ring_tx: RingSender::new(ring_n),
             ring_rx: RingReceiver::new(ring_n),
             coalescer: Coalescer::default(),
             inbox: VecDeque::new(),
             outstanding: 0,
+            inline_max,
             peer_ack_seen: 0,
             failed: None,
             stats: PipeStats::default(),
@@ -349,10 +419,22 @@ impl MsgPipe {
         }
         let (code, p1, p2) = self.strategy.code();
         let (ring_addr, ring_rkey) = self.ring.as_ref().map(|r| (r.addr(), r.rkey())).unwrap_or((0, 0));
-        let mut payload = Vec::with_capacity(48);
+        let (bulk_addr, bulk_rkey, bulk_len) =
+            self.bulk_ring.as_ref().map(|r| (r.addr(), r.rkey(), r.len() as u64)).unwrap_or((0, 0, 0));
+        let mut payload = Vec::with_capacity(SETUP_PAYLOAD);
         payload.push(code);
         payload.extend_from_slice(&[0; 7]);
-        for v in [p1, p2, ring_addr, ring_rkey as u64, self.ack_mr.addr(), self.ack_mr.rkey() as u64] {
+        for v in [
+            p1,
+            p2,
+            ring_addr,
+            ring_rkey as u64,
+            self.ack_mr.addr(),
+            self.ack_mr.rkey() as u64,
+            bulk_addr,
+            bulk_rkey as u64,
+            bulk_len,
+        ] {
             payload.extend_from_slice(&v.to_le_bytes());
         }
         let rec = Record { kind: RecordKind::Setup, credits: 0, len: payload.len() as u32, ack: 0 };
@@ -400,7 +482,7 @@ impl MsgPipe {
             return Err(VerbsError::Protocol("pipe setup: expected exactly one record".into()));
         };
         let p = &b[range.clone()];
-        if rec.kind != RecordKind::Setup || p.len() != 56 {
+        if rec.kind != RecordKind::Setup || p.len() != SETUP_PAYLOAD {
             return Err(VerbsError::Protocol("pipe setup: malformed setup record".into()));
         }
         let v = |i: usize| u64::from_le_bytes(p[8 + 8 * i..16 + 8 * i].try_into().expect("8 bytes"));
@@ -414,8 +496,17 @@ impl MsgPipe {
                 self.strategy
             )));
         }
+        self.peer_acks = Some((v(4), v(5) as u32));
         if code == 2 {
-            self.peer_ring = Some(PeerRing { addr: v(2), rkey: v(3) as u32, ack_addr: v(4), ack_rkey: v(5) as u32 });
+            self.peer_ring = Some(PeerRing { addr: v(2), rkey: v(3) as u32 });
+        }
+        let bulk_len = v(8);
+        if bulk_len > 0 {
+            if bulk_len < 4096 || bulk_len > MAX_BULK_RING as u64 || !bulk_len.is_power_of_two() {
+                return Err(VerbsError::Protocol(format!("pipe setup: bulk ring of {bulk_len} bytes")));
+            }
+            self.peer_bulk = Some(PeerRing { addr: v(6), rkey: v(7) as u32 });
+            self.bulk_tx = RingSender::new(bulk_len);
         }
         Ok(())
     }
@@ -524,8 +615,21 @@ impl MsgPipe {
         self.ring_rx.take_ack()
     }
 
-    /// Sends one record from a staging buffer (credit and window strategies).
+    /// Sends one record (credit and window strategies): inline from the stack when it is
+    /// small (the transport copies it at post: no staging buffer to take and give back, no
+    /// key checks), else from a staging buffer.
     fn send_record(&mut self, rec: Record, payload: &[u8]) -> Result<()> {
+        let len = RECORD_HEADER + payload.len();
+        if len <= self.inline_max {
+            let mut buf = [0u8; INLINE_MAX];
+            buf[..RECORD_HEADER].copy_from_slice(&rec.encode());
+            buf[RECORD_HEADER..len].copy_from_slice(payload);
+            let sge = Sge { addr: buf.as_ptr() as u64, length: len as u32, lkey: 0 };
+            self.qp.post_send(&[SendWr::send(wr_id(TAG_INLINE_SEND, 0), &[sge]).inline(true)])?;
+            self.outstanding += 1;
+            self.stats.transfers += 1;
+            return Ok(());
+        }
         let mut b = self.send_pool.try_acquire().ok_or_else(|| VerbsError::Exhausted("pipe send pool".into()))?;
         b.push(&rec.encode());
         b.push(payload);
@@ -604,18 +708,28 @@ impl MsgPipe {
             self.handle_completion(wc)?;
         }
         if let FlowStrategy::Rdma { .. } = self.strategy {
-            let acked = self.ack_mr.read_u64(0);
+            let acked = self.ack_mr.read_u64(ACK_RING);
             if acked != self.peer_ack_seen {
                 self.peer_ack_seen = acked;
                 self.ring_tx.on_ack(acked).map_err(fc_err)?;
             }
             if self.ring_rx.needs_ack() {
-                self.write_ack()?;
+                self.write_ack(Lane::Message)?;
             }
             self.flush_ring()?;
         }
         if let FlowStrategy::Window { .. } = self.strategy {
             self.flush_window()?;
+        }
+        if self.peer_bulk.is_some() {
+            let acked = self.ack_mr.read_u64(ACK_BULK);
+            if acked != self.peer_bulk_ack_seen {
+                self.peer_bulk_ack_seen = acked;
+                self.bulk_tx.on_ack(acked).map_err(fc_err)?;
+            }
+        }
+        if self.bulk_ring.is_some() && self.bulk_rx.needs_ack() {
+            self.write_ack(Lane::Bulk)?;
         }
         if let FlowStrategy::Credit { .. } = self.strategy {
             if self.credits.needs_update()
@@ -650,37 +764,130 @@ impl MsgPipe {
                 self.send_pool.release_index(low as u32)?;
                 self.outstanding -= 1;
             }
+            TAG_INLINE_SEND => self.outstanding -= 1,
             TAG_ACK_WRITE | TAG_SETUP_SEND => {}
             TAG_USER => {
                 self.user_done.insert(low, wc.status);
             }
+            TAG_DATA_RECV if wc.opcode == WcOpcode::RecvRdmaWithImm => {
+                // A bulk chunk's notification consumed a message buffer without filling it.
+                let b = self.recv_pool.as_ref().expect("message buffers").reclaim(low as u32)?;
+                self.post_data_recv(b)?;
+                self.on_bulk_chunk(wc.imm.ok_or_else(|| VerbsError::Protocol("chunk without immediate".into()))?)?;
+            }
             TAG_DATA_RECV => self.on_data_recv(low as u32, wc.byte_len as usize)?,
             TAG_NOTIFY_RECV => {
-                self.on_ring_chunk(wc.imm.ok_or_else(|| VerbsError::Protocol("chunk without immediate".into()))?)?;
+                let imm = wc.imm.ok_or_else(|| VerbsError::Protocol("chunk without immediate".into()))?;
                 self.qp.post_recv(&[RecvWr::new(wr_id(TAG_NOTIFY_RECV, 0), &[])])?;
+                if imm & IMM_BULK != 0 {
+                    self.on_bulk_chunk(imm)?;
+                } else {
+                    self.on_ring_chunk(imm)?;
+                }
             }
             _ => return Err(VerbsError::Protocol(format!("unexpected completion {wc:?}"))),
         }
         Ok(())
     }
 
-    fn write_ack(&mut self) -> Result<()> {
-        let pos = self.ring_rx.take_ack();
-        let peer = self.peer_ring.as_ref().expect("set up");
-        self.ack_mr.write(8, &pos.to_ne_bytes());
-        let sge = self.ack_mr.sge(8, 8);
-        self.qp
-            .post_send(&[SendWr::write(wr_id(TAG_ACK_WRITE, 0), &[sge], peer.ack_addr, peer.ack_rkey).inline(true)])?;
+    /// Tells the peer how far we consumed one of our rings (RDMA write into its ack slot).
+    fn write_ack(&mut self, lane: Lane) -> Result<()> {
+        let (pos, src, dst) = match lane {
+            Lane::Message => (self.ring_rx.take_ack(), ACK_RING_SRC, ACK_RING),
+            Lane::Bulk => (self.bulk_rx.take_ack(), ACK_BULK_SRC, ACK_BULK),
+        };
+        let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("acknowledgement before setup".into()))?;
+        self.ack_mr.write(src, &pos.to_ne_bytes());
+        let sge = self.ack_mr.sge(src, 8);
+        self.qp.post_send(&[SendWr::write(wr_id(TAG_ACK_WRITE, 0), &[sge], addr + dst as u64, rkey).inline(true)])?;
         self.stats.control += 1;
         Ok(())
+    }
+
+    fn on_bulk_chunk(&mut self, imm: u32) -> Result<()> {
+        let ring = self
+            .bulk_ring
+            .as_ref()
+            .ok_or_else(|| VerbsError::Protocol("bulk chunk on a pipe without a bulk ring".into()))?;
+        let (len, wrapped) = ((imm & IMM_LEN) as u64, imm & IMM_WRAPPED != 0);
+        let before = self.bulk_rx.received();
+        let off = self.bulk_rx.on_chunk(len, wrapped).map_err(fc_err)?;
+        if len == 0 || off + len > ring.len() as u64 {
+            return Err(VerbsError::Protocol(format!("bulk chunk of {len} bytes at {off} outside the ring")));
+        }
+        self.stats.buffer_bytes += self.bulk_rx.received() - before;
+        let end_pos = self.bulk_rx.received();
+        let mut msgs = smallvec::SmallVec::new();
+        msgs.push((off as usize, len as usize));
+        self.inbox.push_back(Chunk {
+            store: ChunkStore::Ring { base: ring.as_ptr(), end_pos, lane: Lane::Bulk },
+            msgs,
+            next: 0,
+        });
+        Ok(())
+    }
+
+    /// Largest chunk [`MsgPipe::try_send_bulk`] takes (a quarter of the peer's bulk ring); 0 if
+    /// the peer has no bulk ring.
+    pub fn bulk_chunk_max(&self) -> usize {
+        if self.peer_bulk.is_some() {
+            self.bulk_tx.max_chunk() as usize
+        } else {
+            0
+        }
+    }
+
+    /// Offers one bulk chunk: `data` (registered memory of this pipe's protection domain, at
+    /// most [`MsgPipe::bulk_chunk_max`] bytes) is RDMA-written into the peer's bulk ring and
+    /// delivered in order with the messages, as [`Lane::Bulk`]. `Ok(None)` if the ring has no
+    /// room now (call [`MsgPipe::progress`] and retry). `Ok(Some(token))`: `data` must stay
+    /// untouched until [`MsgPipe::take_user_completion`] reports the token.
+    pub fn try_send_bulk(&mut self, data: Sge) -> Result<Option<u64>> {
+        self.check_failed()?;
+        let max = self.bulk_chunk_max();
+        if data.length == 0 || data.length as usize > max {
+            return Err(VerbsError::invalid(format!(
+                "bulk chunk of {} bytes (1 to {max}; 0 means the peer has no bulk ring)",
+                data.length
+            )));
+        }
+        if !self.coalescer.is_empty() {
+            // Staged messages go first: the lanes share one order.
+            self.flush()?;
+            if !self.coalescer.is_empty() {
+                return Ok(None);
+            }
+        }
+        let Some(place) = self.bulk_tx.reserve(data.length as u64) else {
+            self.stats.blocked += 1;
+            return Ok(None);
+        };
+        let peer = self.peer_bulk.as_ref().expect("bulk_chunk_max checked");
+        let imm = data.length | IMM_BULK | if place.wrapped { IMM_WRAPPED } else { 0 };
+        let wr = SendWr::write_with_imm(0, &[data], peer.addr + place.offset, peer.rkey, imm);
+        match self.post_user(wr) {
+            Ok(token) => {
+                self.stats.transfers += 1;
+                Ok(Some(token))
+            }
+            Err(e) => {
+                self.bulk_tx.unreserve();
+                Err(e)
+            }
+        }
     }
 
     fn on_data_recv(&mut self, index: u32, len: usize) -> Result<()> {
         let pool = self.recv_pool.clone().ok_or_else(|| VerbsError::Protocol("data receive on a ring pipe".into()))?;
         let b = pool.reclaim(index)?;
-        let mut bytes = vec![0u8; len];
-        b.read(&mut bytes);
-        let recs = fc::parse_chunk(&bytes).map_err(fc_err)?;
+        if len > pool.buf_size() {
+            return Err(VerbsError::Protocol(format!("{len}-byte receive in a {}-byte buffer", pool.buf_size())));
+        }
+        // SAFETY: the receive completed, so the buffer is ours (no transfer targets it until it
+        // is reposted) and `len` bytes of it lie inside it (checked above). Parsing keeps only
+        // validated ranges, never re-reading a header.
+        let bytes = unsafe { std::slice::from_raw_parts(b.as_mut_ptr() as *const u8, len) };
+        let recs = fc::parse_chunk(bytes).map_err(fc_err)?;
         if let FlowStrategy::Credit { .. } = self.strategy {
             // One message per buffer, each paid for with one credit.
             let [(rec, _)] = recs.as_slice() else {
@@ -688,10 +895,10 @@ impl MsgPipe {
             };
             self.credits.on_receive(rec.credits).map_err(fc_err)?;
         }
-        let mut msgs = VecDeque::new();
+        let mut msgs = smallvec::SmallVec::new();
         for (rec, range) in recs {
             match rec.kind {
-                RecordKind::Data => msgs.push_back((range.start, range.len())),
+                RecordKind::Data => msgs.push((range.start, range.len())),
                 RecordKind::Credit => {}
                 RecordKind::Setup => return Err(VerbsError::Protocol("setup record after setup".into())),
             }
@@ -701,7 +908,7 @@ impl MsgPipe {
             // A credit message: its buffer is free at once.
             self.repost(b)?;
         } else {
-            self.inbox.push_back(Chunk { store: ChunkStore::Buf(b), msgs });
+            self.inbox.push_back(Chunk { store: ChunkStore::Buf(b), msgs, next: 0 });
         }
         Ok(())
     }
@@ -716,13 +923,21 @@ impl MsgPipe {
     fn on_ring_chunk(&mut self, imm: u32) -> Result<()> {
         let ring =
             self.ring.as_ref().ok_or_else(|| VerbsError::Protocol("ring chunk on a pipe without a ring".into()))?;
-        let (len, wrapped) = ((imm & 0x7fff_ffff) as u64, imm >> 31 == 1);
+        if imm & IMM_BULK != 0 {
+            return Err(VerbsError::Protocol("message-ring chunk flagged as bulk".into()));
+        }
+        let (len, wrapped) = ((imm & IMM_LEN) as u64, imm & IMM_WRAPPED != 0);
         let before = self.ring_rx.received();
         let off = self.ring_rx.on_chunk(len, wrapped).map_err(fc_err)?;
-        let mut bytes = vec![0u8; len as usize];
-        ring.read(off as usize, &mut bytes);
-        let recs = fc::parse_chunk(&bytes).map_err(fc_err)?;
-        let mut msgs = VecDeque::new();
+        if off + len > ring.len() as u64 {
+            return Err(VerbsError::Protocol("ring chunk past the ring".into()));
+        }
+        // SAFETY: the ring accounting placed the chunk inside our ring (checked above), in
+        // space the sender may not reuse until we acknowledge it. Parsing keeps only validated
+        // ranges, never re-reading a header.
+        let bytes = unsafe { std::slice::from_raw_parts(ring.as_ptr().add(off as usize) as *const u8, len as usize) };
+        let recs = fc::parse_chunk(bytes).map_err(fc_err)?;
+        let mut msgs = smallvec::SmallVec::new();
         for (rec, range) in recs {
             if rec.kind != RecordKind::Data {
                 return Err(VerbsError::Protocol("non-data record in a ring chunk".into()));
@@ -730,21 +945,37 @@ impl MsgPipe {
             if rec.ack != 0 {
                 self.ring_tx.on_ack(rec.ack).map_err(fc_err)?;
             }
-            msgs.push_back((off as usize + range.start, range.len()));
+            msgs.push((off as usize + range.start, range.len()));
         }
         self.stats.buffer_bytes += self.ring_rx.received() - before;
         let end_pos = self.ring_rx.received();
         if msgs.is_empty() {
             self.ring_rx.consume_to(end_pos);
         } else {
-            self.inbox.push_back(Chunk { store: ChunkStore::Ring { base: ring.as_ptr(), end_pos }, msgs });
+            let store = ChunkStore::Ring { base: ring.as_ptr(), end_pos, lane: Lane::Message };
+            self.inbox.push_back(Chunk { store, msgs, next: 0 });
         }
         Ok(())
     }
 
     /// Reads the next message in place: `f` sees its bytes. `Ok(None)` if none is there now.
-    /// After a failure, messages received before it are still returned, then the error.
+    /// After a failure, messages received before it are still returned, then the error. (On a
+    /// pipe whose peer sends bulk chunks, use [`MsgPipe::recv_lane`].)
     pub fn recv_with<R>(&mut self, f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
+        self.recv_lane(|_, b| f(b))
+    }
+
+    /// Whether a received message or chunk is waiting (without driving progress), and by
+    /// which lane.
+    pub fn peek_lane(&self) -> Option<Lane> {
+        self.inbox.front().map(|c| match c.store {
+            ChunkStore::Buf(_) => Lane::Message,
+            ChunkStore::Ring { lane, .. } => lane,
+        })
+    }
+
+    /// Reads the next message or bulk chunk in place: `f` sees its lane and bytes.
+    pub fn recv_lane<R>(&mut self, f: impl FnOnce(Lane, &[u8]) -> R) -> Result<Option<R>> {
         if self.inbox.is_empty() && self.failed.is_none() {
             // A failure found now still leaves earlier messages readable.
             if let Err(e) = self.progress() {
@@ -757,17 +988,18 @@ impl MsgPipe {
             self.check_failed()?;
             return Ok(None);
         };
-        let (off, len) = chunk.msgs.pop_front().expect("chunks in the inbox hold messages");
-        let base = match &chunk.store {
-            ChunkStore::Buf(b) => b.as_mut_ptr() as *const u8,
-            ChunkStore::Ring { base, .. } => *base,
+        let (off, len) = chunk.msgs[chunk.next];
+        chunk.next += 1;
+        let (base, lane) = match &chunk.store {
+            ChunkStore::Buf(b) => (b.as_mut_ptr() as *const u8, Lane::Message),
+            ChunkStore::Ring { base, lane, .. } => (*base, *lane),
         };
         // SAFETY: the bytes lie in a receive buffer we own until it is reposted, or in ring
         // space the sender may not reuse until we acknowledge it (below, after `f`).
-        let r = f(unsafe { std::slice::from_raw_parts(base.add(off), len) });
+        let r = f(lane, unsafe { std::slice::from_raw_parts(base.add(off), len) });
         self.stats.received += 1;
         self.stats.received_bytes += len as u64;
-        if chunk.msgs.is_empty() {
+        if chunk.next == chunk.msgs.len() {
             let chunk = self.inbox.pop_front().expect("front exists");
             match chunk.store {
                 ChunkStore::Buf(b) => {
@@ -775,7 +1007,8 @@ impl MsgPipe {
                         self.repost(b).map_err(|e| self.fail(e))?;
                     }
                 }
-                ChunkStore::Ring { end_pos, .. } => self.ring_rx.consume_to(end_pos),
+                ChunkStore::Ring { end_pos, lane: Lane::Message, .. } => self.ring_rx.consume_to(end_pos),
+                ChunkStore::Ring { end_pos, lane: Lane::Bulk, .. } => self.bulk_rx.consume_to(end_pos),
             }
         }
         Ok(Some(r))
@@ -931,6 +1164,102 @@ mod tests {
         }
     }
 
+    fn pair_with(s: FlowStrategy, o: PipeOptions) -> (ProtectionDomain, MsgPipe, MsgPipe) {
+        let (pd, (a, ca), (b, cb)) = qps();
+        let (pa, pb) = std::thread::scope(|sc| {
+            let o2 = o.clone();
+            let h = sc.spawn(|| MsgPipe::establish_with(b, cb, &pd, s, o2, T).unwrap());
+            let pa = MsgPipe::establish_with(a, ca, &pd, s, o, T).unwrap();
+            (pa, h.join().unwrap())
+        });
+        (pd, pa, pb)
+    }
+
+    /// Messages and bulk chunks interleaved arrive in the order sent, each by its lane, with
+    /// the bulk ring wrapping many times and the sender held back while it is full.
+    #[test]
+    fn bulk_chunks_interleave_with_messages_in_order() {
+        for s in
+            [FlowStrategy::Rdma { ring_bytes: 4096, coalesce: 700 }, FlowStrategy::Window { window: 512, buffers: 4 }]
+        {
+            let (pd, mut a, mut b) = pair_with(s, PipeOptions { bulk_ring: 16 * 1024, ..PipeOptions::default() });
+            assert_eq!(a.bulk_chunk_max(), 4096);
+            let src: Vec<u8> = (0..4096u32).map(|i| (i * 13 % 251) as u8).collect();
+            let reg = pd.register(src.clone().into_boxed_slice(), AccessFlags::NONE).unwrap();
+            let deadline = Instant::now() + T;
+            // Item i: a message (i % 3 == 0) or a bulk chunk of a size that makes the ring wrap.
+            let item_len = |i: usize| if i.is_multiple_of(3) { 1 + i % 400 } else { 1 + (i * 1237) % 4096 };
+            let (mut next, mut got, mut blocked) = (0usize, 0usize, 0usize);
+            let mut tokens = Vec::new();
+            const N: usize = 600;
+            let mut round = 0usize;
+            while got < N {
+                assert!(Instant::now() < deadline, "stalled at {got}");
+                round += 1;
+                if next < N {
+                    let len = item_len(next);
+                    let sent = if next % 3 == 0 {
+                        a.try_send(&msg(next as u64, len)).unwrap()
+                    } else {
+                        match a.try_send_bulk(reg.sge(0, len)).unwrap() {
+                            Some(t) => {
+                                tokens.push(t);
+                                true
+                            }
+                            None => false,
+                        }
+                    };
+                    if sent {
+                        next += 1;
+                    } else {
+                        blocked += 1;
+                    }
+                }
+                a.progress().unwrap();
+                a.flush().unwrap();
+                // The receiver reads only every 16th round: the ring fills up.
+                if round.is_multiple_of(16) || next == N {
+                    while let Some((lane, bytes)) = b.recv_lane(|l, m| (l, m.to_vec())).unwrap() {
+                        let len = item_len(got);
+                        if got % 3 == 0 {
+                            assert_eq!((lane, bytes), (Lane::Message, msg(got as u64, len)), "item {got}");
+                        } else {
+                            assert_eq!(lane, Lane::Bulk, "item {got}");
+                            assert_eq!(bytes, src[..len], "item {got}");
+                        }
+                        got += 1;
+                    }
+                }
+                b.progress().unwrap();
+            }
+            assert!(blocked > 0, "the ring never filled up: the test did not test flow control");
+            for t in tokens {
+                while a.take_user_completion(t).is_none() {
+                    a.progress().unwrap();
+                }
+            }
+        }
+    }
+
+    /// A bulk lane is refused where it cannot work, and misuse is an error, not a panic.
+    #[test]
+    fn bulk_lane_arguments_are_checked() {
+        let (pd, (a, ca), _) = qps();
+        let credit = MsgPipe::establish_with(
+            a,
+            ca,
+            &pd,
+            FlowStrategy::CREDIT,
+            PipeOptions { bulk_ring: 1 << 16, ..PipeOptions::default() },
+            Duration::from_millis(10),
+        );
+        assert!(matches!(credit, Err(VerbsError::InvalidArgument(_))), "{:?}", credit.err());
+        let (mut a, _b) = pair(FlowStrategy::WINDOW);
+        assert_eq!(a.bulk_chunk_max(), 0);
+        let mr = pd.alloc(64, AccessFlags::NONE).unwrap();
+        assert!(a.try_send_bulk(mr.sge(0, 64)).is_err(), "no bulk ring at the peer");
+    }
+
     /// Both ends on their own threads, streaming at once in both directions: no message may
     /// be lost, repeated or reordered (the lock-step tests above cannot race the provider).
     #[test]
@@ -1032,7 +1361,7 @@ mod tests {
         let pd2 = pd.clone();
         let shared = BufferPool::new(&pd, 512, 4, AccessFlags::NONE).unwrap();
         let s = FlowStrategy::Window { window: 512, buffers: 4 };
-        let opts = PipeOptions { send_pool: Some(shared.clone()) };
+        let opts = PipeOptions { send_pool: Some(shared.clone()), ..PipeOptions::default() };
         let (mut p1, mut r1, mut p2, mut r2) = std::thread::scope(|sc| {
             let h1 = sc.spawn(|| MsgPipe::establish(b, cb, &pd, s, T).unwrap());
             let h2 = sc.spawn(|| MsgPipe::establish(d, cd, &pd2, s, T).unwrap());
@@ -1040,12 +1369,20 @@ mod tests {
             let p2 = MsgPipe::establish_with(c, cc, &pd2, s, opts.clone(), T).unwrap();
             (p1, h1.join().unwrap(), p2, h2.join().unwrap())
         });
-        stream(&mut p1, &mut r1, &[100; 200]);
-        stream(&mut p2, &mut r2, &[100; 200]);
+        // Larger than what goes inline (which needs no staging buffer).
+        stream(&mut p1, &mut r1, &[300; 200]);
+        stream(&mut p2, &mut r2, &[300; 200]);
         assert!(shared.stats().acquires >= 400 / 4, "{:?}", shared.stats());
         let too_small = BufferPool::new(&pd, 64, 4, AccessFlags::NONE).unwrap();
         let ((e, ce), _) = qps_in(&ctx, &pd);
-        let r = MsgPipe::establish_with(e, ce, &pd, s, PipeOptions { send_pool: Some(too_small) }, T);
+        let r = MsgPipe::establish_with(
+            e,
+            ce,
+            &pd,
+            s,
+            PipeOptions { send_pool: Some(too_small), ..PipeOptions::default() },
+            T,
+        );
         assert!(matches!(r, Err(VerbsError::InvalidArgument(_))));
     }
 
@@ -1077,7 +1414,7 @@ mod tests {
         qb.post_recv(&[RecvWr::new(0, &[mr.sge(4096, 4096)])]).unwrap();
         let (code, p1, p2) = s.code();
         let mut payload = vec![code, 0, 0, 0, 0, 0, 0, 0];
-        for v in [p1, p2, 0, 0, 0, 0] {
+        for v in [p1, p2, 0, 0, 0, 0, 0, 0, 0] {
             payload.extend_from_slice(&v.to_le_bytes());
         }
         let rec = Record { kind: RecordKind::Setup, credits: 0, len: payload.len() as u32, ack: 0 };
