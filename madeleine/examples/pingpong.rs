@@ -35,6 +35,12 @@ fn main() -> Result<()> {
     let session = Session::new(cfg)?;
     let ch = session.channel()?;
     let peer = 1 - session.rank();
+    if session.rank() == 0 {
+        match ch.rendezvous_threshold(peer)? {
+            usize::MAX => println!("# zero-copy never pays to rank {peer}: large packs go through the bulk lane"),
+            t => println!("# packs of {t} B and more go zero-copy to rank {peer}"),
+        }
+    }
     // The first round warms up (page faults, first registrations) and is not printed.
     for (round, size) in [8usize, 8, 1024, 64 * 1024, 1 << 20].into_iter().enumerate() {
         let mut buf = vec![7u8; size];

@@ -123,6 +123,8 @@ pub(crate) struct Conn {
     max_msg: usize,
     /// Largest bulk-lane chunk (0: no bulk lane).
     bulk_chunk: usize,
+    /// Packs of at least this many bytes go by rendezvous (zero-copy).
+    threshold: usize,
     /// The aggregation buffer, kept between messages (taken by the claiming packer).
     agg_cache: Mutex<Vec<u8>>,
 }
@@ -134,9 +136,15 @@ impl Conn {
             _ => s.cfg.bulk_ring_bytes,
         };
         let options = PipeOptions { bulk_ring, ..PipeOptions::default() };
-        let pipe = MsgPipe::establish_with(conn.qp, cq, &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
+        let mut pipe = MsgPipe::establish_with(conn.qp, cq, &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
+        let threshold = match s.cfg.rendezvous_threshold {
+            Some(t) => t.max(1),
+            None => crate::probe::rendezvous_threshold(&mut pipe, s, peer)?,
+        };
+        log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
         Ok(Conn {
             peer,
+            threshold,
             max_msg: s.cfg.strategy.max_message(),
             bulk_chunk: pipe.bulk_chunk_max(),
             io: Mutex::new(ConnIo {
@@ -369,6 +377,13 @@ impl Channel {
         Ok(())
     }
 
+    /// Packs of at least this many bytes to `rank` go by rendezvous (zero-copy): the session's
+    /// setting, or what the connection's probe chose (`usize::MAX`: never, copying through
+    /// the bulk lane is faster to that peer).
+    pub fn rendezvous_threshold(&self, rank: usize) -> Result<usize> {
+        Ok(self.conn(rank)?.threshold)
+    }
+
     /// Takes the next message from any sender (each caller gets a different message; messages
     /// of one sender arrive in order).
     pub fn begin_unpacking(&self) -> Result<Unpacker<'_>> {
@@ -507,7 +522,7 @@ impl<'p> Packer<'p> {
 
     /// Sends a pack whose buffer may be reused as soon as this returns.
     fn emit(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
-        if buf.len() >= self.ch.session.threshold {
+        if buf.len() >= self.conn.threshold {
             self.rendezvous(buf, modes)
         } else if self.wants_bulk(buf.len()) {
             // SAFETY: `buf` outlives this call, which waits for its chunks before returning
@@ -525,7 +540,7 @@ impl<'p> Packer<'p> {
     /// Whether a pack of `len` bytes goes by the bulk lane (more than fits one pipe message,
     /// below the rendezvous threshold).
     fn wants_bulk(&self, len: usize) -> bool {
-        self.conn.bulk_chunk > 0 && len > self.conn.max_msg - 3 * wire::HEADER && len < self.ch.session.threshold
+        self.conn.bulk_chunk > 0 && len > self.conn.max_msg - 3 * wire::HEADER && len < self.conn.threshold
     }
 
     /// Ends the current pipe message with a bulk announcement.

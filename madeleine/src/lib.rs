@@ -30,6 +30,7 @@
 //! thread. The library never calls `may::config()` and never requires coroutines.
 
 mod channel;
+mod probe;
 mod session;
 mod wait;
 pub mod wire;

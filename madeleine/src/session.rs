@@ -31,7 +31,8 @@ pub struct SessionConfig {
     pub strategy: FlowStrategy,
     /// How long set-up and blocking calls wait for a peer.
     pub timeout: Duration,
-    /// Packs of at least this many bytes go by rendezvous (None: the crossover tuner decides).
+    /// Packs of at least this many bytes go by rendezvous (None: chosen per connection by a
+    /// probe of the transport at set-up, see [`Channel::rendezvous_threshold`]).
     pub rendezvous_threshold: Option<usize>,
     /// Bytes of each connection's inbound bulk ring (a power of two, at least 4 KiB; 0: no
     /// bulk lane). Packs too large for one eager message and below the rendezvous threshold
@@ -97,7 +98,6 @@ pub(crate) struct SessionInner {
     pub ctx: Context,
     pub pd: ProtectionDomain,
     pub regcache: Arc<RegistrationCache>,
-    pub threshold: usize,
     listener: Mutex<cm::Listener>,
     next_channel: Mutex<u32>,
     /// Connections accepted ahead of their turn: (channel, rank) -> connection.
@@ -126,14 +126,12 @@ impl Session {
         let pd = ctx.alloc_pd()?;
         let listener = cm::Listener::bind(&cm::CmAddr::Unix(sock(&cfg.rendezvous_dir, cfg.rank)))?;
         let regcache = Arc::new(RegistrationCache::new(&pd, 1 << 30));
-        let threshold = cfg.rendezvous_threshold.unwrap_or(16 * 1024).max(1);
         Ok(Session {
             inner: Arc::new(SessionInner {
                 cfg,
                 ctx,
                 pd,
                 regcache,
-                threshold,
                 listener: Mutex::new(listener),
                 next_channel: Mutex::new(0),
                 stash: Mutex::new(HashMap::new()),
@@ -149,11 +147,6 @@ impl Session {
     /// Number of processes.
     pub fn size(&self) -> usize {
         self.inner.cfg.size
-    }
-
-    /// Packs at least this large go by rendezvous (zero-copy).
-    pub fn rendezvous_threshold(&self) -> usize {
-        self.inner.threshold
     }
 
     /// Opens the next channel: collective, every process calls it in the same order. Connects

@@ -239,6 +239,36 @@ fn an_unread_bulk_pack_is_a_mismatch_and_the_connection_survives() {
     });
 }
 
+/// Without a configured threshold each connection probes its transport: between threads of
+/// one process an RDMA read is a plain copy, so zero-copy pays from some size on (between
+/// processes, cross-memory attach may make copying through the bulk lane faster at every
+/// size; the cross-process tests cover that path). Packs on both sides of the chosen
+/// threshold arrive intact.
+#[test]
+fn the_probe_picks_a_rendezvous_threshold_per_connection() {
+    let dir = std::env::temp_dir().join(format!("mad-probe-{}", std::process::id()));
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            let dir = dir.clone();
+            s.spawn(move || {
+                let session = Session::new(SessionConfig::new(rank, 2, dir)).unwrap();
+                let ch = session.channel().unwrap();
+                let t = ch.rendezvous_threshold(1 - rank).unwrap();
+                assert!(t <= 4 << 20, "in-process zero-copy never chosen ({t})");
+                for len in [t - 1, t, t + 4096] {
+                    if rank == 0 {
+                        send_sized(&ch, &pattern(len, len));
+                    } else {
+                        assert!(recv_sized(&ch) == pattern(len, len), "{len} bytes");
+                    }
+                }
+                ch.barrier().unwrap();
+            });
+        }
+    });
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn any_source_with_per_sender_order() {
     let n = 4;

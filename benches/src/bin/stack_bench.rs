@@ -342,6 +342,9 @@ impl Link for MadLink {
     }
 }
 
+/// The rendezvous threshold Madeleine's transport probe chose (when the `madeleine` layer ran).
+static MAD_PROBED_THRESHOLD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
 fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> {
     let mut cfg = SessionConfig::new(rank, 2, dir);
     cfg.timeout = T;
@@ -350,6 +353,10 @@ fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> 
     }
     let s = Session::new(cfg).map_err(|e| e.to_string())?;
     let ch = s.channel().map_err(|e| e.to_string())?;
+    if layer == Layer::Madeleine && rank == 0 {
+        let t = ch.rendezvous_threshold(1).map_err(|e| e.to_string())?;
+        let _ = MAD_PROBED_THRESHOLD.set(t);
+    }
     Ok(MadLink { ch, _session: s, peer: 1 - rank, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
 }
 
@@ -728,6 +735,11 @@ fn report(args: &Args, points: &[Point], floor: Option<f64>) -> Result<(), Strin
             rtt,
         );
         println!("# copy/zero-copy crossover chosen for this peer: {} (copy curve of this process, round trip {:.2} us of this run)", fmt_size(x), 2.0 * p.median_us);
+    }
+    match MAD_PROBED_THRESHOLD.get() {
+        Some(&usize::MAX) => println!("# madeleine's transport probe: zero-copy never pays to this peer (large packs copied through the bulk lane)"),
+        Some(&t) => println!("# madeleine's transport probe: packs of {} and more go zero-copy to this peer", fmt_size(t)),
+        None => {}
     }
     let out = args.out.clone().unwrap_or_else(|| {
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);

@@ -88,6 +88,26 @@ pub fn crossover_from(curve: &[(usize, f64)], rtt: Duration) -> usize {
     curve[curve.len() - 1].0
 }
 
+/// Where zero-copy starts to pay when the copy path is pipelined (the bulk lane: the sender's
+/// copy in and the receiver's copy out overlap, so copying `n` bytes costs about one copy,
+/// `curve(n)`). Zero-copy replaces both copies with one RDMA read, measured for the peer as
+/// `read_small` (a few bytes: the fixed cost) and `read_big` (`big` bytes). It is chosen from
+/// the smallest curve size at which the read costs at most `1 + slack` times the copy — it
+/// saves the second copy's CPU and memory traffic, so a near tie goes to it. `usize::MAX` if
+/// reading never gets that close (a transport slower than memcpy, like cross-memory attach
+/// against a shared-memory ring).
+pub fn zero_copy_threshold(
+    curve: &[(usize, f64)],
+    read_small: Duration,
+    read_big: Duration,
+    big: usize,
+    slack: f64,
+) -> usize {
+    let fixed = read_small.as_nanos() as f64;
+    let per_byte = (read_big.as_nanos() as f64 - fixed).max(0.0) / big.max(1) as f64;
+    curve.iter().find(|&&(n, copy)| fixed + per_byte * n as f64 <= (1.0 + slack) * copy).map_or(usize::MAX, |&(n, _)| n)
+}
+
 fn cache_path() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("PV_CROSSOVER_CACHE") {
         return Some(PathBuf::from(p));
@@ -156,6 +176,19 @@ mod tests {
         assert_eq!(crossover_from(&curve, Duration::from_nanos(300)), 3072);
         assert_eq!(crossover_from(&curve, Duration::from_nanos(10)), 1024);
         assert_eq!(crossover_from(&curve, Duration::from_secs(1)), 4096);
+    }
+
+    #[test]
+    fn zero_copy_pays_only_where_reading_is_about_as_cheap_as_one_copy() {
+        // memcpy at 40 bytes/ns, with a 100 ns fixed cost.
+        let curve: Vec<(usize, f64)> = (10..=22).map(|p| (1usize << p, 100.0 + (1u64 << p) as f64 / 40.0)).collect();
+        let us = Duration::from_micros;
+        // A read as fast as memcpy after a 1 us fixed cost: pays once the copy dwarfs that cost.
+        let fast = zero_copy_threshold(&curve, us(1), Duration::from_nanos(1000 + (1 << 20) / 40), 1 << 20, 0.25);
+        assert_eq!(fast, 1 << 18, "875 ns of fixed cost against a quarter of a copy: from 140 KB on");
+        // A read four times slower than memcpy (cross-memory attach against a ring): never.
+        let slow = zero_copy_threshold(&curve, us(1), Duration::from_nanos(1000 + (1 << 20) / 10), 1 << 20, 0.25);
+        assert_eq!(slow, usize::MAX);
     }
 
     #[test]

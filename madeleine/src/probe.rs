@@ -1,0 +1,93 @@
+//! Where rendezvous (zero-copy) starts to pay, chosen per connection when it is set up.
+//!
+//! Below the threshold a large pack is copied through the bulk lane, the sender's copy in and
+//! the receiver's copy out overlapping; above it the receiver RDMA-reads it from the sender's
+//! memory. Which is faster depends on the transport between the two processes: between
+//! threads of one process a read is a `memcpy`, between processes of one host it goes through
+//! cross-memory attach (several times slower than `memcpy` here), on a network it runs at the
+//! link's speed. So each end measures it: both register an ordinary (heap) buffer, exchange
+//! its key, and time RDMA reads of a few bytes and of [`PROBE_BYTES`] from the peer's; the
+//! crossover tuner turns that and this process's copy curve into the threshold.
+
+use std::time::{Duration, Instant};
+
+use portability_verbs::datapath::{crossover, MsgPipe};
+use portability_verbs::{AccessFlags, Provider, SendWr, WcStatus};
+
+use crate::session::SessionInner;
+use crate::{MadError, Result};
+
+/// Bytes of the large probe read.
+pub const PROBE_BYTES: usize = 256 * 1024;
+const OFFER: &[u8; 8] = b"MADPROBE";
+const DONE: &[u8; 8] = b"MADPDONE";
+/// A near tie goes to zero-copy (it saves the second copy's CPU time and memory traffic).
+const SLACK: f64 = 0.25;
+
+/// Measures the transport to `peer` over `pipe` (both ends call this at the same point of the
+/// connection's set-up) and returns the rendezvous threshold for packs sent to it.
+pub(crate) fn rendezvous_threshold(pipe: &mut MsgPipe, s: &SessionInner, peer: usize) -> Result<usize> {
+    let bad = |why: String| MadError::Protocol { rank: peer, why: format!("transport probe: {why}") };
+    let timeout = s.cfg.timeout;
+    let src = s.pd.register(vec![0x5a; PROBE_BYTES].into_boxed_slice(), AccessFlags::REMOTE_READ)?;
+    let dst = s.pd.register(vec![0; PROBE_BYTES].into_boxed_slice(), AccessFlags::LOCAL_WRITE)?;
+    let mut offer = OFFER.to_vec();
+    offer.extend_from_slice(&src.addr().to_le_bytes());
+    offer.extend_from_slice(&src.rkey().to_le_bytes());
+    offer.extend_from_slice(&(PROBE_BYTES as u32).to_le_bytes());
+    pipe.send(&offer, timeout)?;
+    pipe.flush()?;
+    let theirs = pipe.recv(timeout)?;
+    if theirs.len() != 24 || &theirs[..8] != OFFER {
+        return Err(bad(format!("expected an offer, got {} bytes", theirs.len())));
+    }
+    let addr = u64::from_le_bytes(theirs[8..16].try_into().expect("8 bytes"));
+    let rkey = u32::from_le_bytes(theirs[16..20].try_into().expect("4 bytes"));
+    let len = u32::from_le_bytes(theirs[20..24].try_into().expect("4 bytes")) as usize;
+    if len != PROBE_BYTES {
+        return Err(bad(format!("a {len}-byte probe buffer")));
+    }
+    // Fastest of a few reads: the first pays for faults and first lookups.
+    let mut time_read = |n: usize| -> Result<Duration> {
+        let mut best = Duration::MAX;
+        for _ in 0..4 {
+            let t = Instant::now();
+            let token = pipe.post_user(SendWr::read(0, &[dst.sge(0, n)], addr, rkey))?;
+            let deadline = t + timeout;
+            loop {
+                pipe.progress()?;
+                match pipe.take_user_completion(token) {
+                    Some(WcStatus::Success) => break,
+                    Some(st) => return Err(bad(format!("reading the peer's probe buffer: {st:?}"))),
+                    None if Instant::now() > deadline => {
+                        return Err(MadError::Timeout(format!("probe read from rank {peer}")))
+                    }
+                    None => std::hint::spin_loop(),
+                }
+            }
+            best = best.min(t.elapsed());
+        }
+        Ok(best)
+    };
+    let small = time_read(8)?;
+    let big = time_read(PROBE_BYTES)?;
+    // The peer may be reading our buffer until it says it is done.
+    pipe.send(DONE, timeout)?;
+    pipe.flush()?;
+    let done = pipe.recv(timeout)?;
+    if done != DONE {
+        return Err(bad("expected the end of the probe".into()));
+    }
+    let curve = crossover::copy_curve();
+    let threshold = match s.ctx.provider() {
+        // On a network the link bounds the bulk lane and zero-copy alike: zero-copy pays once
+        // copying costs more than its round trip (the small read).
+        Provider::Hardware => crossover::crossover_from(curve, small),
+        Provider::Software => crossover::zero_copy_threshold(curve, small, big, PROBE_BYTES, SLACK),
+    };
+    log::info!(
+        "madeleine: transport to rank {peer}: read of 8 B {small:?}, of {PROBE_BYTES} B {big:?}; rendezvous from {}",
+        if threshold == usize::MAX { "never".to_string() } else { format!("{threshold} B") }
+    );
+    Ok(threshold)
+}
