@@ -137,10 +137,7 @@ impl Conn {
         };
         let options = PipeOptions { bulk_ring, ..PipeOptions::default() };
         let mut pipe = MsgPipe::establish_with(conn.qp, cq, &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
-        let threshold = match s.cfg.rendezvous_threshold {
-            Some(t) => t.max(1),
-            None => crate::probe::rendezvous_threshold(&mut pipe, s, peer)?,
-        };
+        let threshold = crate::probe::rendezvous_threshold(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
         log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
         Ok(Conn {
             peer,

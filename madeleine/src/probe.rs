@@ -24,9 +24,16 @@ const DONE: &[u8; 8] = b"MADPDONE";
 /// A near tie goes to zero-copy (it saves the second copy's CPU time and memory traffic).
 const SLACK: f64 = 0.25;
 
-/// Measures the transport to `peer` over `pipe` (both ends call this at the same point of the
-/// connection's set-up) and returns the rendezvous threshold for packs sent to it.
-pub(crate) fn rendezvous_threshold(pipe: &mut MsgPipe, s: &SessionInner, peer: usize) -> Result<usize> {
+/// Runs the probe exchange with `peer` over `pipe` (both ends call this at the same point of
+/// the connection's set-up, whatever their configuration) and returns the rendezvous threshold
+/// for packs sent to it: `configured` if given (then this end offers its buffer but reads
+/// nothing), else measured.
+pub(crate) fn rendezvous_threshold(
+    pipe: &mut MsgPipe,
+    s: &SessionInner,
+    peer: usize,
+    configured: Option<usize>,
+) -> Result<usize> {
     let bad = |why: String| MadError::Protocol { rank: peer, why: format!("transport probe: {why}") };
     let timeout = s.cfg.timeout;
     let src = s.pd.register(vec![0x5a; PROBE_BYTES].into_boxed_slice(), AccessFlags::REMOTE_READ)?;
@@ -69,8 +76,10 @@ pub(crate) fn rendezvous_threshold(pipe: &mut MsgPipe, s: &SessionInner, peer: u
         }
         Ok(best)
     };
-    let small = time_read(8)?;
-    let big = time_read(PROBE_BYTES)?;
+    let measured = match configured {
+        Some(_) => None,
+        None => Some((time_read(8)?, time_read(PROBE_BYTES)?)),
+    };
     // The peer may be reading our buffer until it says it is done.
     pipe.send(DONE, timeout)?;
     pipe.flush()?;
@@ -78,6 +87,9 @@ pub(crate) fn rendezvous_threshold(pipe: &mut MsgPipe, s: &SessionInner, peer: u
     if done != DONE {
         return Err(bad("expected the end of the probe".into()));
     }
+    let Some((small, big)) = measured else {
+        return Ok(configured.unwrap_or(usize::MAX).max(1));
+    };
     let curve = crossover::copy_curve();
     let threshold = match s.ctx.provider() {
         // On a network the link bounds the bulk lane and zero-copy alike: zero-copy pays once
