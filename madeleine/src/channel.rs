@@ -506,10 +506,7 @@ impl<'p> Packer<'p> {
         if modes.send != SendMode::Safer && self.wants_bulk(buf.len()) {
             // SAFETY: `buf` is borrowed for 'p, the packer's life; `finish` waits until every
             // chunk written from it completed before the registration is dropped.
-            let reg =
-                unsafe { self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?;
-            self.announce_bulk(buf.len(), modes)?;
-            let tokens = self.bulk_chunks(buf, &reg)?;
+            let (reg, tokens) = unsafe { self.send_bulk(buf, modes) }?;
             self.bulk_tokens.extend(tokens);
             self.bulk_regs.push(reg);
             return Ok(());
@@ -524,10 +521,7 @@ impl<'p> Packer<'p> {
         } else if self.wants_bulk(buf.len()) {
             // SAFETY: `buf` outlives this call, which waits for its chunks before returning
             // and dropping the registration.
-            let reg =
-                unsafe { self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?;
-            self.announce_bulk(buf.len(), modes)?;
-            let mut tokens = self.bulk_chunks(buf, &reg)?;
+            let (_reg, mut tokens) = unsafe { self.send_bulk(buf, modes) }?;
             self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)
         } else {
             self.inline(buf, modes)
@@ -538,6 +532,24 @@ impl<'p> Packer<'p> {
     /// below the rendezvous threshold).
     fn wants_bulk(&self, len: usize) -> bool {
         self.conn.bulk_chunk > 0 && len > self.conn.max_msg - 3 * wire::HEADER && len < self.conn.threshold
+    }
+
+    /// Announces `buf` as a bulk pack and writes its chunks; returns its registration and the
+    /// chunks' tokens.
+    ///
+    /// # Safety
+    /// `buf` must stay mapped and unchanged, and the registration alive, until every token
+    /// completed.
+    unsafe fn send_bulk<'r>(&mut self, buf: &[u8], modes: Modes) -> Result<(Registration<'r>, Vec<u64>)>
+    where
+        'p: 'r,
+    {
+        // SAFETY: the caller keeps `buf` mapped for as long as the registration lives.
+        let reg: Registration<'r> =
+            unsafe { self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?;
+        self.announce_bulk(buf.len(), modes)?;
+        let tokens = self.bulk_chunks(buf, &reg)?;
+        Ok((reg, tokens))
     }
 
     /// Ends the current pipe message with a bulk announcement.

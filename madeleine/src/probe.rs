@@ -88,7 +88,7 @@ pub(crate) fn rendezvous_threshold(
         return Err(bad("expected the end of the probe".into()));
     }
     let Some((small, big)) = measured else {
-        return Ok(configured.unwrap_or(usize::MAX).max(1));
+        return Ok(configured.map_or(usize::MAX, |t| t.max(1)));
     };
     let curve = crossover::copy_curve();
     let threshold = match s.ctx.provider() {
