@@ -2,8 +2,10 @@
 //! go, then retries; any other fault goes to the handler that was installed before ours (the
 //! `may` runtime's stack-guard handler, Rust's own, or the default action).
 //!
+//! A write to a lazily released send buffer opens it (`mprotect`) and retries at once.
+//!
 //! Everything here is async-signal-safe: the handler reads the lock-free hold table, sleeps on
-//! a futex and touches only atomics and a const-initialized thread-local. It takes no lock and
+//! a futex, calls `mprotect` and touches only atomics and a const-initialized thread-local. It takes no lock and
 //! allocates nothing, so it cannot deadlock with the code it interrupted.
 
 use std::cell::Cell;
@@ -11,7 +13,7 @@ use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::{blocking_hold, RELEASES, SLOTS};
+use super::{blocking_hold, lazy_at, open_lazy, wait_opened, RELEASES, SLOTS};
 use crate::error::{Result, VerbsError};
 
 /// The handler that was installed before ours (leaked, never freed: the handler may read it
@@ -29,9 +31,49 @@ thread_local! {
     /// The last fault this thread let retry without finding a hold: (address, release
     /// generation). A second identical fault is not ours.
     static LAST_RETRY: Cell<(usize, u32)> = const { Cell::new((0, 0)) };
+    /// Inside [`guarded_read`]: 0 no, 1 yes, 2 yes and a hole was filled.
+    static GUARDED: Cell<u8> = const { Cell::new(0) };
 }
 
-/// Faults waited out so far in this process.
+/// Runs `read`, which reads memory under a read-only hold with plain loads (the provider
+/// copying a send buffer, as DMA would), and says whether that memory was still there. The
+/// application may have unmapped it against its contract; a load there would kill the process,
+/// so the fault handler maps a zero page into the hole (never over anything mapped) and the
+/// copy finishes with garbage that the caller must discard (`false`). Such a page stays mapped.
+pub fn guarded_read<R>(read: impl FnOnce() -> R) -> (R, bool) {
+    GUARDED.with(|g| g.set(1));
+    let r = read();
+    let intact = GUARDED.with(|g| g.replace(0)) == 1;
+    (r, intact)
+}
+
+/// A read fault inside [`guarded_read`] on a page a read-only hold covers: the page is gone.
+/// Fills the hole with a zero page; returns whether it did. Async-signal-safe.
+fn fill_hole(addr: usize) -> bool {
+    if GUARDED.with(|g| g.get()) == 0 || !super::read_only_hold_at(addr) {
+        return false;
+    }
+    let page = crate::soft::page_size();
+    // SAFETY: maps one private anonymous page where nothing is mapped (MAP_FIXED_NOREPLACE
+    // fails rather than replace a mapping); no existing memory changes.
+    let p = unsafe {
+        libc::mmap(
+            (addr & !(page - 1)) as *mut libc::c_void,
+            page,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return false;
+    }
+    GUARDED.with(|g| g.set(2));
+    true
+}
+
+/// Faults handled so far in this process (waited out, or writes that opened a lazy range).
 pub fn faults_handled() -> u64 {
     HANDLED.load(Ordering::Relaxed)
 }
@@ -119,7 +161,11 @@ fn faulted_on_write(ctx: *mut libc::c_void) -> bool {
 extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo_t for SIGSEGV to SA_SIGINFO handlers.
     let addr = unsafe { (*info).si_addr() } as usize;
-    if wait_out(addr, faulted_on_write(ctx)) {
+    let write = faulted_on_write(ctx);
+    if !write && fill_hole(addr) {
+        return; // the copy goes on, reading zeros
+    }
+    if wait_out(addr, write) {
         return; // the access retries on pages opened since
     }
     chain(sig, info, ctx);
@@ -152,6 +198,24 @@ flight (a peer that does not read, or a buffer freed or reused before the socket
     }
     if counted {
         WAITING.fetch_sub(1, Ordering::AcqRel);
+    }
+    // A write to a lazily released send buffer: open it (the hold we may have waited for can
+    // have become one).
+    if write {
+        if let Some(i) = lazy_at(addr) {
+            if open_lazy(i) {
+                SLOTS[i].faults.fetch_add(1, Ordering::Relaxed);
+                if !counted {
+                    HANDLED.fetch_add(1, Ordering::Relaxed);
+                }
+            } else {
+                wait_opened(i);
+            }
+            LAST_RETRY.with(|c| c.set((0, 0)));
+            return true;
+        }
+    }
+    if counted {
         LAST_RETRY.with(|c| c.set((0, 0)));
         return true;
     }

@@ -17,6 +17,13 @@
 //!
 //! Buffers mapped twice (two `mmap`s of one file or memfd) are protected together once
 //! [`register_alias`] has been told about them.
+//!
+//! A send hold may end *lazily* ([`ProtectedRange::release_lazily`]): its pages stay read-only
+//! with nobody waiting on them, and the first write opens them from the fault handler (no wait).
+//! Sending the same buffer again then re-protects it at the cost of an `mprotect` that changes
+//! nothing ([`LazyRange::reprotect`], about 0.5 us on a VM where a real change of 16 pages
+//! costs 4 us, and more with a TLB shootdown per CPU the process runs on). Whoever keeps a
+//! [`LazyRange`] must drop it before the memory may be unmapped.
 
 mod fault;
 
@@ -28,7 +35,7 @@ use smallvec::SmallVec;
 
 use crate::error::{Result, VerbsError};
 
-pub use fault::{fault_bell, fault_waiters, faults_handled, ring_bell, wait_bell};
+pub use fault::{fault_bell, fault_waiters, faults_handled, guarded_read, ring_bell, wait_bell};
 
 /// How many holds may exist at once in the process.
 pub const MAX_HOLDS: usize = 1024;
@@ -46,6 +53,26 @@ pub enum Protection {
 const OPEN: u8 = 0;
 const READ_ONLY: u8 = 1;
 const NO_ACCESS: u8 = 2;
+/// A lazily released send hold: pages still read-only, nothing waits on them.
+const LAZY: u8 = 3;
+/// A lazy range being opened (by the fault handler or its owner).
+const LAZY_OPENING: u8 = 4;
+/// A lazy range opened again; the slot still belongs to its [`LazyRange`].
+const LAZY_OPEN: u8 = 5;
+
+/// True for the levels of a live hold (which shape page protection).
+fn is_hold(level: u8) -> bool {
+    level == READ_ONLY || level == NO_ACCESS
+}
+
+/// True if a slot at `level` forbids a read (or, with `write`, a write).
+fn blocks(level: u8, write: bool) -> bool {
+    match level {
+        READ_ONLY => write,
+        NO_ACCESS => true,
+        _ => false,
+    }
+}
 
 impl Protection {
     fn level(self) -> u8 {
@@ -124,8 +151,7 @@ fn blocking_hold(addr: usize, len: usize, write: bool) -> Option<usize> {
     let end = addr.saturating_add(len.max(1));
     let used = USED.load(Ordering::Acquire);
     for (i, s) in SLOTS[..used].iter().enumerate() {
-        let level = s.level.load(Ordering::Acquire);
-        if level == OPEN || (!write && level != NO_ACCESS) {
+        if !blocks(s.level.load(Ordering::Acquire), write) {
             continue;
         }
         if s.start.load(Ordering::Relaxed) < end && addr < s.end.load(Ordering::Relaxed) {
@@ -133,6 +159,79 @@ fn blocking_hold(addr: usize, len: usize, write: bool) -> Option<usize> {
         }
     }
     None
+}
+
+/// True if a live read-only hold covers `addr` (a read fault there means the page is gone).
+/// Lock-free and async-signal-safe.
+fn read_only_hold_at(addr: usize) -> bool {
+    let used = USED.load(Ordering::Acquire);
+    SLOTS[..used].iter().any(|s| {
+        s.level.load(Ordering::Acquire) == READ_ONLY
+            && s.start.load(Ordering::Relaxed) <= addr
+            && addr < s.end.load(Ordering::Relaxed)
+    })
+}
+
+/// The lazy range (not yet opened, or being opened) covering `addr`. Lock-free and
+/// async-signal-safe.
+fn lazy_at(addr: usize) -> Option<usize> {
+    let used = USED.load(Ordering::Acquire);
+    SLOTS[..used].iter().position(|s| {
+        matches!(s.level.load(Ordering::Acquire), LAZY | LAZY_OPENING)
+            && s.start.load(Ordering::Relaxed) <= addr
+            && addr < s.end.load(Ordering::Relaxed)
+    })
+}
+
+/// Opens lazy range `i` (read-write again) if it is still lazy; returns whether this call did
+/// it. Async-signal-safe: the fault handler calls it on a write to such a range.
+fn open_lazy(i: usize) -> bool {
+    let s = &SLOTS[i];
+    if s.level.compare_exchange(LAZY, LAZY_OPENING, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        return false;
+    }
+    let (start, end) = (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed));
+    let rw = libc::PROT_READ | libc::PROT_WRITE;
+    // SAFETY: the range was protected by a hold whose owner vouched for it and keeps it mapped
+    // while the lazy range lives (a hole unmapped against that contract just fails, page by
+    // page, without opening anything mapped there since).
+    if unsafe { libc::mprotect(start as *mut libc::c_void, end - start, rw) } != 0 {
+        let page = crate::soft::page_size();
+        for p in (start..end).step_by(page) {
+            // SAFETY: as above, one page at a time.
+            unsafe { libc::mprotect(p as *mut libc::c_void, page, rw) };
+        }
+    }
+    // Pages open first, then the generation moves (see `fault`).
+    RELEASES.fetch_add(1, Ordering::AcqRel);
+    s.level.store(LAZY_OPEN, Ordering::Release);
+    fault::futex_wake_all(&RELEASES);
+    true
+}
+
+/// Waits while someone else opens lazy range `i`. Async-signal-safe.
+fn wait_opened(i: usize) {
+    while SLOTS[i].level.load(Ordering::Acquire) == LAZY_OPENING {
+        let seen = RELEASES.load(Ordering::Acquire);
+        if SLOTS[i].level.load(Ordering::Acquire) != LAZY_OPENING {
+            break;
+        }
+        fault::futex_wait(&RELEASES, seen, Duration::from_micros(100));
+    }
+}
+
+/// Opens every lazy range other than `skip` that overlaps `[start, end)`, so a new hold there
+/// starts from pages only live holds shape. Called under [`WRITER`].
+fn open_lazy_overlapping(start: usize, end: usize, skip: Option<usize>) {
+    let used = USED.load(Ordering::Acquire);
+    for (i, s) in SLOTS[..used].iter().enumerate() {
+        if Some(i) == skip || !matches!(s.level.load(Ordering::Acquire), LAZY | LAZY_OPENING) {
+            continue;
+        }
+        if s.start.load(Ordering::Relaxed) < end && start < s.end.load(Ordering::Relaxed) && !open_lazy(i) {
+            wait_opened(i);
+        }
+    }
 }
 
 /// Waits until no hold forbids reading (or, with `write`, writing) `[addr, addr + len)`: what a
@@ -200,7 +299,7 @@ pub unsafe fn protect(addr: usize, len: usize, prot: Protection) -> Result<Prote
     if !addr.is_multiple_of(page) || !len.is_multiple_of(page) || len == 0 {
         return Err(VerbsError::invalid("protected ranges must be whole pages"));
     }
-    fault::ensure_installed()?;
+    check_handler()?;
     let mut w = writer();
     let mut ranges: SmallVec<[(usize, usize); 2]> = SmallVec::new();
     ranges.push((addr, addr + len));
@@ -225,6 +324,124 @@ pub unsafe fn protect(addr: usize, len: usize, prot: Protection) -> Result<Prote
         }
     }
     Ok(held)
+}
+
+impl ProtectedRange {
+    /// Ends a read-only hold but leaves its pages read-only until something writes to them
+    /// (the fault handler then opens them without waiting) or the returned [`LazyRange`] is
+    /// dropped; [`LazyRange::reprotect`] holds them again cheaply. Releases at once (and
+    /// returns `None`) where that is not possible: a no-access hold, an aliased buffer, or
+    /// pages another hold still covers.
+    ///
+    /// # Safety
+    /// The range must stay mapped (the caller's own memory) until the returned [`LazyRange`]
+    /// is dropped: dropping it, or a write there, changes the protection of those addresses.
+    pub unsafe fn release_lazily(mut self) -> Option<LazyRange> {
+        let [i] = self.slots[..] else { return None };
+        let w = writer();
+        let s = &SLOTS[i];
+        let (start, end) = (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed));
+        let shared = SLOTS[..USED.load(Ordering::Acquire)].iter().enumerate().any(|(j, o)| {
+            j != i
+                && is_hold(o.level.load(Ordering::Acquire))
+                && o.start.load(Ordering::Relaxed) < end
+                && start < o.end.load(Ordering::Relaxed)
+        });
+        if s.level.load(Ordering::Relaxed) != READ_ONLY || shared {
+            return None; // `self` drops here, after the lock: an ordinary release
+        }
+        self.slots.clear();
+        s.faults.store(0, Ordering::Relaxed);
+        // A writer waiting in the handler wakes, finds no hold, and opens the range itself.
+        RELEASES.fetch_add(1, Ordering::AcqRel);
+        s.level.store(LAZY, Ordering::Release);
+        ACTIVE.fetch_sub(1, Ordering::AcqRel);
+        drop(w);
+        fault::futex_wake_all(&RELEASES);
+        Some(LazyRange { addr: self.addr, len: self.len, slot: i })
+    }
+}
+
+/// The pages of a lazily released send hold ([`ProtectedRange::release_lazily`]): read-only
+/// until written to or until this is dropped, which opens them. The memory must stay mapped
+/// while this lives.
+#[derive(Debug)]
+pub struct LazyRange {
+    addr: usize,
+    len: usize,
+    slot: usize,
+}
+
+impl LazyRange {
+    /// Start of the range.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+    /// Bytes in the range.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True for an empty range.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Writes that opened the range (faults taken since the lazy release).
+    pub fn faults(&self) -> u32 {
+        SLOTS[self.slot].faults.load(Ordering::Relaxed)
+    }
+
+    /// Holds the range read-only again, as [`protect`] would (its contract was promised by
+    /// [`ProtectedRange::release_lazily`]'s caller): the pages are usually still read-only, so
+    /// this costs an `mprotect` that changes nothing.
+    pub fn reprotect(self) -> Result<ProtectedRange> {
+        let (addr, len, i) = (self.addr, self.len, self.slot);
+        check_handler()?;
+        let mut w = writer();
+        let aliased = w
+            .aliases
+            .iter()
+            .any(|a| (a.a < addr + len && addr < a.a + a.len) || (a.b < addr + len && addr < a.b + a.len));
+        if aliased {
+            drop(w);
+            drop(self);
+            // SAFETY: the range was held before, under the contract the caller keeps.
+            return unsafe { protect(addr, len, Protection::ReadOnly) };
+        }
+        std::mem::forget(self); // the slot becomes the new hold's
+        let s = &SLOTS[i];
+        // Claimed back before the fault handler can start opening it; if it has, wait for it.
+        if s.level.compare_exchange(LAZY, READ_ONLY, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            wait_opened(i);
+            s.level.store(READ_ONLY, Ordering::Release);
+        }
+        open_lazy_overlapping(addr, addr + len, Some(i));
+        apply_hold(&mut w, i, addr, addr + len, READ_ONLY)?;
+        let mut slots = SmallVec::new();
+        slots.push(i);
+        Ok(ProtectedRange { addr, len, slots })
+    }
+}
+
+impl Drop for LazyRange {
+    fn drop(&mut self) {
+        let mut w = writer();
+        if !open_lazy(self.slot) {
+            wait_opened(self.slot);
+        }
+        SLOTS[self.slot].level.store(OPEN, Ordering::Release);
+        w.free.push(self.slot);
+    }
+}
+
+/// Makes sure our fault handler is installed: at the first hold of a burst and every 64th
+/// hold after (something may install its own handler over ours; asking costs a system call,
+/// a sixth of a hold's price when the pages are already read-only).
+fn check_handler() -> Result<()> {
+    static HOLDS: AtomicU32 = AtomicU32::new(0);
+    if !any_active() || HOLDS.fetch_add(1, Ordering::Relaxed).is_multiple_of(64) {
+        fault::ensure_installed()?;
+    }
+    Ok(())
 }
 
 impl Drop for ProtectedRange {
@@ -253,40 +470,70 @@ fn add_hold(w: &mut Writer, start: usize, end: usize, level: u8) -> Result<usize
             i
         }
     };
-    let before = segments(start, end, Some(i));
+    open_lazy_overlapping(start, end, None);
     let s = &SLOTS[i];
     s.start.store(start, Ordering::Relaxed);
     s.end.store(end, Ordering::Relaxed);
-    s.faults.store(0, Ordering::Relaxed);
     // Published before the pages close, so a fault always finds its hold.
     s.level.store(level, Ordering::Release);
+    if has_twin(start, end, level, i) {
+        // The same buffer is in flight already (a stream writing one buffer over and over):
+        // its pages are closed as far as this hold needs.
+        s.faults.store(0, Ordering::Relaxed);
+        ACTIVE.fetch_add(1, Ordering::AcqRel);
+        return Ok(i);
+    }
+    apply_hold(w, i, start, end, level)?;
+    Ok(i)
+}
+
+/// True if a live hold other than `skip` covers exactly `[start, end)` at least as strictly
+/// as `level`: the pages need no change for `skip` to come or go.
+fn has_twin(start: usize, end: usize, level: u8, skip: usize) -> bool {
+    let used = USED.load(Ordering::Acquire);
+    SLOTS[..used].iter().enumerate().any(|(j, o)| {
+        let l = o.level.load(Ordering::Acquire);
+        j != skip
+            && is_hold(l)
+            && l >= level
+            && o.start.load(Ordering::Relaxed) == start
+            && o.end.load(Ordering::Relaxed) == end
+    })
+}
+
+/// Closes the pages of the just-published hold `i` as far as it and the other live holds ask;
+/// on failure restores them and frees the slot.
+fn apply_hold(w: &mut Writer, i: usize, start: usize, end: usize, level: u8) -> Result<()> {
+    SLOTS[i].faults.store(0, Ordering::Relaxed);
     ACTIVE.fetch_add(1, Ordering::AcqRel);
     let mut done: SmallVec<[(usize, usize, u8); 4]> = SmallVec::new();
-    for (x, y, base) in before {
+    for (x, y, base) in segments(start, end, Some(i)) {
         let now = base.max(level);
-        // Applied even where other holds already ask for as much: pages unmapped and mapped
-        // again under a stale hold (against the contract) must not stay open.
+        // Applied even where other holds already ask for as much (or a lazy range left it so):
+        // pages unmapped and mapped again under a stale hold (against the contract) must not
+        // stay open. An `mprotect` that changes nothing is cheap.
         // SAFETY: the caller of `protect` vouches for the range; `x..y` lies inside it.
         if let Err(e) = unsafe { set_protection(x, y, now) } {
             for (x, y, base) in done {
                 // SAFETY: restores what was there before on the same range.
                 let _ = unsafe { set_protection(x, y, base) };
             }
-            s.level.store(OPEN, Ordering::Release);
+            SLOTS[i].level.store(OPEN, Ordering::Release);
             ACTIVE.fetch_sub(1, Ordering::AcqRel);
             w.free.push(i);
             return Err(e);
         }
         done.push((x, y, base));
     }
-    Ok(i)
+    Ok(())
 }
 
 fn remove_hold(w: &mut Writer, i: usize) {
     let s = &SLOTS[i];
     let (start, end, level) =
         (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed), s.level.load(Ordering::Relaxed));
-    for (x, y, base) in segments(start, end, Some(i)) {
+    let pieces = if has_twin(start, end, level, i) { SmallVec::new() } else { segments(start, end, Some(i)) };
+    for (x, y, base) in pieces {
         if base.max(level) != base {
             // SAFETY: the range was protected by `add_hold`; this loosens it to what the other
             // holds still need.
@@ -318,7 +565,7 @@ fn segments(start: usize, end: usize, skip: Option<usize>) -> SmallVec<[(usize, 
     let mut others: SmallVec<[(usize, usize, u8); 8]> = SmallVec::new();
     for (i, s) in SLOTS[..used].iter().enumerate() {
         let level = s.level.load(Ordering::Acquire);
-        if Some(i) == skip || level == OPEN {
+        if Some(i) == skip || !is_hold(level) {
             continue;
         }
         let (a, b) = (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed));
@@ -603,6 +850,111 @@ mod tests {
         drop(hold);
         // SAFETY: restores the handler found at the start.
         unsafe { libc::sigaction(libc::SIGSEGV, &saved, std::ptr::null_mut()) };
+    }
+
+    #[test]
+    fn a_lazily_released_send_buffer_opens_on_the_first_write() {
+        let _s = serial();
+        let pages = Pages::new(2);
+        // SAFETY: our own fresh pages.
+        let hold = unsafe { protect(pages.addr, pages.len, Protection::ReadOnly) }.unwrap();
+        // SAFETY: `pages` outlives every lazy range of this test.
+        let lazy = unsafe { hold.release_lazily() }.expect("a lone read-only hold goes lazily");
+        assert_eq!(perms_of(pages.addr), "r--p");
+        assert!(!overlaps(pages.addr, pages.len), "nothing is held any more");
+        // SAFETY: our page: the store faults once, the handler opens the range, the store retries.
+        unsafe { std::ptr::write_volatile((pages.addr + pages.len - 1) as *mut u8, 9) };
+        assert_eq!([perms_of(pages.addr), perms_of(pages.addr + pages.len - 1)], ["rw-p", "rw-p"]);
+        assert_eq!(lazy.faults(), 1);
+        drop(lazy);
+        assert_eq!(perms_of(pages.addr), "rw-p");
+        // Dropping an untouched lazy range opens it.
+        // SAFETY: as above.
+        let lazy = unsafe { protect(pages.addr, pages.len, Protection::ReadOnly).unwrap().release_lazily() }.unwrap();
+        assert_eq!(perms_of(pages.addr), "r--p");
+        drop(lazy);
+        assert_eq!(perms_of(pages.addr), "rw-p");
+    }
+
+    #[test]
+    fn a_reprotected_lazy_range_holds_writes_again() {
+        let _s = serial();
+        let pages = Pages::new(1);
+        // SAFETY: our own fresh page, which outlives its lazy ranges.
+        let lazy = unsafe { protect(pages.addr, pages.len, Protection::ReadOnly).unwrap().release_lazily() }.unwrap();
+        let hold = lazy.reprotect().unwrap();
+        assert!(overlaps(pages.addr, 1));
+        let done = Arc::new(AtomicBool::new(false));
+        let (addr, d) = (pages.addr, done.clone());
+        let writer = std::thread::spawn(move || {
+            // SAFETY: our page; the store waits for the hold, then opens the lazy range.
+            unsafe { std::ptr::write_volatile(addr as *mut u8, 5) };
+            d.store(true, Ordering::SeqCst);
+        });
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(!done.load(Ordering::SeqCst), "the write went through a re-protected range");
+        // Released lazily while the writer waits: it opens the range itself and goes on.
+        // SAFETY: as above.
+        let lazy = unsafe { hold.release_lazily() }.unwrap();
+        writer.join().unwrap();
+        assert_eq!(perms_of(pages.addr), "rw-p");
+        // Opened by a write, then held again: closed for real.
+        let hold = lazy.reprotect().unwrap();
+        assert_eq!(perms_of(pages.addr), "r--p");
+        drop(hold);
+        assert_eq!(perms_of(pages.addr), "rw-p");
+        // SAFETY: readable.
+        assert_eq!(unsafe { std::ptr::read_volatile(pages.addr as *const u8) }, 5);
+    }
+
+    #[test]
+    fn lazy_ranges_give_way_to_other_holds() {
+        let _s = serial();
+        let pages = Pages::new(3);
+        let p = crate::soft::page_size();
+        // SAFETY: our own fresh pages.
+        let (a, b) = unsafe {
+            (
+                protect(pages.addr, 2 * p, Protection::ReadOnly).unwrap(),
+                protect(pages.addr, p, Protection::ReadOnly).unwrap(),
+            )
+        };
+        // Pages another hold covers are released at once.
+        // SAFETY: `pages` outlives the lazy ranges.
+        assert!(unsafe { b.release_lazily() }.is_none());
+        assert_eq!(perms_of(pages.addr), "r--p");
+        // SAFETY: as above.
+        let lazy = unsafe { a.release_lazily() }.unwrap();
+        // A new hold over part of a lazy range opens the rest of it first.
+        // SAFETY: as above.
+        let recv = unsafe { protect(pages.addr + p, 2 * p, Protection::None) }.unwrap();
+        assert_eq!([perms_of(pages.addr), perms_of(pages.addr + p)], ["rw-p", "---p"]);
+        drop(lazy);
+        assert_eq!(perms_of(pages.addr + p), "---p");
+        drop(recv);
+        assert_eq!(perms_of(pages.addr + p), "rw-p");
+    }
+
+    #[test]
+    fn a_guarded_read_of_a_vanished_send_buffer_reports_it_instead_of_crashing() {
+        let _s = serial();
+        let pages = Pages::new(2);
+        let p = crate::soft::page_size();
+        // SAFETY: our own fresh pages.
+        let hold = unsafe { protect(pages.addr, pages.len, Protection::ReadOnly) }.unwrap();
+        let mut out = vec![1u8; pages.len];
+        // SAFETY: the held pages are mapped and readable.
+        let ((), intact) = guarded_read(|| unsafe { std::ptr::copy(pages.addr as *const u8, out.as_mut_ptr(), p) });
+        assert!(intact);
+        // Against the contract: the second page goes away under the hold.
+        // SAFETY: unmaps a page of our own mapping.
+        unsafe { libc::munmap((pages.addr + p) as *mut libc::c_void, p) };
+        // SAFETY: the vanished page faults; the guard maps a zero page there.
+        let ((), intact) =
+            guarded_read(|| unsafe { std::ptr::copy(pages.addr as *const u8, out.as_mut_ptr(), pages.len) });
+        assert!(!intact, "a copy from a vanished page looked intact");
+        assert!(out[p..].iter().all(|&b| b == 0));
+        drop(hold);
     }
 
     #[test]

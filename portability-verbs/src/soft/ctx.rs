@@ -312,9 +312,15 @@ pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
     if len == 0 {
         return true;
     }
-    // Checked on both ends: a send hold only forbids writes, but its pages may be gone.
     let (dst_held, src_held) =
-        (crate::protect::overlaps(dst as usize, len), crate::protect::overlaps(src as usize, len));
+        (crate::protect::overlaps(dst as usize, len), crate::protect::read_blocked(src as usize, len));
+    if !dst_held && !src_held && crate::protect::overlaps(src as usize, len) {
+        // A source under a send hold: readable, unless the application unmapped it against
+        // its contract, which the guard turns into an access error rather than a crash.
+        // SAFETY: as below; a load from a vanished page reads a zero page the guard maps.
+        let ((), intact) = crate::protect::guarded_read(|| unsafe { std::ptr::copy(src, dst, len) });
+        return intact;
+    }
     if dst_held || src_held {
         // SAFETY: these slices are only handed to the kernel, which checks the addresses itself
         // (EFAULT rather than a fault) and copies through /proc/self/mem regardless of protection.
