@@ -23,7 +23,10 @@
 //! bytes shows the data (the read waits). A written buffer must stay mapped until `flush`
 //! returns (freeing a large allocation unmaps it; unmapping a held buffer loses the transfer and
 //! fails the socket), and system calls given a held buffer see `EFAULT` rather than waiting —
-//! touch it, or call [`SdpStream::wait_transfers`], first.
+//! touch it, or call [`SdpStream::wait_transfers`], first. A written buffer stays read-only
+//! after the peer has read it (up to 16 per socket), so that writing it again costs no real
+//! `mprotect`: the first store opens it through the fault handler, and `flush`,
+//! `wait_transfers` and close open every such buffer.
 //!
 //! Receivers handle every message kind whatever their own design, so the two ends need not
 //! agree. A peer's malformed message, an unhonored advertisement (the read fails) or a dead
@@ -38,7 +41,7 @@ use std::time::{Duration, Instant};
 use log::debug;
 use portability_verbs::cm::{self, CmAddr};
 use portability_verbs::datapath::{FlowStrategy, MsgPipe, Registration, RegistrationCache};
-use portability_verbs::protect::{self, ProtectedRange, Protection};
+use portability_verbs::protect::{self, LazyRange, ProtectedRange, Protection};
 use portability_verbs::{AccessFlags, Context, ProtectionDomain, QpCaps, QpInit, SendWr, Sge, VerbsError, WcStatus};
 
 use crate::engine::{self, Background};
@@ -51,6 +54,8 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 const LINGER: Duration = Duration::from_secs(2);
 /// Private data that marks an SDP connection attempt.
 const SDP_MAGIC: &[u8] = b"SDP1";
+/// AZ-SDP send buffers a socket keeps lazily protected after their transfer (see [`Conn::lazy`]).
+const LAZY_MAX: usize = 16;
 
 /// Per-socket settings, by default from the environment: `SDP_DESIGN` (`bsdp`, `zsdp`,
 /// `azsdp`), `SDP_FLOW` (`credit`, `rdma`, `window`: must be the same at both ends),
@@ -306,14 +311,22 @@ struct Conn {
     /// ZSDP: the answer to the waiting write's SrcAvail.
     zcopy_answer: Option<u32>,
     reads: VecDeque<PendingRead>,
-    /// Faults waited out on this socket's held buffers.
+    /// AZ-SDP send buffers read already whose pages were left read-only (oldest first): sending
+    /// one again re-protects it for the price of an `mprotect` that changes nothing, and a write
+    /// to one opens it from the fault handler. Opened at `flush`, `wait_transfers` and close,
+    /// after which the application may unmap them.
+    lazy: VecDeque<LazyRange>,
+    /// Faults taken on this socket's held (and lazily kept) buffers.
     faults: u32,
     /// AZ-SDP gave up after too many faults: this socket sends and receives as ZSDP now.
     fell_back: bool,
     /// Registered with the background engine.
     watched: bool,
-    /// When the application last called into the socket.
-    last_call: Instant,
+    /// Calls of the application into the socket so far (a counter, not a clock: reading the
+    /// clock on every lock cost a tenth of an AZ-SDP write).
+    calls: u64,
+    /// `calls` as the background engine saw it last time.
+    calls_seen: u64,
     nonblocking: bool,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
@@ -364,10 +377,12 @@ impl SdpStream {
             sends: VecDeque::new(),
             zcopy_answer: None,
             reads: VecDeque::new(),
+            lazy: VecDeque::new(),
             faults: 0,
             fell_back: false,
             watched: false,
-            last_call: Instant::now(),
+            calls: 0,
+            calls_seen: 0,
             nonblocking: false,
             read_timeout: None,
             write_timeout: None,
@@ -381,7 +396,7 @@ impl SdpStream {
         // A panic while holding the lock cannot leave the protocol half-updated in a way later
         // calls would misread: every path re-checks `failed` first.
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        c.last_call = Instant::now();
+        c.calls = c.calls.wrapping_add(1);
         c
     }
 
@@ -462,9 +477,11 @@ impl SdpStream {
         self.lock().effective_design()
     }
 
-    /// Page faults waited out on this socket's held buffers so far (AZ-SDP).
+    /// Page faults taken on this socket's buffers so far (AZ-SDP): touches that waited for a
+    /// transfer, and first writes to buffers kept read-only after theirs.
     pub fn faults(&self) -> u32 {
-        self.lock().faults
+        let c = self.lock();
+        c.lazy.iter().fold(c.faults, |n, l| n.saturating_add(l.faults()))
     }
 
     /// Waits until every transfer this socket started has completed and its buffers are
@@ -478,6 +495,7 @@ impl SdpStream {
                 let mut c = self.lock();
                 c.pump()?;
                 if c.sends.is_empty() && c.reads.is_empty() {
+                    c.open_all_lazy();
                     return Ok(());
                 }
             }
@@ -678,9 +696,24 @@ impl SdpStream {
         let reg =
             unsafe { rt.regcache.get_raw(addr as u64, len as u64, AccessFlags::REMOTE_READ) }.map_err(verbs_io)?;
         let advert = Advert { len: len as u32, rkey: reg.rkey(), addr: addr as u64 };
-        // SAFETY: whole pages of the caller's buffer; our own code reads them only (BSDP copies)
-        // and the provider reaches them like DMA, so nothing in the progress path faults.
-        let hold = unsafe { protect::protect(addr, len, Protection::ReadOnly) }.map_err(verbs_io)?;
+        // The same buffer sent before is usually still read-only: hold it again for the price
+        // of an `mprotect` that changes nothing.
+        let lazy = {
+            let mut c = self.lock();
+            let i = c.lazy.iter().position(|l| l.addr() == addr && l.len() == len);
+            i.and_then(|i| c.lazy.remove(i))
+        };
+        let hold = match lazy {
+            Some(lazy) => {
+                self.lock().note_faults(lazy.faults());
+                lazy.reprotect()
+            }
+            // SAFETY: whole pages of the caller's buffer; our own code reads them only (BSDP
+            // copies) and the provider reaches them like DMA, so nothing in the progress path
+            // faults.
+            None => unsafe { protect::protect(addr, len, Protection::ReadOnly) },
+        }
+        .map_err(verbs_io)?;
         {
             let mut c = self.lock();
             c.check_writable()?;
@@ -756,15 +789,15 @@ fn whole_pages(addr: usize, len: usize) -> (usize, usize) {
     }
 }
 
-/// How long after the application's last call on a socket the engine leaves it to the
-/// application (unless a thread waits in a fault): on a loaded machine a third thread polling
-/// a busy socket only steals its CPU and its lock.
-const APP_ACTIVE: Duration = Duration::from_micros(500);
-
 impl Background for Conn {
+    /// Leaves a socket the application called into since the engine's last round (at most
+    /// 200 us ago while transfers are in flight) to the application, unless a thread waits in
+    /// a fault: on a loaded machine a third thread polling a busy socket only steals its CPU
+    /// and its lock.
     fn background_progress(&mut self) -> bool {
         let in_flight = !self.sends.is_empty() || !self.reads.is_empty();
-        if in_flight && protect::fault_waiters() == 0 && self.last_call.elapsed() < APP_ACTIVE {
+        let app_active = std::mem::replace(&mut self.calls_seen, self.calls) != self.calls;
+        if in_flight && protect::fault_waiters() == 0 && app_active {
             return true;
         }
         if self.failed.is_none() && in_flight {
@@ -788,9 +821,10 @@ impl Conn {
         }
     }
 
-    /// Counts the faults a released hold saw; too many make an AZ-SDP socket fall back.
-    fn note_faults(&mut self, hold: &ProtectedRange) {
-        self.faults = self.faults.saturating_add(hold.faults());
+    /// Counts the faults a released hold (or lazy range) saw; too many make an AZ-SDP socket
+    /// fall back.
+    fn note_faults(&mut self, faults: u32) {
+        self.faults = self.faults.saturating_add(faults);
         if !self.fell_back && self.config.design == Design::AzSdp && self.faults >= self.config.az_fault_limit {
             self.fell_back = true;
             log::info!(
@@ -804,9 +838,24 @@ impl Conn {
         }
     }
 
+    /// Opens the lazily kept send buffer at `index`.
+    fn open_lazy(&mut self, index: usize) {
+        if let Some(lazy) = self.lazy.remove(index) {
+            self.note_faults(lazy.faults());
+        }
+    }
+
+    /// Opens every lazily kept send buffer (the application may unmap them afterwards).
+    fn open_all_lazy(&mut self) {
+        while !self.lazy.is_empty() {
+            self.open_lazy(0);
+        }
+    }
+
     /// Ends every transfer in flight at once: the queue pair goes to error first, so nothing
     /// can still read or write the buffers, then the holds and registrations are dropped.
     fn release_all(&mut self) {
+        self.open_all_lazy();
         if self.sends.is_empty() && self.reads.is_empty() {
             return;
         }
@@ -884,7 +933,7 @@ impl Conn {
                 Some(WcStatus::Success) => {
                     let r = self.reads.pop_front().expect("front");
                     if let Some(h) = &r.hold {
-                        self.note_faults(h);
+                        self.note_faults(h.faults());
                     }
                     drop(r.hold);
                     if let Some(n) = r.answer {
@@ -944,8 +993,16 @@ impl Conn {
             Control::ReadDone(n) => match self.sends.pop_front() {
                 Some(Outbound { held: None, .. }) => self.zcopy_answer = Some(n),
                 Some(Outbound { len, held: Some((hold, reg)) }) => {
-                    self.note_faults(&hold);
-                    drop((hold, reg));
+                    self.note_faults(hold.faults());
+                    drop(reg);
+                    // SAFETY: the buffer stays mapped until `flush`, `wait_transfers` or close,
+                    // by the AZ-SDP contract (module docs), and each of those opens `lazy` first.
+                    if let Some(lazy) = unsafe { hold.release_lazily() } {
+                        self.lazy.push_back(lazy);
+                        if self.lazy.len() > LAZY_MAX {
+                            self.open_lazy(0);
+                        }
+                    }
                     if n != len {
                         let why = format!("RdmaRdCompl for {n} of an uncancelled {len}-byte SrcAvail");
                         return Err(self.fail(io::ErrorKind::InvalidData, why));
@@ -1072,12 +1129,19 @@ impl Conn {
 
     /// Waits until the read `token` (and every read before it) has completed.
     fn wait_read(&mut self, token: u64) -> io::Result<()> {
-        let deadline = Instant::now() + SETUP_TIMEOUT;
+        let (mut deadline, mut polls) = (None, 0u32);
         loop {
             self.complete_reads()?;
             if !self.reads.iter().any(|r| r.token == token) {
                 return Ok(());
             }
+            // The clock only once the read is slow (the software provider's usually is not).
+            polls = polls.wrapping_add(1);
+            if !polls.is_multiple_of(64) {
+                std::hint::spin_loop();
+                continue;
+            }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + SETUP_TIMEOUT);
             if Instant::now() > deadline {
                 return Err(self.fail(io::ErrorKind::TimedOut, "an RDMA read did not complete".into()));
             }
@@ -1198,6 +1262,7 @@ impl Write for &SdpStream {
                 c.flush_pipe()?;
                 c.pump()?;
                 if c.sends.is_empty() {
+                    c.open_all_lazy();
                     return Ok(());
                 }
             }

@@ -254,3 +254,78 @@ fn a_buffer_unmapped_under_the_transport_fails_the_socket_cleanly() {
         }
     }
 }
+
+/// The permissions `/proc/self/maps` shows for the page at `addr` ("rw-p", "r--p", ...).
+fn perms_of(addr: usize) -> String {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (range, perms) = (f.next().unwrap(), f.next().unwrap());
+        let (a, b) = range.split_once('-').unwrap();
+        let (a, b) = (usize::from_str_radix(a, 16).unwrap(), usize::from_str_radix(b, 16).unwrap());
+        if a <= addr && addr < b {
+            return perms.to_string();
+        }
+    }
+    panic!("{addr:#x} is not mapped")
+}
+
+#[test]
+fn a_buffer_read_by_the_peer_stays_read_only_until_touched_or_flushed() {
+    let (mut c, mut s) = pair(az(), az());
+    let mut mem = Pages::new(16 * PAGE);
+    let addr = mem.ptr as usize;
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let reader = thread::spawn(move || {
+        let mut got = vec![0u8; 16 * PAGE];
+        let mut rounds = Vec::new();
+        for round in 0..3 {
+            if round == 1 {
+                thread::sleep(Duration::from_millis(300));
+            }
+            s.read_exact(&mut got).unwrap();
+            rounds.push(got.clone());
+            tx.send(()).unwrap();
+        }
+        (s, rounds)
+    });
+    mem.bytes().fill(1);
+    c.write_all(mem.bytes()).unwrap();
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    // Once the peer's answer is in (the background engine takes it), nothing holds the buffer,
+    // but its pages stay read-only.
+    let end = Instant::now() + Duration::from_secs(10);
+    while protect::overlaps(addr, PAGE) {
+        assert!(Instant::now() < end, "the peer's answer never released the buffer");
+        thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(perms_of(addr), "r--p", "a buffer read by the peer is kept read-only until touched");
+    // A store opens it without waiting for anything.
+    let t = Instant::now();
+    mem.bytes().fill(2);
+    assert!(t.elapsed() < Duration::from_millis(100));
+    assert_eq!(perms_of(addr), "rw-p");
+    assert!(c.faults() >= 1);
+    // Sent again while the reader is late: held for real, so a store waits for the read.
+    let t = Instant::now();
+    c.write_all(mem.bytes()).unwrap();
+    mem.bytes().fill(3);
+    assert!(t.elapsed() >= Duration::from_millis(50), "a store into a buffer in flight did not wait");
+    c.write_all(mem.bytes()).unwrap();
+    // flush opens every lazily kept buffer: system calls may write into it again.
+    c.flush().unwrap();
+    assert_eq!(perms_of(addr), "rw-p");
+    let mut fds = [0; 2];
+    // SAFETY: plain pipe/write/read calls on our own descriptors and buffer.
+    unsafe {
+        assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+        assert_eq!(libc::write(fds[1], [7u8; 16].as_ptr().cast(), 16), 16);
+        assert_eq!(libc::read(fds[0], mem.ptr.cast(), 16), 16, "{}", std::io::Error::last_os_error());
+        libc::close(fds[0]);
+        libc::close(fds[1]);
+    }
+    let (_s, rounds) = reader.join().unwrap();
+    for (round, fill) in [1u8, 2, 3].into_iter().enumerate() {
+        assert!(rounds[round].iter().all(|&b| b == fill), "round {round}: the peer saw a change made after write");
+    }
+}
