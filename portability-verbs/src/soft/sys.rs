@@ -88,14 +88,20 @@ pub fn epoll_del(epfd: RawFd, fd: RawFd) {
 
 /// Waits until `fd` is readable or `timeout` passes (None: for ever). Returns readability.
 pub fn wait_readable(fd: RawFd, timeout: Option<Duration>) -> Result<bool> {
+    let mut pfd = [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }];
+    wait_any_readable(&mut pfd, timeout)
+}
+
+/// Sleeps until one of `fds` is readable (their `revents` say which) or `timeout` passes
+/// (rounded up to whole milliseconds); returns whether one is.
+pub fn wait_any_readable(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> Result<bool> {
     let ms = match timeout {
         None => -1,
-        Some(t) => t.as_millis().min(i32::MAX as u128) as i32,
+        Some(t) => t.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
     };
-    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
     loop {
-        // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+        // SAFETY: `fds` is a valid array of pollfds of that length.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
         if r >= 0 {
             return Ok(r > 0);
         }
