@@ -127,6 +127,8 @@ pub(crate) struct Conn {
     threshold: usize,
     /// The aggregation buffer, kept between messages (taken by the claiming packer).
     agg_cache: Mutex<Vec<u8>>,
+    /// The pipe's completion queue, for waiters to sleep on without the pipe's lock.
+    cq: CompletionQueue,
 }
 
 impl Conn {
@@ -136,7 +138,7 @@ impl Conn {
             _ => s.cfg.bulk_ring_bytes,
         };
         let options = PipeOptions { bulk_ring, ..PipeOptions::default() };
-        let mut pipe = MsgPipe::establish_with(conn.qp, cq, &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
+        let mut pipe = MsgPipe::establish_with(conn.qp, cq.clone(), &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
         let threshold = crate::probe::rendezvous_threshold(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
         log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
         Ok(Conn {
@@ -155,6 +157,7 @@ impl Conn {
             recv_seq: Token::new(),
             next_rdv: AtomicU32::new(0),
             agg_cache: Mutex::new(Vec::new()),
+            cq,
         })
     }
 
@@ -385,6 +388,7 @@ impl Channel {
     /// of one sender arrive in order).
     pub fn begin_unpacking(&self) -> Result<Unpacker<'_>> {
         let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
+        let cqs: SmallVec<[&CompletionQueue; 8]> = self.conns.iter().flatten().map(|c| &c.cq).collect();
         let n = self.conns.len();
         loop {
             let start = self.next_source.fetch_add(1, Ordering::Relaxed);
@@ -395,7 +399,7 @@ impl Channel {
                     return Ok(u);
                 }
             }
-            w.pause()?;
+            w.pause_on(&cqs)?;
         }
     }
 
@@ -408,7 +412,7 @@ impl Channel {
             if let Some(u) = self.try_begin(conn, seq)? {
                 return Ok(u);
             }
-            w.pause()?;
+            w.pause_on(&[&conn.cq])?;
         }
     }
 
@@ -743,7 +747,7 @@ impl<'u> Unpacker<'u> {
                 }
                 pumped?;
             }
-            w.pause()?;
+            w.pause_on(&[&self.conn.cq])?;
         }
     }
 
@@ -801,7 +805,7 @@ impl<'u> Unpacker<'u> {
                 }
             }
             if !progressed {
-                w.pause()?;
+                w.pause_on(&[&self.conn.cq])?;
             }
         }
         Ok(())
@@ -953,7 +957,7 @@ impl<'u> Unpacker<'u> {
                     }
                 }
             }
-            w.pause()?;
+            w.pause_on(&[&self.conn.cq])?;
         }
     }
 

@@ -1,28 +1,37 @@
 //! How Madeleine waits: inside a `may` coroutine it yields to the scheduler; on an OS thread it
 //! spins for a while (waking a sleeping process costs tens of microseconds, a polled message a
-//! fraction of one) and then naps, briefly, so a slow peer does not burn the CPU.
+//! fraction of one), then sleeps on the completion queues' descriptors where the awaited event
+//! raises a completion (a message, bulk data, a read of ours), else naps briefly.
 //!
-//! The clock is read only every 64 polls: a wait that ends quickly (the common case, and the
-//! one latency depends on) never pays for it.
+//! The clock is read only every 64 polls while spinning: a wait that ends quickly (the common
+//! case, and the one latency depends on) never pays for it.
 
 use std::time::{Duration, Instant};
 
+use portability_verbs::CompletionQueue;
+
 use crate::{MadError, Result};
 
-/// Spin phase before napping, unless `MAD_SPIN_US` says otherwise.
+/// Spin phase before sleeping, unless `MAD_SPIN_US` says otherwise.
 const DEFAULT_SPIN: Duration = Duration::from_micros(200);
-/// Polls between clock reads.
+/// Polls between clock reads while spinning.
 const CHECK_EVERY: u32 = 64;
+/// Longest sleep on completion queues: bounds what a wake-up taken by another thread sleeping
+/// on the same queue costs.
+const SLEEP_SLICE: Duration = Duration::from_millis(2);
+/// A nap where no completion announces the event (a peer's flow-control update is a plain
+/// RDMA write).
+const NAP: Duration = Duration::from_micros(20);
 
 /// One blocking wait.
 pub(crate) struct Waiter {
-    /// Set at the first clock read (after `CHECK_EVERY` polls).
+    /// Set at the first clock read.
     start: Option<Instant>,
     timeout: Duration,
     spin: Duration,
     what: &'static str,
     polls: u32,
-    napping: bool,
+    sleeping: bool,
 }
 
 fn spin_time() -> Duration {
@@ -38,20 +47,29 @@ fn spin_time() -> Duration {
 
 impl Waiter {
     pub fn new(timeout: Duration, what: &'static str) -> Waiter {
-        Waiter { start: None, timeout, spin: spin_time(), what, polls: 0, napping: false }
+        Waiter { start: None, timeout, spin: spin_time(), what, polls: 0, sleeping: false }
     }
 
-    /// Called when a poll found nothing: yields, spins or naps; fails after the timeout.
+    /// Called when a poll found nothing and no completion will say when to look again:
+    /// yields, spins or naps; fails after the timeout.
     pub fn pause(&mut self) -> Result<()> {
+        self.pause_on(&[])
+    }
+
+    /// Called when a poll found nothing and the awaited event raises a completion on one of
+    /// `cqs`: yields, spins, or (after the spin phase, on an OS thread) sleeps on them; fails
+    /// after the timeout.
+    pub fn pause_on(&mut self, cqs: &[&CompletionQueue]) -> Result<()> {
         self.polls = self.polls.wrapping_add(1);
-        if self.polls.is_multiple_of(CHECK_EVERY) {
+        let mut left = self.timeout;
+        if self.sleeping || self.polls.is_multiple_of(CHECK_EVERY) {
             let now = Instant::now();
-            let start = *self.start.get_or_insert(now);
-            let waited = now - start;
+            let waited = now - *self.start.get_or_insert(now);
             if waited > self.timeout {
                 return Err(MadError::Timeout(format!("{} ({:?})", self.what, self.timeout)));
             }
-            self.napping = waited > self.spin;
+            left = self.timeout - waited;
+            self.sleeping = waited > self.spin;
         }
         if may::coroutine::is_coroutine() {
             // Yielding alone can starve coroutines queued behind two waiters that keep yielding
@@ -60,12 +78,16 @@ impl Waiter {
             if self.polls < 16 {
                 may::coroutine::yield_now();
             } else {
-                may::coroutine::sleep(Duration::from_micros(20));
+                may::coroutine::sleep(NAP);
             }
-        } else if self.napping {
-            std::thread::sleep(Duration::from_micros(20));
-        } else {
+        } else if !self.sleeping {
             std::hint::spin_loop();
+        } else if cqs.is_empty() {
+            std::thread::sleep(NAP);
+        } else if let Err(e) = portability_verbs::wait_any(cqs, left.min(SLEEP_SLICE)) {
+            // The queues cannot be slept on (the caller's next poll reports a broken one).
+            log::debug!("madeleine: cannot sleep on completion queues: {e}");
+            std::thread::sleep(NAP);
         }
         Ok(())
     }

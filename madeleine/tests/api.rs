@@ -300,6 +300,43 @@ fn any_source_with_per_sender_order() {
     });
 }
 
+/// CPU time this thread has used.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer for clock_gettime.
+    assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) }, 0);
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+#[test]
+fn a_long_wait_sleeps_on_the_completion_queues() {
+    const QUIET: Duration = Duration::from_millis(400);
+    group(3, usize::MAX, |rank, ch| {
+        if rank == 0 {
+            // Any source, then one source: both sleep once the spin phase is over.
+            let (t, cpu) = (std::time::Instant::now(), thread_cpu());
+            let mut u = ch.begin_unpacking().unwrap();
+            let mut b = [0u8; 4];
+            u.unpack_express(&mut b, SendMode::Safer).unwrap();
+            let from = u.source();
+            u.end_unpacking().unwrap();
+            let other = 3 - from;
+            let mut u = ch.begin_unpacking_from(other).unwrap();
+            u.unpack_express(&mut b, SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            let (waited, used) = (t.elapsed(), thread_cpu() - cpu);
+            assert!(waited >= QUIET);
+            // Spinning would use all of it, napping in 20 us steps a good part.
+            assert!(used < waited / 20, "waiting {waited:?} used {used:?} of CPU");
+        } else {
+            std::thread::sleep(QUIET * rank as u32);
+            let mut p = ch.begin_packing(0).unwrap();
+            p.pack_safer(&(rank as u32).to_le_bytes(), RecvMode::Express).unwrap();
+            p.end_packing().unwrap();
+        }
+    });
+}
+
 #[test]
 fn mode_and_size_mismatches_are_reported() {
     group(2, SMALL, |rank, ch| {
