@@ -148,39 +148,40 @@ pub fn read_blocked(addr: usize, len: usize) -> bool {
 /// The index of a live hold that forbids a read (or, with `write`, a write) somewhere in
 /// `[addr, addr + len)`. Lock-free and async-signal-safe.
 fn blocking_hold(addr: usize, len: usize, write: bool) -> Option<usize> {
-    let end = addr.saturating_add(len.max(1));
+    overlapping(addr, addr.saturating_add(len.max(1))).find(|o| blocks(o.level, write)).map(|o| o.index)
+}
+
+/// A slot in use as a scan finds it.
+#[derive(Clone, Copy)]
+struct Seen {
+    index: usize,
+    level: u8,
+    start: usize,
+    end: usize,
+}
+
+/// The slots in use (holds and lazy ranges) whose range meets `[start, end)`. Lock-free and
+/// async-signal-safe: every scan of the table, the fault handler's included, goes through it.
+fn overlapping(start: usize, end: usize) -> impl Iterator<Item = Seen> {
     let used = USED.load(Ordering::Acquire);
-    for (i, s) in SLOTS[..used].iter().enumerate() {
-        if !blocks(s.level.load(Ordering::Acquire), write) {
-            continue;
-        }
-        if s.start.load(Ordering::Relaxed) < end && addr < s.end.load(Ordering::Relaxed) {
-            return Some(i);
-        }
-    }
-    None
+    SLOTS[..used].iter().enumerate().filter_map(move |(index, s)| {
+        // The level first (published last by writers), then the range it guards.
+        let level = s.level.load(Ordering::Acquire);
+        let (a, b) = (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed));
+        (level != OPEN && a < end && start < b).then_some(Seen { index, level, start: a, end: b })
+    })
 }
 
 /// True if a live read-only hold covers `addr` (a read fault there means the page is gone).
 /// Lock-free and async-signal-safe.
 fn read_only_hold_at(addr: usize) -> bool {
-    let used = USED.load(Ordering::Acquire);
-    SLOTS[..used].iter().any(|s| {
-        s.level.load(Ordering::Acquire) == READ_ONLY
-            && s.start.load(Ordering::Relaxed) <= addr
-            && addr < s.end.load(Ordering::Relaxed)
-    })
+    overlapping(addr, addr.saturating_add(1)).any(|o| o.level == READ_ONLY)
 }
 
 /// The lazy range (not yet opened, or being opened) covering `addr`. Lock-free and
 /// async-signal-safe.
 fn lazy_at(addr: usize) -> Option<usize> {
-    let used = USED.load(Ordering::Acquire);
-    SLOTS[..used].iter().position(|s| {
-        matches!(s.level.load(Ordering::Acquire), LAZY | LAZY_OPENING)
-            && s.start.load(Ordering::Relaxed) <= addr
-            && addr < s.end.load(Ordering::Relaxed)
-    })
+    overlapping(addr, addr.saturating_add(1)).find(|o| matches!(o.level, LAZY | LAZY_OPENING)).map(|o| o.index)
 }
 
 /// Opens lazy range `i` (read-write again) if it is still lazy; returns whether this call did
@@ -223,13 +224,9 @@ fn wait_opened(i: usize) {
 /// Opens every lazy range other than `skip` that overlaps `[start, end)`, so a new hold there
 /// starts from pages only live holds shape. Called under [`WRITER`].
 fn open_lazy_overlapping(start: usize, end: usize, skip: Option<usize>) {
-    let used = USED.load(Ordering::Acquire);
-    for (i, s) in SLOTS[..used].iter().enumerate() {
-        if Some(i) == skip || !matches!(s.level.load(Ordering::Acquire), LAZY | LAZY_OPENING) {
-            continue;
-        }
-        if s.start.load(Ordering::Relaxed) < end && start < s.end.load(Ordering::Relaxed) && !open_lazy(i) {
-            wait_opened(i);
+    for o in overlapping(start, end) {
+        if Some(o.index) != skip && matches!(o.level, LAZY | LAZY_OPENING) && !open_lazy(o.index) {
+            wait_opened(o.index);
         }
     }
 }
@@ -341,12 +338,7 @@ impl ProtectedRange {
         let w = writer();
         let s = &SLOTS[i];
         let (start, end) = (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed));
-        let shared = SLOTS[..USED.load(Ordering::Acquire)].iter().enumerate().any(|(j, o)| {
-            j != i
-                && is_hold(o.level.load(Ordering::Acquire))
-                && o.start.load(Ordering::Relaxed) < end
-                && start < o.end.load(Ordering::Relaxed)
-        });
+        let shared = overlapping(start, end).any(|o| o.index != i && is_hold(o.level));
         if s.level.load(Ordering::Relaxed) != READ_ONLY || shared {
             return None; // `self` drops here, after the lock: an ordinary release
         }
@@ -490,15 +482,8 @@ fn add_hold(w: &mut Writer, start: usize, end: usize, level: u8) -> Result<usize
 /// True if a live hold other than `skip` covers exactly `[start, end)` at least as strictly
 /// as `level`: the pages need no change for `skip` to come or go.
 fn has_twin(start: usize, end: usize, level: u8, skip: usize) -> bool {
-    let used = USED.load(Ordering::Acquire);
-    SLOTS[..used].iter().enumerate().any(|(j, o)| {
-        let l = o.level.load(Ordering::Acquire);
-        j != skip
-            && is_hold(l)
-            && l >= level
-            && o.start.load(Ordering::Relaxed) == start
-            && o.end.load(Ordering::Relaxed) == end
-    })
+    overlapping(start, end)
+        .any(|o| o.index != skip && is_hold(o.level) && o.level >= level && o.start == start && o.end == end)
 }
 
 /// Closes the pages of the just-published hold `i` as far as it and the other live holds ask;
@@ -561,18 +546,10 @@ fn remove_hold(w: &mut Writer, i: usize) {
 /// Splits `[start, end)` into pieces of uniform protection from the live holds other than
 /// `skip`: `(from, to, strictest level)`, adjacent pieces of one level merged.
 fn segments(start: usize, end: usize, skip: Option<usize>) -> SmallVec<[(usize, usize, u8); 4]> {
-    let used = USED.load(Ordering::Acquire);
-    let mut others: SmallVec<[(usize, usize, u8); 8]> = SmallVec::new();
-    for (i, s) in SLOTS[..used].iter().enumerate() {
-        let level = s.level.load(Ordering::Acquire);
-        if Some(i) == skip || !is_hold(level) {
-            continue;
-        }
-        let (a, b) = (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed));
-        if a < end && start < b {
-            others.push((a.max(start), b.min(end), level));
-        }
-    }
+    let others: SmallVec<[(usize, usize, u8); 8]> = overlapping(start, end)
+        .filter(|o| Some(o.index) != skip && is_hold(o.level))
+        .map(|o| (o.start.max(start), o.end.min(end), o.level))
+        .collect();
     split_levels(start, end, &others)
 }
 
