@@ -701,13 +701,14 @@ impl SdpStream {
         let lazy = {
             let mut c = self.lock();
             let i = c.lazy.iter().position(|l| l.addr() == addr && l.len() == len);
-            i.and_then(|i| c.lazy.remove(i))
+            let lazy = i.and_then(|i| c.lazy.remove(i));
+            if let Some(l) = &lazy {
+                c.note_faults(l.faults());
+            }
+            lazy
         };
         let hold = match lazy {
-            Some(lazy) => {
-                self.lock().note_faults(lazy.faults());
-                lazy.reprotect()
-            }
+            Some(lazy) => lazy.reprotect(),
             // SAFETY: whole pages of the caller's buffer; our own code reads them only (BSDP
             // copies) and the provider reaches them like DMA, so nothing in the progress path
             // faults.
