@@ -878,10 +878,10 @@ impl MsgPipe {
     }
 
     fn on_data_recv(&mut self, index: u32, len: usize) -> Result<()> {
-        let pool = self.recv_pool.clone().ok_or_else(|| VerbsError::Protocol("data receive on a ring pipe".into()))?;
-        let b = pool.reclaim(index)?;
-        if len > pool.buf_size() {
-            return Err(VerbsError::Protocol(format!("{len}-byte receive in a {}-byte buffer", pool.buf_size())));
+        let pool = self.recv_pool.as_ref().ok_or_else(|| VerbsError::Protocol("data receive on a ring pipe".into()))?;
+        let (b, buf_size) = (pool.reclaim(index)?, pool.buf_size());
+        if len > buf_size {
+            return Err(VerbsError::Protocol(format!("{len}-byte receive in a {buf_size}-byte buffer")));
         }
         // SAFETY: the receive completed, so the buffer is ours (no transfer targets it until it
         // is reposted) and `len` bytes of it lie inside it (checked above). Parsing keeps only
@@ -903,7 +903,7 @@ impl MsgPipe {
                 RecordKind::Setup => return Err(VerbsError::Protocol("setup record after setup".into())),
             }
         }
-        self.stats.buffer_bytes += pool.buf_size() as u64;
+        self.stats.buffer_bytes += buf_size as u64;
         if msgs.is_empty() {
             // A credit message: its buffer is free at once.
             self.repost(b)?;
@@ -976,6 +976,17 @@ impl MsgPipe {
 
     /// Reads the next message or bulk chunk in place: `f` sees its lane and bytes.
     pub fn recv_lane<R>(&mut self, f: impl FnOnce(Lane, &[u8]) -> R) -> Result<Option<R>> {
+        let Some((lane, bytes)) = self.front()? else { return Ok(None) };
+        let r = f(lane, bytes);
+        self.pop_front()?;
+        Ok(Some(r))
+    }
+
+    /// The next message or bulk chunk and its lane, in place and left in the pipe (so a
+    /// reader may take it apart across several calls; [`MsgPipe::pop_front`] releases it).
+    /// Drives progress if nothing is there. `Ok(None)` if nothing arrived. After a failure,
+    /// messages received before it are still returned, then the error.
+    pub fn front(&mut self) -> Result<Option<(Lane, &[u8])>> {
         if self.inbox.is_empty() && self.failed.is_none() {
             // A failure found now still leaves earlier messages readable.
             if let Err(e) = self.progress() {
@@ -984,19 +995,28 @@ impl MsgPipe {
                 }
             }
         }
-        let Some(chunk) = self.inbox.front_mut() else {
+        let Some(chunk) = self.inbox.front() else {
             self.check_failed()?;
             return Ok(None);
         };
         let (off, len) = chunk.msgs[chunk.next];
-        chunk.next += 1;
         let (base, lane) = match &chunk.store {
             ChunkStore::Buf(b) => (b.as_mut_ptr() as *const u8, Lane::Message),
             ChunkStore::Ring { base, lane, .. } => (*base, *lane),
         };
         // SAFETY: the bytes lie in a receive buffer we own until it is reposted, or in ring
-        // space the sender may not reuse until we acknowledge it (below, after `f`).
-        let r = f(lane, unsafe { std::slice::from_raw_parts(base.add(off), len) });
+        // space the sender may not reuse until we acknowledge it; both happen only in
+        // `pop_front`, which needs the `&mut self` this borrow holds.
+        Ok(Some((lane, unsafe { std::slice::from_raw_parts(base.add(off), len) })))
+    }
+
+    /// Releases the message [`MsgPipe::front`] returned: reposts its receive buffer or
+    /// acknowledges its ring space once every message of its chunk is read. Does nothing if
+    /// nothing is there.
+    pub fn pop_front(&mut self) -> Result<()> {
+        let Some(chunk) = self.inbox.front_mut() else { return Ok(()) };
+        let (_, len) = chunk.msgs[chunk.next];
+        chunk.next += 1;
         self.stats.received += 1;
         self.stats.received_bytes += len as u64;
         if chunk.next == chunk.msgs.len() {
@@ -1011,7 +1031,7 @@ impl MsgPipe {
                 ChunkStore::Ring { end_pos, lane: Lane::Bulk, .. } => self.bulk_rx.consume_to(end_pos),
             }
         }
-        Ok(Some(r))
+        Ok(())
     }
 
     /// Sends, driving progress until flow control admits the message or `timeout` passes.
