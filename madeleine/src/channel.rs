@@ -1,5 +1,6 @@
 //! Channels, connections, and the packing and unpacking of messages.
 
+use std::cell::Cell;
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -17,40 +18,126 @@ use crate::{MadError, RecvMode, Result, SendMode};
 /// allocation.
 type InlineBytes = SmallVec<[u8; 64]>;
 
-/// A received record, owned (a pipe message may hold records of several packs).
+/// A record taken out of the pipe before its reader came (a pipe message may hold records of
+/// several messages, and a sender draining the pipe to free the peer's window takes them all):
+/// the slow path, one extra copy.
 enum Incoming {
-    Begin(u32),
-    Inline {
-        modes: Modes,
-        total: u64,
-        last: bool,
-        data: InlineBytes,
-    },
-    /// A pack whose bytes follow on the bulk lane.
-    Bulk {
-        modes: Modes,
-        total: u64,
-    },
+    /// A record, with an inline fragment's bytes.
+    Rec(Record, InlineBytes),
     /// Bulk-lane bytes taken out of the pipe before their unpacker came (so that the records
-    /// behind them could be seen): the slow path, one extra copy.
+    /// behind them could be seen).
     BulkData(Vec<u8>),
-    Rdv {
-        modes: Modes,
-        len: u64,
-        addr: u64,
-        rkey: u32,
-        id: u32,
-    },
-    End(u32),
+}
+
+/// The connection's next record as its reader sees it: in place in the pipe's receive buffer
+/// (the fast path) or from the queue of records taken out before.
+enum Next<'a> {
+    /// A record and its inline bytes (empty for records without).
+    Rec(Record, &'a [u8]),
+    /// Bulk-lane bytes (seen only when draining past them).
+    BulkData(&'a [u8]),
+}
+
+impl Incoming {
+    fn view(&self) -> Next<'_> {
+        match self {
+            Incoming::Rec(r, d) => Next::Rec(*r, d),
+            Incoming::BulkData(d) => Next::BulkData(d),
+        }
+    }
+
+    fn owned(n: Next<'_>) -> Incoming {
+        match n {
+            Next::Rec(r, d) => Incoming::Rec(r, InlineBytes::from_slice(d)),
+            Next::BulkData(d) => Incoming::BulkData(d.to_vec()),
+        }
+    }
+}
+
+/// Why taking a record out of the pipe failed (recorded as the connection's failure).
+enum Broken {
+    Protocol(String),
+    Lost(String),
 }
 
 struct ConnIo {
     pipe: MsgPipe,
+    /// Records taken out of the pipe before their reader came; they come before the pipe's.
     incoming: VecDeque<Incoming>,
+    /// Where the next record of the pipe's front message starts (records before it were
+    /// read in place).
+    front_at: usize,
     fins: HashSet<u32>,
     failed: Option<MadError>,
     /// Bytes of an announced bulk pack still in the pipe's bulk lane.
     bulk_left: u64,
+}
+
+impl ConnIo {
+    /// Takes the next record out of the pipe in place and hands it to `f` (`Err(f)` back if
+    /// nothing is there now, or with `Pump::StopAtBulk` if bulk-lane data comes next). `Fin`
+    /// records are noted, not handed over.
+    fn next_in_pipe<R, F: FnOnce(Next<'_>) -> R>(
+        &mut self,
+        how: Pump,
+        f: F,
+    ) -> std::result::Result<Result<R, F>, Broken> {
+        loop {
+            let ConnIo { pipe, fins, bulk_left, front_at, .. } = self;
+            let (lane, m) = match pipe.front() {
+                Ok(Some(x)) => x,
+                Ok(None) => return Ok(Err(f)),
+                Err(e) => return Err(Broken::Lost(e.to_string())),
+            };
+            if *bulk_left > 0 {
+                if lane != Lane::Bulk || m.len() as u64 > *bulk_left {
+                    return Err(Broken::Protocol("bulk pack data missing or too long".into()));
+                }
+                if how == Pump::StopAtBulk {
+                    return Ok(Err(f));
+                }
+                *bulk_left -= m.len() as u64;
+                let r = f(Next::BulkData(m));
+                pipe.pop_front().map_err(|e| Broken::Lost(e.to_string()))?;
+                return Ok(Ok(r));
+            }
+            if lane == Lane::Bulk {
+                return Err(Broken::Protocol("bulk data nobody announced".into()));
+            }
+            if *front_at >= m.len() {
+                // An empty message.
+                *front_at = 0;
+                pipe.pop_front().map_err(|e| Broken::Lost(e.to_string()))?;
+                continue;
+            }
+            let (rec, data, next) = wire::decode_one(m, *front_at).map_err(|e| Broken::Protocol(e.to_string()))?;
+            let done = next == m.len();
+            *front_at = if done { 0 } else { next };
+            let r = match rec {
+                Record::Fin { id } => {
+                    fins.insert(id);
+                    None
+                }
+                Record::Bulk { total: 0, .. } => return Err(Broken::Protocol("empty bulk pack".into())),
+                Record::Bulk { total, .. } => {
+                    *bulk_left = total;
+                    Some(rec)
+                }
+                _ => Some(rec),
+            };
+            let Some(rec) = r else {
+                if done {
+                    pipe.pop_front().map_err(|e| Broken::Lost(e.to_string()))?;
+                }
+                continue;
+            };
+            let r = f(Next::Rec(rec, &m[data]));
+            if done {
+                pipe.pop_front().map_err(|e| Broken::Lost(e.to_string()))?;
+            }
+            return Ok(Ok(r));
+        }
+    }
 }
 
 /// How far [`Conn::pump`] goes.
@@ -125,8 +212,6 @@ pub(crate) struct Conn {
     bulk_chunk: usize,
     /// Packs of at least this many bytes go by rendezvous (zero-copy).
     threshold: usize,
-    /// The aggregation buffer, kept between messages (taken by the claiming packer).
-    agg_cache: Mutex<Vec<u8>>,
     /// The pipe's completion queue, for waiters to sleep on without the pipe's lock.
     cq: CompletionQueue,
 }
@@ -149,6 +234,7 @@ impl Conn {
             io: Mutex::new(ConnIo {
                 pipe,
                 incoming: VecDeque::new(),
+                front_at: 0,
                 fins: HashSet::new(),
                 failed: None,
                 bulk_left: 0,
@@ -156,7 +242,6 @@ impl Conn {
             send_seq: Token::new(),
             recv_seq: Token::new(),
             next_rdv: AtomicU32::new(0),
-            agg_cache: Mutex::new(Vec::new()),
             cq,
         })
     }
@@ -169,76 +254,58 @@ impl Conn {
         MadError::PeerLost { rank: self.peer, why: why.to_string() }
     }
 
-    /// Moves what the pipe received into the record queues (with `Pump::StopAtBulk`, not past
-    /// an announced bulk pack's data). Errors fail the connection, but records received before
-    /// stay queued.
-    fn pump(&self, io: &mut ConnIo, how: Pump) -> Result<()> {
+    /// Hands the connection's next record to `f`: the oldest record taken out before, else
+    /// the next one in the pipe's front message, in place (no copy, no queue: the path of
+    /// small messages). `Ok(Err(f))` if none is there now, or (with `Pump::StopAtBulk`) if
+    /// bulk-lane data comes next, which its unpacker copies straight from the pipe. Errors
+    /// fail the connection, but records received before stay readable.
+    fn next_with<R, F: FnOnce(Next<'_>) -> R>(&self, io: &mut ConnIo, how: Pump, f: F) -> Result<Result<R, F>> {
+        if let Some(inc) = io.incoming.pop_front() {
+            return Ok(Ok(f(inc.view())));
+        }
+        if let Some(e) = &io.failed {
+            return Err(self.lost(e));
+        }
+        match io.next_in_pipe(how, f) {
+            Ok(r) => Ok(r),
+            Err(b) => Err(self.fail(io, b)),
+        }
+    }
+
+    /// Records why the connection broke; returns the error for the caller.
+    fn fail(&self, io: &mut ConnIo, b: Broken) -> MadError {
+        let make = |b: &Broken| match b {
+            Broken::Protocol(why) => MadError::Protocol { rank: self.peer, why: why.clone() },
+            Broken::Lost(why) => self.lost(why),
+        };
+        io.failed = Some(make(&b));
+        make(&b)
+    }
+
+    /// Fails the connection if `e` says the peer broke the protocol (every later call on it
+    /// gets the error too: what follows a malformed record cannot be trusted); returns `e`.
+    /// Not with the connection's lock held.
+    fn poison(&self, e: MadError) -> MadError {
+        if let MadError::Protocol { why, .. } = &e {
+            let mut io = self.io();
+            if io.failed.is_none() {
+                io.failed = Some(MadError::Protocol { rank: self.peer, why: why.clone() });
+            }
+        }
+        e
+    }
+
+    /// Takes everything the pipe received out of it, into the record queue (bulk data too),
+    /// so that the peer's window opens and what lies behind it is seen.
+    fn pump(&self, io: &mut ConnIo) -> Result<()> {
         if let Some(e) = &io.failed {
             return Err(self.lost(e));
         }
         loop {
-            if io.bulk_left > 0 && how == Pump::StopAtBulk {
-                return Ok(());
-            }
-            let ConnIo { pipe, incoming, fins, bulk_left, .. } = io;
-            let mut bad: Option<String> = None;
-            let got = pipe.recv_lane(|lane, m| {
-                if *bulk_left > 0 {
-                    if lane != Lane::Bulk || m.len() as u64 > *bulk_left {
-                        bad = Some("bulk pack data missing or too long".into());
-                        return;
-                    }
-                    *bulk_left -= m.len() as u64;
-                    incoming.push_back(Incoming::BulkData(m.to_vec()));
-                    return;
-                }
-                if lane == Lane::Bulk {
-                    bad = Some("bulk data nobody announced".into());
-                    return;
-                }
-                match wire::decode(m) {
-                    Ok(recs) => {
-                        for (r, range) in recs {
-                            incoming.push_back(match r {
-                                Record::Begin { seq } => Incoming::Begin(seq),
-                                Record::Inline { modes, total, last, .. } => {
-                                    Incoming::Inline { modes, total, last, data: InlineBytes::from_slice(&m[range]) }
-                                }
-                                Record::Rdv { modes, len, addr, rkey, id } => {
-                                    Incoming::Rdv { modes, len, addr, rkey, id }
-                                }
-                                Record::Bulk { modes, total } => {
-                                    if total == 0 {
-                                        bad = Some("empty bulk pack".into());
-                                        return;
-                                    }
-                                    *bulk_left = total;
-                                    Incoming::Bulk { modes, total }
-                                }
-                                Record::End { packs } => Incoming::End(packs),
-                                Record::Fin { id } => {
-                                    fins.insert(id);
-                                    continue;
-                                }
-                            });
-                        }
-                    }
-                    Err(e) => bad = Some(e.to_string()),
-                }
-            });
-            match got {
-                Ok(Some(())) => {
-                    if let Some(why) = bad {
-                        io.failed = Some(MadError::Protocol { rank: self.peer, why: why.clone() });
-                        return Err(MadError::Protocol { rank: self.peer, why });
-                    }
-                }
-                Ok(None) => return Ok(()),
-                Err(e) => {
-                    let why = e.to_string();
-                    io.failed = Some(self.lost(&why));
-                    return Err(self.lost(why));
-                }
+            match io.next_in_pipe(Pump::Drain, Incoming::owned) {
+                Ok(Ok(inc)) => io.incoming.push_back(inc),
+                Ok(Err(_)) => return Ok(()),
+                Err(b) => return Err(self.fail(io, b)),
             }
         }
     }
@@ -295,7 +362,7 @@ impl Conn {
                     }
                 }
                 // Received data frees our peer's send window only once taken out of the pipe.
-                let _ = self.pump(&mut io, Pump::Drain);
+                let _ = self.pump(&mut io);
             }
             w.pause()?;
         }
@@ -341,7 +408,7 @@ impl Channel {
     pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
         let conn = self.conn(dest)?;
         let seq = conn.send_seq.claim(self.session.cfg.timeout)?;
-        let mut agg = std::mem::take(&mut *conn.agg_cache.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut agg = AGG_CACHE.try_with(Cell::take).unwrap_or_default();
         agg.clear();
         agg.reserve(conn.max_msg);
         Record::Begin { seq: seq.seq() }.encode(&mut agg);
@@ -395,7 +462,7 @@ impl Channel {
             for k in 0..n {
                 let Some(conn) = self.conns[(start + k) % n].as_deref() else { continue };
                 let Some(seq) = conn.recv_seq.try_claim() else { continue };
-                if let Some(u) = self.try_begin(conn, seq)? {
+                if let Some(u) = self.try_begin(conn, seq).map_err(|e| conn.poison(e))? {
                     return Ok(u);
                 }
             }
@@ -409,7 +476,7 @@ impl Channel {
         let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
         loop {
             let seq = conn.recv_seq.claim(self.session.cfg.timeout)?;
-            if let Some(u) = self.try_begin(conn, seq)? {
+            if let Some(u) = self.try_begin(conn, seq).map_err(|e| conn.poison(e))? {
                 return Ok(u);
             }
             w.pause_on(&[&conn.cq])?;
@@ -417,33 +484,33 @@ impl Channel {
     }
 
     fn try_begin<'u>(&'u self, conn: &'u Conn, seq: Claim<'u>) -> Result<Option<Unpacker<'u>>> {
-        let mut io = conn.io();
-        let pumped = if io.incoming.is_empty() { conn.pump(&mut io, Pump::StopAtBulk) } else { Ok(()) };
-        match io.incoming.front() {
-            Some(Incoming::Begin(s)) => {
-                let s = *s;
-                io.incoming.pop_front();
-                if s != seq.seq() {
-                    return Err(MadError::Protocol {
-                        rank: conn.peer,
-                        why: format!("message {s} where {} was due", seq.seq()),
-                    });
-                }
-                drop(io);
-                Ok(Some(Unpacker {
-                    ch: self,
-                    conn,
-                    seq,
-                    unpacks: 0,
-                    pending: Vec::new(),
-                    fins: Vec::new(),
-                    finished: false,
-                }))
+        let got = conn.next_with(&mut conn.io(), Pump::StopAtBulk, |n| match n {
+            Next::Rec(Record::Begin { seq }, _) => Some(seq),
+            _ => None,
+        })?;
+        match got {
+            Ok(Some(s)) if s == seq.seq() => Ok(Some(Unpacker {
+                ch: self,
+                conn,
+                seq,
+                unpacks: 0,
+                pending: Vec::new(),
+                fins: Vec::new(),
+                finished: false,
+            })),
+            Ok(Some(s)) => {
+                Err(MadError::Protocol { rank: conn.peer, why: format!("message {s} where {} was due", seq.seq()) })
             }
-            Some(_) => Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() }),
-            None => pumped.map(|_| None),
+            Ok(None) => Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() }),
+            Err(_) => Ok(None),
         }
     }
+}
+
+thread_local! {
+    /// An aggregation buffer kept between messages, per thread: no allocation and no lock on
+    /// the path of a message.
+    static AGG_CACHE: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
 }
 
 /// A pack queued behind a `SendMode::Later` pack (sent at `end_packing`, in order).
@@ -581,7 +648,7 @@ impl<'p> Packer<'p> {
                         break;
                     }
                     io.pipe.progress().map_err(|e| self.conn.lost(e))?;
-                    let _ = self.conn.pump(&mut io, Pump::Drain);
+                    let _ = self.conn.pump(&mut io);
                 }
                 w.pause()?;
             }
@@ -672,7 +739,7 @@ impl<'p> Packer<'p> {
         while !self.rdv.is_empty() {
             {
                 let mut io = self.conn.io();
-                self.conn.pump(&mut io, Pump::Drain)?;
+                self.conn.pump(&mut io)?;
                 let fins = &mut io.fins;
                 self.rdv.retain(|h| !fins.remove(&h.id));
             }
@@ -696,10 +763,22 @@ impl Drop for Packer<'_> {
                 std::mem::forget(std::mem::take(&mut self.bulk_regs));
             }
         }
-        // Keep the aggregation buffer for the connection's next message.
+        // Keep the aggregation buffer for this thread's next message (the larger one, if
+        // another packer of this thread returned one meanwhile).
         let agg = std::mem::take(&mut self.agg);
-        *self.conn.agg_cache.lock().unwrap_or_else(|p| p.into_inner()) = agg;
+        let _ = AGG_CACHE.try_with(|c| {
+            let other = c.take();
+            c.set(if other.capacity() > agg.capacity() { other } else { agg });
+        });
     }
+}
+
+/// What the record of a pack said, once checked.
+enum Got {
+    /// An inline pack: its first fragment's bytes are copied; more follow unless `last`.
+    Inline { copied: usize, last: bool },
+    /// A rendezvous or bulk record.
+    Other(Record),
 }
 
 /// A zero-copy read in flight (RECEIVE_CHEAPER), kept until `end_unpacking`.
@@ -731,28 +810,42 @@ impl<'u> Unpacker<'u> {
         MadError::Mismatch { rank: self.conn.peer, why }
     }
 
-    /// Waits for the next record of this message (`how` says whether the pipe may be drained
-    /// past bulk data, which only `end_unpacking` skipping unread packs wants).
-    fn next_record_with(&mut self, how: Pump) -> Result<Incoming> {
+    /// Waits for the next record of this message and hands it to `f` (`how` says whether the
+    /// pipe may be drained past bulk data, which only `end_unpacking` skipping unread packs
+    /// wants).
+    fn next_record_with<R>(&self, how: Pump, f: impl FnOnce(Next<'_>) -> R) -> Result<R> {
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for message data");
+        let mut f = f;
         loop {
-            {
-                let mut io = self.conn.io();
-                if let Some(r) = io.incoming.pop_front() {
-                    return Ok(r);
-                }
-                let pumped = self.conn.pump(&mut io, how);
-                if let Some(r) = io.incoming.pop_front() {
-                    return Ok(r);
-                }
-                pumped?;
+            match self.conn.next_with(&mut self.conn.io(), how, f)? {
+                Ok(r) => return Ok(r),
+                Err(back) => f = back,
             }
             w.pause_on(&[&self.conn.cq])?;
         }
     }
 
-    fn next_record(&mut self) -> Result<Incoming> {
-        self.next_record_with(Pump::StopAtBulk)
+    /// Takes the next pack's record, checking it against the unpack's modes and length; an
+    /// inline pack's first fragment is copied into `buf` straight from the pipe.
+    fn take_pack(&self, buf: &mut [u8], asked: Modes) -> Result<Got> {
+        self.next_record_with(Pump::StopAtBulk, |n| match n {
+            Next::Rec(Record::Inline { modes, total, last, .. }, data) => {
+                self.check(modes, total, asked, buf.len())?;
+                // The decoder checked that a fragment is no longer than its pack.
+                buf[..data.len()].copy_from_slice(data);
+                Ok(Got::Inline { copied: data.len(), last })
+            }
+            Next::Rec(r @ Record::Rdv { modes, len, .. }, _) => {
+                self.check(modes, len, asked, buf.len())?;
+                Ok(Got::Other(r))
+            }
+            Next::Rec(r @ Record::Bulk { modes, total }, _) => {
+                self.check(modes, total, asked, buf.len())?;
+                Ok(Got::Other(r))
+            }
+            Next::Rec(r, _) => Err(self.unexpected(r)),
+            Next::BulkData(_) => Err(self.bad("bulk data out of place")),
+        })?
     }
 
     /// Copies a bulk pack's bytes into `buf`: straight from the pipe's bulk lane, or from what
@@ -818,7 +911,7 @@ impl<'u> Unpacker<'u> {
     /// Extracts the next pack into `buf`; with `RecvMode::Express` the data is there when this
     /// returns, with `RecvMode::Cheaper` after `end_unpacking`.
     pub fn unpack(&mut self, buf: &'u mut [u8], send: SendMode, recv: RecvMode) -> Result<()> {
-        self.unpack_into(buf, Modes { send, recv })
+        self.unpack_into(buf, Modes { send, recv }).map_err(|e| self.conn.poison(e))
     }
 
     /// Extracts the next pack (which must have been packed `RecvMode::Express`) into `buf`;
@@ -826,7 +919,7 @@ impl<'u> Unpacker<'u> {
     pub fn unpack_express(&mut self, buf: &mut [u8], send: SendMode) -> Result<()> {
         // SAFETY-free: an Express unpack completes before returning, so the borrow may end here.
         let modes = Modes { send, recv: RecvMode::Express };
-        self.unpack_now(buf, modes)
+        self.unpack_now(buf, modes).map_err(|e| self.conn.poison(e))
     }
 
     fn unpack_into(&mut self, buf: &'u mut [u8], modes: Modes) -> Result<()> {
@@ -834,45 +927,29 @@ impl<'u> Unpacker<'u> {
             return self.unpack_now(buf, modes);
         }
         self.unpacks += 1;
-        match self.next_record()? {
-            Incoming::Rdv { modes: m, len, addr, rkey, id } => {
-                self.check(m, len, modes, buf.len())?;
+        match self.take_pack(buf, modes)? {
+            Got::Inline { copied, last } => self.copy_fragments(buf, copied, last),
+            Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
                 let (token, reg) = self.start_read(buf, addr, rkey)?;
                 self.pending.push(PendingRead { token, id, _reg: reg });
                 Ok(())
             }
-            Incoming::Inline { modes: m, total, last, data } => {
-                self.check(m, total, modes, buf.len())?;
-                self.copy_inline(buf, data, last)
-            }
-            Incoming::Bulk { modes: m, total } => {
-                self.check(m, total, modes, buf.len())?;
-                self.read_bulk(buf)
-            }
-            other => Err(self.unexpected(other)),
+            Got::Other(_) => self.read_bulk(buf),
         }
     }
 
     fn unpack_now(&mut self, buf: &mut [u8], modes: Modes) -> Result<()> {
         self.unpacks += 1;
-        match self.next_record()? {
-            Incoming::Inline { modes: m, total, last, data } => {
-                self.check(m, total, modes, buf.len())?;
-                self.copy_inline(buf, data, last)
-            }
-            Incoming::Rdv { modes: m, len, addr, rkey, id } => {
-                self.check(m, len, modes, buf.len())?;
+        match self.take_pack(buf, modes)? {
+            Got::Inline { copied, last } => self.copy_fragments(buf, copied, last),
+            Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
                 let (token, reg) = self.start_read(buf, addr, rkey)?;
                 self.wait_read(token)?;
                 drop(reg);
                 self.fins.push(id);
                 Ok(())
             }
-            Incoming::Bulk { modes: m, total } => {
-                self.check(m, total, modes, buf.len())?;
-                self.read_bulk(buf)
-            }
-            other => Err(self.unexpected(other)),
+            Got::Other(_) => self.read_bulk(buf),
         }
     }
 
@@ -886,27 +963,29 @@ impl<'u> Unpacker<'u> {
         Ok(())
     }
 
-    fn unexpected(&self, r: Incoming) -> MadError {
+    fn unexpected(&self, r: Record) -> MadError {
         match r {
-            Incoming::End(n) => self.mismatch(format!("the sender packed {n} items, the receiver asked for more")),
+            Record::End { packs } => {
+                self.mismatch(format!("the sender packed {packs} items, the receiver asked for more"))
+            }
             _ => MadError::Protocol { rank: self.conn.peer, why: "record out of place".into() },
         }
     }
 
-    fn copy_inline(&mut self, buf: &mut [u8], first: InlineBytes, mut last: bool) -> Result<()> {
-        let mut off = first.len();
-        buf[..off].copy_from_slice(&first);
+    /// Copies an inline pack's further fragments into `buf` (the first `off` bytes are there).
+    fn copy_fragments(&mut self, buf: &mut [u8], mut off: usize, mut last: bool) -> Result<()> {
         while !last {
-            match self.next_record()? {
-                Incoming::Inline { data, last: l, total, .. }
+            let broken = || MadError::Protocol { rank: self.conn.peer, why: "broken fragment sequence".into() };
+            last = self.next_record_with(Pump::StopAtBulk, |n| match n {
+                Next::Rec(Record::Inline { last, total, .. }, data)
                     if total == buf.len() as u64 && off + data.len() <= buf.len() =>
                 {
-                    buf[off..off + data.len()].copy_from_slice(&data);
+                    buf[off..off + data.len()].copy_from_slice(data);
                     off += data.len();
-                    last = l;
+                    Ok(last)
                 }
-                _ => return Err(MadError::Protocol { rank: self.conn.peer, why: "broken fragment sequence".into() }),
-            }
+                _ => Err(broken()),
+            })??;
         }
         if off != buf.len() {
             return Err(MadError::Protocol { rank: self.conn.peer, why: "fragments do not add up to the pack".into() });
@@ -964,7 +1043,7 @@ impl<'u> Unpacker<'u> {
     /// Completes the message: waits for `RecvMode::Cheaper` data, checks that the sender packed
     /// exactly what was unpacked, and tells the sender its zero-copy buffers are free.
     pub fn end_unpacking(mut self) -> Result<()> {
-        self.finish()
+        self.finish().map_err(|e| self.conn.poison(e))
     }
 
     fn finish(&mut self) -> Result<()> {
@@ -983,21 +1062,33 @@ impl<'u> Unpacker<'u> {
         result?;
         // The End record, or what the sender packed beyond our unpacks.
         let mut extra = 0u32;
+        let mut unread = Vec::new();
         let packs = loop {
-            match self.next_record_with(Pump::Drain)? {
-                Incoming::End(n) => break n,
-                Incoming::Bulk { .. } => extra += 1,
-                Incoming::BulkData(_) => {}
-                Incoming::Rdv { id, .. } => {
+            let step = self.next_record_with(Pump::Drain, |n| match n {
+                Next::Rec(Record::End { packs }, _) => Ok(Some(packs)),
+                Next::Rec(Record::Bulk { .. }, _) => {
                     extra += 1;
-                    self.fins.push(id); // release the sender even though nobody reads it
+                    Ok(None)
                 }
-                Incoming::Inline { last, .. } => extra += last as u32,
-                Incoming::Begin(_) => {
-                    return Err(MadError::Protocol { rank: self.conn.peer, why: "message without end".into() })
+                Next::BulkData(_) => Ok(None),
+                Next::Rec(Record::Rdv { id, .. }, _) => {
+                    extra += 1;
+                    unread.push(id); // release the sender even though nobody reads it
+                    Ok(None)
                 }
+                Next::Rec(Record::Inline { last, .. }, _) => {
+                    extra += last as u32;
+                    Ok(None)
+                }
+                Next::Rec(Record::Begin { .. } | Record::Fin { .. }, _) => Err(()),
+            })?;
+            match step {
+                Ok(Some(n)) => break n,
+                Ok(None) => {}
+                Err(()) => return Err(MadError::Protocol { rank: self.conn.peer, why: "message without end".into() }),
             }
         };
+        self.fins.append(&mut unread);
         self.send_fins()?;
         self.seq.advance();
         if packs != self.unpacks || extra > 0 {
@@ -1027,10 +1118,147 @@ impl<'u> Unpacker<'u> {
 impl Drop for Unpacker<'_> {
     fn drop(&mut self) {
         if !self.finished {
-            if let Err(e) = self.finish() {
+            if let Err(e) = self.finish().map_err(|e| self.conn.poison(e)) {
                 log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
                 std::mem::forget(std::mem::take(&mut self.pending));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Session, SessionConfig};
+    use std::time::Duration;
+
+    /// Runs `f(rank, channel)` on three ranks (threads, each with its own session).
+    fn trio(tag: &str, f: impl Fn(usize, &Channel) + Sync) {
+        let dir = std::env::temp_dir().join(format!("mad-unit-{tag}-{}", std::process::id()));
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|rank| {
+                    let (dir, f) = (dir.clone(), &f);
+                    s.spawn(move || {
+                        let mut cfg = SessionConfig::new(rank, 3, dir);
+                        cfg.timeout = Duration::from_secs(10);
+                        let session = Session::new(cfg).unwrap();
+                        let ch = session.channel().unwrap();
+                        f(rank, &ch);
+                        // Keep the session up until everyone is done with it.
+                        let ctl = session.channel().unwrap();
+                        if rank == 0 {
+                            for r in [1, 2] {
+                                ctl.begin_unpacking_from(r).unwrap().end_unpacking().unwrap();
+                            }
+                        } else {
+                            ctl.begin_packing(0).unwrap().end_packing().unwrap();
+                        }
+                    })
+                })
+                .collect();
+            for h in hs {
+                h.join().unwrap();
+            }
+        });
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    fn encoded(recs: &[(Record, &[u8])]) -> Vec<u8> {
+        let mut m = Vec::new();
+        for (r, d) in recs {
+            r.encode(&mut m);
+            m.extend_from_slice(d);
+        }
+        m
+    }
+
+    /// What a peer sending `raw` as one pipe message does to rank 0's connection to it: the
+    /// error rank 0 gets, after which its connection to rank 2 must still carry messages.
+    fn malformed(tag: &str, raw: Vec<u8>, unpacks: usize) -> MadError {
+        let got = Mutex::new(None);
+        trio(tag, |rank, ch| match rank {
+            0 => {
+                let r = (|| {
+                    let mut u = ch.begin_unpacking_from(1)?;
+                    for _ in 0..unpacks {
+                        let mut b = [0u8; 8];
+                        u.unpack_express(&mut b, SendMode::Cheaper)?;
+                    }
+                    u.end_unpacking()
+                })();
+                *got.lock().unwrap() = Some(r.expect_err("malformed data accepted"));
+                // The connection stays failed...
+                assert!(ch.begin_unpacking_from(1).is_err());
+                // ...and the others work.
+                let mut u = ch.begin_unpacking_from(2).unwrap();
+                let mut b = [0u8; 4];
+                u.unpack_express(&mut b, SendMode::Safer).unwrap();
+                u.end_unpacking().unwrap();
+                assert_eq!(b, [1, 2, 3, 4]);
+            }
+            1 => ch.conn(0).unwrap().send_msg(&raw, Duration::from_secs(10)).unwrap(),
+            _ => {
+                let mut p = ch.begin_packing(0).unwrap();
+                p.pack_safer(&[1, 2, 3, 4], RecvMode::Express).unwrap();
+                p.end_packing().unwrap();
+            }
+        });
+        got.into_inner().unwrap().unwrap()
+    }
+
+    const EXPRESS: Modes = Modes { send: SendMode::Cheaper, recv: RecvMode::Express };
+
+    #[test]
+    fn malformed_peer_data_fails_that_connection_only() {
+        let cases: Vec<(&str, Vec<u8>, usize)> = vec![
+            ("unknown-tag", vec![9; 16], 0),
+            ("short-header", vec![1, 0, 0], 0),
+            (
+                "fragment-past-message",
+                {
+                    let mut m = encoded(&[(Record::Begin { seq: 0 }, &[])]);
+                    Record::Inline { modes: EXPRESS, len: 64, last: true, total: 64 }.encode(&mut m);
+                    m.extend_from_slice(&[0; 8]);
+                    m
+                },
+                1,
+            ),
+            (
+                "fragments-short-of-pack",
+                encoded(&[
+                    (Record::Begin { seq: 0 }, &[]),
+                    (Record::Inline { modes: EXPRESS, len: 4, last: true, total: 8 }, &[0; 4]),
+                    (Record::End { packs: 1 }, &[]),
+                ]),
+                1,
+            ),
+            ("data-outside-a-message", encoded(&[(Record::End { packs: 0 }, &[])]), 0),
+            ("wrong-sequence-number", encoded(&[(Record::Begin { seq: 7 }, &[])]), 0),
+            (
+                "bulk-not-last",
+                encoded(&[
+                    (Record::Begin { seq: 0 }, &[]),
+                    (Record::Bulk { modes: EXPRESS, total: 8 }, &[]),
+                    (Record::End { packs: 1 }, &[]),
+                ]),
+                1,
+            ),
+        ];
+        for (tag, raw, unpacks) in cases {
+            let e = malformed(tag, raw, unpacks);
+            assert!(matches!(e, MadError::Protocol { rank: 1, .. }), "{tag}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_rendezvous_to_memory_the_peer_never_registered_fails_that_connection_only() {
+        let raw = encoded(&[
+            (Record::Begin { seq: 0 }, &[]),
+            (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 0xdead, id: 0 }, &[]),
+            (Record::End { packs: 1 }, &[]),
+        ]);
+        let e = malformed("unknown-buffer", raw, 1);
+        assert!(matches!(e, MadError::PeerLost { rank: 1, .. }), "{e}");
     }
 }

@@ -20,7 +20,7 @@ pub const HEADER: usize = 16;
 pub const RDV: usize = 32;
 
 /// A record.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Record {
     /// A message starts.
     Begin {
@@ -177,60 +177,67 @@ pub type Decoded = smallvec::SmallVec<[(Record, std::ops::Range<usize>); 4]>;
 pub fn decode(msg: &[u8]) -> Result<Decoded, WireError> {
     let mut out = Decoded::new();
     let mut at = 0;
-    let u32_at = |b: &[u8], i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-    let u64_at = |b: &[u8], i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
     while at < msg.len() {
-        let h = msg.get(at..at + HEADER).ok_or(WireError("message ends inside a record header"))?;
-        if h[3] != 0 {
-            return Err(WireError("reserved header byte set"));
-        }
-        let (rec, next, data) = match h[0] {
-            1 => (Record::Begin { seq: u32_at(h, 4) }, at + HEADER, at..at),
-            2 => {
-                let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
-                if h[2] > 1 {
-                    return Err(WireError("bad fragment flag"));
-                }
-                let len = u32_at(h, 4);
-                let total = u64_at(h, 8);
-                let start = at + HEADER;
-                let end = start.checked_add(len as usize).ok_or(WireError("length overflows"))?;
-                if end > msg.len() {
-                    return Err(WireError("inline fragment runs past the message"));
-                }
-                if len as u64 > total {
-                    return Err(WireError("fragment longer than its pack"));
-                }
-                (Record::Inline { modes, len, last: h[2] == 1, total }, end, start..end)
-            }
-            3 => {
-                let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
-                let x = msg.get(at + HEADER..at + RDV).ok_or(WireError("message ends inside a rendezvous record"))?;
-                let rec =
-                    Record::Rdv { modes, len: u64_at(x, 0), addr: u64_at(h, 8), rkey: u32_at(h, 4), id: u32_at(x, 8) };
-                if x[12..].iter().any(|&b| b != 0) {
-                    return Err(WireError("reserved rendezvous bytes set"));
-                }
-                (rec, at + RDV, at..at)
-            }
-            4 => (Record::End { packs: u32_at(h, 4) }, at + HEADER, at..at),
-            6 => {
-                let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
-                if h[2] != 0 || h[4..8] != [0; 4] {
-                    return Err(WireError("reserved bulk bytes set"));
-                }
-                if at + HEADER != msg.len() {
-                    return Err(WireError("records after a bulk announcement"));
-                }
-                (Record::Bulk { modes, total: u64_at(h, 8) }, at + HEADER, at..at)
-            }
-            5 => (Record::Fin { id: u32_at(h, 4) }, at + HEADER, at..at),
-            _ => return Err(WireError("unknown record tag")),
-        };
+        let (rec, data, next) = decode_one(msg, at)?;
         out.push((rec, data));
         at = next;
     }
     Ok(out)
+}
+
+/// Decodes the record at offset `at` of a pipe message (a record boundary): the record, the
+/// byte range of its inline data in `msg` (empty for other records), and where the next record
+/// starts. What a reader taking a message apart in place, one record at a time, calls.
+pub fn decode_one(msg: &[u8], at: usize) -> Result<(Record, std::ops::Range<usize>, usize), WireError> {
+    let u32_at = |b: &[u8], i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+    let u64_at = |b: &[u8], i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    let h = msg.get(at..at.saturating_add(HEADER)).ok_or(WireError("message ends inside a record header"))?;
+    if h[3] != 0 {
+        return Err(WireError("reserved header byte set"));
+    }
+    Ok(match h[0] {
+        1 => (Record::Begin { seq: u32_at(h, 4) }, at..at, at + HEADER),
+        2 => {
+            let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
+            if h[2] > 1 {
+                return Err(WireError("bad fragment flag"));
+            }
+            let len = u32_at(h, 4);
+            let total = u64_at(h, 8);
+            let start = at + HEADER;
+            let end = start.checked_add(len as usize).ok_or(WireError("length overflows"))?;
+            if end > msg.len() {
+                return Err(WireError("inline fragment runs past the message"));
+            }
+            if len as u64 > total {
+                return Err(WireError("fragment longer than its pack"));
+            }
+            (Record::Inline { modes, len, last: h[2] == 1, total }, start..end, end)
+        }
+        3 => {
+            let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
+            let x = msg.get(at + HEADER..at + RDV).ok_or(WireError("message ends inside a rendezvous record"))?;
+            let rec =
+                Record::Rdv { modes, len: u64_at(x, 0), addr: u64_at(h, 8), rkey: u32_at(h, 4), id: u32_at(x, 8) };
+            if x[12..].iter().any(|&b| b != 0) {
+                return Err(WireError("reserved rendezvous bytes set"));
+            }
+            (rec, at..at, at + RDV)
+        }
+        4 => (Record::End { packs: u32_at(h, 4) }, at..at, at + HEADER),
+        6 => {
+            let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
+            if h[2] != 0 || h[4..8] != [0; 4] {
+                return Err(WireError("reserved bulk bytes set"));
+            }
+            if at + HEADER != msg.len() {
+                return Err(WireError("records after a bulk announcement"));
+            }
+            (Record::Bulk { modes, total: u64_at(h, 8) }, at..at, at + HEADER)
+        }
+        5 => (Record::Fin { id: u32_at(h, 4) }, at..at, at + HEADER),
+        _ => return Err(WireError("unknown record tag")),
+    })
 }
 
 #[cfg(test)]
