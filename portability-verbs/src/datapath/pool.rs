@@ -90,7 +90,7 @@ impl BufferPool {
     /// Takes a free buffer, or None if all are in use.
     pub fn try_acquire(self: &Arc<Self>) -> Option<PoolBuf> {
         let index = self.pop()?;
-        Some(PoolBuf { pool: self.clone(), index, len: 0 })
+        Some(PoolBuf { pool: self.clone(), index, len: 0, in_flight: false })
     }
 
     fn pop(&self) -> Option<u32> {
@@ -147,6 +147,15 @@ impl BufferPool {
         self.mr.sge(self.offset(index), len)
     }
 
+    /// An SGE over the whole of buffer `index` (for receives posted by index; its `addr` is
+    /// where the buffer lies in this process). An error for an index outside the pool.
+    pub fn sge_full_of(&self, index: u32) -> Result<Sge> {
+        if index >= self.count {
+            return Err(VerbsError::Protocol(format!("buffer index {index} outside a pool of {}", self.count)));
+        }
+        Ok(self.mr.sge(self.offset(index), self.buf_size))
+    }
+
     /// Returns a buffer that was turned into an index with [`PoolBuf::into_index`] (for example
     /// carried in a work request id while in flight).
     ///
@@ -165,7 +174,7 @@ impl BufferPool {
         if index >= self.count {
             return Err(VerbsError::Protocol(format!("buffer index {index} outside a pool of {}", self.count)));
         }
-        Ok(PoolBuf { pool: self.clone(), index, len: 0 })
+        Ok(PoolBuf { pool: self.clone(), index, len: 0, in_flight: false })
     }
 
     /// Occupancy figures.
@@ -190,6 +199,8 @@ pub struct PoolBuf {
     pool: Arc<BufferPool>,
     index: u32,
     len: usize,
+    /// Given up by [`PoolBuf::into_index`]: dropping the handle leaves the free list alone.
+    in_flight: bool,
 }
 
 impl PoolBuf {
@@ -244,16 +255,17 @@ impl PoolBuf {
     }
     /// Keeps the buffer out of the pool while it is in flight; get it back with
     /// [`BufferPool::reclaim`] or [`BufferPool::release_index`].
-    pub fn into_index(self) -> u32 {
-        let i = self.index;
-        std::mem::forget(self);
-        i
+    pub fn into_index(mut self) -> u32 {
+        self.in_flight = true;
+        self.index
     }
 }
 
 impl Drop for PoolBuf {
     fn drop(&mut self) {
-        self.pool.push(self.index);
+        if !self.in_flight {
+            self.pool.push(self.index);
+        }
     }
 }
 
@@ -296,6 +308,13 @@ mod tests {
         drop(b);
         assert_eq!(p.stats().in_use, 0);
         assert!(p.reclaim(7).is_err());
+        // Handles given up in flight and taken back hold no reference to the pool: it (and its
+        // registered memory) goes when its last owner does.
+        for _ in 0..10 {
+            let i = p.try_acquire().unwrap().into_index();
+            drop(p.reclaim(i).unwrap());
+        }
+        assert_eq!(Arc::strong_count(&p), 1);
     }
 
     #[test]
