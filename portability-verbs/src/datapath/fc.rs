@@ -124,25 +124,52 @@ impl Record {
 pub type ParsedChunk = smallvec::SmallVec<[(Record, std::ops::Range<usize>); 4]>;
 
 /// Splits a received chunk into records, validating every length. Returns (header, payload
-/// range) pairs (without allocating for up to four records: this is on every message's path).
+/// range) pairs (without allocating for up to four records).
 pub fn parse_chunk(chunk: &[u8]) -> Result<ParsedChunk, FcError> {
-    let mut out = ParsedChunk::new();
-    let mut at = 0usize;
-    while at < chunk.len() {
-        let hdr: &[u8; RECORD_HEADER] = chunk
-            .get(at..at + RECORD_HEADER)
-            .and_then(|s| s.try_into().ok())
-            .ok_or(FcError::BadRecord("chunk ends inside a header"))?;
-        let r = Record::decode(hdr)?;
-        let start = at + RECORD_HEADER;
-        let end = start.checked_add(r.len as usize).ok_or(FcError::BadRecord("length overflows"))?;
-        if end > chunk.len() {
-            return Err(FcError::BadRecord("payload runs past the chunk"));
+    records(chunk).collect()
+}
+
+/// The records of a received chunk, one at a time, each length validated before it is
+/// yielded: (header, payload range) pairs, then at most one error (and nothing after it).
+/// What the receive path walks without collecting.
+pub fn records(chunk: &[u8]) -> Records<'_> {
+    Records { chunk, at: 0 }
+}
+
+/// Iterator of [`records`].
+pub struct Records<'a> {
+    chunk: &'a [u8],
+    at: usize,
+}
+
+impl Iterator for Records<'_> {
+    type Item = Result<(Record, std::ops::Range<usize>), FcError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.at >= self.chunk.len() {
+            return None;
         }
-        out.push((r, start..end));
-        at = end;
+        let at = self.at;
+        // Whatever happens, this record is the last one looked at if it is bad.
+        self.at = self.chunk.len();
+        let Some(hdr) = self.chunk.get(at..at + RECORD_HEADER).and_then(|s| <&[u8; RECORD_HEADER]>::try_from(s).ok())
+        else {
+            return Some(Err(FcError::BadRecord("chunk ends inside a header")));
+        };
+        let r = match Record::decode(hdr) {
+            Ok(r) => r,
+            Err(e) => return Some(Err(e)),
+        };
+        let start = at + RECORD_HEADER;
+        let Some(end) = start.checked_add(r.len as usize) else {
+            return Some(Err(FcError::BadRecord("length overflows")));
+        };
+        if end > self.chunk.len() {
+            return Some(Err(FcError::BadRecord("payload runs past the chunk")));
+        }
+        self.at = end;
+        Some(Ok((r, start..end)))
     }
-    Ok(out)
 }
 
 /// Credit accounting of one side of a connection (it both sends and receives).

@@ -226,8 +226,9 @@ fn wr_id(tag: u64, low: u64) -> u64 {
 
 /// Where received messages live until the application reads them.
 enum ChunkStore {
-    /// A receive buffer, reposted when all its messages are read.
-    Buf(PoolBuf),
+    /// A receive buffer (its index in the pool, and where it lies), reposted when all its
+    /// messages are read.
+    Buf { index: u32, base: *const u8 },
     /// Ring bytes, acknowledged when all its messages are read (position after the chunk).
     Ring { base: *const u8, end_pos: u64, lane: Lane },
 }
@@ -290,7 +291,8 @@ pub struct MsgPipe {
     next_user: u64,
 }
 
-// SAFETY: the raw ring pointers in `ChunkStore` point into `ring`, owned by the pipe.
+// SAFETY: the raw pointers in `ChunkStore` point into `ring`, `bulk_ring` or the receive
+// pool's memory, all owned by the pipe.
 unsafe impl Send for MsgPipe {}
 
 fn fc_err(e: FcError) -> VerbsError {
@@ -407,8 +409,7 @@ impl MsgPipe {
             FlowStrategy::Credit { buffers, .. } | FlowStrategy::Window { buffers, .. } => {
                 let pool = self.recv_pool.clone().expect("receive pool");
                 for _ in 0..buffers {
-                    let b = pool.try_acquire().expect("fresh pool");
-                    self.post_data_recv(b)?;
+                    self.post_data_recv(pool.acquire_index().expect("fresh pool"))?;
                 }
             }
             FlowStrategy::Rdma { .. } => {
@@ -511,10 +512,12 @@ impl MsgPipe {
         Ok(())
     }
 
-    fn post_data_recv(&mut self, b: PoolBuf) -> Result<()> {
-        let sge = b.sge_full();
-        let idx = b.into_index() as u64;
-        self.qp.post_recv(&[RecvWr::new(wr_id(TAG_DATA_RECV, idx), &[sge])])
+    /// Posts message buffer `index` (receive buffers live by index: always posted or holding
+    /// received messages, never in the pool's free list).
+    fn post_data_recv(&mut self, index: u32) -> Result<()> {
+        let pool = self.recv_pool.as_ref().ok_or_else(|| VerbsError::Protocol("no message buffers".into()))?;
+        let sge = pool.sge_full_of(index)?;
+        self.qp.post_recv(&[RecvWr::new(wr_id(TAG_DATA_RECV, index as u64), &[sge])])
     }
 
     /// The strategy.
@@ -771,8 +774,7 @@ impl MsgPipe {
             }
             TAG_DATA_RECV if wc.opcode == WcOpcode::RecvRdmaWithImm => {
                 // A bulk chunk's notification consumed a message buffer without filling it.
-                let b = self.recv_pool.as_ref().expect("message buffers").reclaim(low as u32)?;
-                self.post_data_recv(b)?;
+                self.post_data_recv(low as u32)?;
                 self.on_bulk_chunk(wc.imm.ok_or_else(|| VerbsError::Protocol("chunk without immediate".into()))?)?;
             }
             TAG_DATA_RECV => self.on_data_recv(low as u32, wc.byte_len as usize)?,
@@ -879,45 +881,51 @@ impl MsgPipe {
 
     fn on_data_recv(&mut self, index: u32, len: usize) -> Result<()> {
         let pool = self.recv_pool.as_ref().ok_or_else(|| VerbsError::Protocol("data receive on a ring pipe".into()))?;
-        let (b, buf_size) = (pool.reclaim(index)?, pool.buf_size());
+        let (base, buf_size) = (pool.sge_full_of(index)?.addr as *const u8, pool.buf_size());
         if len > buf_size {
             return Err(VerbsError::Protocol(format!("{len}-byte receive in a {buf_size}-byte buffer")));
         }
         // SAFETY: the receive completed, so the buffer is ours (no transfer targets it until it
         // is reposted) and `len` bytes of it lie inside it (checked above). Parsing keeps only
         // validated ranges, never re-reading a header.
-        let bytes = unsafe { std::slice::from_raw_parts(b.as_mut_ptr() as *const u8, len) };
-        let recs = fc::parse_chunk(bytes).map_err(fc_err)?;
-        if let FlowStrategy::Credit { .. } = self.strategy {
-            // One message per buffer, each paid for with one credit.
-            let [(rec, _)] = recs.as_slice() else {
-                return Err(fc_err(FcError::BadRecord("a credit-based buffer holds exactly one record")));
-            };
-            self.credits.on_receive(rec.credits).map_err(fc_err)?;
-        }
+        let bytes = unsafe { std::slice::from_raw_parts(base, len) };
+        let credit = matches!(self.strategy, FlowStrategy::Credit { .. });
         let mut msgs = smallvec::SmallVec::new();
-        for (rec, range) in recs {
+        let mut grant = None;
+        for r in fc::records(bytes) {
+            let (rec, range) = r.map_err(fc_err)?;
+            if credit {
+                // One message per buffer, each paid for with one credit.
+                if grant.replace(rec.credits).is_some() {
+                    return Err(fc_err(FcError::BadRecord("a credit-based buffer holds exactly one record")));
+                }
+            }
             match rec.kind {
                 RecordKind::Data => msgs.push((range.start, range.len())),
                 RecordKind::Credit => {}
                 RecordKind::Setup => return Err(VerbsError::Protocol("setup record after setup".into())),
             }
         }
+        if credit {
+            let grant =
+                grant.ok_or_else(|| fc_err(FcError::BadRecord("a credit-based buffer holds exactly one record")))?;
+            self.credits.on_receive(grant).map_err(fc_err)?;
+        }
         self.stats.buffer_bytes += buf_size as u64;
         if msgs.is_empty() {
             // A credit message: its buffer is free at once.
-            self.repost(b)?;
+            self.repost(index)?;
         } else {
-            self.inbox.push_back(Chunk { store: ChunkStore::Buf(b), msgs, next: 0 });
+            self.inbox.push_back(Chunk { store: ChunkStore::Buf { index, base }, msgs, next: 0 });
         }
         Ok(())
     }
 
-    fn repost(&mut self, b: PoolBuf) -> Result<()> {
+    fn repost(&mut self, index: u32) -> Result<()> {
         if let FlowStrategy::Credit { .. } = self.strategy {
             self.credits.on_buffer_freed();
         }
-        self.post_data_recv(b)
+        self.post_data_recv(index)
     }
 
     fn on_ring_chunk(&mut self, imm: u32) -> Result<()> {
@@ -936,9 +944,9 @@ impl MsgPipe {
         // space the sender may not reuse until we acknowledge it. Parsing keeps only validated
         // ranges, never re-reading a header.
         let bytes = unsafe { std::slice::from_raw_parts(ring.as_ptr().add(off as usize) as *const u8, len as usize) };
-        let recs = fc::parse_chunk(bytes).map_err(fc_err)?;
         let mut msgs = smallvec::SmallVec::new();
-        for (rec, range) in recs {
+        for r in fc::records(bytes) {
+            let (rec, range) = r.map_err(fc_err)?;
             if rec.kind != RecordKind::Data {
                 return Err(VerbsError::Protocol("non-data record in a ring chunk".into()));
             }
@@ -969,7 +977,7 @@ impl MsgPipe {
     /// which lane.
     pub fn peek_lane(&self) -> Option<Lane> {
         self.inbox.front().map(|c| match c.store {
-            ChunkStore::Buf(_) => Lane::Message,
+            ChunkStore::Buf { .. } => Lane::Message,
             ChunkStore::Ring { lane, .. } => lane,
         })
     }
@@ -1001,7 +1009,7 @@ impl MsgPipe {
         };
         let (off, len) = chunk.msgs[chunk.next];
         let (base, lane) = match &chunk.store {
-            ChunkStore::Buf(b) => (b.as_mut_ptr() as *const u8, Lane::Message),
+            ChunkStore::Buf { base, .. } => (*base, Lane::Message),
             ChunkStore::Ring { base, lane, .. } => (*base, *lane),
         };
         // SAFETY: the bytes lie in a receive buffer we own until it is reposted, or in ring
@@ -1022,9 +1030,9 @@ impl MsgPipe {
         if chunk.next == chunk.msgs.len() {
             let chunk = self.inbox.pop_front().expect("front exists");
             match chunk.store {
-                ChunkStore::Buf(b) => {
+                ChunkStore::Buf { index, .. } => {
                     if self.failed.is_none() {
-                        self.repost(b).map_err(|e| self.fail(e))?;
+                        self.repost(index).map_err(|e| self.fail(e))?;
                     }
                 }
                 ChunkStore::Ring { end_pos, lane: Lane::Message, .. } => self.ring_rx.consume_to(end_pos),
