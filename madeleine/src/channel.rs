@@ -74,6 +74,30 @@ struct ConnIo {
 }
 
 impl ConnIo {
+    /// If the next record is the message's `End` and already here (queued, or next in the
+    /// pipe message being read), takes it and returns its pack count. Never waits or polls.
+    fn end_follows(&mut self) -> std::result::Result<Option<u32>, Broken> {
+        if let Some(Incoming::Rec(Record::End { packs }, _)) = self.incoming.front() {
+            let packs = *packs;
+            self.incoming.pop_front();
+            return Ok(Some(packs));
+        }
+        if !self.incoming.is_empty() || self.front_at == 0 {
+            return Ok(None);
+        }
+        // Mid-message, so the pipe's front is that message (no progress is driven).
+        let Ok(Some((Lane::Message, m))) = self.pipe.front() else { return Ok(None) };
+        let (rec, _, next) = wire::decode_one(m, self.front_at).map_err(|e| Broken::Protocol(e.to_string()))?;
+        let Record::End { packs } = rec else { return Ok(None) };
+        if next == m.len() {
+            self.front_at = 0;
+            self.pipe.pop_front().map_err(|e| Broken::Lost(e.to_string()))?;
+        } else {
+            self.front_at = next;
+        }
+        Ok(Some(packs))
+    }
+
     /// Takes the next record out of the pipe in place and hands it to `f` (`Err(f)` back if
     /// nothing is there now, or with `Pump::StopAtBulk` if bulk-lane data comes next). `Fin`
     /// records are noted, not handed over.
@@ -462,7 +486,9 @@ impl Channel {
             for k in 0..n {
                 let Some(conn) = self.conns[(start + k) % n].as_deref() else { continue };
                 let Some(seq) = conn.recv_seq.try_claim() else { continue };
-                if let Some(u) = self.try_begin(conn, seq).map_err(|e| conn.poison(e))? {
+                // Not holding the claim between rounds: a thread waiting for this source only
+                // may take it.
+                if let Ok(u) = self.try_begin(conn, seq).map_err(|e| conn.poison(e))? {
                     return Ok(u);
                 }
             }
@@ -474,35 +500,41 @@ impl Channel {
     pub fn begin_unpacking_from(&self, source: usize) -> Result<Unpacker<'_>> {
         let conn = self.conn(source)?;
         let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
+        // Claimed once for the whole wait: whoever else wants this source's next message
+        // would wait behind us anyway.
+        let mut seq = conn.recv_seq.claim(self.session.cfg.timeout)?;
         loop {
-            let seq = conn.recv_seq.claim(self.session.cfg.timeout)?;
-            if let Some(u) = self.try_begin(conn, seq).map_err(|e| conn.poison(e))? {
-                return Ok(u);
+            match self.try_begin(conn, seq).map_err(|e| conn.poison(e))? {
+                Ok(u) => return Ok(u),
+                Err(back) => seq = back,
             }
             w.pause_on(&[&conn.cq])?;
         }
     }
 
-    fn try_begin<'u>(&'u self, conn: &'u Conn, seq: Claim<'u>) -> Result<Option<Unpacker<'u>>> {
+    /// Starts unpacking if the connection's next message has begun arriving; gives the claim
+    /// back if nothing is there yet.
+    fn try_begin<'u>(&'u self, conn: &'u Conn, seq: Claim<'u>) -> Result<Result<Unpacker<'u>, Claim<'u>>> {
         let got = conn.next_with(&mut conn.io(), Pump::StopAtBulk, |n| match n {
             Next::Rec(Record::Begin { seq }, _) => Some(seq),
             _ => None,
         })?;
         match got {
-            Ok(Some(s)) if s == seq.seq() => Ok(Some(Unpacker {
+            Ok(Some(s)) if s == seq.seq() => Ok(Ok(Unpacker {
                 ch: self,
                 conn,
                 seq,
                 unpacks: 0,
                 pending: Vec::new(),
                 fins: Vec::new(),
+                end: None,
                 finished: false,
             })),
             Ok(Some(s)) => {
                 Err(MadError::Protocol { rank: conn.peer, why: format!("message {s} where {} was due", seq.seq()) })
             }
             Ok(None) => Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() }),
-            Err(_) => Ok(None),
+            Err(_) => Ok(Err(seq)),
         }
     }
 }
@@ -797,6 +829,8 @@ pub struct Unpacker<'u> {
     unpacks: u32,
     pending: Vec<PendingRead<'u>>,
     fins: Vec<u32>,
+    /// The message's `End` (its pack count), once taken.
+    end: Option<u32>,
     finished: bool,
 }
 
@@ -826,26 +860,50 @@ impl<'u> Unpacker<'u> {
     }
 
     /// Takes the next pack's record, checking it against the unpack's modes and length; an
-    /// inline pack's first fragment is copied into `buf` straight from the pipe.
-    fn take_pack(&self, buf: &mut [u8], asked: Modes) -> Result<Got> {
-        self.next_record_with(Pump::StopAtBulk, |n| match n {
+    /// inline pack's first fragment is copied into `buf` straight from the pipe. If the
+    /// message's `End` is next and already here, takes it too (one trip to the connection
+    /// fewer for `end_unpacking`).
+    fn take_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<Got> {
+        if let Some(packs) = self.end {
+            return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
+        }
+        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for message data");
+        let this = &*self;
+        let mut f = |n: Next<'_>| match n {
             Next::Rec(Record::Inline { modes, total, last, .. }, data) => {
-                self.check(modes, total, asked, buf.len())?;
+                this.check(modes, total, asked, buf.len())?;
                 // The decoder checked that a fragment is no longer than its pack.
                 buf[..data.len()].copy_from_slice(data);
                 Ok(Got::Inline { copied: data.len(), last })
             }
             Next::Rec(r @ Record::Rdv { modes, len, .. }, _) => {
-                self.check(modes, len, asked, buf.len())?;
+                this.check(modes, len, asked, buf.len())?;
                 Ok(Got::Other(r))
             }
             Next::Rec(r @ Record::Bulk { modes, total }, _) => {
-                self.check(modes, total, asked, buf.len())?;
+                this.check(modes, total, asked, buf.len())?;
                 Ok(Got::Other(r))
             }
-            Next::Rec(r, _) => Err(self.unexpected(r)),
-            Next::BulkData(_) => Err(self.bad("bulk data out of place")),
-        })?
+            Next::Rec(r, _) => Err(this.unexpected(r)),
+            Next::BulkData(_) => Err(this.bad("bulk data out of place")),
+        };
+        let conn = self.conn;
+        loop {
+            {
+                let mut io = conn.io();
+                match conn.next_with(&mut io, Pump::StopAtBulk, f)? {
+                    Ok(got) => {
+                        let got = got?;
+                        if matches!(got, Got::Inline { last: true, .. } | Got::Other(Record::Rdv { .. })) {
+                            self.end = io.end_follows().map_err(|b| conn.fail(&mut io, b))?;
+                        }
+                        return Ok(got);
+                    }
+                    Err(back) => f = back,
+                }
+            }
+            w.pause_on(&[&conn.cq])?;
+        }
     }
 
     /// Copies a bulk pack's bytes into `buf`: straight from the pipe's bulk lane, or from what
@@ -1063,31 +1121,7 @@ impl<'u> Unpacker<'u> {
         // The End record, or what the sender packed beyond our unpacks.
         let mut extra = 0u32;
         let mut unread = Vec::new();
-        let packs = loop {
-            let step = self.next_record_with(Pump::Drain, |n| match n {
-                Next::Rec(Record::End { packs }, _) => Ok(Some(packs)),
-                Next::Rec(Record::Bulk { .. }, _) => {
-                    extra += 1;
-                    Ok(None)
-                }
-                Next::BulkData(_) => Ok(None),
-                Next::Rec(Record::Rdv { id, .. }, _) => {
-                    extra += 1;
-                    unread.push(id); // release the sender even though nobody reads it
-                    Ok(None)
-                }
-                Next::Rec(Record::Inline { last, .. }, _) => {
-                    extra += last as u32;
-                    Ok(None)
-                }
-                Next::Rec(Record::Begin { .. } | Record::Fin { .. }, _) => Err(()),
-            })?;
-            match step {
-                Ok(Some(n)) => break n,
-                Ok(None) => {}
-                Err(()) => return Err(MadError::Protocol { rank: self.conn.peer, why: "message without end".into() }),
-            }
-        };
+        let packs = if let Some(packs) = self.end { packs } else { self.find_end(&mut extra, &mut unread)? };
         self.fins.append(&mut unread);
         self.send_fins()?;
         self.seq.advance();
@@ -1097,6 +1131,36 @@ impl<'u> Unpacker<'u> {
             );
         }
         Ok(())
+    }
+
+    /// Reads up to the message's `End`, counting the packs nobody unpacked (`extra`) and the
+    /// rendezvous among them (`unread`, whose senders must be released all the same).
+    fn find_end(&self, extra: &mut u32, unread: &mut Vec<u32>) -> Result<u32> {
+        loop {
+            let step = self.next_record_with(Pump::Drain, |n| match n {
+                Next::Rec(Record::End { packs }, _) => Ok(Some(packs)),
+                Next::Rec(Record::Bulk { .. }, _) => {
+                    *extra += 1;
+                    Ok(None)
+                }
+                Next::BulkData(_) => Ok(None),
+                Next::Rec(Record::Rdv { id, .. }, _) => {
+                    *extra += 1;
+                    unread.push(id); // release the sender even though nobody reads it
+                    Ok(None)
+                }
+                Next::Rec(Record::Inline { last, .. }, _) => {
+                    *extra += last as u32;
+                    Ok(None)
+                }
+                Next::Rec(Record::Begin { .. } | Record::Fin { .. }, _) => Err(()),
+            })?;
+            match step {
+                Ok(Some(n)) => return Ok(n),
+                Ok(None) => {}
+                Err(()) => return Err(MadError::Protocol { rank: self.conn.peer, why: "message without end".into() }),
+            }
+        }
     }
 
     fn send_fins(&mut self) -> Result<()> {
