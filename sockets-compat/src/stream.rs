@@ -1047,19 +1047,34 @@ impl Conn {
         if self.read_shut {
             return Ok(ReadStep::Got(0));
         }
+        let direct = self.read_in_place(buf)?;
+        if direct > 0 {
+            return Ok(ReadStep::Got(direct));
+        }
         let pumped = self.pump();
         // Bytes that arrived before a failure are still delivered, then the error.
         match self.rx.front_mut() {
-            Some(RxItem::Bytes(v, off)) => {
-                let n = buf.len().min(v.len() - *off);
-                if protect::overlaps(buf.as_ptr() as usize, n) {
-                    // A plain copy would fault here, with our lock held.
-                    return Ok(ReadStep::BufferHeld);
-                }
-                buf[..n].copy_from_slice(&v[*off..*off + n]);
-                *off += n;
-                if *off == v.len() {
-                    self.rx.pop_front();
+            Some(RxItem::Bytes(..)) => {
+                // As much as is queued, across messages, as a TCP read returns.
+                let mut n = 0;
+                while let Some(RxItem::Bytes(v, off)) = self.rx.front_mut() {
+                    let k = (buf.len() - n).min(v.len() - *off);
+                    if k == 0 {
+                        break;
+                    }
+                    if protect::overlaps(buf[n..].as_ptr() as usize, k) {
+                        // A plain copy would fault here, with our lock held.
+                        if n > 0 {
+                            break;
+                        }
+                        return Ok(ReadStep::BufferHeld);
+                    }
+                    buf[n..n + k].copy_from_slice(&v[*off..*off + k]);
+                    *off += k;
+                    n += k;
+                    if *off == v.len() {
+                        self.rx.pop_front();
+                    }
                 }
                 Ok(ReadStep::Got(n))
             }
@@ -1098,6 +1113,28 @@ impl Conn {
                 Ok(if self.eof { ReadStep::Got(0) } else { ReadStep::Nothing })
             }
         }
+    }
+
+    /// The buffer-copy fast path: while nothing is queued, copies whole Data messages straight
+    /// from the pipe's receive buffers into `buf` (one copy, no queue, no allocation), as many
+    /// as fit. Anything else (control, a SrcAvail, a message larger than what is left of
+    /// `buf`, a malformed one) is left to `pump`. Returns the bytes copied.
+    fn read_in_place(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut n = 0;
+        while self.rx.is_empty() && !self.eof && self.failed.is_none() {
+            let Ok(Some((_, bytes))) = self.pipe.front() else { break };
+            let Ok((h, Message::Data(d))) = Message::decode(bytes) else { break };
+            if d.len() > buf.len() - n || protect::overlaps(buf[n..].as_ptr() as usize, d.len()) {
+                break;
+            }
+            if self.seq.accept(&h).is_err() {
+                break; // `pump` takes it again and fails the socket
+            }
+            buf[n..n + d.len()].copy_from_slice(d);
+            n += d.len();
+            self.pipe.pop_front().map_err(|e| self.fail_verbs(e))?;
+        }
+        Ok(n)
     }
 
     /// Starts an RDMA read of peer memory into `dst`; with `hold`, `dst` (whole pages) stays

@@ -123,6 +123,26 @@ fn partial_reads_leave_the_rest_for_the_next_read() {
 }
 
 #[test]
+fn a_read_takes_every_arrived_message_that_fits_as_tcp_does() {
+    // Four 8 KiB Data messages, all in the receiver's buffers before it reads (the writer's
+    // credits cover them): one large read gets all of them, in order, whichever way they are
+    // taken (straight from the receive buffers, or queued behind a partial read).
+    for first in [0usize, 100] {
+        let cfg = SdpConfig::default();
+        let (mut c, mut s) = pair(cfg, cfg);
+        let body: Vec<u8> = (0..4 * 8192u32).map(|i| (i * 7 + i / 8192) as u8).collect();
+        c.write_all(&body).unwrap();
+        let mut got = vec![0u8; first];
+        s.read_exact(&mut got).unwrap();
+        let mut rest = vec![0u8; body.len()];
+        let n = s.read(&mut rest).unwrap();
+        assert_eq!(n, body.len() - first, "one read after a first read of {first} bytes");
+        got.extend_from_slice(&rest[..n]);
+        assert_eq!(got, body);
+    }
+}
+
+#[test]
 fn shutdown_gives_eof_after_the_data_and_forbids_writing() {
     let (mut c, mut s) = pair(SdpConfig::default(), SdpConfig::default());
     c.write_all(b"last words").unwrap();
