@@ -60,6 +60,22 @@ enum Broken {
     Lost(String),
 }
 
+fn lost(e: portability_verbs::VerbsError) -> Broken {
+    Broken::Lost(e.to_string())
+}
+
+/// Moves the read position of the pipe's front message to `next` (of `len` bytes), releasing
+/// the message once every record of it was read.
+fn step_past(pipe: &mut MsgPipe, front_at: &mut usize, next: usize, len: usize) -> std::result::Result<(), Broken> {
+    if next >= len {
+        *front_at = 0;
+        pipe.pop_front().map_err(lost)
+    } else {
+        *front_at = next;
+        Ok(())
+    }
+}
+
 struct ConnIo {
     pipe: MsgPipe,
     /// Records taken out of the pipe before their reader came; they come before the pipe's.
@@ -85,16 +101,13 @@ impl ConnIo {
         if !self.incoming.is_empty() || self.front_at == 0 {
             return Ok(None);
         }
-        // Mid-message, so the pipe's front is that message (no progress is driven).
+        // Mid-message, so the pipe's front is that message (no progress is driven); a broken
+        // pipe is left for the next read to report.
         let Ok(Some((Lane::Message, m))) = self.pipe.front() else { return Ok(None) };
         let (rec, _, next) = wire::decode_one(m, self.front_at).map_err(|e| Broken::Protocol(e.to_string()))?;
         let Record::End { packs } = rec else { return Ok(None) };
-        if next == m.len() {
-            self.front_at = 0;
-            self.pipe.pop_front().map_err(|e| Broken::Lost(e.to_string()))?;
-        } else {
-            self.front_at = next;
-        }
+        let len = m.len();
+        step_past(&mut self.pipe, &mut self.front_at, next, len)?;
         Ok(Some(packs))
     }
 
@@ -111,7 +124,7 @@ impl ConnIo {
             let (lane, m) = match pipe.front() {
                 Ok(Some(x)) => x,
                 Ok(None) => return Ok(Err(f)),
-                Err(e) => return Err(Broken::Lost(e.to_string())),
+                Err(e) => return Err(lost(e)),
             };
             if *bulk_left > 0 {
                 if lane != Lane::Bulk || m.len() as u64 > *bulk_left {
@@ -122,43 +135,31 @@ impl ConnIo {
                 }
                 *bulk_left -= m.len() as u64;
                 let r = f(Next::BulkData(m));
-                pipe.pop_front().map_err(|e| Broken::Lost(e.to_string()))?;
+                pipe.pop_front().map_err(lost)?;
                 return Ok(Ok(r));
             }
             if lane == Lane::Bulk {
                 return Err(Broken::Protocol("bulk data nobody announced".into()));
             }
-            if *front_at >= m.len() {
+            let len = m.len();
+            if *front_at >= len {
                 // An empty message.
-                *front_at = 0;
-                pipe.pop_front().map_err(|e| Broken::Lost(e.to_string()))?;
+                step_past(pipe, front_at, len, len)?;
                 continue;
             }
             let (rec, data, next) = wire::decode_one(m, *front_at).map_err(|e| Broken::Protocol(e.to_string()))?;
-            let done = next == m.len();
-            *front_at = if done { 0 } else { next };
-            let r = match rec {
+            match rec {
                 Record::Fin { id } => {
                     fins.insert(id);
-                    None
+                    step_past(pipe, front_at, next, len)?;
+                    continue;
                 }
                 Record::Bulk { total: 0, .. } => return Err(Broken::Protocol("empty bulk pack".into())),
-                Record::Bulk { total, .. } => {
-                    *bulk_left = total;
-                    Some(rec)
-                }
-                _ => Some(rec),
-            };
-            let Some(rec) = r else {
-                if done {
-                    pipe.pop_front().map_err(|e| Broken::Lost(e.to_string()))?;
-                }
-                continue;
-            };
-            let r = f(Next::Rec(rec, &m[data]));
-            if done {
-                pipe.pop_front().map_err(|e| Broken::Lost(e.to_string()))?;
+                Record::Bulk { total, .. } => *bulk_left = total,
+                _ => {}
             }
+            let r = f(Next::Rec(rec, &m[data]));
+            step_past(pipe, front_at, next, len)?;
             return Ok(Ok(r));
         }
     }
