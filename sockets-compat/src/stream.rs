@@ -86,7 +86,7 @@ impl SdpConfig {
     pub fn from_env() -> io::Result<SdpConfig> {
         let mut c = SdpConfig::default();
         if let Ok(v) = std::env::var("SDP_DESIGN") {
-            c.design = Design::by_name(&v).ok_or_else(|| invalid(format!("SDP_DESIGN={v:?}: bsdp or zsdp")))?;
+            c.design = Design::by_name(&v).ok_or_else(|| invalid(format!("SDP_DESIGN={v:?}: bsdp, zsdp or azsdp")))?;
         }
         if let Ok(v) = std::env::var("SDP_FLOW") {
             c.flow = match v.as_str() {
@@ -1082,6 +1082,12 @@ impl Conn {
                 pumped?;
                 let (a, done) = (*a, *done);
                 let n = (buf.len() as u64).min((a.len - done) as u64) as usize;
+                // Receiving writes the buffer: a send still reading it (AZ-SDP returned before
+                // the peer took it) or a receive still landing in it must finish first, as a
+                // store of the application's would wait in the fault handler.
+                if protect::overlaps(buf.as_ptr() as usize, n) {
+                    return Ok(ReadStep::BufferHeld);
+                }
                 // An AZ-SDP receiver holds the whole pages and lets their read land later;
                 // the unaligned head is read at once.
                 let (head, middle) = if self.effective_design() == Design::AzSdp {

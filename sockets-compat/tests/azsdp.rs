@@ -233,6 +233,43 @@ fn an_echo_server_sends_back_the_buffer_it_just_received() {
 }
 
 #[test]
+fn a_receive_into_a_buffer_still_being_sent_waits_for_the_send() {
+    // The echo reads into the buffer it has just written: with AZ-SDP the peer may not have
+    // read that write yet, and the receive must not land over it.
+    let (mut c, mut s) = pair(az(), az());
+    let server = thread::spawn(move || {
+        let mut mem = Pages::new(16 * PAGE);
+        let buf = mem.bytes();
+        loop {
+            let n = s.read(buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            s.write_all(&buf[..n]).unwrap();
+        }
+        s.flush().unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        s
+    });
+    let data = Rng(77).bytes(256 * PAGE);
+    let mut mem = Pages::new(256 * PAGE);
+    mem.bytes().copy_from_slice(&data);
+    let mut r = c.try_clone().unwrap();
+    let reader = thread::spawn(move || {
+        let mut got = Vec::new();
+        r.read_to_end(&mut got).unwrap();
+        got
+    });
+    c.write_all(mem.bytes()).unwrap();
+    c.shutdown(std::net::Shutdown::Write).unwrap();
+    let got = reader.join().unwrap();
+    let first_bad = got.iter().zip(&data).position(|(a, b)| a != b);
+    assert!(got == data, "echo differs ({} bytes back, first difference at {first_bad:?})", got.len());
+    c.flush().unwrap();
+    drop(server.join().unwrap());
+}
+
+#[test]
 fn a_buffer_unmapped_under_the_transport_fails_the_socket_cleanly() {
     let (mut c, s) = pair(az(), az());
     let mut mem = Pages::new(16 * PAGE);
