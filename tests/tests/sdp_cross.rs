@@ -5,7 +5,7 @@ use std::net::Shutdown;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use sockets_compat::{SdpConfig, SdpListener};
+use sockets_compat::{Design, SdpConfig, SdpListener};
 
 fn spawn(addr: std::net::SocketAddr, args: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_sdp_peer")).arg(addr.to_string()).args(args).spawn().unwrap()
@@ -25,10 +25,19 @@ fn reap(mut c: Child) -> std::process::ExitStatus {
     }
 }
 
-#[test]
-fn echo_across_processes_is_byte_exact() {
-    let l = SdpListener::bind_with("127.0.0.1:0", SdpConfig::default()).unwrap();
-    let child = spawn(l.local_addr().unwrap(), &["echo"]);
+/// The peer echoes a 1 MB stream written in one call; both ends use `design` with a 16 KiB
+/// zero-copy threshold, so the zero-copy designs move most of it by RDMA read across the two
+/// address spaces (AZ-SDP into and out of buffers protected against their own process).
+fn echo_across_processes(design: Design) {
+    let cfg = SdpConfig { design, zcopy_threshold: 16 * 1024, ..SdpConfig::default() };
+    let l = SdpListener::bind_with("127.0.0.1:0", cfg).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_sdp_peer"))
+        .arg(l.local_addr().unwrap().to_string())
+        .arg("echo")
+        .env("SDP_DESIGN", design.name())
+        .env("SDP_ZCOPY_THRESHOLD", "16384")
+        .spawn()
+        .unwrap();
     let (mut s, _) = l.accept_timeout(Duration::from_secs(20)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let data: Vec<u8> = (0..1_000_000u32).map(|i| (i * 7 % 253) as u8).collect();
@@ -41,8 +50,24 @@ fn echo_across_processes_is_byte_exact() {
     s.write_all(&data).unwrap();
     s.shutdown(Shutdown::Write).unwrap();
     let got = reader.join().unwrap();
-    assert!(got == data, "echo differs ({} bytes back)", got.len());
-    assert!(reap(child).success());
+    let first_bad = got.iter().zip(&data).position(|(a, b)| a != b);
+    assert!(got == data, "{design:?}: echo differs ({} bytes back, first difference at {first_bad:?})", got.len());
+    assert!(reap(child).success(), "{design:?}: the peer failed");
+}
+
+#[test]
+fn echo_across_processes_is_byte_exact_buffer_copy() {
+    echo_across_processes(Design::Bsdp);
+}
+
+#[test]
+fn echo_across_processes_is_byte_exact_zero_copy() {
+    echo_across_processes(Design::Zsdp);
+}
+
+#[test]
+fn echo_across_processes_is_byte_exact_asynchronous_zero_copy() {
+    echo_across_processes(Design::AzSdp);
 }
 
 #[test]

@@ -223,6 +223,20 @@ impl PeerCtx {
     }
 }
 
+/// Runs `step(offset, chunk)` over `len` bytes in chunks of a per-thread bounce buffer; false
+/// at the first failing chunk. For copies the kernel makes only through an intermediate buffer.
+fn bounce(len: usize, mut step: impl FnMut(u64, &mut [u8]) -> std::io::Result<()>) -> bool {
+    const CHUNK: usize = 256 << 10;
+    thread_local! {
+        static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    BOUNCE.with(|b| {
+        let mut b = b.borrow_mut();
+        b.resize(len.min(CHUNK), 0);
+        (0..len).step_by(CHUNK).all(|at| step(at as u64, &mut b[..CHUNK.min(len - at)]).is_ok())
+    })
+}
+
 impl RemoteAccess<'_> {
     /// Copies `len` local bytes at `src` into the remote range at byte offset `off`.
     ///
@@ -241,10 +255,21 @@ impl RemoteAccess<'_> {
                 }
             }
             Reach::Remote(addr) => {
-                // SAFETY: the caller vouches that `src` is valid for `len` bytes.
-                let bytes = unsafe { std::slice::from_raw_parts(src, len) };
                 let mem = self.peer.mem.as_ref().ok_or(WcStatus::GeneralErr)?;
-                mem.write(addr + off as u64, bytes).map_err(|_| WcStatus::RemAccessErr)?;
+                let to = addr + off as u64;
+                let direct = !crate::protect::read_blocked(src as usize, len) && {
+                    // SAFETY: the caller vouches that `src` is valid for `len` bytes; only the
+                    // kernel reads it (EFAULT, not a fault, if it is not readable).
+                    let bytes = unsafe { std::slice::from_raw_parts(src, len) };
+                    mem.write(to, bytes).is_ok()
+                };
+                // A source this process may not read (under a receive hold): through
+                // /proc/self/mem, which ignores protection as DMA does.
+                if !direct
+                    && !bounce(len, |at, tmp| sys::read_self_mem(src as u64 + at, tmp).and(mem.write(to + at, tmp)))
+                {
+                    return Err(WcStatus::RemAccessErr);
+                }
             }
         }
         Ok(())
@@ -266,10 +291,22 @@ impl RemoteAccess<'_> {
                 }
             }
             Reach::Remote(addr) => {
-                // SAFETY: the caller vouches that `dst` is valid for `len` bytes.
-                let bytes = unsafe { std::slice::from_raw_parts_mut(dst, len) };
                 let mem = self.peer.mem.as_ref().ok_or(WcStatus::GeneralErr)?;
-                mem.read(addr + off as u64, bytes).map_err(|_| WcStatus::RemAccessErr)?;
+                let from = addr + off as u64;
+                let direct = !crate::protect::overlaps(dst as usize, len) && {
+                    // SAFETY: the caller vouches that `dst` is valid for writes of `len` bytes;
+                    // only the kernel writes it (EFAULT, not a fault, if it is not writable).
+                    let bytes = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+                    mem.read(from, bytes).is_ok()
+                };
+                // A destination protected against this process (an asynchronous receive, or a
+                // page a send keeps read-only): the kernel will not copy into it, so bounce
+                // through /proc/self/mem, which reaches it as a NIC's DMA would.
+                if !direct
+                    && !bounce(len, |at, tmp| mem.read(from + at, tmp).and(sys::write_self_mem(dst as u64 + at, tmp)))
+                {
+                    return Err(WcStatus::RemAccessErr);
+                }
             }
         }
         Ok(())

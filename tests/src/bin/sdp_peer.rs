@@ -2,6 +2,8 @@
 //!
 //!     sdp_peer <addr> send-then-die <bytes>   connect, write <bytes> bytes, exit without closing
 //!     sdp_peer <addr> echo                    connect, echo everything until EOF, then close
+//!
+//! The socket's settings come from the environment (`SDP_DESIGN`, `SDP_ZCOPY_THRESHOLD`, ...).
 
 use std::io::{Read, Write};
 
@@ -11,7 +13,8 @@ fn main() {
     env_logger::init();
     let args: Vec<String> = std::env::args().collect();
     let (addr, mode) = (&args[1], args[2].as_str());
-    let mut s = SdpStream::connect_with(addr.as_str(), SdpConfig::default()).expect("connect");
+    let mut s =
+        SdpStream::connect_with(addr.as_str(), SdpConfig::from_env().expect("SDP_* settings")).expect("connect");
     s.set_read_timeout(Some(std::time::Duration::from_secs(20))).expect("timeout");
     match mode {
         "send-then-die" => {
