@@ -5,15 +5,20 @@
 //! hot-spot latency (one server, several clients), multi-stream throughput (a thread pair per
 //! connection) and multi-client throughput (one server thread reading every client).
 //!
-//! Both ends are threads of this process; single-connection tests pin them to CPUs 0 and 1.
-//! TCP busy-polls nonblocking sockets, as SDP's receive path does. Buffers are page-aligned.
+//! By default both ends are threads of this process; `--peer process` runs the far end of the
+//! single-connection tests (latency, throughput, overlap, fault window) in a child process, as
+//! two applications would (a second address space: the software provider moves data by
+//! cross-memory attach, and `mprotect` in a single-threaded process needs no TLB shootdown).
+//! Single-connection tests pin the two ends to CPUs 0 and 1. Multi-connection tests always
+//! run threads of this process. TCP busy-polls nonblocking sockets, as SDP's receive path does. Buffers are page-aligned.
 //! Tables go to stdout; JSON and SVG charts to `--out` (default `results/sdp-<time>`).
 //!
 //!     cargo run --release -p benches --bin sdp_bench
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
+use std::process::{Child, Command};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -26,6 +31,12 @@ use sockets_compat::{Design, SdpConfig, SdpListener, SdpStream};
 #[derive(Parser)]
 #[command(about = "SDP designs against TCP loopback: the AZ-SDP paper's benchmark suite")]
 struct Args {
+    /// Which tests to run (latency, throughput, overlap, window, hotspot, multi).
+    #[arg(long, default_value = "latency,throughput,overlap,window,hotspot,multi", value_delimiter = ',')]
+    tests: Vec<String>,
+    /// Smallest message of the latency and throughput sweeps.
+    #[arg(long, default_value_t = 8)]
+    min: usize,
     /// Largest message of the latency and throughput sweeps.
     #[arg(long, default_value_t = 1 << 20)]
     max: usize,
@@ -50,9 +61,21 @@ struct Args {
     /// The zero-copy threshold of ZSDP and AZ-SDP.
     #[arg(long, default_value_t = 16 * 1024)]
     zcopy_threshold: usize,
+    /// Where the far end of single-connection tests runs: `thread` or `process`.
+    #[arg(long, value_enum, default_value_t = PeerKind::Thread)]
+    peer: PeerKind,
     /// Where to write results.json and the charts.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Internal: serve the tests of the parent whose control socket listens at this address.
+    #[arg(long, hide = true)]
+    serve: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum PeerKind {
+    Thread,
+    Process,
 }
 
 /// A connected byte stream of any layer.
@@ -83,9 +106,16 @@ fn write_full(s: &mut dyn Stream, buf: &[u8]) -> std::io::Result<()> {
 }
 
 /// Reads one byte per page: what an application looking at its data does (for AZ-SDP it
-/// waits until receives into `buf` have landed).
+/// waits until receives into `buf` have landed, which it must before freeing `buf`). The sum
+/// goes through `black_box` too, or the unused loads would be optimized away.
 fn touch(buf: &[u8]) -> u64 {
-    std::hint::black_box(buf).iter().step_by(4096).map(|&b| b as u64).sum()
+    std::hint::black_box(std::hint::black_box(buf).iter().step_by(4096).map(|&b| b as u64).sum())
+}
+
+/// The socket configuration of an SDP layer.
+fn sdp_config(layer: &str, zcopy_threshold: usize) -> SdpConfig {
+    let design = Design::by_name(layer).unwrap_or_else(|| panic!("unknown layer {layer}"));
+    SdpConfig { design, zcopy_threshold, ..SdpConfig::default() }
 }
 
 /// `n` connected pairs of the named transport on one listener: (client, server) each.
@@ -105,8 +135,7 @@ fn connect_many(layer: &str, zcopy_threshold: usize, n: usize) -> Vec<(Box<dyn S
             })
             .collect();
     }
-    let design = Design::by_name(layer).unwrap_or_else(|| panic!("unknown layer {layer}"));
-    let cfg = SdpConfig { design, zcopy_threshold, ..SdpConfig::default() };
+    let cfg = sdp_config(layer, zcopy_threshold);
     let l = SdpListener::bind_with("127.0.0.1:0", cfg).expect("bind");
     let a = l.local_addr().expect("addr");
     (0..n)
@@ -129,29 +158,30 @@ fn connect(layer: &str, zcopy_threshold: usize) -> (Box<dyn Stream>, Box<dyn Str
 
 /// Round trips of `size` from `c` against an echoing `s` on another thread: the one-way
 /// latencies (half round trips) in nanoseconds.
-fn pingpong_pair(
-    mut c: Box<dyn Stream>,
-    mut s: Box<dyn Stream>,
-    size: usize,
-    iters: usize,
-    pin: bool,
-) -> Histogram<u64> {
-    let warm = iters / 10;
+fn pingpong_pair(c: Box<dyn Stream>, s: Box<dyn Stream>, size: usize, iters: usize, pin: bool) -> Histogram<u64> {
     let server = thread::spawn(move || {
         if pin {
             pin_to_cpu(1);
         }
-        let mut buf = PageBuf::new(size, 0);
-        for _ in 0..iters + warm {
-            read_full(&mut *s, &mut buf).expect("server read");
-            write_full(&mut *s, &buf).expect("server write");
-        }
-        s.flush().expect("server flush");
-        s
+        serve(s, Role::Echo { size, rounds: rounds(iters) })
     });
     if pin {
         pin_to_cpu(0);
     }
+    let h = pingpong_client(c, size, iters);
+    drop(server.join().expect("server"));
+    h
+}
+
+/// Warm-up round trips before `iters` measured ones.
+fn rounds(iters: usize) -> usize {
+    iters + iters / 10
+}
+
+/// The measuring end of a ping-pong: `rounds(iters)` round trips of `size`, the first tenth
+/// unrecorded; one-way latencies (half round trips) in nanoseconds.
+fn pingpong_client(mut c: Box<dyn Stream>, size: usize, iters: usize) -> Histogram<u64> {
+    let warm = rounds(iters) - iters;
     let mut h = Histogram::<u64>::new(3).expect("histogram");
     let mut buf = PageBuf::new(size, 1);
     for i in 0..iters + warm {
@@ -164,14 +194,190 @@ fn pingpong_pair(
         }
     }
     c.flush().expect("client flush");
-    drop(server.join().expect("server"));
     h
 }
 
+/// What the far end of a single-connection test does.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Role {
+    /// Reads `size` and writes it back, `rounds` times.
+    Echo { size: usize, rounds: usize },
+    /// Reads `count` messages of `size`, then writes a one-byte acknowledgement.
+    Sink { size: usize, count: usize },
+}
+
+impl Role {
+    fn line(self) -> String {
+        match self {
+            Role::Echo { size, rounds } => format!("echo {size} {rounds}"),
+            Role::Sink { size, count } => format!("sink {size} {count}"),
+        }
+    }
+
+    fn parse(kind: &str, a: usize, b: usize) -> Option<Role> {
+        match kind {
+            "echo" => Some(Role::Echo { size: a, rounds: b }),
+            "sink" => Some(Role::Sink { size: a, count: b }),
+            _ => None,
+        }
+    }
+}
+
+/// Plays `role` on `s` (in a thread of this process or in the peer process); returns the
+/// stream once the peer has everything (flush), so dropping it loses nothing.
+fn serve(mut s: Box<dyn Stream>, role: Role) -> Box<dyn Stream> {
+    match role {
+        Role::Echo { size, rounds } => {
+            let mut buf = PageBuf::new(size, 0);
+            for _ in 0..rounds {
+                read_full(&mut *s, &mut buf).expect("server read");
+                write_full(&mut *s, &buf).expect("server write");
+            }
+        }
+        Role::Sink { size, count } => {
+            receive_stream(&mut *s, size, count);
+            write_full(&mut *s, &[1]).expect("ack");
+        }
+    }
+    s.flush().expect("server flush");
+    s
+}
+
+/// Where the far end of single-connection tests runs.
+enum Peer {
+    Thread,
+    Process(Remote),
+}
+
+impl Peer {
+    /// A stream to a far end that plays `role` (threads: pinned to CPU 1; this end to CPU 0),
+    /// and what to wait for once this end is done.
+    fn open(&mut self, layer: &str, zt: usize, role: Role) -> (Box<dyn Stream>, Option<thread::JoinHandle<()>>) {
+        pin_to_cpu(0);
+        match self {
+            Peer::Thread => {
+                let (c, s) = connect(layer, zt);
+                let far = thread::spawn(move || {
+                    pin_to_cpu(1);
+                    drop(serve(s, role));
+                });
+                (c, Some(far))
+            }
+            Peer::Process(r) => (r.open(layer, zt, role), None),
+        }
+    }
+
+    /// Waits for the far end of the last `open` to finish.
+    fn finish(&mut self, far: Option<thread::JoinHandle<()>>) {
+        if let Some(t) = far {
+            t.join().expect("far end");
+        }
+        if let Peer::Process(r) = self {
+            r.finish();
+        }
+    }
+}
+
+/// The child process that plays the far end, and the control socket to it: one line per test
+/// (`layer zt role size n` → `port`, then `done` when the role is played).
+struct Remote {
+    child: Child,
+    to: TcpStream,
+    from: BufReader<TcpStream>,
+}
+
+impl Remote {
+    fn start() -> Remote {
+        let l = TcpListener::bind("127.0.0.1:0").expect("control bind");
+        let exe = std::env::current_exe().expect("own executable");
+        let child = Command::new(exe)
+            .args(["--serve", &l.local_addr().expect("addr").to_string()])
+            .spawn()
+            .expect("starting the peer process");
+        let (to, _) = l.accept().expect("the peer process connects");
+        let from = BufReader::new(to.try_clone().expect("clone"));
+        Remote { child, to, from }
+    }
+
+    fn reply(&mut self) -> String {
+        let mut line = String::new();
+        match self.from.read_line(&mut line) {
+            Ok(n) if n > 0 => line.trim().to_string(),
+            r => panic!("the peer process went away ({r:?})"),
+        }
+    }
+
+    fn open(&mut self, layer: &str, zt: usize, role: Role) -> Box<dyn Stream> {
+        writeln!(self.to, "{layer} {zt} {}", role.line()).expect("control write");
+        let port: u16 = self.reply().parse().expect("port from the peer");
+        let a = SocketAddr::from(([127, 0, 0, 1], port));
+        if layer == "tcp" {
+            let c = TcpStream::connect(a).expect("connect");
+            c.set_nodelay(true).expect("nodelay");
+            c.set_nonblocking(true).expect("nonblocking");
+            return Box::new(c);
+        }
+        let c = SdpStream::connect_with(a, sdp_config(layer, zt)).expect("connect");
+        c.set_read_timeout(Some(T)).expect("timeout");
+        c.set_write_timeout(Some(T)).expect("timeout");
+        Box::new(c)
+    }
+
+    fn finish(&mut self) {
+        let r = self.reply();
+        assert_eq!(r, "done", "the peer process");
+    }
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        let _ = writeln!(self.to, "quit");
+        if benches::wait_child(&mut self.child, Duration::from_secs(10)).is_none_or(|st| !st.success()) {
+            eprintln!("sdp_bench: the peer process did not end cleanly");
+        }
+    }
+}
+
+/// The child's side of [`Remote`]: plays one test per control line on CPU 1 until `quit`.
+fn serve_parent(control: &str) {
+    pin_to_cpu(1);
+    let mut to = TcpStream::connect(control).expect("control connect");
+    let from = BufReader::new(to.try_clone().expect("clone"));
+    for line in from.lines() {
+        let line = line.expect("control read");
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if w.first() == Some(&"quit") {
+            return;
+        }
+        let [layer, zt, kind, a, b] = w[..] else { panic!("bad control line {line:?}") };
+        let num = |x: &str| x.parse::<usize>().unwrap_or_else(|_| panic!("bad number in {line:?}"));
+        let role = Role::parse(kind, num(a), num(b)).unwrap_or_else(|| panic!("bad role in {line:?}"));
+        let s: Box<dyn Stream> = if layer == "tcp" {
+            let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+            writeln!(to, "{}", l.local_addr().expect("addr").port()).expect("control write");
+            let s = l.accept().expect("accept").0;
+            s.set_nodelay(true).expect("nodelay");
+            s.set_nonblocking(true).expect("nonblocking");
+            Box::new(s)
+        } else {
+            let l = SdpListener::bind_with("127.0.0.1:0", sdp_config(layer, num(zt))).expect("bind");
+            writeln!(to, "{}", l.local_addr().expect("addr").port()).expect("control write");
+            let s = l.accept_timeout(Duration::from_secs(20)).expect("accept").0;
+            s.set_read_timeout(Some(T)).expect("timeout");
+            s.set_write_timeout(Some(T)).expect("timeout");
+            Box::new(s)
+        };
+        drop(serve(s, role));
+        writeln!(to, "done").expect("control write");
+    }
+}
+
 /// Median one-way latency in microseconds.
-fn pingpong(layer: &str, size: usize, iters: usize, zt: usize) -> f64 {
-    let (c, s) = connect(layer, zt);
-    pingpong_pair(c, s, size, iters, true).value_at_quantile(0.5) as f64 / 1000.0
+fn pingpong(peer: &mut Peer, layer: &str, size: usize, iters: usize, zt: usize) -> f64 {
+    let (c, far) = peer.open(layer, zt, Role::Echo { size, rounds: rounds(iters) });
+    let h = pingpong_client(c, size, iters);
+    peer.finish(far);
+    h.value_at_quantile(0.5) as f64 / 1000.0
 }
 
 fn spin_for(d: Duration) {
@@ -218,23 +424,16 @@ fn receive_stream(s: &mut dyn Stream, size: usize, count: usize) {
 
 /// Unidirectional throughput in GB/s of `volume` bytes in writes of `size`; the receiver
 /// reads `size` at a time and acknowledges the end.
-fn throughput(layer: &str, size: usize, volume: usize, load: SenderLoad, zt: usize) -> f64 {
-    let (mut c, mut s) = connect(layer, zt);
+fn throughput(peer: &mut Peer, layer: &str, size: usize, volume: usize, load: SenderLoad, zt: usize) -> f64 {
     let count = (volume / size).max(8);
-    let receiver = thread::spawn(move || {
-        pin_to_cpu(1);
-        receive_stream(&mut *s, size, count);
-        write_full(&mut *s, &[1]).expect("ack");
-        s
-    });
-    pin_to_cpu(0);
+    let (mut c, far) = peer.open(layer, zt, Role::Sink { size, count });
     let t = Instant::now();
     send_stream(&mut *c, size, count, load);
     let mut ack = [0u8];
     read_full(&mut *c, &mut ack).expect("ack");
     let secs = t.elapsed().as_secs_f64();
     c.flush().expect("flush");
-    drop(receiver.join().expect("receiver"));
+    peer.finish(far);
     (count * size) as f64 / secs / 1e9
 }
 
@@ -403,8 +602,16 @@ impl Table {
 fn main() {
     env_logger::init();
     let a = Args::parse();
+    if let Some(control) = &a.serve {
+        serve_parent(control);
+        return;
+    }
     let floor = cacheline_one_way_ns(0, 1);
-    println!("# sdp_bench: threads on CPUs 0 and 1; cache-line one-way floor now {floor:.0} ns");
+    let (mut peer, ends) = match a.peer {
+        PeerKind::Thread => (Peer::Thread, "threads of one process"),
+        PeerKind::Process => (Peer::Process(Remote::start()), "two processes"),
+    };
+    println!("# sdp_bench: {ends} on CPUs 0 and 1; cache-line one-way floor now {floor:.0} ns");
     println!(
         "# zero-copy threshold {} (ZSDP, AZ-SDP), BSDP buffers {:?}, AZ-SDP outstanding {}",
         fmt_size(a.zcopy_threshold),
@@ -412,25 +619,31 @@ fn main() {
         SdpConfig::default().az_max_outstanding
     );
     let zt = a.zcopy_threshold;
-    let sizes = sizes_between(8, a.max);
+    let sizes = sizes_between(a.min.max(1), a.max);
+    let run = |test: &str| a.tests.iter().any(|t| t == test);
     let mut tables = Vec::new();
 
-    let mut t =
-        Table::start("latency", "Ping-pong latency, one way, median (us)".into(), "size", true, true, &a.layers);
-    for &size in &sizes {
-        let iters = (a.iters * 64 * 1024 / size.max(64 * 1024)).max(50);
-        t.row(size as f64, fmt_size(size), |l| pingpong(l, size, iters, zt));
+    if run("latency") {
+        let mut t =
+            Table::start("latency", "Ping-pong latency, one way, median (us)".into(), "size", true, true, &a.layers);
+        for &size in &sizes {
+            let iters = (a.iters * 64 * 1024 / size.max(64 * 1024)).max(50);
+            t.row(size as f64, fmt_size(size), |l| pingpong(&mut peer, l, size, iters, zt));
+        }
+        tables.push(t);
     }
-    tables.push(t);
 
-    let mut t = Table::start("throughput", "Unidirectional throughput (GB/s)".into(), "size", true, false, &a.layers);
-    for &size in sizes.iter().filter(|&&s| s >= 1024) {
-        let vol = a.volume.min(size * 20_000);
-        t.row(size as f64, fmt_size(size), |l| throughput(l, size, vol, SenderLoad::default(), zt));
+    if run("throughput") {
+        let mut t =
+            Table::start("throughput", "Unidirectional throughput (GB/s)".into(), "size", true, false, &a.layers);
+        for &size in sizes.iter().filter(|&&s| s >= 1024) {
+            let vol = a.volume.min(size * 20_000);
+            t.row(size as f64, fmt_size(size), |l| throughput(&mut peer, l, size, vol, SenderLoad::default(), zt));
+        }
+        tables.push(t);
     }
-    tables.push(t);
 
-    for size in [64 * 1024, 1 << 20] {
+    for size in [64 * 1024, 1 << 20].into_iter().filter(|_| run("overlap")) {
         let title = format!("Overlap: throughput at {} with computation between sends (GB/s)", fmt_size(size));
         let mut t = Table::start(&format!("overlap_{size}"), title, "compute us", false, false, &a.layers);
         for &us in &a.compute_us {
@@ -438,27 +651,28 @@ fn main() {
             let n = if us == 0 { 2000 } else { (400_000 / us as usize).clamp(200, 4000) };
             let load = SenderLoad { compute: Duration::from_micros(us), ..SenderLoad::default() };
             t.row(us as f64, format!("{us}us"), |l| {
-                throughput(l, size, (size * n).min(a.volume.max(size * 8)), load, zt)
+                throughput(&mut peer, l, size, (size * n).min(a.volume.max(size * 8)), load, zt)
             });
         }
         tables.push(t);
     }
 
-    for size in [64 * 1024, 1 << 20] {
+    for size in [64 * 1024, 1 << 20].into_iter().filter(|_| run("window")) {
         let title =
             format!("Page-fault window: throughput at {}, buffer touched every W writes (GB/s)", fmt_size(size));
         let mut t = Table::start(&format!("fault_window_{size}"), title, "W", false, false, &a.layers);
         for &w in &a.windows {
             let load = SenderLoad { touch_every: Some(w.max(1)), ..SenderLoad::default() };
             let vol = a.volume.min(size * 4000);
-            t.row(w as f64, format!("{w}"), |l| throughput(l, size, vol, load, zt));
+            t.row(w as f64, format!("{w}"), |l| throughput(&mut peer, l, size, vol, load, zt));
         }
         tables.push(t);
     }
 
-    // Several connections: every thread may run anywhere.
+    // Several connections: threads of this process, every thread may run anywhere.
+    drop(peer);
     unpin();
-    for size in [8usize, 64 * 1024] {
+    for size in [8usize, 64 * 1024].into_iter().filter(|_| run("hotspot")) {
         let title = format!("Hot-spot latency at {}: one server, N clients, median one way (us)", fmt_size(size));
         let mut t = Table::start(&format!("hot_spot_{size}"), title, "clients", false, false, &a.layers);
         for &n in &a.connections {
@@ -475,11 +689,11 @@ fn main() {
         ("multi_stream", "Multi-stream throughput", "streams", multi_stream),
         ("multi_client", "Multi-client throughput into one server thread", "clients", multi_client),
     ];
-    for (key, what, x_name, run) in aggregates {
+    for (key, what, x_name, measure) in aggregates.into_iter().filter(|_| run("multi")) {
         let title = format!("{what} at {} (GB/s, aggregate)", fmt_size(size));
         let mut t = Table::start(key, title, x_name, false, false, &a.layers);
         for &n in &a.connections {
-            t.row(n as f64, format!("{n}"), |l| run(l, n, size, vol, zt));
+            t.row(n as f64, format!("{n}"), |l| measure(l, n, size, vol, zt));
         }
         tables.push(t);
     }
@@ -493,7 +707,7 @@ fn main() {
         std::fs::write(
             out.join("results.json"),
             format!(
-                "{{\"meta\":{{\"floor_ns\":{floor:.1},\"zcopy_threshold\":{zt}}},\"tables\":[{}]}}\n",
+                "{{\"meta\":{{\"floor_ns\":{floor:.1},\"zcopy_threshold\":{zt},\"peer\":\"{ends}\"}},\"tables\":[{}]}}\n",
                 json.join(",")
             ),
         )?;
