@@ -186,7 +186,7 @@ fn wait_out(addr: usize, write: bool) -> bool {
         }
         // Tell the progress engine someone is stuck, on every round (it may have napped).
         ring_bell();
-        futex_wait(&RELEASES, seen, Duration::from_millis(2));
+        sleep_on_releases(seen, Duration::from_millis(2));
         rounds += 1;
         if rounds == 5000 {
             // About ten seconds: say why this thread is stuck (write(2) is async-signal-safe).
@@ -274,6 +274,27 @@ pub(super) fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
             &ts as *const libc::timespec,
         )
     };
+}
+
+/// Threads sleeping (or about to sleep) on the release generation: a release makes the wake-up
+/// system call only when there is someone to wake.
+static RELEASE_SLEEPERS: AtomicU32 = AtomicU32::new(0);
+
+/// Sleeps until the release generation moves past `seen` (or `timeout`). Async-signal-safe.
+pub(super) fn sleep_on_releases(seen: u32, timeout: Duration) {
+    RELEASE_SLEEPERS.fetch_add(1, Ordering::SeqCst);
+    // A release after `seen` was read has moved the generation: the futex returns at once.
+    // One that saw no sleeper happened before the increment above, so the same holds.
+    futex_wait(&RELEASES, seen, timeout);
+    RELEASE_SLEEPERS.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Wakes the sleepers of [`sleep_on_releases`], after the generation has moved.
+pub(super) fn wake_releases() {
+    std::sync::atomic::fence(Ordering::SeqCst);
+    if RELEASE_SLEEPERS.load(Ordering::SeqCst) > 0 {
+        futex_wake_all(&RELEASES);
+    }
 }
 
 /// Wakes every sleeper on `word`.

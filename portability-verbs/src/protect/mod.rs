@@ -206,7 +206,7 @@ fn open_lazy(i: usize) -> bool {
     // Pages open first, then the generation moves (see `fault`).
     RELEASES.fetch_add(1, Ordering::AcqRel);
     s.level.store(LAZY_OPEN, Ordering::Release);
-    fault::futex_wake_all(&RELEASES);
+    fault::wake_releases();
     true
 }
 
@@ -217,7 +217,7 @@ fn wait_opened(i: usize) {
         if SLOTS[i].level.load(Ordering::Acquire) != LAZY_OPENING {
             break;
         }
-        fault::futex_wait(&RELEASES, seen, Duration::from_micros(100));
+        fault::sleep_on_releases(seen, Duration::from_micros(100));
     }
 }
 
@@ -253,7 +253,7 @@ pub fn wait_accessible(addr: usize, len: usize, write: bool, timeout: Option<Dur
             nap = nap.min(left);
         }
         ring_bell();
-        fault::futex_wait(&RELEASES, seen, nap);
+        fault::sleep_on_releases(seen, nap);
     }
 }
 
@@ -349,7 +349,7 @@ impl ProtectedRange {
         s.level.store(LAZY, Ordering::Release);
         ACTIVE.fetch_sub(1, Ordering::AcqRel);
         drop(w);
-        fault::futex_wake_all(&RELEASES);
+        fault::wake_releases();
         Some(LazyRange { addr: self.addr, len: self.len, slot: i })
     }
 }
@@ -446,7 +446,7 @@ impl Drop for ProtectedRange {
             remove_hold(&mut w, i);
         }
         drop(w);
-        fault::futex_wake_all(&RELEASES);
+        fault::wake_releases();
     }
 }
 
