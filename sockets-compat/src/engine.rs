@@ -75,8 +75,14 @@ fn run() {
         }
         if busy {
             idle_rounds = 0;
-            // Transfers in flight: look again soon, at once if someone waits in a fault.
-            protect::wait_bell(bell, Duration::from_micros(200));
+            if protect::fault_waiters() > 0 {
+                // A thread is stopped in a fault until these transfers end, and the peer may
+                // need us to take its messages before it can finish them: no pause.
+                std::thread::yield_now();
+            } else {
+                // Transfers in flight: look again soon, at once if someone starts waiting.
+                protect::wait_bell(bell, Duration::from_micros(200));
+            }
         } else {
             idle_rounds = idle_rounds.saturating_add(1);
             let nap = if idle_rounds < 100 { Duration::from_millis(1) } else { Duration::from_millis(100) };
