@@ -1094,6 +1094,12 @@ impl Conn {
                 // the peer took it) or a receive still landing in it must finish first, as a
                 // store of the application's would wait in the fault handler.
                 if protect::overlaps(buf.as_ptr() as usize, n) {
+                    if self.sending_from(&buf[..n]) {
+                        // Our own write of this buffer, which the peer may take only after a
+                        // read of its own that waits for us the same way: take the data aside
+                        // now (answering the peer), to be copied in once the buffer is free.
+                        self.read_aside(n)?;
+                    }
                     return Ok(ReadStep::BufferHeld);
                 }
                 // An AZ-SDP receiver holds the whole pages and lets their read land later;
@@ -1127,6 +1133,29 @@ impl Conn {
                 Ok(if self.eof { ReadStep::Got(0) } else { ReadStep::Nothing })
             }
         }
+    }
+
+    /// Whether an AZ-SDP write of ours still holds part of `buf`.
+    fn sending_from(&self, buf: &[u8]) -> bool {
+        let (start, end) = (buf.as_ptr() as usize, buf.as_ptr() as usize + buf.len());
+        self.sends.iter().any(|o| o.held.as_ref().is_some_and(|(h, _)| h.addr() < end && start < h.addr() + h.len()))
+    }
+
+    /// Reads the next `n` bytes of the SrcAvail at the front into a private buffer, queued as
+    /// stream bytes ahead of the rest of it, answering the peer if that ends the SrcAvail.
+    fn read_aside(&mut self, n: usize) -> io::Result<()> {
+        let Some(&RxItem::Src(a, done)) = self.rx.front() else { return Ok(()) };
+        let mut aside = vec![0u8; n];
+        let end = done + n as u32;
+        let token = self.post_read(&mut aside, a.addr + done as u64, a.rkey, false, (end == a.len).then_some(end))?;
+        self.wait_read(token)?;
+        if end == a.len {
+            self.rx.pop_front();
+        } else if let Some(RxItem::Src(_, d)) = self.rx.front_mut() {
+            *d = end;
+        }
+        self.rx.push_front(RxItem::Bytes(aside, 0));
+        Ok(())
     }
 
     /// The buffer-copy fast path: while nothing is queued, copies whole Data messages straight

@@ -270,6 +270,35 @@ fn a_receive_into_a_buffer_still_being_sent_waits_for_the_send() {
 }
 
 #[test]
+fn both_ends_writing_then_reading_into_the_same_buffer_do_not_wait_for_each_other() {
+    // Each end's read waits for its own write to be taken before it may land in the buffer,
+    // and the peer takes it only after its own read: the reads must not just wait.
+    let (c, s) = pair(az(), az());
+    let ends: Vec<_> = [(c, 1u64), (s, 2u64)]
+        .into_iter()
+        .map(|(mut x, seed)| {
+            thread::spawn(move || {
+                x.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let mut mem = Pages::new(16 * PAGE);
+                for round in 0..20 {
+                    let mine = Rng(seed * 100 + round).bytes(16 * PAGE);
+                    mem.bytes().copy_from_slice(&mine);
+                    x.write_all(mem.bytes()).unwrap();
+                    x.read_exact(mem.bytes()).unwrap();
+                    let theirs = Rng((3 - seed) * 100 + round).bytes(16 * PAGE);
+                    assert!(mem.bytes() == &theirs[..], "end {seed}, round {round}: wrong data");
+                }
+                x.flush().unwrap();
+                x
+            })
+        })
+        .collect();
+    for e in ends {
+        drop(e.join().unwrap());
+    }
+}
+
+#[test]
 fn a_buffer_unmapped_under_the_transport_fails_the_socket_cleanly() {
     let (mut c, s) = pair(az(), az());
     let mut mem = Pages::new(16 * PAGE);
