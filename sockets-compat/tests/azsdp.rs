@@ -323,17 +323,7 @@ fn a_buffer_unmapped_under_the_transport_fails_the_socket_cleanly() {
 
 /// The permissions `/proc/self/maps` shows for the page at `addr` ("rw-p", "r--p", ...).
 fn perms_of(addr: usize) -> String {
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    for line in maps.lines() {
-        let mut f = line.split_whitespace();
-        let (range, perms) = (f.next().unwrap(), f.next().unwrap());
-        let (a, b) = range.split_once('-').unwrap();
-        let (a, b) = (usize::from_str_radix(a, 16).unwrap(), usize::from_str_radix(b, 16).unwrap());
-        if a <= addr && addr < b {
-            return perms.to_string();
-        }
-    }
-    panic!("{addr:#x} is not mapped")
+    protect::page_permissions(addr).unwrap_or_else(|| panic!("{addr:#x} is not mapped"))
 }
 
 #[test]

@@ -231,6 +231,20 @@ fn open_lazy_overlapping(start: usize, end: usize, skip: Option<usize>) {
     }
 }
 
+/// The permissions of the mapping holding `addr` as `/proc/self/maps` shows them (`"r--p"`,
+/// `"rw-s"`...), or None if nothing is mapped there: what a page's protection is right now,
+/// for diagnostics and tests.
+pub fn page_permissions(addr: usize) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let mut f = line.split_whitespace();
+        let (range, perms) = (f.next()?, f.next()?);
+        let (a, b) = range.split_once('-')?;
+        let (a, b) = (usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?);
+        (a <= addr && addr < b).then(|| perms.to_string())
+    })
+}
+
 /// Waits until no hold forbids reading (or, with `write`, writing) `[addr, addr + len)`: what a
 /// library call does before touching an application buffer itself, outside any lock the
 /// progress path needs. Returns `false` if `timeout` ran out first.
@@ -667,17 +681,7 @@ mod tests {
 
     /// The permissions `/proc/self/maps` shows for the page at `addr` ("rw-p", "r--p", ...).
     fn perms_of(addr: usize) -> String {
-        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-        for line in maps.lines() {
-            let mut f = line.split_whitespace();
-            let (range, perms) = (f.next().unwrap(), f.next().unwrap());
-            let (a, b) = range.split_once('-').unwrap();
-            let (a, b) = (usize::from_str_radix(a, 16).unwrap(), usize::from_str_radix(b, 16).unwrap());
-            if a <= addr && addr < b {
-                return perms.to_string();
-            }
-        }
-        panic!("{addr:#x} is not mapped")
+        page_permissions(addr).unwrap_or_else(|| panic!("{addr:#x} is not mapped"))
     }
 
     #[test]
