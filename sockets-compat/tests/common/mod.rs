@@ -38,3 +38,41 @@ pub fn pair(client: SdpConfig, server: SdpConfig) -> (SdpStream, SdpStream) {
     }
     (c, s)
 }
+
+/// Page-aligned anonymous memory of its own mapping, unmapped on drop.
+pub struct Pages {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: plain memory; the tests hand it between threads like a Vec.
+unsafe impl Send for Pages {}
+
+impl Pages {
+    pub fn new(len: usize) -> Pages {
+        // SAFETY: a private anonymous mapping with no preconditions.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        Pages { ptr: p.cast(), len }
+    }
+    pub fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping is `len` bytes, owned by self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: unmaps what `new` mapped.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
