@@ -36,6 +36,9 @@ pub enum VerbsError {
     /// The peer process is gone or its queue pair is no longer usable.
     #[error("peer unreachable: {0}")]
     PeerUnreachable(String),
+    /// The provider cannot do this (the operation is valid, the device or provider lacks it).
+    #[error("not supported by this provider: {0}")]
+    Unsupported(String),
     /// A wait ran out of time.
     #[error("timed out after {0:?}")]
     Timeout(std::time::Duration),

@@ -326,7 +326,23 @@ impl MemoryRegion {
         // SAFETY: in bounds of a live registration the caller owns.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len()) };
     }
-    /// Reads a little-endian... native-endian u64 at `offset` (for atomics results).
+    /// Replaces the aligned u64 at `offset` by `op(old)`, atomically with respect to the RDMA
+    /// atomics (compare-and-swap, fetch-and-add) peers run on this region, and returns `old`:
+    /// how the owner of a lock word that peers take by compare-and-swap takes it too. (A plain
+    /// CPU atomic is not enough: verbs atomics are only atomic with respect to each other.)
+    /// The hardware provider returns [`VerbsError::Unsupported`]: without a device that
+    /// promises `IBV_ATOMIC_GLOB`, the CPU's atomics and the NIC's do not exclude each other.
+    pub fn local_atomic(&self, offset: usize, op: impl FnOnce(u64) -> u64) -> Result<u64> {
+        match &self.0 {
+            MrImpl::Soft(m) => m.local_atomic(offset, op),
+            #[cfg(feature = "hardware")]
+            MrImpl::Hw(_) => {
+                let _ = (offset, op);
+                Err(VerbsError::Unsupported("local atomics on hardware registrations".into()))
+            }
+        }
+    }
+    /// Reads the native-endian u64 at `offset` (for atomics results).
     pub fn read_u64(&self, offset: usize) -> u64 {
         let mut b = [0u8; 8];
         self.read(offset, &mut b);

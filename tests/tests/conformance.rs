@@ -187,6 +187,48 @@ fn atomics_are_atomic_with_respect_to_each_other() {
 }
 
 #[test]
+fn local_atomics_exclude_the_atomics_peers_run_on_the_same_word() {
+    each(|ctx| {
+        let pd = ctx.alloc_pd().unwrap();
+        let target = pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        match target.local_atomic(8, |v| v) {
+            Err(VerbsError::Unsupported(_)) => return, // hardware without IBV_ATOMIC_GLOB
+            r => assert_eq!(r.unwrap(), 0),
+        }
+        assert!(matches!(target.local_atomic(4, |v| v), Err(VerbsError::InvalidArgument(_))), "misaligned");
+        assert!(matches!(target.local_atomic(64, |v| v), Err(VerbsError::InvalidArgument(_))), "outside");
+        let (remote_threads, per_thread) = (2u64, 2000u64);
+        let remote_done = std::sync::atomic::AtomicU64::new(0);
+        let mut local = 0u64;
+        std::thread::scope(|s| {
+            for _ in 0..remote_threads {
+                s.spawn(|| {
+                    let cq = ctx.create_cq(64).unwrap();
+                    let tcq = ctx.create_cq(64).unwrap();
+                    let a = pd.create_qp(&QpInit::new(&cq)).unwrap();
+                    let b = pd.create_qp(&QpInit::new(&tcq)).unwrap();
+                    a.connect_to(b.endpoint()).unwrap();
+                    b.connect_to(a.endpoint()).unwrap();
+                    let res = pd.register(vec![0u8; 8].into_boxed_slice(), AccessFlags::ALL).unwrap();
+                    for i in 0..per_thread {
+                        a.post_send(&[SendWr::fetch_and_add(i, res.sge(0, 8), target.addr(), target.rkey(), 1)])
+                            .unwrap();
+                        assert_eq!(wait_one(&cq).status, WcStatus::Success);
+                    }
+                    remote_done.fetch_add(1, std::sync::atomic::Ordering::Release);
+                });
+            }
+            // The owner increments the same word with its own CPU for as long as peers do.
+            while remote_done.load(std::sync::atomic::Ordering::Acquire) < remote_threads || local < per_thread {
+                target.local_atomic(0, |v| v + 1).unwrap();
+                local += 1;
+            }
+        });
+        assert_eq!(target.read_u64(0), remote_threads * per_thread + local, "an increment was lost");
+    });
+}
+
+#[test]
 fn remote_access_violations_complete_with_remote_access_error_and_move_the_qp_to_error() {
     each(|ctx| {
         // (what, rkey, offset, len, region rights)

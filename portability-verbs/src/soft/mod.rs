@@ -84,6 +84,28 @@ impl SoftMr {
     pub fn is_shared_segment(&self) -> bool {
         matches!(self.backing, SoftBacking::Segment(_))
     }
+
+    /// Replaces the u64 at `offset` by `op(old)` under this context's atomic lock, the one
+    /// every peer's atomic on our memory takes; returns `old`.
+    pub fn local_atomic(&self, offset: usize, op: impl FnOnce(u64) -> u64) -> Result<u64> {
+        let addr = self.addr as usize + offset;
+        if offset.checked_add(8).is_none_or(|e| e > self.len) || !addr.is_multiple_of(8) {
+            return Err(VerbsError::invalid(format!(
+                "local atomic at offset {offset} of a {}-byte region (8 aligned bytes inside it)",
+                self.len
+            )));
+        }
+        let tag = self.ctx.lock_tag;
+        peer::with_atomic_lock(&self.ctx.ctrl().header().atomic_lock, tag, || {
+            // SAFETY: 8 aligned bytes inside this live registration (checked above); every
+            // writer of them that is not the owner's plain code runs under the same lock.
+            let word = unsafe { &*(addr as *const std::sync::atomic::AtomicU64) };
+            let old = word.load(std::sync::atomic::Ordering::Acquire);
+            word.store(op(old), std::sync::atomic::Ordering::Release);
+            old
+        })
+        .map_err(|st| VerbsError::InvalidState(format!("the context's atomic lock is stuck ({st:?})")))
+    }
 }
 
 impl Drop for SoftMr {

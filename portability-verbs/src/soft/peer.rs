@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -190,37 +190,42 @@ impl PeerCtx {
     /// Runs `f` holding the peer's atomic lock, so atomics from every initiator on that peer's
     /// memory are atomic with respect to each other (the verbs `IBV_ATOMIC_HCA` guarantee).
     pub fn with_atomic_lock<R>(&self, f: impl FnOnce() -> R) -> Result<R, WcStatus> {
-        let lock = &self.ctrl().header().atomic_lock;
-        let start = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            let cur = lock.load(Ordering::Relaxed);
-            if cur == 0 && lock.compare_exchange(0, self.lock_tag, Ordering::Acquire, Ordering::Relaxed).is_ok() {
-                break;
-            }
-            spins += 1;
-            if spins.is_multiple_of(1024) {
-                if start.elapsed() > Duration::from_millis(100) {
-                    // A holder that died keeps the lock for ever: take it over.
-                    let holder = (cur >> 32) as u32;
-                    let holder_alive = holder != 0 && sys::pidfd_open(holder).is_ok_and(|fd| sys::pidfd_alive(&fd));
-                    if !holder_alive
-                        && lock.compare_exchange(cur, self.lock_tag, Ordering::Acquire, Ordering::Relaxed).is_ok()
-                    {
-                        break;
-                    }
-                    if start.elapsed() > Duration::from_secs(5) {
-                        return Err(WcStatus::RemOpErr);
-                    }
-                }
-                std::thread::yield_now();
-            }
-            std::hint::spin_loop();
-        }
-        let r = f();
-        lock.store(0, Ordering::Release);
-        Ok(r)
+        with_atomic_lock(&self.ctrl().header().atomic_lock, self.lock_tag, f)
     }
+}
+
+/// Runs `f` holding a context's atomic lock (`lock`, in its control segment), taken with `tag`
+/// (pid in the high half): the lock every atomic on that context's memory takes, whichever
+/// process runs it. A holder that died is detected and the lock taken over; a live holder that
+/// keeps it for 5 s is an error.
+pub fn with_atomic_lock<R>(lock: &AtomicU64, tag: u64, f: impl FnOnce() -> R) -> Result<R, WcStatus> {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        let cur = lock.load(Ordering::Relaxed);
+        if cur == 0 && lock.compare_exchange(0, tag, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+            break;
+        }
+        spins += 1;
+        if spins.is_multiple_of(1024) {
+            if start.elapsed() > Duration::from_millis(100) {
+                // A holder that died keeps the lock for ever: take it over.
+                let holder = (cur >> 32) as u32;
+                let holder_alive = holder != 0 && sys::pidfd_open(holder).is_ok_and(|fd| sys::pidfd_alive(&fd));
+                if !holder_alive && lock.compare_exchange(cur, tag, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                    break;
+                }
+                if start.elapsed() > Duration::from_secs(5) {
+                    return Err(WcStatus::RemOpErr);
+                }
+            }
+            std::thread::yield_now();
+        }
+        std::hint::spin_loop();
+    }
+    let r = f();
+    lock.store(0, Ordering::Release);
+    Ok(r)
 }
 
 /// Runs `step(offset, chunk)` over `len` bytes in chunks of a per-thread bounce buffer; false
