@@ -174,13 +174,18 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut l
 /// Waits while a hold forbids the access. Returns `true` if the fault was (or may have been)
 /// ours and the access should retry, `false` to hand the fault on.
 fn wait_out(addr: usize, write: bool) -> bool {
-    let (mut counted, mut rounds) = (false, 0u32);
+    let (mut counted, mut rounds, mut waited_on) = (false, 0u32, usize::MAX);
     loop {
         let seen = RELEASES.load(Ordering::Acquire);
         let Some(i) = blocking_hold(addr, 1, write) else { break };
+        if i != waited_on {
+            // Every hold this access waits for learns of it (one that copies its buffer aside
+            // on a fault must, even when another hold over the page was found first).
+            waited_on = i;
+            SLOTS[i].faults.fetch_add(1, Ordering::Relaxed);
+        }
         if !counted {
             counted = true;
-            SLOTS[i].faults.fetch_add(1, Ordering::Relaxed);
             HANDLED.fetch_add(1, Ordering::Relaxed);
             WAITING.fetch_add(1, Ordering::AcqRel);
         }
