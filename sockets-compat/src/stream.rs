@@ -42,7 +42,9 @@ use log::debug;
 use portability_verbs::cm::{self, CmAddr};
 use portability_verbs::datapath::{FlowStrategy, MsgPipe, Registration, RegistrationCache};
 use portability_verbs::protect::{self, LazyRange, ProtectedRange, Protection};
-use portability_verbs::{AccessFlags, Context, ProtectionDomain, QpCaps, QpInit, SendWr, Sge, VerbsError, WcStatus};
+use portability_verbs::{
+    AccessFlags, Context, MemoryRegion, ProtectionDomain, QpCaps, QpInit, SendWr, Sge, VerbsError, WcStatus,
+};
 
 use crate::engine::{self, Background};
 
@@ -56,10 +58,30 @@ const LINGER: Duration = Duration::from_secs(2);
 const SDP_MAGIC: &[u8] = b"SDP1";
 /// AZ-SDP send buffers a socket keeps lazily protected after their transfer (see [`Conn::lazy`]).
 const LAZY_MAX: usize = 16;
+/// Words of a connection's copy-on-write lock table: one per SrcAvail the peer may have
+/// outstanding (`az_max_outstanding` is at most this), the word of SrcAvail `n` being `n % 256`.
+const LOCK_WORDS: u64 = 256;
+/// Where, in a connection's lock memory, our own compare-and-swap results land.
+const CAS_RESULT: usize = 8 * LOCK_WORDS as usize;
+/// Who took a lock word: the receiver (reading the SrcAvail) or the sender (copying it aside).
+const BY_RECEIVER: u64 = 0;
+const BY_SENDER: u64 = 1;
+
+/// The value of a lock word taken for SrcAvail `index` by `who`. A word only ever moves to a
+/// later SrcAvail's value, so "taken for an earlier one" means free for this one.
+fn lock_word(index: u64, who: u64) -> u64 {
+    (index + 1) << 1 | who
+}
+
+/// The SrcAvail number a lock word was last taken for (`None`: never).
+fn lock_index(word: u64) -> Option<u64> {
+    (word >> 1).checked_sub(1)
+}
 
 /// Per-socket settings, by default from the environment: `SDP_DESIGN` (`bsdp`, `zsdp`,
 /// `azsdp`), `SDP_FLOW` (`credit`, `rdma`, `window`: must be the same at both ends),
-/// `SDP_ZCOPY_THRESHOLD` (bytes), `SDP_AZ_OUTSTANDING` and `SDP_AZ_FAULT_LIMIT`.
+/// `SDP_ZCOPY_THRESHOLD` (bytes), `SDP_AZ_OUTSTANDING`, `SDP_AZ_FAULT_LIMIT` and `SDP_AZ_COW`
+/// (`1` or `0`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SdpConfig {
     /// How this end sends.
@@ -72,6 +94,9 @@ pub struct SdpConfig {
     pub az_max_outstanding: usize,
     /// AZ-SDP: page faults on held buffers after which the socket falls back to ZSDP.
     pub az_fault_limit: u32,
+    /// AZ-SDP: a store into a buffer the peer has not started reading copies it aside (the
+    /// paper's copy-on-write) instead of waiting for the peer to read it (block-on-write).
+    pub az_copy_on_write: bool,
 }
 
 impl SdpConfig {
@@ -105,13 +130,20 @@ impl SdpConfig {
         if let Ok(v) = std::env::var("SDP_AZ_FAULT_LIMIT") {
             c.az_fault_limit = v.parse().map_err(|_| invalid(format!("SDP_AZ_FAULT_LIMIT={v:?}: a count")))?;
         }
+        if let Ok(v) = std::env::var("SDP_AZ_COW") {
+            c.az_copy_on_write = match v.as_str() {
+                "1" | "true" | "on" => true,
+                "0" | "false" | "off" => false,
+                _ => return Err(invalid(format!("SDP_AZ_COW={v:?}: 1 or 0"))),
+            };
+        }
         c.validate()?;
         Ok(c)
     }
 
     fn validate(&self) -> io::Result<()> {
-        if self.az_max_outstanding == 0 || self.az_max_outstanding > 256 {
-            return Err(invalid("az_max_outstanding must be 1..=256".into()));
+        if self.az_max_outstanding == 0 || self.az_max_outstanding > LOCK_WORDS as usize {
+            return Err(invalid(format!("az_max_outstanding must be 1..={LOCK_WORDS}")));
         }
         if self.flow.max_message() <= BSDH_LEN {
             return Err(invalid("flow-control messages too small for an SDP header".into()));
@@ -128,6 +160,7 @@ impl Default for SdpConfig {
             zcopy_threshold: 64 * 1024,
             az_max_outstanding: 16,
             az_fault_limit: 64,
+            az_copy_on_write: true,
         }
     }
 }
@@ -263,16 +296,38 @@ fn qp_init(cq: &portability_verbs::CompletionQueue) -> QpInit<'_> {
 enum RxItem {
     /// Copied stream bytes and how many were read already.
     Bytes(Vec<u8>, usize),
-    /// A peer buffer to RDMA-read, and how many of its bytes were read already.
-    Src(Advert, u32),
+    /// A peer buffer to RDMA-read.
+    Src(SrcItem),
+}
+
+/// A SrcAvail of the peer's, queued as stream content.
+struct SrcItem {
+    advert: Advert,
+    /// Bytes read already.
+    done: u32,
+    /// Its number on the connection (from 0), which names its copy-on-write lock word.
+    index: u64,
+    /// We may read it: we took its lock word, or the peer moved it to a copy (SrcAvailUpdate).
+    claimed: bool,
 }
 
 /// A SrcAvail of ours the receiver has not answered yet.
 struct Outbound {
     len: u32,
-    /// AZ-SDP: the read-only hold and registration of the buffer, released by the answer.
-    /// ZSDP keeps both in the waiting `write` instead.
-    held: Option<(ProtectedRange, Registration<'static>)>,
+    /// Its number on the connection (from 0).
+    index: u64,
+    what: Sending,
+}
+
+/// What a SrcAvail of ours lets the peer read.
+enum Sending {
+    /// ZSDP: the waiting `write` keeps the buffer and its registration.
+    Waited,
+    /// AZ-SDP: the application's buffer, read-only until the answer, and its registration;
+    /// `lost` once the peer took the buffer's lock word first (it is reading: a store waits).
+    Held { hold: ProtectedRange, reg: Registration<'static>, lost: bool },
+    /// AZ-SDP after copy-on-write: the private copy the peer reads instead.
+    Copied { _copy: MemoryRegion },
 }
 
 /// An RDMA read of a peer's SrcAvail in flight, in posting (and completion) order.
@@ -308,6 +363,21 @@ struct Conn {
     write_shut: bool,
     /// Our SrcAvails not answered yet, oldest first.
     sends: VecDeque<Outbound>,
+    /// Our lock table (a word per SrcAvail of the peer's, taken by us with local atomics before
+    /// we read it, by the peer with compare-and-swap before it copies it aside), then the word
+    /// our own compare-and-swap results land in. `None` where the provider cannot run local
+    /// atomics against remote ones: the peer is then never told of a table and never copies.
+    locks: Option<MemoryRegion>,
+    /// The peer's lock table (its LockTable message), if it has one we can use.
+    peer_locks: Option<Advert>,
+    /// SrcAvails sent and received so far: the next ones' numbers.
+    srcs_sent: u64,
+    srcs_seen: u64,
+    /// Our compare-and-swap on the peer's lock table in flight: (SrcAvail number, token,
+    /// value expected).
+    cow_try: Option<(u64, u64, u64)>,
+    /// SrcAvailUpdates flow control held back, oldest first.
+    cow_unsent: VecDeque<(u64, Advert)>,
     /// ZSDP: the answer to the waiting write's SrcAvail.
     zcopy_answer: Option<u32>,
     reads: VecDeque<PendingRead>,
@@ -363,7 +433,16 @@ impl SdpStream {
         let unknown = || io::Error::other("bootstrap socket had no TCP address");
         let (local, peer) = (conn.local_addr.ok_or_else(unknown)?, conn.peer_addr.ok_or_else(unknown)?);
         let pipe = MsgPipe::establish(conn.qp, cq, &rt.pd, config.flow, SETUP_TIMEOUT).map_err(verbs_io)?;
-        let c = Conn {
+        let locks = rt.pd.register(vec![0u8; CAS_RESULT + 8].into_boxed_slice(), AccessFlags::ALL).map_err(verbs_io)?;
+        let locks = match locks.local_atomic(0, |v| v) {
+            Ok(_) => Some(locks),
+            Err(VerbsError::Unsupported(why)) => {
+                debug!("SDP: no copy-on-write lock table ({why})");
+                None
+            }
+            Err(e) => return Err(verbs_io(e)),
+        };
+        let mut c = Conn {
             pipe,
             seq: Sequencer::default(),
             config,
@@ -375,6 +454,12 @@ impl SdpStream {
             read_shut: false,
             write_shut: false,
             sends: VecDeque::new(),
+            locks,
+            peer_locks: None,
+            srcs_sent: 0,
+            srcs_seen: 0,
+            cow_try: None,
+            cow_unsent: VecDeque::new(),
             zcopy_answer: None,
             reads: VecDeque::new(),
             lazy: VecDeque::new(),
@@ -389,6 +474,10 @@ impl SdpStream {
             peer_design: Design::Bsdp,
             tx: Vec::with_capacity(config.flow.max_message()),
         };
+        if let Some(l) = &c.locks {
+            let table = Advert { len: CAS_RESULT as u32, rkey: l.rkey(), addr: l.addr() };
+            c.send_now(&Message::LockTable(table))?;
+        }
         Ok(SdpStream { conn: Arc::new(Mutex::new(c)) })
     }
 
@@ -715,14 +804,23 @@ impl SdpStream {
             None => unsafe { protect::protect(addr, len, Protection::ReadOnly) },
         }
         .map_err(verbs_io)?;
-        {
-            let mut c = self.lock();
-            c.check_writable()?;
-            c.sends.push_back(Outbound { len: len as u32, held: Some((hold, reg)) });
-            self.watch(&mut c);
+        let mut pending = Some(Sending::Held { hold, reg, lost: false });
+        let mut pacer = Pacer::default();
+        loop {
+            {
+                let mut c = self.lock();
+                c.check_writable()?;
+                // If this fails the socket has failed; dropping `pending` releases the hold.
+                c.advertise(advert, &mut pending)?;
+                if pending.is_none() {
+                    self.watch(&mut c);
+                    break;
+                }
+                c.pump()?;
+            }
+            pacer.pause(deadline, "sending a SrcAvail")?;
         }
-        // If this fails the socket has failed, which released the hold.
-        self.send_control(Message::SrcAvail(advert))
+        self.drain_staged(deadline)
     }
 
     /// ZSDP: advertise the registered buffer and wait until the receiver has read it.
@@ -731,13 +829,22 @@ impl SdpStream {
         let buf = &buf[..buf.len().min(u32::MAX as usize)];
         let reg = rt.regcache.get(buf, AccessFlags::REMOTE_READ).map_err(verbs_io)?;
         let advert = Advert { len: buf.len() as u32, rkey: reg.rkey(), addr: buf.as_ptr() as u64 };
-        {
-            let mut c = self.lock();
-            c.zcopy_answer = None;
-            c.sends.push_back(Outbound { len: advert.len, held: None });
-        }
-        self.send_control(Message::SrcAvail(advert))?;
         let mut deadline = timeout.map(|t| Instant::now() + t);
+        self.lock().zcopy_answer = None;
+        let mut pending = Some(Sending::Waited);
+        let mut pacer = Pacer::default();
+        loop {
+            {
+                let mut c = self.lock();
+                c.advertise(advert, &mut pending)?;
+                if pending.is_none() {
+                    break;
+                }
+                c.pump()?;
+            }
+            pacer.pause(deadline, "sending a SrcAvail")?;
+        }
+        self.drain_staged(deadline)?;
         let mut cancelled = false;
         let mut pacer = Pacer::default();
         loop {
@@ -976,12 +1083,15 @@ impl Conn {
         loop {
             let mut outcome: Result<Option<Control>, io::Error> = Ok(None);
             let got = {
-                let (seq, rx, eof) = (&mut self.seq, &mut self.rx, &mut self.eof);
-                self.pipe.recv_with(|bytes| outcome = take_message(bytes, seq, rx, eof))
+                let (seq, rx, eof, seen) = (&mut self.seq, &mut self.rx, &mut self.eof, &mut self.srcs_seen);
+                self.pipe.recv_with(|bytes| outcome = take_message(bytes, seq, rx, eof, seen))
             };
             match got {
                 Ok(Some(())) => {}
-                Ok(None) => return self.complete_reads(),
+                Ok(None) => {
+                    self.complete_reads()?;
+                    return self.copy_on_write();
+                }
                 Err(e) => return Err(self.fail_verbs(e)),
             }
             match outcome {
@@ -999,9 +1109,15 @@ impl Conn {
 
     fn apply(&mut self, ctl: Control) -> io::Result<()> {
         match ctl {
-            Control::ReadDone(n) => match self.sends.pop_front() {
-                Some(Outbound { held: None, .. }) => self.zcopy_answer = Some(n),
-                Some(Outbound { len, held: Some((hold, reg)) }) => {
+            Control::ReadDone(n) => match self.sends.pop_front().map(|o| (o.len, o.what)) {
+                Some((_, Sending::Waited)) => self.zcopy_answer = Some(n),
+                Some((len, Sending::Copied { .. })) => {
+                    if n != len {
+                        let why = format!("RdmaRdCompl for {n} of an uncancelled {len}-byte SrcAvail");
+                        return Err(self.fail(io::ErrorKind::InvalidData, why));
+                    }
+                }
+                Some((len, Sending::Held { hold, reg, .. })) => {
                     self.note_faults(hold.faults());
                     drop(reg);
                     // SAFETY: the buffer stays mapped until `flush`, `wait_transfers` or close,
@@ -1025,13 +1141,38 @@ impl Conn {
                 // Withdraw the oldest advertisement not fully read; answer with what was read,
                 // after the reads already started on it have landed.
                 if let Some(i) = self.rx.iter().position(|r| matches!(r, RxItem::Src(..))) {
-                    let RxItem::Src(_, done) = self.rx.remove(i).expect("found") else { unreachable!() };
+                    let RxItem::Src(src) = self.rx.remove(i).expect("found") else { unreachable!() };
                     self.finish_reads()?;
-                    self.answer_read(done)?;
+                    self.answer_read(src.done)?;
                 }
                 // Otherwise it crossed our RdmaRdCompl, which already answered.
             }
             Control::Mode(d) => self.peer_design = d,
+            Control::Locks(table) => {
+                // Usable only if no two of our outstanding SrcAvails can share a word.
+                if table.len as usize / 8 >= self.config.az_max_outstanding {
+                    self.peer_locks = Some(table);
+                } else {
+                    debug!("SDP: the peer's lock table is too small for copy-on-write");
+                }
+            }
+            Control::Moved(index, advert) => {
+                let src = self.rx.iter_mut().find_map(|r| match r {
+                    RxItem::Src(s) if s.index == index => Some(s),
+                    _ => None,
+                });
+                match src {
+                    Some(s) if !s.claimed && s.advert.len == advert.len => {
+                        s.advert = advert;
+                        s.claimed = true;
+                    }
+                    _ => {
+                        let why = format!("SrcAvailUpdate for SrcAvail {index}, which it does not own or is not there");
+                        let _ = self.try_send(&Message::Abort);
+                        return Err(self.fail(io::ErrorKind::InvalidData, why));
+                    }
+                }
+            }
             Control::Abort => {
                 return Err(self.fail(io::ErrorKind::ConnectionReset, "the peer aborted the connection".into()))
             }
@@ -1040,12 +1181,157 @@ impl Conn {
     }
 
     fn answer_read(&mut self, n: u32) -> io::Result<()> {
+        self.send_now(&Message::RdmaRdCompl { len: n })
+    }
+
+    /// Sends a control message from inside the protocol (no caller to come back later),
+    /// driving the pipe until flow control admits it.
+    fn send_now(&mut self, m: &Message<'_>) -> io::Result<()> {
         let deadline = Instant::now() + SETUP_TIMEOUT;
-        while !self.try_send(&Message::RdmaRdCompl { len: n })? {
+        while !self.try_send(m)? {
             self.pipe.progress().map_err(|e| self.fail_verbs(e))?;
             if Instant::now() > deadline {
-                return Err(self.fail(io::ErrorKind::TimedOut, "no credit to answer a SrcAvail".into()));
+                return Err(self.fail(io::ErrorKind::TimedOut, "no credit to send a control message".into()));
             }
+        }
+        self.flush_pipe()
+    }
+
+    /// Sends a SrcAvail for `advert` if flow control admits it now, taking `what` (left in
+    /// place otherwise) into the queue of SrcAvails awaiting an answer under its number.
+    fn advertise(&mut self, advert: Advert, what: &mut Option<Sending>) -> io::Result<()> {
+        if self.try_send(&Message::SrcAvail(advert))? {
+            let what = what.take().expect("something to advertise");
+            self.sends.push_back(Outbound { len: advert.len, index: self.srcs_sent, what });
+            self.srcs_sent += 1;
+        }
+        Ok(())
+    }
+
+    /// Takes the lock word of the SrcAvail at the front of `rx` before its first read: `false`
+    /// if the peer took it first (it copies the buffer aside and re-advertises it: wait for
+    /// its SrcAvailUpdate).
+    fn claim_front(&mut self) -> io::Result<bool> {
+        let Some(RxItem::Src(src)) = self.rx.front() else { return Ok(true) };
+        if src.claimed {
+            return Ok(true);
+        }
+        let index = src.index;
+        let Some(locks) = &self.locks else { return Ok(true) }; // the peer cannot copy
+        let off = 8 * (index % LOCK_WORDS) as usize;
+        let old = locks
+            .local_atomic(
+                off,
+                |w| if lock_index(w).is_none_or(|i| i < index) { lock_word(index, BY_RECEIVER) } else { w },
+            )
+            .map_err(|e| self.fail_verbs(e))?;
+        if lock_index(old).is_none_or(|i| i < index) {
+            if let Some(RxItem::Src(src)) = self.rx.front_mut() {
+                src.claimed = true;
+            }
+            return Ok(true);
+        }
+        if old == lock_word(index, BY_SENDER) {
+            return Ok(false);
+        }
+        let why = format!("lock word of SrcAvail {index} holds {old:#x}");
+        Err(self.fail(io::ErrorKind::InvalidData, why))
+    }
+
+    /// AZ-SDP copy-on-write, the sender's side: when a thread waits in the fault handler to
+    /// write a buffer of ours the peer has not read yet, take its lock word at the peer by
+    /// compare-and-swap; if we win, copy the buffer aside, release the application's pages and
+    /// re-advertise the copy (SrcAvailUpdate). If the peer took the word first it is reading
+    /// the buffer, and the writer waits for that. One compare-and-swap in flight at a time.
+    fn copy_on_write(&mut self) -> io::Result<()> {
+        while let Some(&(index, advert)) = self.cow_unsent.front() {
+            if !self.try_send(&Message::SrcAvailUpdate { index, advert })? {
+                return Ok(());
+            }
+            self.cow_unsent.pop_front();
+        }
+        let Some(table) = self.peer_locks.filter(|_| self.config.az_copy_on_write) else { return Ok(()) };
+        if let Some((index, token, expected)) = self.cow_try {
+            self.pipe.progress().map_err(|e| self.fail_verbs(e))?;
+            match self.pipe.take_user_completion(token) {
+                None => return Ok(()),
+                Some(WcStatus::Success) => self.cow_try = None,
+                Some(st) => {
+                    let why = format!("the peer's lock table could not be reached: {st:?}");
+                    return Err(self.fail(io::ErrorKind::ConnectionAborted, why));
+                }
+            }
+            let old = self.locks.as_ref().expect("a compare-and-swap needs our lock memory").read_u64(CAS_RESULT);
+            let Some(i) = self.sends.iter().position(|o| o.index == index) else { return Ok(()) };
+            if old == expected {
+                return self.copy_aside(i);
+            }
+            if lock_index(old).is_some_and(|taken| taken >= index) {
+                // The peer is reading it: the writer waits for its answer.
+                if let Sending::Held { lost, .. } = &mut self.sends[i].what {
+                    *lost = true;
+                }
+            } else {
+                // The word held an older SrcAvail's value than we guessed: try again with it.
+                return self.try_lock(table, index, old);
+            }
+        }
+        let wanted = self.sends.iter().find_map(|o| match &o.what {
+            Sending::Held { hold, lost: false, .. } if hold.faults() > 0 => Some(o.index),
+            _ => None,
+        });
+        if let Some(index) = wanted {
+            // The word most likely last served the SrcAvail a table's length before, read by
+            // the peer.
+            let words = table.len as u64 / 8;
+            let guess = if index >= words { lock_word(index - words, BY_RECEIVER) } else { 0 };
+            self.try_lock(table, index, guess)?;
+        }
+        Ok(())
+    }
+
+    /// Posts the compare-and-swap that takes SrcAvail `index`'s lock word in the peer's
+    /// `table`, if it holds `expected`.
+    fn try_lock(&mut self, table: Advert, index: u64, expected: u64) -> io::Result<()> {
+        let locks = self.locks.as_ref().expect("the peer only learns of copy-on-write from our table");
+        let word = table.addr + 8 * (index % (table.len as u64 / 8));
+        let mine = lock_word(index, BY_SENDER);
+        let wr = SendWr::compare_and_swap(0, locks.sge(CAS_RESULT, 8), word, table.rkey, expected, mine);
+        let token = self.pipe.post_user(wr).map_err(|e| self.fail_verbs(e))?;
+        self.cow_try = Some((index, token, expected));
+        Ok(())
+    }
+
+    /// We hold the lock word of `sends[i]`: copy its buffer aside, let the application have
+    /// its pages back, and tell the peer where the bytes are now.
+    fn copy_aside(&mut self, i: usize) -> io::Result<()> {
+        let rt = runtime()?;
+        let Sending::Held { hold, .. } = &self.sends[i].what else { return Ok(()) };
+        let mut copy = vec![0u8; hold.len()].into_boxed_slice();
+        // SAFETY: the held pages are read-only, not inaccessible (a receive into them waits for
+        // this send), so plain loads do not fault; pages unmapped against the contract are
+        // reported instead of crashing.
+        let ((), intact) = protect::guarded_read(|| unsafe {
+            std::ptr::copy_nonoverlapping(hold.addr() as *const u8, copy.as_mut_ptr(), copy.len())
+        });
+        if !intact {
+            return Err(self.fail(io::ErrorKind::ConnectionAborted, "a held send buffer was unmapped".into()));
+        }
+        let mr = rt.pd.register(copy, AccessFlags::REMOTE_READ).map_err(verbs_io)?;
+        let advert = Advert { len: mr.len() as u32, rkey: mr.rkey(), addr: mr.addr() };
+        let index = self.sends[i].index;
+        let held = std::mem::replace(&mut self.sends[i].what, Sending::Copied { _copy: mr });
+        if let Sending::Held { hold, reg, .. } = held {
+            self.note_faults(hold.faults());
+            drop(reg);
+            drop(hold); // the writer waiting in the fault handler goes on
+        }
+        self.cow_unsent.push_back((index, advert));
+        while let Some(&(index, advert)) = self.cow_unsent.front() {
+            if !self.try_send(&Message::SrcAvailUpdate { index, advert })? {
+                break;
+            }
+            self.cow_unsent.pop_front();
         }
         self.flush_pipe()
     }
@@ -1086,9 +1372,9 @@ impl Conn {
                 }
                 Ok(ReadStep::Got(n))
             }
-            Some(RxItem::Src(a, done)) => {
+            Some(RxItem::Src(src)) => {
                 pumped?;
-                let (a, done) = (*a, *done);
+                let (a, done) = (src.advert, src.done);
                 let n = (buf.len() as u64).min((a.len - done) as u64) as usize;
                 // Receiving writes the buffer: a send still reading it (AZ-SDP returned before
                 // the peer took it) or a receive still landing in it must finish first, as a
@@ -1098,9 +1384,15 @@ impl Conn {
                         // Our own write of this buffer, which the peer may take only after a
                         // read of its own that waits for us the same way: take the data aside
                         // now (answering the peer), to be copied in once the buffer is free.
+                        if !self.claim_front()? {
+                            return Ok(ReadStep::Nothing); // moved: its SrcAvailUpdate is coming
+                        }
                         self.read_aside(n)?;
                     }
                     return Ok(ReadStep::BufferHeld);
+                }
+                if !self.claim_front()? {
+                    return Ok(ReadStep::Nothing); // moved: its SrcAvailUpdate is coming
                 }
                 // An AZ-SDP receiver holds the whole pages and lets their read land later;
                 // the unaligned head is read at once.
@@ -1121,11 +1413,7 @@ impl Conn {
                     let dst = &mut buf[head..head + middle];
                     self.post_read(dst, a.addr + done as u64 + head as u64, a.rkey, true, answer)?;
                 }
-                if end == a.len {
-                    self.rx.pop_front();
-                } else if let Some(RxItem::Src(_, d)) = self.rx.front_mut() {
-                    *d = end;
-                }
+                self.consume_front_src(end);
                 Ok(ReadStep::Got(head + middle))
             }
             None => {
@@ -1138,24 +1426,35 @@ impl Conn {
     /// Whether an AZ-SDP write of ours still holds part of `buf`.
     fn sending_from(&self, buf: &[u8]) -> bool {
         let (start, end) = (buf.as_ptr() as usize, buf.as_ptr() as usize + buf.len());
-        self.sends.iter().any(|o| o.held.as_ref().is_some_and(|(h, _)| h.addr() < end && start < h.addr() + h.len()))
+        self.sends.iter().any(|o| match &o.what {
+            Sending::Held { hold: h, .. } => h.addr() < end && start < h.addr() + h.len(),
+            _ => false,
+        })
     }
 
     /// Reads the next `n` bytes of the SrcAvail at the front into a private buffer, queued as
     /// stream bytes ahead of the rest of it, answering the peer if that ends the SrcAvail.
     fn read_aside(&mut self, n: usize) -> io::Result<()> {
-        let Some(&RxItem::Src(a, done)) = self.rx.front() else { return Ok(()) };
+        let Some(RxItem::Src(src)) = self.rx.front() else { return Ok(()) };
+        let (a, done) = (src.advert, src.done);
         let mut aside = vec![0u8; n];
         let end = done + n as u32;
         let token = self.post_read(&mut aside, a.addr + done as u64, a.rkey, false, (end == a.len).then_some(end))?;
         self.wait_read(token)?;
-        if end == a.len {
-            self.rx.pop_front();
-        } else if let Some(RxItem::Src(_, d)) = self.rx.front_mut() {
-            *d = end;
-        }
+        self.consume_front_src(end);
         self.rx.push_front(RxItem::Bytes(aside, 0));
         Ok(())
+    }
+
+    /// Notes that the SrcAvail at the front of `rx` has been read up to `end`; drops it once
+    /// read to its end.
+    fn consume_front_src(&mut self, end: u32) {
+        if let Some(RxItem::Src(src)) = self.rx.front_mut() {
+            src.done = end;
+            if end == src.advert.len {
+                self.rx.pop_front();
+            }
+        }
     }
 
     /// The buffer-copy fast path: while nothing is queued, copies whole Data messages straight
@@ -1255,19 +1554,25 @@ enum Control {
     ReadDone(u32),
     Cancel,
     Mode(Design),
+    Locks(Advert),
+    Moved(u64, Advert),
     Abort,
 }
 
+/// Decodes one message and queues its stream content (`srcs_seen` numbers SrcAvails).
 fn take_message(
     bytes: &[u8],
     seq: &mut Sequencer,
     rx: &mut VecDeque<RxItem>,
     eof: &mut bool,
+    srcs_seen: &mut u64,
 ) -> Result<Option<Control>, io::Error> {
     let bad = |e: WireError| io::Error::new(io::ErrorKind::InvalidData, format!("malformed SDP message: {e}"));
     let (h, m) = Message::decode(bytes).map_err(bad)?;
     seq.accept(&h).map_err(bad)?;
-    if *eof && !matches!(m, Message::RdmaRdCompl { .. } | Message::Abort | Message::ModeChange(_)) {
+    if *eof
+        && !matches!(m, Message::RdmaRdCompl { .. } | Message::Abort | Message::ModeChange(_) | Message::LockTable(_))
+    {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "stream content after Disconnect"));
     }
     Ok(match m {
@@ -1276,10 +1581,13 @@ fn take_message(
             rx.push_back(RxItem::Bytes(d.to_vec(), 0));
             None
         }
-        Message::SrcAvail(a) => {
-            rx.push_back(RxItem::Src(a, 0));
+        Message::SrcAvail(advert) => {
+            rx.push_back(RxItem::Src(SrcItem { advert, done: 0, index: *srcs_seen, claimed: false }));
+            *srcs_seen += 1;
             None
         }
+        Message::LockTable(a) => Some(Control::Locks(a)),
+        Message::SrcAvailUpdate { index, advert } => Some(Control::Moved(index, advert)),
         Message::SinkAvail(_) => {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "SinkAvail is not used by this implementation"))
         }

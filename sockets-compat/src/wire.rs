@@ -3,7 +3,9 @@
 //!
 //! Every message starts with the 16-byte BSDH: message id, flags, buffer credits, total length
 //! (header included), the sender's message sequence number `mseq` and the last `mseq` it
-//! received (`mseq_ack`). Message ids follow the SDP specification's numbering. Decoding checks
+//! received (`mseq_ack`). Message ids follow the SDP specification's numbering; the two
+//! messages of AZ-SDP's copy-on-write variant (LockTable, SrcAvailUpdate), which the
+//! specification does not have, use ids from 0x80. Decoding checks
 //! every length against the bytes actually present, so a malformed peer message is an error,
 //! never a panic or an out-of-bounds read.
 
@@ -59,6 +61,8 @@ mod mid {
     pub const RDMA_RD_COMPL: u8 = 0x06;
     pub const MODE_CHANGE: u8 = 0x07;
     pub const SRC_AVAIL_CANCEL: u8 = 0x08;
+    pub const LOCK_TABLE: u8 = 0x80;
+    pub const SRC_AVAIL_UPDATE: u8 = 0x81;
     pub const SINK_AVAIL: u8 = 0xFD;
     pub const SRC_AVAIL: u8 = 0xFE;
     pub const DATA: u8 = 0xFF;
@@ -139,6 +143,30 @@ pub struct Advert {
     pub addr: u64,
 }
 
+impl Advert {
+    fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.len.to_be_bytes());
+        out.extend_from_slice(&self.rkey.to_be_bytes());
+        out.extend_from_slice(&self.addr.to_be_bytes());
+    }
+
+    /// Decodes 16 bytes (the caller checked there are exactly 16).
+    fn decode(b: &[u8]) -> Result<Advert, WireError> {
+        let a = Advert {
+            len: u32::from_be_bytes(b[0..4].try_into().expect("4 bytes")),
+            rkey: u32::from_be_bytes(b[4..8].try_into().expect("4 bytes")),
+            addr: u64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
+        };
+        if a.len == 0 {
+            return Err(WireError::BadField { field: "advertised length", value: 0 });
+        }
+        if a.addr.checked_add(a.len as u64).is_none() {
+            return Err(WireError::BadField { field: "advertised address", value: a.addr });
+        }
+        Ok(a)
+    }
+}
+
 /// One SDP message (the payload of Data borrowed from the decoded bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Message<'a> {
@@ -158,6 +186,18 @@ pub enum Message<'a> {
     SrcAvailCancel,
     /// The sender switches design.
     ModeChange(Design),
+    /// Where the sender keeps one lock word (8 bytes) per outstanding SrcAvail of its peer,
+    /// for AZ-SDP's copy-on-write: the word of the SrcAvail numbered `n` (counting from 0 on
+    /// the connection) is at `addr + 8 * (n % (len / 8))`, taken by compare-and-swap.
+    LockTable(Advert),
+    /// Copy-on-write: the sender's SrcAvail numbered `index` (whose lock it won, so the
+    /// receiver has not started reading it) now lies in `advert` (same length).
+    SrcAvailUpdate {
+        /// Number of the SrcAvail on the connection, from 0.
+        index: u64,
+        /// Where its bytes are now.
+        advert: Advert,
+    },
     /// The sender will send no more stream bytes (shutdown of its write side).
     Disconnect,
     /// The sender drops the connection at once.
@@ -173,6 +213,8 @@ impl Message<'_> {
             Message::RdmaRdCompl { .. } => mid::RDMA_RD_COMPL,
             Message::SrcAvailCancel => mid::SRC_AVAIL_CANCEL,
             Message::ModeChange(_) => mid::MODE_CHANGE,
+            Message::LockTable(_) => mid::LOCK_TABLE,
+            Message::SrcAvailUpdate { .. } => mid::SRC_AVAIL_UPDATE,
             Message::Disconnect => mid::DISCONNECT,
             Message::Abort => mid::ABORT,
         }
@@ -182,7 +224,8 @@ impl Message<'_> {
     pub fn body_len(&self) -> usize {
         match self {
             Message::Data(d) => d.len(),
-            Message::SrcAvail(_) | Message::SinkAvail(_) => 16,
+            Message::SrcAvail(_) | Message::SinkAvail(_) | Message::LockTable(_) => 16,
+            Message::SrcAvailUpdate { .. } => 24,
             Message::RdmaRdCompl { .. } => 4,
             Message::ModeChange(_) => 4,
             Message::SrcAvailCancel | Message::Disconnect | Message::Abort => 0,
@@ -205,10 +248,10 @@ impl Message<'_> {
         out.extend_from_slice(&h.mseq_ack.to_be_bytes());
         match self {
             Message::Data(d) => out.extend_from_slice(d),
-            Message::SrcAvail(a) | Message::SinkAvail(a) => {
-                out.extend_from_slice(&a.len.to_be_bytes());
-                out.extend_from_slice(&a.rkey.to_be_bytes());
-                out.extend_from_slice(&a.addr.to_be_bytes());
+            Message::SrcAvail(a) | Message::SinkAvail(a) | Message::LockTable(a) => a.encode(out),
+            Message::SrcAvailUpdate { index, advert } => {
+                out.extend_from_slice(&index.to_be_bytes());
+                advert.encode(out);
             }
             Message::RdmaRdCompl { len } => out.extend_from_slice(&len.to_be_bytes()),
             Message::ModeChange(d) => out.extend_from_slice(&[d.code(), 0, 0, 0]),
@@ -237,27 +280,29 @@ impl Message<'_> {
                 Err(WireError::BadLength { claimed: len, actual: BSDH_LEN + n })
             }
         };
-        let advert = |b: &[u8]| Advert {
-            len: u32::from_be_bytes(b[0..4].try_into().expect("4 bytes")),
-            rkey: u32::from_be_bytes(b[4..8].try_into().expect("4 bytes")),
-            addr: u64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
-        };
         let msg = match id {
             mid::DATA => Message::Data(body),
             mid::SRC_AVAIL | mid::SINK_AVAIL => {
                 need(16)?;
-                let a = advert(body);
-                if a.len == 0 {
-                    return Err(WireError::BadField { field: "advertised length", value: 0 });
-                }
-                if a.addr.checked_add(a.len as u64).is_none() {
-                    return Err(WireError::BadField { field: "advertised address", value: a.addr });
-                }
+                let a = Advert::decode(body)?;
                 if id == mid::SRC_AVAIL {
                     Message::SrcAvail(a)
                 } else {
                     Message::SinkAvail(a)
                 }
+            }
+            mid::LOCK_TABLE => {
+                need(16)?;
+                let a = Advert::decode(body)?;
+                if !a.len.is_multiple_of(8) || !a.addr.is_multiple_of(8) {
+                    return Err(WireError::BadField { field: "lock table (8-byte words)", value: a.len as u64 });
+                }
+                Message::LockTable(a)
+            }
+            mid::SRC_AVAIL_UPDATE => {
+                need(24)?;
+                let index = u64::from_be_bytes(body[0..8].try_into().expect("8 bytes"));
+                Message::SrcAvailUpdate { index, advert: Advert::decode(&body[8..])? }
             }
             mid::RDMA_RD_COMPL => {
                 need(4)?;
@@ -346,6 +391,8 @@ mod tests {
         Compl(u32),
         Cancel,
         Mode(Design),
+        Locks(Advert),
+        Update(u64, Advert),
         Disc,
         Abort,
     }
@@ -359,6 +406,8 @@ mod tests {
                 Owned::Compl(l) => Message::RdmaRdCompl { len: *l },
                 Owned::Cancel => Message::SrcAvailCancel,
                 Owned::Mode(d) => Message::ModeChange(*d),
+                Owned::Locks(a) => Message::LockTable(*a),
+                Owned::Update(index, advert) => Message::SrcAvailUpdate { index: *index, advert: *advert },
                 Owned::Disc => Message::Disconnect,
                 Owned::Abort => Message::Abort,
             }
@@ -373,6 +422,12 @@ mod tests {
             any::<u32>().prop_map(Owned::Compl),
             Just(Owned::Cancel),
             arb_design().prop_map(Owned::Mode),
+            (1u32..1 << 20, any::<u32>(), 0u64..(1 << 45)).prop_map(|(n, rkey, w)| Owned::Locks(Advert {
+                len: 8 * n,
+                rkey,
+                addr: 8 * w
+            })),
+            (any::<u64>(), arb_advert()).prop_map(|(i, a)| Owned::Update(i, a)),
             Just(Owned::Disc),
             Just(Owned::Abort),
         ]
@@ -424,6 +479,13 @@ mod tests {
         assert!(matches!(Message::decode(&out), Err(WireError::BadField { .. })));
         out[0] = 0x55;
         assert_eq!(Message::decode(&out), Err(WireError::UnknownId(0x55)));
+        out.clear();
+        Message::LockTable(Advert { len: 12, rkey: 1, addr: 8 }).encode(&Bsdh::default(), &mut out);
+        assert!(matches!(Message::decode(&out), Err(WireError::BadField { .. })), "lock words are 8 bytes");
+        out.clear();
+        Message::SrcAvailUpdate { index: 3, advert: Advert { len: 0, rkey: 1, addr: 8 } }
+            .encode(&Bsdh::default(), &mut out);
+        assert!(matches!(Message::decode(&out), Err(WireError::BadField { .. })));
     }
 
     #[test]

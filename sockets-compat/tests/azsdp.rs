@@ -16,8 +16,20 @@ use common::{pair, Pages, Rng};
 
 const PAGE: usize = 4096;
 
+/// AZ-SDP with block-on-write: a store into a buffer in flight waits for the peer's read.
 fn az() -> SdpConfig {
-    SdpConfig { design: Design::AzSdp, zcopy_threshold: PAGE, az_fault_limit: u32::MAX, ..SdpConfig::default() }
+    SdpConfig {
+        design: Design::AzSdp,
+        zcopy_threshold: PAGE,
+        az_fault_limit: u32::MAX,
+        az_copy_on_write: false,
+        ..SdpConfig::default()
+    }
+}
+
+/// AZ-SDP with copy-on-write: such a store copies the buffer aside unless the peer is reading.
+fn az_cow() -> SdpConfig {
+    SdpConfig { az_copy_on_write: true, ..az() }
 }
 
 /// Reads `n` bytes on another thread after `delay`, so the writer's transfers stay in flight.
@@ -259,6 +271,81 @@ fn both_ends_writing_then_reading_into_the_same_buffer_do_not_wait_for_each_othe
     for e in ends {
         drop(e.join().unwrap());
     }
+}
+
+#[test]
+fn with_copy_on_write_a_store_into_a_buffer_the_peer_has_not_read_copies_it_aside() {
+    let (mut c, s) = pair(az_cow(), az_cow());
+    let mut mem = Pages::new(16 * PAGE);
+    let original = Rng(7).bytes(mem.len);
+    mem.bytes().copy_from_slice(&original);
+    let reader = late_reader(s, 2 * mem.len, Duration::from_millis(400));
+    let t = Instant::now();
+    c.write_all(mem.bytes()).unwrap();
+    // The store takes the buffer's lock word at the idle reader and goes on with a copy made.
+    mem.bytes().fill(0xee);
+    assert!(t.elapsed() < Duration::from_millis(300), "the store waited for the reader ({:?})", t.elapsed());
+    assert!(c.faults() >= 1);
+    c.write_all(mem.bytes()).unwrap();
+    c.flush().unwrap();
+    let (_s, got) = reader.join().unwrap();
+    assert!(got[..mem.len] == original[..], "the peer saw a change made after write returned");
+    assert!(got[mem.len..].iter().all(|&b| b == 0xee));
+}
+
+#[test]
+fn with_copy_on_write_a_store_still_waits_for_a_peer_already_reading() {
+    let (mut c, mut s) = pair(az_cow(), az_cow());
+    let mut mem = Pages::new(16 * PAGE);
+    let original = Rng(8).bytes(mem.len);
+    mem.bytes().copy_from_slice(&original);
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let reader = thread::spawn(move || {
+        // Takes the advert's lock word with its first page, then stalls before the rest.
+        let mut got = vec![0u8; 16 * PAGE];
+        s.read_exact(&mut got[..PAGE]).unwrap();
+        tx.send(()).unwrap();
+        thread::sleep(Duration::from_millis(300));
+        s.read_exact(&mut got[PAGE..]).unwrap();
+        (s, got)
+    });
+    c.write_all(mem.bytes()).unwrap();
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let t = Instant::now();
+    mem.bytes().fill(0xee);
+    assert!(t.elapsed() >= Duration::from_millis(150), "a store into a buffer being read did not wait");
+    c.flush().unwrap();
+    let (_s, got) = reader.join().unwrap();
+    assert!(got == original, "the peer saw a change made after write returned");
+}
+
+#[test]
+fn with_copy_on_write_two_ends_storing_into_buffers_in_flight_do_not_deadlock() {
+    // Each end writes a buffer, stores into it at once, then reads: with block-on-write each
+    // store waits for a read the other end never gets to.
+    let (c, s) = pair(az_cow(), az_cow());
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    for (seed, mut x) in [(1u64, c), (2u64, s)] {
+        let done = done_tx.clone();
+        thread::spawn(move || {
+            let mut mem = Pages::new(16 * PAGE);
+            let mut got = vec![0u8; 16 * PAGE];
+            for round in 0..10 {
+                let mine = Rng(seed * 100 + round).bytes(16 * PAGE);
+                mem.bytes().copy_from_slice(&mine);
+                x.write_all(mem.bytes()).unwrap();
+                mem.bytes().fill(0); // the next message is prepared in the same buffer
+                x.read_exact(&mut got).unwrap();
+                let theirs = Rng((3 - seed) * 100 + round).bytes(16 * PAGE);
+                assert!(got == theirs, "end {seed}, round {round}: wrong data");
+            }
+            x.flush().unwrap();
+            done.send(x).unwrap();
+        });
+    }
+    let ends: Vec<SdpStream> =
+        (0..2).map(|_| done_rx.recv_timeout(Duration::from_secs(30)).expect("deadlock")).collect();
+    drop(ends);
 }
 
 /// The permissions `/proc/self/maps` shows for the page at `addr` ("rw-p", "r--p", ...).

@@ -106,6 +106,9 @@ fn aligned(v: &mut [u8], pages: usize) -> &mut [u8] {
 #[test]
 fn a_peer_that_aborts_instead_of_reading_a_held_buffer_releases_it() {
     let mut s = with_raw_peer_and(az(), |p| {
+        // The socket first tells where its copy-on-write lock table is.
+        let table = p.recv(T).unwrap();
+        assert!(matches!(Message::decode(&table).unwrap().1, Message::LockTable(_)));
         let advert = p.recv(T).unwrap();
         assert!(matches!(Message::decode(&advert).unwrap().1, Message::SrcAvail(_)));
         std::thread::sleep(Duration::from_millis(50));
