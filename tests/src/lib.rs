@@ -106,3 +106,27 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 }
 
 pub mod peer_proto;
+
+/// One end of the AZ-SDP symmetric store pattern: `rounds` times, write a 16-page buffer
+/// (`pattern(end * 1000 + round)`), store into it at once (preparing the next message in the
+/// same memory), then read the other end's 16 pages (`pattern((3 - end) * 1000 + round)`) into
+/// a second buffer. With block-on-write both ends' stores wait for reads neither end reaches.
+pub fn write_store_read(s: &mut sockets_compat::SdpStream, end: u64, rounds: u64) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    const PAGES: usize = 16;
+    let page = portability_verbs::page_size();
+    let mut backing = vec![0u8; (PAGES + 1) * page];
+    let off = (backing.as_ptr() as usize).next_multiple_of(page) - backing.as_ptr() as usize;
+    let buf = &mut backing[off..off + PAGES * page];
+    let mut got = vec![0u8; PAGES * page];
+    for round in 0..rounds {
+        buf.copy_from_slice(&pattern(end * 1000 + round, buf.len()));
+        s.write_all(buf)?;
+        buf.fill(0);
+        s.read_exact(&mut got)?;
+        if got != pattern((3 - end) * 1000 + round, got.len()) {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("round {round}: wrong data")));
+        }
+    }
+    Ok(())
+}

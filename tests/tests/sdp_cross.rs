@@ -71,6 +71,36 @@ fn echo_across_processes_is_byte_exact_asynchronous_zero_copy() {
 }
 
 #[test]
+fn copy_on_write_lets_two_processes_store_into_buffers_in_flight() {
+    // Each process writes a buffer, stores into it at once, then reads: with block-on-write
+    // each store would wait for a read the other process never reaches.
+    let cfg = SdpConfig { design: Design::AzSdp, zcopy_threshold: 16 * 1024, ..SdpConfig::default() };
+    assert!(cfg.az_copy_on_write, "copy-on-write is the default");
+    let l = SdpListener::bind_with("127.0.0.1:0", cfg).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_sdp_peer"))
+        .arg(l.local_addr().unwrap().to_string())
+        .args(["write-store-read", "20"])
+        .env("SDP_DESIGN", "azsdp")
+        .env("SDP_ZCOPY_THRESHOLD", "16384")
+        .spawn()
+        .unwrap();
+    let (mut s, _) = l.accept_timeout(Duration::from_secs(20)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    // On a thread of its own: a deadlock stops it in the fault handler, where no timeout reaches.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = tests::write_store_read(&mut s, 1, 20).and_then(|()| s.flush());
+        let _ = tx.send(r.map(|()| s));
+    });
+    let s = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(r) => r.unwrap(),
+        Err(_) => panic!("the two processes deadlocked on their stores"),
+    };
+    assert!(reap(child).success(), "the peer failed");
+    drop(s);
+}
+
+#[test]
 fn a_peer_dying_mid_stream_is_a_reset_after_its_data() {
     let l = SdpListener::bind_with("127.0.0.1:0", SdpConfig::default()).unwrap();
     let n = 300_000usize;

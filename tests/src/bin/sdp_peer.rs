@@ -2,6 +2,9 @@
 //!
 //!     sdp_peer <addr> send-then-die <bytes>   connect, write <bytes> bytes, exit without closing
 //!     sdp_peer <addr> echo                    connect, echo everything until EOF, then close
+//!     sdp_peer <addr> write-store-read <n>    <n> rounds of: write a 16-page buffer, store
+//!                                             into it at once, read 16 pages (see
+//!                                             `tests::write_store_read`)
 //!
 //! The socket's settings come from the environment (`SDP_DESIGN`, `SDP_ZCOPY_THRESHOLD`, ...).
 
@@ -35,6 +38,11 @@ fn main() {
                 }
                 s.write_all(&buf[..n]).expect("write");
             }
+        }
+        "write-store-read" => {
+            let rounds: u64 = args[3].parse().expect("round count");
+            tests::write_store_read(&mut s, 2, rounds).expect("write-store-read");
+            s.flush().expect("flush");
         }
         other => panic!("unknown mode {other}"),
     }
