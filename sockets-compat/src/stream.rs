@@ -324,8 +324,9 @@ enum Sending {
     /// ZSDP: the waiting `write` keeps the buffer and its registration.
     Waited,
     /// AZ-SDP: the application's buffer, read-only until the answer, and its registration;
-    /// `lost` once the peer took the buffer's lock word first (it is reading: a store waits).
-    Held { hold: ProtectedRange, reg: Registration<'static>, lost: bool },
+    /// since when a store has been waiting for it (as far as we noticed); `lost` once the peer
+    /// took the buffer's lock word first (it is reading: the store waits).
+    Held { hold: ProtectedRange, reg: Registration<'static>, waited_since: Option<Instant>, lost: bool },
     /// AZ-SDP after copy-on-write: the private copy the peer reads instead.
     Copied { _copy: MemoryRegion },
 }
@@ -378,6 +379,9 @@ struct Conn {
     cow_try: Option<(u64, u64, u64)>,
     /// SrcAvailUpdates flow control held back, oldest first.
     cow_unsent: VecDeque<(u64, Advert)>,
+    /// When the peer last answered a SrcAvail of ours (or the connection came up): a peer that
+    /// keeps answering is reading, and a store waiting for it is better left waiting.
+    answered_at: Instant,
     /// ZSDP: the answer to the waiting write's SrcAvail.
     zcopy_answer: Option<u32>,
     reads: VecDeque<PendingRead>,
@@ -460,6 +464,7 @@ impl SdpStream {
             srcs_seen: 0,
             cow_try: None,
             cow_unsent: VecDeque::new(),
+            answered_at: Instant::now(),
             zcopy_answer: None,
             reads: VecDeque::new(),
             lazy: VecDeque::new(),
@@ -804,7 +809,7 @@ impl SdpStream {
             None => unsafe { protect::protect(addr, len, Protection::ReadOnly) },
         }
         .map_err(verbs_io)?;
-        let mut pending = Some(Sending::Held { hold, reg, lost: false });
+        let mut pending = Some(Sending::Held { hold, reg, waited_since: None, lost: false });
         let mut pacer = Pacer::default();
         loop {
             {
@@ -890,6 +895,13 @@ impl SdpStream {
 fn hold_cost(len: usize) -> Duration {
     let pages = len.div_ceil(portability_verbs::page_size()) as u64;
     Duration::from_nanos(2 * (2000 + 80 * pages))
+}
+
+/// What copying `len` bytes aside costs (a fresh buffer's page faults and the copy: about
+/// 20 us plus 4 bytes a nanosecond): a store waits this long for the peer's read before an
+/// AZ-SDP sender copies the buffer instead.
+fn copy_cost(len: usize) -> Duration {
+    Duration::from_nanos(20_000 + len as u64 / 4)
 }
 
 /// Splits a buffer at `addr` of `len` bytes into its unaligned head and its whole pages:
@@ -1109,7 +1121,9 @@ impl Conn {
 
     fn apply(&mut self, ctl: Control) -> io::Result<()> {
         match ctl {
-            Control::ReadDone(n) => match self.sends.pop_front().map(|o| (o.len, o.what)) {
+            Control::ReadDone(n) => match self.sends.pop_front().map(|o| (o.len, o.what)).inspect(|_| {
+                self.answered_at = Instant::now();
+            }) {
                 Some((_, Sending::Waited)) => self.zcopy_answer = Some(n),
                 Some((len, Sending::Copied { .. })) => {
                     if n != len {
@@ -1276,8 +1290,15 @@ impl Conn {
                 return self.try_lock(table, index, old);
             }
         }
-        let wanted = self.sends.iter().find_map(|o| match &o.what {
-            Sending::Held { hold, lost: false, .. } if hold.faults() > 0 => Some(o.index),
+        // A store that has waited longer than copying the buffer would take, while the peer
+        // answered none of our SrcAvails: it is not reading (a peer that is, even behind other
+        // buffers of ours, ends the wait sooner than copies would).
+        let (now, answered_at) = (Instant::now(), self.answered_at);
+        let wanted = self.sends.iter_mut().find_map(|o| match &mut o.what {
+            Sending::Held { hold, lost: false, waited_since, .. } if hold.faults() > 0 => {
+                let since = (*waited_since.get_or_insert(now)).max(answered_at);
+                (now - since >= copy_cost(hold.len())).then_some(o.index)
+            }
             _ => None,
         });
         if let Some(index) = wanted {

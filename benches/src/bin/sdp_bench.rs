@@ -55,7 +55,8 @@ struct Args {
     /// Connection counts of the multi-connection tests (comma-separated).
     #[arg(long, default_value = "1,2,4", value_delimiter = ',')]
     connections: Vec<usize>,
-    /// Which transports (bsdp, zsdp, azsdp, tcp).
+    /// Which transports (bsdp, zsdp, azsdp, azsdp-bow, tcp; azsdp copies a buffer aside when
+    /// the application stores into it before the peer reads it, azsdp-bow waits instead).
     #[arg(long, default_value = "bsdp,zsdp,azsdp,tcp", value_delimiter = ',')]
     layers: Vec<String>,
     /// The zero-copy threshold of ZSDP and AZ-SDP.
@@ -112,10 +113,15 @@ fn touch(buf: &[u8]) -> u64 {
     std::hint::black_box(std::hint::black_box(buf).iter().step_by(4096).map(|&b| b as u64).sum())
 }
 
-/// The socket configuration of an SDP layer.
+/// The socket configuration of an SDP layer: a design's name, or `azsdp-bow` for AZ-SDP with
+/// block-on-write instead of the default copy-on-write.
 fn sdp_config(layer: &str, zcopy_threshold: usize) -> SdpConfig {
-    let design = Design::by_name(layer).unwrap_or_else(|| panic!("unknown layer {layer}"));
-    SdpConfig { design, zcopy_threshold, ..SdpConfig::default() }
+    let (name, block_on_write) = match layer.strip_suffix("-bow") {
+        Some(name) => (name, true),
+        None => (layer, false),
+    };
+    let design = Design::by_name(name).unwrap_or_else(|| panic!("unknown layer {layer}"));
+    SdpConfig { design, zcopy_threshold, az_copy_on_write: !block_on_write, ..SdpConfig::default() }
 }
 
 /// `n` connected pairs of the named transport on one listener: (client, server) each.
