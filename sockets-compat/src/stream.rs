@@ -1264,7 +1264,11 @@ impl Conn {
             }
             self.cow_unsent.pop_front();
         }
-        let Some(table) = self.peer_locks.filter(|_| self.config.az_copy_on_write) else { return Ok(()) };
+        // Our lock memory holds the compare-and-swap results (a peer announcing a table to a
+        // socket without one is ignored).
+        let Some(table) = self.peer_locks.filter(|_| self.config.az_copy_on_write && self.locks.is_some()) else {
+            return Ok(());
+        };
         if let Some((index, token, expected)) = self.cow_try {
             self.pipe.progress().map_err(|e| self.fail_verbs(e))?;
             match self.pipe.take_user_completion(token) {
@@ -1275,7 +1279,7 @@ impl Conn {
                     return Err(self.fail(io::ErrorKind::ConnectionAborted, why));
                 }
             }
-            let old = self.locks.as_ref().expect("a compare-and-swap needs our lock memory").read_u64(CAS_RESULT);
+            let old = self.locks.as_ref().expect("checked above").read_u64(CAS_RESULT);
             let Some(i) = self.sends.iter().position(|o| o.index == index) else { return Ok(()) };
             if old == expected {
                 return self.copy_aside(i);
@@ -1314,7 +1318,7 @@ impl Conn {
     /// Posts the compare-and-swap that takes SrcAvail `index`'s lock word in the peer's
     /// `table`, if it holds `expected`.
     fn try_lock(&mut self, table: Advert, index: u64, expected: u64) -> io::Result<()> {
-        let locks = self.locks.as_ref().expect("the peer only learns of copy-on-write from our table");
+        let locks = self.locks.as_ref().expect("copy_on_write checks our lock memory first");
         let word = table.addr + 8 * (index % (table.len as u64 / 8));
         let mine = lock_word(index, BY_SENDER);
         let wr = SendWr::compare_and_swap(0, locks.sge(CAS_RESULT, 8), word, table.rkey, expected, mine);
