@@ -157,6 +157,22 @@ fn atomics_compare_swap_and_fetch_add() {
     });
 }
 
+/// Adds 1 to the first word of `target` `times` times, by fetch-and-add from a queue pair of its
+/// own, waiting for each.
+fn add_one_remotely(ctx: &Context, pd: &ProtectionDomain, target: &MemoryRegion, times: u64) {
+    let cq = ctx.create_cq(64).unwrap();
+    let tcq = ctx.create_cq(64).unwrap();
+    let a = pd.create_qp(&QpInit::new(&cq)).unwrap();
+    let b = pd.create_qp(&QpInit::new(&tcq)).unwrap();
+    a.connect_to(b.endpoint()).unwrap();
+    b.connect_to(a.endpoint()).unwrap();
+    let res = pd.register(vec![0u8; 8].into_boxed_slice(), AccessFlags::ALL).unwrap();
+    for i in 0..times {
+        a.post_send(&[SendWr::fetch_and_add(i, res.sge(0, 8), target.addr(), target.rkey(), 1)]).unwrap();
+        assert_eq!(wait_one(&cq).status, WcStatus::Success);
+    }
+}
+
 #[test]
 fn atomics_are_atomic_with_respect_to_each_other() {
     each(|ctx| {
@@ -167,18 +183,7 @@ fn atomics_are_atomic_with_respect_to_each_other() {
         std::thread::scope(|s| {
             for _ in 0..threads {
                 s.spawn(|| {
-                    let cq = ctx.create_cq(64).unwrap();
-                    let tcq = ctx.create_cq(64).unwrap();
-                    let a = pd.create_qp(&QpInit::new(&cq)).unwrap();
-                    let b = pd.create_qp(&QpInit::new(&tcq)).unwrap();
-                    a.connect_to(b.endpoint()).unwrap();
-                    b.connect_to(a.endpoint()).unwrap();
-                    let res = pd.register(vec![0u8; 8].into_boxed_slice(), AccessFlags::ALL).unwrap();
-                    for i in 0..per_thread {
-                        a.post_send(&[SendWr::fetch_and_add(i, res.sge(0, 8), target.addr(), target.rkey(), 1)])
-                            .unwrap();
-                        assert_eq!(wait_one(&cq).status, WcStatus::Success);
-                    }
+                    add_one_remotely(ctx, &pd, &target, per_thread);
                 });
             }
         });
@@ -203,18 +208,7 @@ fn local_atomics_exclude_the_atomics_peers_run_on_the_same_word() {
         std::thread::scope(|s| {
             for _ in 0..remote_threads {
                 s.spawn(|| {
-                    let cq = ctx.create_cq(64).unwrap();
-                    let tcq = ctx.create_cq(64).unwrap();
-                    let a = pd.create_qp(&QpInit::new(&cq)).unwrap();
-                    let b = pd.create_qp(&QpInit::new(&tcq)).unwrap();
-                    a.connect_to(b.endpoint()).unwrap();
-                    b.connect_to(a.endpoint()).unwrap();
-                    let res = pd.register(vec![0u8; 8].into_boxed_slice(), AccessFlags::ALL).unwrap();
-                    for i in 0..per_thread {
-                        a.post_send(&[SendWr::fetch_and_add(i, res.sge(0, 8), target.addr(), target.rkey(), 1)])
-                            .unwrap();
-                        assert_eq!(wait_one(&cq).status, WcStatus::Success);
-                    }
+                    add_one_remotely(ctx, &pd, &target, per_thread);
                     remote_done.fetch_add(1, std::sync::atomic::Ordering::Release);
                 });
             }
