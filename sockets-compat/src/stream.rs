@@ -809,16 +809,26 @@ impl SdpStream {
             None => unsafe { protect::protect(addr, len, Protection::ReadOnly) },
         }
         .map_err(verbs_io)?;
-        let mut pending = Some(Sending::Held { hold, reg, waited_since: None, lost: false });
+        // If this fails the socket has failed; the hold is dropped with the error.
+        self.send_advert(advert, Sending::Held { hold, reg, waited_since: None, lost: false }, deadline)
+    }
+
+    /// Sends a SrcAvail for `advert` as soon as flow control admits it, queueing `what` under
+    /// its number to await the answer, and hands it to the transport. An AZ-SDP advert puts
+    /// the socket under the engine's watch (nobody waits for its answer).
+    fn send_advert(&self, advert: Advert, what: Sending, deadline: Option<Instant>) -> io::Result<()> {
+        let watched = matches!(what, Sending::Held { .. });
+        let mut pending = Some(what);
         let mut pacer = Pacer::default();
         loop {
             {
                 let mut c = self.lock();
                 c.check_writable()?;
-                // If this fails the socket has failed; dropping `pending` releases the hold.
                 c.advertise(advert, &mut pending)?;
                 if pending.is_none() {
-                    self.watch(&mut c);
+                    if watched {
+                        self.watch(&mut c);
+                    }
                     break;
                 }
                 c.pump()?;
@@ -836,20 +846,7 @@ impl SdpStream {
         let advert = Advert { len: buf.len() as u32, rkey: reg.rkey(), addr: buf.as_ptr() as u64 };
         let mut deadline = timeout.map(|t| Instant::now() + t);
         self.lock().zcopy_answer = None;
-        let mut pending = Some(Sending::Waited);
-        let mut pacer = Pacer::default();
-        loop {
-            {
-                let mut c = self.lock();
-                c.advertise(advert, &mut pending)?;
-                if pending.is_none() {
-                    break;
-                }
-                c.pump()?;
-            }
-            pacer.pause(deadline, "sending a SrcAvail")?;
-        }
-        self.drain_staged(deadline)?;
+        self.send_advert(advert, Sending::Waited, deadline)?;
         let mut cancelled = false;
         let mut pacer = Pacer::default();
         loop {
@@ -1258,11 +1255,8 @@ impl Conn {
     /// re-advertise the copy (SrcAvailUpdate). If the peer took the word first it is reading
     /// the buffer, and the writer waits for that. One compare-and-swap in flight at a time.
     fn copy_on_write(&mut self) -> io::Result<()> {
-        while let Some(&(index, advert)) = self.cow_unsent.front() {
-            if !self.try_send(&Message::SrcAvailUpdate { index, advert })? {
-                return Ok(());
-            }
-            self.cow_unsent.pop_front();
+        if !self.send_updates()? {
+            return Ok(());
         }
         // Our lock memory holds the compare-and-swap results (a peer announcing a table to a
         // socket without one is ignored).
@@ -1297,9 +1291,11 @@ impl Conn {
         // A store that has waited longer than copying the buffer would take, while the peer
         // answered none of our SrcAvails: it is not reading (a peer that is, even behind other
         // buffers of ours, ends the wait sooner than copies would).
-        let (now, answered_at) = (Instant::now(), self.answered_at);
+        // The clock only once a store waits: `pump` runs on every socket call.
+        let (mut now, answered_at) = (None, self.answered_at);
         let wanted = self.sends.iter_mut().find_map(|o| match &mut o.what {
             Sending::Held { hold, lost: false, waited_since, .. } if hold.faults() > 0 => {
+                let now = *now.get_or_insert_with(Instant::now);
                 let since = (*waited_since.get_or_insert(now)).max(answered_at);
                 (now - since >= copy_cost(hold.len())).then_some(o.index)
             }
@@ -1352,13 +1348,19 @@ impl Conn {
             drop(hold); // the writer waiting in the fault handler goes on
         }
         self.cow_unsent.push_back((index, advert));
+        self.send_updates()?;
+        self.flush_pipe()
+    }
+
+    /// Sends the SrcAvailUpdates waiting for flow control, in order; `false` if some still wait.
+    fn send_updates(&mut self) -> io::Result<bool> {
         while let Some(&(index, advert)) = self.cow_unsent.front() {
             if !self.try_send(&Message::SrcAvailUpdate { index, advert })? {
-                break;
+                return Ok(false);
             }
             self.cow_unsent.pop_front();
         }
-        self.flush_pipe()
+        Ok(true)
     }
 
     /// One nonblocking read attempt.
