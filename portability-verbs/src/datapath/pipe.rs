@@ -280,7 +280,8 @@ pub struct MsgPipe {
     coalescer: Coalescer,
     inbox: VecDeque<Chunk>,
     outstanding: usize,
-    /// Records up to this size go inline (the queue pair's limit, at most `INLINE_MAX`).
+    /// Records up to this size go inline (the queue pair's limit, at most `INLINE_MAX`; 0 if
+    /// it takes a single SGE per send).
     inline_max: usize,
     peer_ack_seen: u64,
     failed: Option<String>,
@@ -367,7 +368,9 @@ impl MsgPipe {
             FlowStrategy::Rdma { ring_bytes, .. } => (0, ring_bytes as u64),
             FlowStrategy::Window { buffers, .. } => (buffers as u64, 1),
         };
-        let inline_max = (qp.caps().max_inline_data as usize).min(INLINE_MAX);
+        // Inline records gather a header and a payload: two SGEs.
+        let caps = qp.caps();
+        let inline_max = if caps.max_send_sge >= 2 { (caps.max_inline_data as usize).min(INLINE_MAX) } else { 0 };
         let mut pipe = MsgPipe {
             qp,
             cq,
@@ -618,17 +621,19 @@ impl MsgPipe {
         self.ring_rx.take_ack()
     }
 
-    /// Sends one record (credit and window strategies): inline from the stack when it is
-    /// small (the transport copies it at post: no staging buffer to take and give back, no
-    /// key checks), else from a staging buffer.
+    /// Sends one record (credit and window strategies): inline when it is small (the
+    /// transport gathers header and payload at post: no staging buffer to take and give back,
+    /// no key checks, no copy of ours), else from a staging buffer.
     fn send_record(&mut self, rec: Record, payload: &[u8]) -> Result<()> {
         let len = RECORD_HEADER + payload.len();
         if len <= self.inline_max {
-            let mut buf = [0u8; INLINE_MAX];
-            buf[..RECORD_HEADER].copy_from_slice(&rec.encode());
-            buf[RECORD_HEADER..len].copy_from_slice(payload);
-            let sge = Sge { addr: buf.as_ptr() as u64, length: len as u32, lkey: 0 };
-            self.qp.post_send(&[SendWr::send(wr_id(TAG_INLINE_SEND, 0), &[sge]).inline(true)])?;
+            let header = rec.encode();
+            let sges = [
+                Sge { addr: header.as_ptr() as u64, length: RECORD_HEADER as u32, lkey: 0 },
+                Sge { addr: payload.as_ptr() as u64, length: payload.len() as u32, lkey: 0 },
+            ];
+            let sges = if payload.is_empty() { &sges[..1] } else { &sges[..] };
+            self.qp.post_send(&[SendWr::send(wr_id(TAG_INLINE_SEND, 0), sges).inline(true)])?;
             self.outstanding += 1;
             self.stats.transfers += 1;
             return Ok(());
