@@ -433,7 +433,7 @@ impl Channel {
     pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
         let conn = self.conn(dest)?;
         let seq = conn.send_seq.claim(self.session.cfg.timeout)?;
-        let mut agg = AGG_CACHE.try_with(Cell::take).unwrap_or_default();
+        let mut agg = take_cached(&AGG_CACHE);
         agg.clear();
         agg.reserve(conn.max_msg);
         Record::Begin { seq: seq.seq() }.encode(&mut agg);
@@ -447,6 +447,7 @@ impl Channel {
             rdv: Vec::new(),
             bulk_tokens: Vec::new(),
             bulk_regs: Vec::new(),
+            flushed: false,
             finished: false,
         })
     }
@@ -517,11 +518,18 @@ impl Channel {
     /// back if nothing is there yet.
     fn try_begin<'u>(&'u self, conn: &'u Conn, seq: Claim<'u>) -> Result<Result<Unpacker<'u>, Claim<'u>>> {
         let got = conn.next_with(&mut conn.io(), Pump::StopAtBulk, |n| match n {
-            Next::Rec(Record::Begin { seq }, _) => Some(seq),
+            Next::Rec(Record::Begin { seq }, _) => Some((seq, None)),
+            // A small message, taken out of the pipe at once: its unpacks need no lock.
+            Next::Rec(Record::Whole { seq, packs }, body) => {
+                let mut bytes = take_cached(&WHOLE_CACHE);
+                bytes.clear();
+                bytes.extend_from_slice(body);
+                Some((seq, Some(WholeMsg { body: bytes, at: 0, packs })))
+            }
             _ => None,
         })?;
         match got {
-            Ok(Some(s)) if s == seq.seq() => Ok(Ok(Unpacker {
+            Ok(Some((s, whole))) if s == seq.seq() => Ok(Ok(Unpacker {
                 ch: self,
                 conn,
                 seq,
@@ -529,9 +537,10 @@ impl Channel {
                 pending: Vec::new(),
                 fins: Vec::new(),
                 end: None,
+                whole,
                 finished: false,
             })),
-            Ok(Some(s)) => {
+            Ok(Some((s, _))) => {
                 Err(MadError::Protocol { rank: conn.peer, why: format!("message {s} where {} was due", seq.seq()) })
             }
             Ok(None) => Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() }),
@@ -544,6 +553,22 @@ thread_local! {
     /// An aggregation buffer kept between messages, per thread: no allocation and no lock on
     /// the path of a message.
     static AGG_CACHE: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+    /// The same for the bytes of messages received whole.
+    static WHOLE_CACHE: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+}
+
+/// A buffer from this thread's `cache` (empty if it has none).
+fn take_cached(cache: &'static std::thread::LocalKey<Cell<Vec<u8>>>) -> Vec<u8> {
+    cache.try_with(Cell::take).unwrap_or_default()
+}
+
+/// Keeps `buf` in this thread's `cache` for the next message (the larger one, if another
+/// packer or unpacker of this thread returned one meanwhile).
+fn give_back(cache: &'static std::thread::LocalKey<Cell<Vec<u8>>>, buf: Vec<u8>) {
+    let _ = cache.try_with(|c| {
+        let other = c.take();
+        c.set(if other.capacity() > buf.capacity() { other } else { buf });
+    });
 }
 
 /// A pack queued behind a `SendMode::Later` pack (sent at `end_packing`, in order).
@@ -573,6 +598,8 @@ pub struct Packer<'p> {
     /// Bulk chunks of borrowed buffers still being written, and their registrations.
     bulk_tokens: Vec<u64>,
     bulk_regs: Vec<Registration<'p>>,
+    /// Part of the message was handed to the network already (it cannot go as one `Whole`).
+    flushed: bool,
     finished: bool,
 }
 
@@ -738,6 +765,7 @@ impl<'p> Packer<'p> {
         if self.agg.is_empty() {
             return Ok(());
         }
+        self.flushed = true;
         self.conn.send_msg(&self.agg, self.ch.session.cfg.timeout)?;
         self.agg.clear();
         Ok(())
@@ -760,10 +788,16 @@ impl<'p> Packer<'p> {
                 Deferred::Owned(v, m) => self.emit(&v, m)?,
             }
         }
-        if self.agg.len() + wire::HEADER > self.conn.max_msg {
-            self.flush()?;
+        if !self.flushed && self.rdv.is_empty() && self.agg.len() <= wire::WHOLE_MAX {
+            // Begin and inline packs only, all here: one Whole record instead of Begin .. End.
+            self.agg[..wire::HEADER]
+                .copy_from_slice(&Record::Whole { seq: self.seq.seq(), packs: self.packs }.header());
+        } else {
+            if self.agg.len() + wire::HEADER > self.conn.max_msg {
+                self.flush()?;
+            }
+            Record::End { packs: self.packs }.encode(&mut self.agg);
         }
-        Record::End { packs: self.packs }.encode(&mut self.agg);
         self.flush()?;
         let mut tokens = std::mem::take(&mut self.bulk_tokens);
         self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
@@ -796,13 +830,7 @@ impl Drop for Packer<'_> {
                 std::mem::forget(std::mem::take(&mut self.bulk_regs));
             }
         }
-        // Keep the aggregation buffer for this thread's next message (the larger one, if
-        // another packer of this thread returned one meanwhile).
-        let agg = std::mem::take(&mut self.agg);
-        let _ = AGG_CACHE.try_with(|c| {
-            let other = c.take();
-            c.set(if other.capacity() > agg.capacity() { other } else { agg });
-        });
+        give_back(&AGG_CACHE, std::mem::take(&mut self.agg));
     }
 }
 
@@ -832,7 +860,17 @@ pub struct Unpacker<'u> {
     fins: Vec<u32>,
     /// The message's `End` (its pack count), once taken.
     end: Option<u32>,
+    /// The message, if it came as one `Whole` record.
+    whole: Option<WholeMsg>,
     finished: bool,
+}
+
+/// A message that came whole: its packs' records (in a buffer kept per thread), and how far
+/// they were unpacked.
+struct WholeMsg {
+    body: Vec<u8>,
+    at: usize,
+    packs: u32,
 }
 
 impl<'u> Unpacker<'u> {
@@ -867,6 +905,9 @@ impl<'u> Unpacker<'u> {
     fn take_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<Got> {
         if let Some(packs) = self.end {
             return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
+        }
+        if self.whole.is_some() {
+            return self.take_whole_pack(buf, asked);
         }
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for message data");
         let this = &*self;
@@ -905,6 +946,49 @@ impl<'u> Unpacker<'u> {
             }
             w.pause_on(&[&conn.cq])?;
         }
+    }
+
+    /// Takes the next pack of a message that came whole.
+    fn take_whole_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<Got> {
+        let w = self.whole.as_mut().expect("a whole message");
+        if w.at == w.body.len() {
+            let packs = w.packs;
+            return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
+        }
+        let decoded = wire::decode_one(&w.body, w.at);
+        if let Ok((_, _, next)) = decoded {
+            // Taken even if the unpack does not match it (as a pack read from the pipe is).
+            w.at = next;
+        }
+        let (rec, data, _) = decoded.map_err(|e| self.bad(&e.to_string()))?;
+        let Record::Inline { modes, len, last: true, total } = rec else {
+            return Err(self.bad("a whole message holds complete inline packs only"));
+        };
+        if len as u64 != total {
+            return Err(self.bad("a whole message holds complete inline packs only"));
+        }
+        self.check(modes, total, asked, buf.len())?;
+        let w = self.whole.as_ref().expect("a whole message");
+        buf.copy_from_slice(&w.body[data]);
+        Ok(Got::Inline { copied: buf.len(), last: true })
+    }
+
+    /// The pack count of a message that came whole, checked against its records; counts the
+    /// packs nobody unpacked into `extra`.
+    fn whole_end(&self, w: &WholeMsg, extra: &mut u32) -> Result<u32> {
+        let mut at = w.at;
+        while at < w.body.len() {
+            let (rec, _, next) = wire::decode_one(&w.body, at).map_err(|e| self.bad(&e.to_string()))?;
+            if !matches!(rec, Record::Inline { last: true, .. }) {
+                return Err(self.bad("a whole message holds complete inline packs only"));
+            }
+            *extra += 1;
+            at = next;
+        }
+        if self.unpacks.checked_add(*extra) != Some(w.packs) {
+            return Err(self.bad("a whole message's pack count does not match its packs"));
+        }
+        Ok(w.packs)
     }
 
     /// Copies a bulk pack's bytes into `buf`: straight from the pipe's bulk lane, or from what
@@ -1122,7 +1206,11 @@ impl<'u> Unpacker<'u> {
         // The End record, or what the sender packed beyond our unpacks.
         let mut extra = 0u32;
         let mut unread = Vec::new();
-        let packs = if let Some(packs) = self.end { packs } else { self.find_end(&mut extra, &mut unread)? };
+        let packs = match (&self.whole, self.end) {
+            (Some(w), _) => self.whole_end(w, &mut extra)?,
+            (None, Some(packs)) => packs,
+            (None, None) => self.find_end(&mut extra, &mut unread)?,
+        };
         self.fins.append(&mut unread);
         self.send_fins()?;
         self.seq.advance();
@@ -1154,7 +1242,7 @@ impl<'u> Unpacker<'u> {
                     *extra += last as u32;
                     Ok(None)
                 }
-                Next::Rec(Record::Begin { .. } | Record::Fin { .. }, _) => Err(()),
+                Next::Rec(Record::Begin { .. } | Record::Whole { .. } | Record::Fin { .. }, _) => Err(()),
             })?;
             match step {
                 Ok(Some(n)) => return Ok(n),
@@ -1187,6 +1275,9 @@ impl Drop for Unpacker<'_> {
                 log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
                 std::mem::forget(std::mem::take(&mut self.pending));
             }
+        }
+        if let Some(w) = self.whole.take() {
+            give_back(&WHOLE_CACHE, w.body);
         }
     }
 }
@@ -1300,6 +1391,30 @@ mod tests {
             ),
             ("data-outside-a-message", encoded(&[(Record::End { packs: 0 }, &[])]), 0),
             ("wrong-sequence-number", encoded(&[(Record::Begin { seq: 7 }, &[])]), 0),
+            (
+                "fragment-in-a-whole-message",
+                encoded(&[
+                    (Record::Whole { seq: 0, packs: 1 }, &[]),
+                    (Record::Inline { modes: EXPRESS, len: 4, last: false, total: 8 }, &[0; 4]),
+                ]),
+                1,
+            ),
+            (
+                "rendezvous-in-a-whole-message",
+                encoded(&[
+                    (Record::Whole { seq: 0, packs: 1 }, &[]),
+                    (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 1, id: 0 }, &[]),
+                ]),
+                1,
+            ),
+            (
+                "whole-message-pack-count-off",
+                encoded(&[
+                    (Record::Whole { seq: 0, packs: 2 }, &[]),
+                    (Record::Inline { modes: EXPRESS, len: 8, last: true, total: 8 }, &[0; 8]),
+                ]),
+                1,
+            ),
             (
                 "bulk-not-last",
                 encoded(&[

@@ -8,9 +8,12 @@
 //! Bulk    modes total        a pack whose `total` bytes follow as bulk-lane chunks
 //! End     packs              the message had this many packs
 //! Fin     id                 receiver -> sender: the rendezvous `id` was read
+//! Whole   seq packs          a whole small message: Begin, its `packs` Inline records, no End
 //! ```
 //! A `Bulk` record ends its pipe message: the pack's chunks come next on the pipe's bulk lane.
-//! Every header is 16 bytes (Rdv 32); every length is checked on decode.
+//! A `Whole` record owns the rest of its pipe message: its packs' records, each one complete
+//! (the path of small messages, which a receiver takes in one step). Every header is 16 bytes
+//! (Rdv 32); every length is checked on decode.
 
 use crate::{RecvMode, SendMode};
 
@@ -18,6 +21,8 @@ use crate::{RecvMode, SendMode};
 pub const HEADER: usize = 16;
 /// Bytes of a rendezvous record.
 pub const RDV: usize = 32;
+/// Largest message a sender sends as one `Whole` record (header included).
+pub const WHOLE_MAX: usize = 256;
 
 /// A record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +73,14 @@ pub enum Record {
         /// Its identifier.
         id: u32,
     },
+    /// A whole message: the rest of the pipe message holds its packs, each a complete
+    /// `Inline` record.
+    Whole {
+        /// Sequence number of the message on its connection.
+        seq: u32,
+        /// Number of packs in it.
+        packs: u32,
+    },
 }
 
 /// The modes of a pack, as sent (so the receiver can check its unpack against them).
@@ -114,8 +127,20 @@ pub struct WireError(pub &'static str);
 
 impl Record {
     /// Appends the encoding (header, and for `Inline` nothing more: the caller appends the
-    /// fragment's bytes).
+    /// fragment's bytes; for `Whole`, the message's records).
     pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.header());
+        if let Record::Rdv { len, id, .. } = *self {
+            let mut x = [0u8; RDV - HEADER];
+            x[0..8].copy_from_slice(&len.to_le_bytes());
+            x[8..12].copy_from_slice(&id.to_le_bytes());
+            out.extend_from_slice(&x);
+        }
+    }
+
+    /// The record's 16-byte header (all of it but a rendezvous record's second half), for
+    /// writing over a header encoded before.
+    pub fn header(&self) -> [u8; HEADER] {
         let mut h = [0u8; HEADER];
         match *self {
             Record::Begin { seq } => {
@@ -129,17 +154,11 @@ impl Record {
                 h[4..8].copy_from_slice(&len.to_le_bytes());
                 h[8..16].copy_from_slice(&total.to_le_bytes());
             }
-            Record::Rdv { modes, len, addr, rkey, id } => {
+            Record::Rdv { modes, addr, rkey, .. } => {
                 h[0] = 3;
                 h[1] = modes.byte();
                 h[4..8].copy_from_slice(&rkey.to_le_bytes());
                 h[8..16].copy_from_slice(&addr.to_le_bytes());
-                out.extend_from_slice(&h);
-                let mut x = [0u8; RDV - HEADER];
-                x[0..8].copy_from_slice(&len.to_le_bytes());
-                x[8..12].copy_from_slice(&id.to_le_bytes());
-                out.extend_from_slice(&x);
-                return;
             }
             Record::Bulk { modes, total } => {
                 h[0] = 6;
@@ -154,8 +173,13 @@ impl Record {
                 h[0] = 5;
                 h[4..8].copy_from_slice(&id.to_le_bytes());
             }
+            Record::Whole { seq, packs } => {
+                h[0] = 7;
+                h[4..8].copy_from_slice(&seq.to_le_bytes());
+                h[8..12].copy_from_slice(&packs.to_le_bytes());
+            }
         }
-        out.extend_from_slice(&h);
+        h
     }
 
     /// Bytes the encoding takes (without an inline fragment's data).
@@ -186,8 +210,9 @@ pub fn decode(msg: &[u8]) -> Result<Decoded, WireError> {
 }
 
 /// Decodes the record at offset `at` of a pipe message (a record boundary): the record, the
-/// byte range of its inline data in `msg` (empty for other records), and where the next record
-/// starts. What a reader taking a message apart in place, one record at a time, calls.
+/// byte range of its inline data in `msg` (for `Whole`, the message's records up to the end of
+/// `msg`; empty for other records), and where the next record starts. What a reader taking a
+/// message apart in place, one record at a time, calls.
 pub fn decode_one(msg: &[u8], at: usize) -> Result<(Record, std::ops::Range<usize>, usize), WireError> {
     let u32_at = |b: &[u8], i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
     let u64_at = |b: &[u8], i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
@@ -236,6 +261,12 @@ pub fn decode_one(msg: &[u8], at: usize) -> Result<(Record, std::ops::Range<usiz
             (Record::Bulk { modes, total: u64_at(h, 8) }, at..at, at + HEADER)
         }
         5 => (Record::Fin { id: u32_at(h, 4) }, at..at, at + HEADER),
+        7 => {
+            if h[1] != 0 || h[2] != 0 || h[12..16] != [0; 4] {
+                return Err(WireError("reserved whole-message bytes set"));
+            }
+            (Record::Whole { seq: u32_at(h, 4), packs: u32_at(h, 8) }, at + HEADER..msg.len(), msg.len())
+        }
         _ => return Err(WireError("unknown record tag")),
     })
 }
@@ -268,17 +299,27 @@ mod tests {
         (modes(), any::<u64>()).prop_map(|(m, total)| Record::Bulk { modes: m, total })
     }
 
+    /// A record that ends its pipe message, with what follows it there.
+    fn last() -> impl Strategy<Value = (Record, Vec<u8>)> {
+        prop_oneof![
+            bulk().prop_map(|b| (b, vec![])),
+            (any::<u32>(), any::<u32>(), proptest::collection::vec(any::<u8>(), 0..300))
+                .prop_map(|(seq, packs, body)| (Record::Whole { seq, packs }, body)),
+        ]
+    }
+
     proptest! {
         #[test]
-        fn sequences_round_trip(mut recs in proptest::collection::vec(record(), 0..20), tail in proptest::option::of(bulk())) {
+        fn sequences_round_trip(mut recs in proptest::collection::vec(record(), 0..20), tail in proptest::option::of(last())) {
             let mut bytes = Vec::new();
             for (r, d) in &recs {
                 r.encode(&mut bytes);
                 bytes.extend_from_slice(d);
             }
-            if let Some(b) = tail {
-                b.encode(&mut bytes);
-                recs.push((b, vec![]));
+            if let Some((r, d)) = tail {
+                r.encode(&mut bytes);
+                bytes.extend_from_slice(&d);
+                recs.push((r, d));
             }
             let got = decode(&bytes).unwrap();
             prop_assert_eq!(got.len(), recs.len());
@@ -293,6 +334,20 @@ mod tests {
             if let Ok(recs) = decode(&b) {
                 for (_, r) in recs { prop_assert!(r.end <= b.len()); }
             }
+        }
+
+        #[test]
+        fn a_header_rewritten_in_place_reads_back(seq in any::<u32>(), packs in any::<u32>(), (r, d) in record()) {
+            let mut bytes = Vec::new();
+            Record::Begin { seq }.encode(&mut bytes);
+            r.encode(&mut bytes);
+            bytes.extend_from_slice(&d);
+            bytes[..HEADER].copy_from_slice(&Record::Whole { seq, packs }.header());
+            let (got, body, next) = decode_one(&bytes, 0).unwrap();
+            prop_assert_eq!(got, Record::Whole { seq, packs });
+            prop_assert_eq!(body, HEADER..bytes.len());
+            prop_assert_eq!(next, bytes.len());
+            prop_assert_eq!(decode_one(&bytes[HEADER..], 0).unwrap().0, r);
         }
 
         #[test]
