@@ -287,6 +287,8 @@ pub struct MsgPipe {
     failed: Option<String>,
     stats: PipeStats,
     wcs: Vec<WorkCompletion>,
+    /// Receive buffers read and not yet posted again (by the next `progress`).
+    freed: smallvec::SmallVec<[u32; 8]>,
     /// Completions of requests posted through `post_user`, by token.
     user_done: std::collections::HashMap<u64, WcStatus>,
     next_user: u64,
@@ -398,6 +400,7 @@ impl MsgPipe {
             failed: None,
             stats: PipeStats::default(),
             wcs: vec![WorkCompletion::EMPTY; 32],
+            freed: smallvec::SmallVec::new(),
             user_done: std::collections::HashMap::new(),
             next_user: 0,
         };
@@ -521,6 +524,25 @@ impl MsgPipe {
         let pool = self.recv_pool.as_ref().ok_or_else(|| VerbsError::Protocol("no message buffers".into()))?;
         let sge = pool.sge_full_of(index)?;
         self.qp.post_recv(&[RecvWr::new(wr_id(TAG_DATA_RECV, index as u64), &[sge])])
+    }
+
+    /// Posts the receive buffers read since the last call, in one request list.
+    fn post_freed(&mut self) -> Result<()> {
+        if self.freed.is_empty() {
+            return Ok(());
+        }
+        let pool = self.recv_pool.as_ref().ok_or_else(|| VerbsError::Protocol("no message buffers".into()))?;
+        let mut wrs: smallvec::SmallVec<[RecvWr; 8]> = smallvec::SmallVec::new();
+        for &index in &self.freed {
+            wrs.push(RecvWr::new(wr_id(TAG_DATA_RECV, index as u64), &[pool.sge_full_of(index)?]));
+        }
+        if let FlowStrategy::Credit { .. } = self.strategy {
+            for _ in 0..self.freed.len() {
+                self.credits.on_buffer_freed();
+            }
+        }
+        self.freed.clear();
+        self.qp.post_recv(&wrs)
     }
 
     /// The strategy.
@@ -710,6 +732,7 @@ impl MsgPipe {
     }
 
     fn progress_inner(&mut self) -> Result<()> {
+        self.post_freed()?;
         let n = self.cq.poll(&mut self.wcs)?;
         for i in 0..n {
             let wc = self.wcs[i];
@@ -1023,9 +1046,9 @@ impl MsgPipe {
         Ok(Some((lane, unsafe { std::slice::from_raw_parts(base.add(off), len) })))
     }
 
-    /// Releases the message [`MsgPipe::front`] returned: reposts its receive buffer or
-    /// acknowledges its ring space once every message of its chunk is read. Does nothing if
-    /// nothing is there.
+    /// Releases the message [`MsgPipe::front`] returned: once every message of its chunk is
+    /// read, acknowledges its ring space, or hands its receive buffer back to the transport
+    /// (at the next progress). Does nothing if nothing is there.
     pub fn pop_front(&mut self) -> Result<()> {
         let Some(chunk) = self.inbox.front_mut() else { return Ok(()) };
         let (_, len) = chunk.msgs[chunk.next];
@@ -1035,11 +1058,9 @@ impl MsgPipe {
         if chunk.next == chunk.msgs.len() {
             let chunk = self.inbox.pop_front().expect("front exists");
             match chunk.store {
-                ChunkStore::Buf { index, .. } => {
-                    if self.failed.is_none() {
-                        self.repost(index).map_err(|e| self.fail(e))?;
-                    }
-                }
+                // Posted again by the next progress: off the path from a message's arrival to
+                // its reader's reply.
+                ChunkStore::Buf { index, .. } => self.freed.push(index),
                 ChunkStore::Ring { end_pos, lane: Lane::Message, .. } => self.ring_rx.consume_to(end_pos),
                 ChunkStore::Ring { end_pos, lane: Lane::Bulk, .. } => self.bulk_rx.consume_to(end_pos),
             }
