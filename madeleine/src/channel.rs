@@ -369,7 +369,7 @@ impl Conn {
     /// sender may stop progressing this connection afterwards), draining what arrives meanwhile
     /// so two ends sending at once never block each other.
     fn send_msg(&self, msg: &[u8], timeout: std::time::Duration) -> Result<()> {
-        let mut w = Waiter::new(timeout, "sending a message");
+        let mut w = None;
         let mut accepted = false;
         loop {
             {
@@ -389,7 +389,7 @@ impl Conn {
                 // Received data frees our peer's send window only once taken out of the pipe.
                 let _ = self.pump(&mut io);
             }
-            w.pause()?;
+            w.get_or_insert_with(|| Waiter::new(timeout, "sending a message")).pause()?;
         }
     }
 }
@@ -490,8 +490,8 @@ impl Channel {
                 let Some(seq) = conn.recv_seq.try_claim() else { continue };
                 // Not holding the claim between rounds: a thread waiting for this source only
                 // may take it.
-                if let Ok(u) = self.try_begin(conn, seq).map_err(|e| conn.poison(e))? {
-                    return Ok(u);
+                if let Some(whole) = self.try_begin(conn, &seq).map_err(|e| conn.poison(e))? {
+                    return Ok(self.unpacker(conn, seq, whole));
                 }
             }
             w.pause_on(&cqs)?;
@@ -504,19 +504,33 @@ impl Channel {
         let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
         // Claimed once for the whole wait: whoever else wants this source's next message
         // would wait behind us anyway.
-        let mut seq = conn.recv_seq.claim(self.session.cfg.timeout)?;
+        let seq = conn.recv_seq.claim(self.session.cfg.timeout)?;
         loop {
-            match self.try_begin(conn, seq).map_err(|e| conn.poison(e))? {
-                Ok(u) => return Ok(u),
-                Err(back) => seq = back,
+            if let Some(whole) = self.try_begin(conn, &seq).map_err(|e| conn.poison(e))? {
+                return Ok(self.unpacker(conn, seq, whole));
             }
             w.pause_on(&[&conn.cq])?;
         }
     }
 
-    /// Starts unpacking if the connection's next message has begun arriving; gives the claim
-    /// back if nothing is there yet.
-    fn try_begin<'u>(&'u self, conn: &'u Conn, seq: Claim<'u>) -> Result<Result<Unpacker<'u>, Claim<'u>>> {
+    fn unpacker<'u>(&'u self, conn: &'u Conn, seq: Claim<'u>, whole: Option<WholeMsg>) -> Unpacker<'u> {
+        Unpacker {
+            ch: self,
+            conn,
+            seq,
+            unpacks: 0,
+            pending: Vec::new(),
+            fins: Vec::new(),
+            end: None,
+            whole,
+            finished: false,
+        }
+    }
+
+    /// Takes the start of the connection's next message if it has begun arriving (`None` if
+    /// nothing is there yet): `Some(None)` for a message whose records follow, `Some(Some(_))`
+    /// for a message that came whole.
+    fn try_begin(&self, conn: &Conn, seq: &Claim<'_>) -> Result<Option<Option<WholeMsg>>> {
         let got = conn.next_with(&mut conn.io(), Pump::StopAtBulk, |n| match n {
             Next::Rec(Record::Begin { seq }, _) => Some((seq, None)),
             // A small message, taken out of the pipe at once: its unpacks need no lock.
@@ -529,22 +543,12 @@ impl Channel {
             _ => None,
         })?;
         match got {
-            Ok(Some((s, whole))) if s == seq.seq() => Ok(Ok(Unpacker {
-                ch: self,
-                conn,
-                seq,
-                unpacks: 0,
-                pending: Vec::new(),
-                fins: Vec::new(),
-                end: None,
-                whole,
-                finished: false,
-            })),
+            Ok(Some((s, whole))) if s == seq.seq() => Ok(Some(whole)),
             Ok(Some((s, _))) => {
                 Err(MadError::Protocol { rank: conn.peer, why: format!("message {s} where {} was due", seq.seq()) })
             }
             Ok(None) => Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() }),
-            Err(_) => Ok(Err(seq)),
+            Err(_) => Ok(None),
         }
     }
 }
@@ -718,6 +722,13 @@ impl<'p> Packer<'p> {
 
     fn inline(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
         let total = buf.len() as u64;
+        if self.agg.len() + wire::HEADER + buf.len() <= self.conn.max_msg {
+            // The usual case: the whole pack fits the pipe message being filled.
+            let rec = Record::Inline { modes, len: buf.len() as u32, last: true, total };
+            self.agg.extend_from_slice(&rec.header());
+            self.agg.extend_from_slice(buf);
+            return Ok(());
+        }
         let mut off = 0;
         loop {
             // A record header must fit, and some data too unless little is left.
@@ -799,9 +810,20 @@ impl<'p> Packer<'p> {
             Record::End { packs: self.packs }.encode(&mut self.agg);
         }
         self.flush()?;
-        let mut tokens = std::mem::take(&mut self.bulk_tokens);
-        self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
+        if !self.bulk_tokens.is_empty() {
+            let mut tokens = std::mem::take(&mut self.bulk_tokens);
+            self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
+        }
         self.bulk_regs.clear();
+        if !self.rdv.is_empty() {
+            self.wait_fins()?;
+        }
+        self.seq.advance();
+        Ok(())
+    }
+
+    /// Waits until the receiver has read every zero-copy pack.
+    fn wait_fins(&mut self) -> Result<()> {
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for the receiver to read zero-copy packs");
         while !self.rdv.is_empty() {
             {
@@ -814,7 +836,6 @@ impl<'p> Packer<'p> {
                 w.pause()?;
             }
         }
-        self.seq.advance();
         Ok(())
     }
 }
@@ -906,9 +927,6 @@ impl<'u> Unpacker<'u> {
         if let Some(packs) = self.end {
             return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
         }
-        if self.whole.is_some() {
-            return self.take_whole_pack(buf, asked);
-        }
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for message data");
         let this = &*self;
         let mut f = |n: Next<'_>| match n {
@@ -948,8 +966,8 @@ impl<'u> Unpacker<'u> {
         }
     }
 
-    /// Takes the next pack of a message that came whole.
-    fn take_whole_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<Got> {
+    /// Unpacks the next pack of a message that came whole.
+    fn take_whole_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<()> {
         let w = self.whole.as_mut().expect("a whole message");
         if w.at == w.body.len() {
             let packs = w.packs;
@@ -970,7 +988,7 @@ impl<'u> Unpacker<'u> {
         self.check(modes, total, asked, buf.len())?;
         let w = self.whole.as_ref().expect("a whole message");
         buf.copy_from_slice(&w.body[data]);
-        Ok(Got::Inline { copied: buf.len(), last: true })
+        Ok(())
     }
 
     /// The pack count of a message that came whole, checked against its records; counts the
@@ -1066,25 +1084,26 @@ impl<'u> Unpacker<'u> {
     }
 
     fn unpack_into(&mut self, buf: &'u mut [u8], modes: Modes) -> Result<()> {
-        if modes.recv == RecvMode::Express {
+        if modes.recv == RecvMode::Express || self.whole.is_some() {
             return self.unpack_now(buf, modes);
         }
         self.unpacks += 1;
         match self.take_pack(buf, modes)? {
-            Got::Inline { copied, last } => self.copy_fragments(buf, copied, last),
             Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
                 let (token, reg) = self.start_read(buf, addr, rkey)?;
                 self.pending.push(PendingRead { token, id, _reg: reg });
                 Ok(())
             }
-            Got::Other(_) => self.read_bulk(buf),
+            got => self.complete_copy(buf, got),
         }
     }
 
     fn unpack_now(&mut self, buf: &mut [u8], modes: Modes) -> Result<()> {
         self.unpacks += 1;
+        if self.whole.is_some() {
+            return self.take_whole_pack(buf, modes);
+        }
         match self.take_pack(buf, modes)? {
-            Got::Inline { copied, last } => self.copy_fragments(buf, copied, last),
             Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
                 let (token, reg) = self.start_read(buf, addr, rkey)?;
                 self.wait_read(token)?;
@@ -1092,6 +1111,14 @@ impl<'u> Unpacker<'u> {
                 self.fins.push(id);
                 Ok(())
             }
+            got => self.complete_copy(buf, got),
+        }
+    }
+
+    /// Copies the rest of a pack that goes by copy (inline fragments or bulk data) into `buf`.
+    fn complete_copy(&mut self, buf: &mut [u8], got: Got) -> Result<()> {
+        match got {
+            Got::Inline { copied, last } => self.copy_fragments(buf, copied, last),
             Got::Other(_) => self.read_bulk(buf),
         }
     }
