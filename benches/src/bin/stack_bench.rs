@@ -1,5 +1,6 @@
 //! The main benchmark: every layer of the stack side by side, in one run, on the default
-//! software provider — raw verbs (SEND/RECV and RDMA write-with-immediate), Madeleine, and
+//! software provider — raw verbs (SEND/RECV and RDMA write-with-immediate), the flow-controlled
+//! message pipe Madeleine's small messages ride on, Madeleine, and
 //! plain TCP over loopback as the legacy baseline — with one-way ping-pong latency (median,
 //! p99), streaming bandwidth and CPU efficiency (MB per CPU-second, as WSDLite reports it) per
 //! message size. Prints a table with each layer's ratio to TCP and to raw verbs, and writes
@@ -27,6 +28,9 @@ enum Layer {
     RawSend,
     /// portability-verbs RDMA write-with-immediate.
     RawWwi,
+    /// The flow-controlled message pipe (NIC-assisted window) under Madeleine's small
+    /// messages; a message longer than the pipe's largest goes as several.
+    Pipe,
     /// Madeleine pack/unpack, the library choosing (static buffers below its threshold,
     /// zero-copy above).
     Madeleine,
@@ -56,6 +60,7 @@ impl Layer {
         match self {
             Layer::RawSend => "raw-send",
             Layer::RawWwi => "raw-wwi",
+            Layer::Pipe => "pipe",
             Layer::Madeleine => "madeleine",
             Layer::MadCopy => "mad-copy",
             Layer::MadZcopy => "mad-zcopy",
@@ -313,6 +318,95 @@ impl Link for RawLink {
     }
 }
 
+// ---------------------------------------------------------------- message pipe
+
+struct PipeLink {
+    pipe: datapath::MsgPipe,
+    _pd: ProtectionDomain,
+    wait: Wait,
+    buf: Vec<u8>,
+    rbuf: Vec<u8>,
+}
+
+impl PipeLink {
+    fn setup(
+        ctx: &Context,
+        conn_fn: impl FnOnce(&ProtectionDomain, &QpInit, &[u8]) -> Result<cm::Connection>,
+        wait: Wait,
+    ) -> Result<PipeLink> {
+        let pd = ctx.alloc_pd()?;
+        let cq = ctx.create_cq(4096)?;
+        let conn = conn_fn(&pd, &QpInit::new(&cq), &[])?;
+        let pipe = datapath::MsgPipe::establish(conn.qp, cq, &pd, datapath::FlowStrategy::WINDOW, T)?;
+        Ok(PipeLink { pipe, _pd: pd, wait, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
+    }
+
+    /// Waits a little for the pipe's next completion (nothing, when busy-polling).
+    fn pause(&self, deadline: Instant, what: &str) -> Result<(), String> {
+        if Instant::now() > deadline {
+            return Err(format!("pipe: {what} within {T:?}"));
+        }
+        if self.wait == Wait::Interrupt {
+            wait_any(&[self.pipe.cq()], Duration::from_millis(1)).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}
+
+impl Link for PipeLink {
+    fn send(&mut self, len: usize) -> Result<(), String> {
+        let deadline = Instant::now() + T;
+        let max = self.pipe.strategy().max_message();
+        let mut off = 0;
+        loop {
+            let end = (off + max).min(len);
+            if self.pipe.try_send(&self.buf[off..end]).map_err(|e| e.to_string())? {
+                off = end;
+                if off == len {
+                    return Ok(());
+                }
+                continue;
+            }
+            self.pipe.progress().map_err(|e| e.to_string())?;
+            self.pause(deadline, "no room to send")?;
+        }
+    }
+
+    fn recv(&mut self, len: usize) -> Result<(), String> {
+        let deadline = Instant::now() + T;
+        let mut got = 0;
+        loop {
+            let rbuf = &mut self.rbuf;
+            let n = self
+                .pipe
+                .recv_with(|m| {
+                    let n = m.len().min(len - got);
+                    rbuf[got..got + n].copy_from_slice(&m[..n]);
+                    (n == m.len()).then_some(n)
+                })
+                .map_err(|e| e.to_string())?;
+            match n {
+                Some(Some(n)) => {
+                    got += n;
+                    if got == len {
+                        return Ok(());
+                    }
+                }
+                Some(None) => return Err(format!("pipe: more than the {len} bytes expected")),
+                None => self.pause(deadline, "no message")?,
+            }
+        }
+    }
+
+    fn put(&mut self, v: u64) {
+        self.buf[..8].copy_from_slice(&v.to_le_bytes());
+    }
+
+    fn get(&self) -> u64 {
+        u64::from_le_bytes(self.rbuf[..8].try_into().expect("8 bytes"))
+    }
+}
+
 // ---------------------------------------------------------------- Madeleine
 
 struct MadLink {
@@ -491,6 +585,10 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
                 RawLink::setup(&ctx, |pd, init, p| listener.accept(pd, init, p, T), layer == Layer::RawWwi, args.wait)
                     .map_err(|e| e.to_string())?,
             ),
+            Layer::Pipe => Box::new(
+                PipeLink::setup(&ctx, |pd, init, p| listener.accept(pd, init, p, T), args.wait)
+                    .map_err(|e| e.to_string())?,
+            ),
             l if l.is_madeleine() => {
                 let dir = args.mad_dir.clone().ok_or("madeleine needs the shared directory (same host only)")?;
                 Box::new(mad_link(l, 1, dir)?)
@@ -544,6 +642,10 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                     args.wait,
                 )
                 .map_err(|e| e.to_string())?,
+            ),
+            Layer::Pipe => Box::new(
+                PipeLink::setup(&ctx, |pd, init, p| cm::connect(&cm_addr, pd, init, p, T), args.wait)
+                    .map_err(|e| e.to_string())?,
             ),
             l if l.is_madeleine() => {
                 let dir = args.mad_dir.clone().ok_or("madeleine needs a shared directory (same host only)")?;
