@@ -538,7 +538,7 @@ impl Channel {
                 let mut bytes = take_cached(&WHOLE_CACHE);
                 bytes.clear();
                 bytes.extend_from_slice(body);
-                Some((seq, Some(WholeMsg { body: bytes, at: 0, packs })))
+                Some((seq, Some(WholeMsg { body: bytes, at: 0, taken: 0, packs })))
             }
             _ => None,
         })?;
@@ -891,6 +891,8 @@ pub struct Unpacker<'u> {
 struct WholeMsg {
     body: Vec<u8>,
     at: usize,
+    /// Records taken (by unpacks, matching or not).
+    taken: u32,
     packs: u32,
 }
 
@@ -977,6 +979,7 @@ impl<'u> Unpacker<'u> {
         if let Ok((_, _, next)) = decoded {
             // Taken even if the unpack does not match it (as a pack read from the pipe is).
             w.at = next;
+            w.taken += 1;
         }
         let (rec, data, _) = decoded.map_err(|e| self.bad(&e.to_string()))?;
         let Record::Inline { modes, len, last: true, total } = rec else {
@@ -1003,7 +1006,7 @@ impl<'u> Unpacker<'u> {
             *extra += 1;
             at = next;
         }
-        if self.unpacks.checked_add(*extra) != Some(w.packs) {
+        if w.taken.checked_add(*extra) != Some(w.packs) {
             return Err(self.bad("a whole message's pack count does not match its packs"));
         }
         Ok(w.packs)

@@ -341,7 +341,7 @@ fn a_long_wait_sleeps_on_the_completion_queues() {
 fn mode_and_size_mismatches_are_reported() {
     group(2, SMALL, |rank, ch| {
         if rank == 0 {
-            for _ in 0..3 {
+            for _ in 0..5 {
                 let mut p = ch.begin_packing(1).unwrap();
                 p.pack_safer(&[1u8; 10], RecvMode::Express).unwrap();
                 p.end_packing().unwrap();
@@ -358,6 +358,15 @@ fn mode_and_size_mismatches_are_reported() {
             // Too few unpacks: reported at end_unpacking.
             let u = ch.begin_unpacking().unwrap();
             assert!(matches!(u.end_unpacking(), Err(MadError::Mismatch { .. })));
+            // Too many: reported at the unpack and at end_unpacking; the connection goes on.
+            let mut u = ch.begin_unpacking().unwrap();
+            u.unpack_express(&mut b, SendMode::Safer).unwrap();
+            assert!(matches!(u.unpack_express(&mut b, SendMode::Safer), Err(MadError::Mismatch { .. })));
+            assert!(matches!(u.end_unpacking(), Err(MadError::Mismatch { .. })));
+            let mut u = ch.begin_unpacking().unwrap();
+            u.unpack_express(&mut b, SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            assert_eq!(b, [1u8; 10]);
         }
     });
 }
