@@ -7,7 +7,9 @@ use std::process::Command;
 fn runs_end_to_end_and_writes_complete_results() {
     let out = std::env::temp_dir().join(format!("stack-bench-e2e-{}", std::process::id()));
     let run = Command::new(env!("CARGO_BIN_EXE_stack_bench"))
-        .args(["--max-size", "4096", "--iters", "40", "--warmup", "5", "--stream-bytes", "200000", "--no-pin", "--out"])
+        // A generous duration cap: a loaded machine slows the debug build's sweeps a lot.
+        .args(["--max-size", "4096", "--iters", "40", "--warmup", "5", "--stream-bytes", "200000", "--no-pin"])
+        .args(["--duration-cap", "300", "--out"])
         .arg(&out)
         .output()
         .unwrap();
@@ -39,6 +41,30 @@ fn runs_end_to_end_and_writes_complete_results() {
         let s = std::fs::read_to_string(out.join(svg)).unwrap();
         assert!(s.starts_with("<svg") && s.contains("<polyline") && s.trim_end().ends_with("</svg>"), "{svg}");
     }
+    let _ = std::fs::remove_dir_all(out);
+}
+
+#[test]
+fn a_duration_cap_cuts_every_sweep_and_the_run_still_ends_cleanly() {
+    let out = std::env::temp_dir().join(format!("stack-bench-cap-{}", std::process::id()));
+    let run = Command::new(env!("CARGO_BIN_EXE_stack_bench"))
+        .args([
+            "--layers",
+            "raw-send,pipe,mad-copy,tcp",
+            "--max-size",
+            "64",
+            "--duration-cap",
+            "0",
+            "--no-pin",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    // The server learns that each layer ended early, instead of waiting for sizes that never come.
+    assert!(run.status.success(), "stack_bench failed: {stderr}");
+    assert_eq!(stderr.matches("duration cap reached").count(), 4, "{stderr}");
     let _ = std::fs::remove_dir_all(out);
 }
 

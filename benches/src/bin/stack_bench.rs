@@ -505,9 +505,9 @@ fn measure(
     for &size in sizes {
         if started.elapsed() > Duration::from_secs(args.duration_cap) {
             eprintln!("\n{}: duration cap reached, sizes from {} skipped", layer.name(), fmt_size(size));
-            // Tell the server to skip the remaining sizes too.
             break;
         }
+        announce(link, size as u64)?;
         progress(layer, size);
         let mut h = Histogram::<u64>::new(3).expect("histogram");
         let iters = lat_iters(args, size);
@@ -539,12 +539,30 @@ fn measure(
             mb_per_cpu_s: bytes / 1e6 / cpu.max(1e-9),
         });
     }
+    // The server stops with us, whether every size ran or the duration cap cut the sweep.
+    announce(link, LAYER_DONE)?;
     Ok(out)
 }
 
-/// The server half of one layer.
-fn serve(args: &Args, link: &mut dyn Link, sizes: &[usize]) -> Result<(), String> {
-    for &size in sizes {
+/// What the client announces once a layer's sweep is over.
+const LAYER_DONE: u64 = u64::MAX;
+
+/// Tells the server which size comes next (or `LAYER_DONE`), in an 8-byte message outside
+/// the measurements.
+fn announce(link: &mut dyn Link, v: u64) -> Result<(), String> {
+    link.put(v);
+    link.send(8)
+}
+
+/// The server half of one layer: serves the sizes the client announces, until it is done.
+fn serve(args: &Args, link: &mut dyn Link) -> Result<(), String> {
+    loop {
+        link.recv(8)?;
+        let size = match link.get() {
+            LAYER_DONE => return Ok(()),
+            v if v <= MAX as u64 => v as usize,
+            v => return Err(format!("the client announced a size of {v} bytes (at most {MAX})")),
+        };
         let iters = lat_iters(args, size);
         for _ in 0..iters + args.warmup.min(iters) {
             link.recv(size)?;
@@ -557,7 +575,6 @@ fn serve(args: &Args, link: &mut dyn Link, sizes: &[usize]) -> Result<(), String
         link.put(((cpu_seconds() - cpu0) * 1e9) as u64);
         link.send(8)?;
     }
-    Ok(())
 }
 
 fn sizes(args: &Args) -> Vec<usize> {
@@ -598,7 +615,7 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
                 Box::new(TcpLink::new(s, args.wait).map_err(|e| e.to_string())?)
             }
         };
-        serve(args, link.as_mut(), &sizes(args))?;
+        serve(args, link.as_mut())?;
     }
     Ok(())
 }
