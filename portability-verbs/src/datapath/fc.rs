@@ -210,6 +210,12 @@ impl Credits {
         self.owed -= grant;
         grant as u16
     }
+    /// Takes a credit for a transfer that cannot carry a grant (a bulk-lane chunk, whose
+    /// notification consumes a posted buffer): what is owed stays owed.
+    pub fn on_send_bare(&mut self) {
+        debug_assert!(self.available >= 1);
+        self.available -= 1;
+    }
     /// A message from the peer arrived (in one of our posted buffers) carrying `grant`.
     pub fn on_receive(&mut self, grant: u16) -> Result<(), FcError> {
         self.peer_outstanding += 1;

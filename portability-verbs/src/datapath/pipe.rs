@@ -142,8 +142,9 @@ pub struct PipeOptions {
     /// Bytes of this end's inbound bulk ring (0: none). The bulk lane carries large data in
     /// chunks of up to a quarter of the peer's ring, RDMA-written straight from the sender's
     /// registered memory (one copy in, one copy out, pipelined across the two ends), in order
-    /// with the pipe's messages. Needs the window or RDMA strategy (a chunk consumes a receive
-    /// without a credit). See [`MsgPipe::try_send_bulk`].
+    /// with the pipe's messages. Under the credit strategy each chunk costs a credit (its
+    /// notification consumes a posted buffer, given back at once). See
+    /// [`MsgPipe::try_send_bulk`].
     pub bulk_ring: usize,
     /// Stage outgoing messages in this pool instead of a pool of the pipe's own. Shared by
     /// many pipes, it keeps send-side memory constant however many peers there are; a pipe
@@ -327,9 +328,6 @@ impl MsgPipe {
     ) -> Result<MsgPipe> {
         strategy.validate()?;
         if options.bulk_ring > 0 {
-            if matches!(strategy, FlowStrategy::Credit { .. }) {
-                return Err(VerbsError::invalid("the bulk lane needs the window or RDMA strategy, not credits"));
-            }
             if options.bulk_ring < 4096 || options.bulk_ring > MAX_BULK_RING || !options.bulk_ring.is_power_of_two() {
                 return Err(VerbsError::invalid(format!(
                     "bulk ring of {} bytes: a power of two from 4 KiB to 1 GiB",
@@ -801,7 +799,12 @@ impl MsgPipe {
                 self.user_done.insert(low, wc.status);
             }
             TAG_DATA_RECV if wc.opcode == WcOpcode::RecvRdmaWithImm => {
-                // A bulk chunk's notification consumed a message buffer without filling it.
+                // A bulk chunk's notification consumed a message buffer without filling it
+                // (under credits, one the sender paid for: owed back like a read message's).
+                if let FlowStrategy::Credit { .. } = self.strategy {
+                    self.credits.on_receive(0).map_err(fc_err)?;
+                    self.credits.on_buffer_freed();
+                }
                 self.post_data_recv(low as u32)?;
                 self.on_bulk_chunk(wc.imm.ok_or_else(|| VerbsError::Protocol("chunk without immediate".into()))?)?;
             }
@@ -888,6 +891,11 @@ impl MsgPipe {
                 return Ok(None);
             }
         }
+        let credit = matches!(self.strategy, FlowStrategy::Credit { .. });
+        if credit && !self.credits.can_send_data() {
+            self.stats.blocked += 1;
+            return Ok(None);
+        }
         let Some(place) = self.bulk_tx.reserve(data.length as u64) else {
             self.stats.blocked += 1;
             return Ok(None);
@@ -897,6 +905,9 @@ impl MsgPipe {
         let wr = SendWr::write_with_imm(0, &[data], peer.addr + place.offset, peer.rkey, imm);
         match self.post_user(wr) {
             Ok(token) => {
+                if credit {
+                    self.credits.on_send_bare();
+                }
                 self.stats.transfers += 1;
                 Ok(Some(token))
             }
@@ -1044,6 +1055,23 @@ impl MsgPipe {
         // space the sender may not reuse until we acknowledge it; both happen only in
         // `pop_front`, which needs the `&mut self` this borrow holds.
         Ok(Some((lane, unsafe { std::slice::from_raw_parts(base.add(off), len) })))
+    }
+
+    /// Marks the first `n` bytes of the message [`MsgPipe::front`] returned as read: `front`
+    /// returns the rest from then on, and [`MsgPipe::pop_front`] still releases it (a stream
+    /// reader takes a large message or bulk chunk in as many pieces as its reads ask for).
+    pub fn consume_front(&mut self, n: usize) -> Result<()> {
+        let Some(chunk) = self.inbox.front_mut() else {
+            return Err(VerbsError::invalid("consume_front with no message there"));
+        };
+        let (off, len) = &mut chunk.msgs[chunk.next];
+        if n > *len {
+            return Err(VerbsError::invalid(format!("consume_front of {n} bytes of a {len}-byte message")));
+        }
+        *off += n;
+        *len -= n;
+        self.stats.received_bytes += n as u64;
+        Ok(())
     }
 
     /// Releases the message [`MsgPipe::front`] returned: once every message of its chunk is
@@ -1233,9 +1261,11 @@ mod tests {
     /// the bulk ring wrapping many times and the sender held back while it is full.
     #[test]
     fn bulk_chunks_interleave_with_messages_in_order() {
-        for s in
-            [FlowStrategy::Rdma { ring_bytes: 4096, coalesce: 700 }, FlowStrategy::Window { window: 512, buffers: 4 }]
-        {
+        for s in [
+            FlowStrategy::Rdma { ring_bytes: 4096, coalesce: 700 },
+            FlowStrategy::Window { window: 512, buffers: 4 },
+            FlowStrategy::Credit { buffers: 4, buf_size: 512 },
+        ] {
             let (pd, mut a, mut b) = pair_with(s, PipeOptions { bulk_ring: 16 * 1024, ..PipeOptions::default() });
             assert_eq!(a.bulk_chunk_max(), 4096);
             let src: Vec<u8> = (0..4096u32).map(|i| (i * 13 % 251) as u8).collect();
@@ -1299,19 +1329,69 @@ mod tests {
     #[test]
     fn bulk_lane_arguments_are_checked() {
         let (pd, (a, ca), _) = qps();
-        let credit = MsgPipe::establish_with(
+        let odd = MsgPipe::establish_with(
             a,
             ca,
             &pd,
             FlowStrategy::CREDIT,
-            PipeOptions { bulk_ring: 1 << 16, ..PipeOptions::default() },
+            PipeOptions { bulk_ring: 3 << 12, ..PipeOptions::default() },
             Duration::from_millis(10),
         );
-        assert!(matches!(credit, Err(VerbsError::InvalidArgument(_))), "{:?}", credit.err());
+        assert!(matches!(odd, Err(VerbsError::InvalidArgument(_))), "{:?}", odd.err());
         let (mut a, _b) = pair(FlowStrategy::WINDOW);
         assert_eq!(a.bulk_chunk_max(), 0);
         let mr = pd.alloc(64, AccessFlags::NONE).unwrap();
         assert!(a.try_send_bulk(mr.sge(0, 64)).is_err(), "no bulk ring at the peer");
+        assert!(a.consume_front(1).is_err(), "nothing there to consume");
+    }
+
+    /// A reader may take a message and a bulk chunk in pieces: `front` shows what is left,
+    /// too large a piece is refused, and `pop_front` releases the rest (the ring space is
+    /// acknowledged and reused).
+    #[test]
+    fn messages_and_chunks_are_read_in_pieces() {
+        let s = FlowStrategy::Credit { buffers: 4, buf_size: 512 };
+        let (pd, mut a, mut b) = pair_with(s, PipeOptions { bulk_ring: 16 * 1024, ..PipeOptions::default() });
+        let src: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 253) as u8).collect();
+        let reg = pd.register(src.clone().into_boxed_slice(), AccessFlags::NONE).unwrap();
+        let deadline = Instant::now() + T;
+        for round in 0..12 {
+            let m = msg(round, 300);
+            while !a.try_send(&m).unwrap() {
+                a.progress().unwrap();
+                b.progress().unwrap();
+                assert!(Instant::now() < deadline);
+            }
+            let token = loop {
+                if let Some(t) = a.try_send_bulk(reg.sge(0, 4096)).unwrap() {
+                    break t;
+                }
+                a.progress().unwrap();
+                b.progress().unwrap();
+                assert!(Instant::now() < deadline);
+            };
+            for (want_lane, want) in [(Lane::Message, &m[..]), (Lane::Bulk, &src[..])] {
+                let mut got = Vec::new();
+                while got.len() < want.len() {
+                    assert!(Instant::now() < deadline, "round {round}: stalled");
+                    let Some((lane, bytes)) = b.front().unwrap() else { continue };
+                    assert_eq!(lane, want_lane);
+                    let piece = bytes.len().min(1 + (round as usize * 97 + got.len()) % 1000);
+                    got.extend_from_slice(&bytes[..piece]);
+                    let left = bytes.len();
+                    assert!(b.consume_front(left + 1).is_err(), "more than is left");
+                    b.consume_front(piece).unwrap();
+                }
+                assert_eq!(got, want, "round {round}");
+                assert_eq!(b.front().unwrap().map(|(_, m)| m.len()), Some(0));
+                b.pop_front().unwrap();
+            }
+            while a.take_user_completion(token).is_none() {
+                a.progress().unwrap();
+                b.progress().unwrap();
+                assert!(Instant::now() < deadline);
+            }
+        }
     }
 
     /// Both ends on their own threads, streaming at once in both directions: no message may
