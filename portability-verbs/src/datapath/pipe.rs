@@ -327,13 +327,9 @@ impl MsgPipe {
         timeout: Duration,
     ) -> Result<MsgPipe> {
         strategy.validate()?;
-        if options.bulk_ring > 0 {
-            if options.bulk_ring < 4096 || options.bulk_ring > MAX_BULK_RING || !options.bulk_ring.is_power_of_two() {
-                return Err(VerbsError::invalid(format!(
-                    "bulk ring of {} bytes: a power of two from 4 KiB to 1 GiB",
-                    options.bulk_ring
-                )));
-            }
+        let ring = options.bulk_ring;
+        if ring > 0 && (!(4096..=MAX_BULK_RING).contains(&ring) || !ring.is_power_of_two()) {
+            return Err(VerbsError::invalid(format!("bulk ring of {ring} bytes: a power of two from 4 KiB to 1 GiB")));
         }
         let setup_mr = pd.alloc(2 * SETUP_BYTES, AccessFlags::LOCAL_WRITE)?;
         let ack_mr = pd.alloc(ACK_BYTES, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
