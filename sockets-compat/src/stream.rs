@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use log::debug;
 use portability_verbs::cm::{self, CmAddr};
-use portability_verbs::datapath::{FlowStrategy, MsgPipe, Registration, RegistrationCache};
+use portability_verbs::datapath::{FlowStrategy, Lane, MsgPipe, PipeOptions, Registration, RegistrationCache};
 use portability_verbs::protect::{self, LazyRange, ProtectedRange, Protection};
 use portability_verbs::{
     AccessFlags, Context, MemoryRegion, ProtectionDomain, QpCaps, QpInit, SendWr, Sge, VerbsError, WcStatus,
@@ -80,8 +80,8 @@ fn lock_index(word: u64) -> Option<u64> {
 
 /// Per-socket settings, by default from the environment: `SDP_DESIGN` (`bsdp`, `zsdp`,
 /// `azsdp`), `SDP_FLOW` (`credit`, `rdma`, `window`: must be the same at both ends),
-/// `SDP_ZCOPY_THRESHOLD` (bytes), `SDP_AZ_OUTSTANDING`, `SDP_AZ_FAULT_LIMIT` and `SDP_AZ_COW`
-/// (`1` or `0`).
+/// `SDP_ZCOPY_THRESHOLD` (bytes), `SDP_AZ_OUTSTANDING`, `SDP_AZ_FAULT_LIMIT`, `SDP_AZ_COW`
+/// (`1` or `0`), `SDP_BULK_RING` and `SDP_BULK_MIN` (bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SdpConfig {
     /// How this end sends.
@@ -97,6 +97,14 @@ pub struct SdpConfig {
     /// AZ-SDP: a store into a buffer the peer has not started reading copies it aside (the
     /// paper's copy-on-write) instead of waiting for the peer to read it (block-on-write).
     pub az_copy_on_write: bool,
+    /// Bytes of this socket's inbound bulk ring (0: none; else a power of two, 4 KiB to
+    /// 1 GiB). The peer's large buffer-copy writes land there straight from its buffer.
+    pub bulk_ring: usize,
+    /// Buffer-copy writes of at least this many bytes go through the peer's bulk ring, when
+    /// it has one: copied once by the sender into the ring and once out by the receiver's
+    /// `read` (Data messages cost a third copy, through the pipe's private buffers). A
+    /// nonblocking socket always sends Data: the bulk lane would hold its buffer past the call.
+    pub bulk_min: usize,
 }
 
 impl SdpConfig {
@@ -130,6 +138,12 @@ impl SdpConfig {
         if let Ok(v) = std::env::var("SDP_AZ_FAULT_LIMIT") {
             c.az_fault_limit = v.parse().map_err(|_| invalid(format!("SDP_AZ_FAULT_LIMIT={v:?}: a count")))?;
         }
+        if let Ok(v) = std::env::var("SDP_BULK_RING") {
+            c.bulk_ring = v.parse().map_err(|_| invalid(format!("SDP_BULK_RING={v:?}: bytes")))?;
+        }
+        if let Ok(v) = std::env::var("SDP_BULK_MIN") {
+            c.bulk_min = v.parse().map_err(|_| invalid(format!("SDP_BULK_MIN={v:?}: bytes")))?;
+        }
         if let Ok(v) = std::env::var("SDP_AZ_COW") {
             c.az_copy_on_write = match v.as_str() {
                 "1" | "true" | "on" => true,
@@ -148,6 +162,13 @@ impl SdpConfig {
         if self.flow.max_message() <= BSDH_LEN {
             return Err(invalid("flow-control messages too small for an SDP header".into()));
         }
+        let ring = self.bulk_ring;
+        if ring > 0 && (!(4096..=1 << 30).contains(&ring) || !ring.is_power_of_two()) {
+            return Err(invalid(format!("bulk_ring of {ring} bytes: 0, or a power of two from 4 KiB to 1 GiB")));
+        }
+        if self.bulk_min == 0 {
+            return Err(invalid("bulk_min must be at least 1 byte".into()));
+        }
         Ok(())
     }
 }
@@ -161,6 +182,8 @@ impl Default for SdpConfig {
             az_max_outstanding: 16,
             az_fault_limit: 64,
             az_copy_on_write: true,
+            bulk_ring: 1 << 20,
+            bulk_min: 16 * 1024,
         }
     }
 }
@@ -436,7 +459,9 @@ impl SdpStream {
         let rt = runtime()?;
         let unknown = || io::Error::other("bootstrap socket had no TCP address");
         let (local, peer) = (conn.local_addr.ok_or_else(unknown)?, conn.peer_addr.ok_or_else(unknown)?);
-        let pipe = MsgPipe::establish(conn.qp, cq, &rt.pd, config.flow, SETUP_TIMEOUT).map_err(verbs_io)?;
+        let options = PipeOptions { bulk_ring: config.bulk_ring, ..PipeOptions::default() };
+        let pipe =
+            MsgPipe::establish_with(conn.qp, cq, &rt.pd, config.flow, options, SETUP_TIMEOUT).map_err(verbs_io)?;
         let locks = rt.pd.register(vec![0u8; CAS_RESULT + 8].into_boxed_slice(), AccessFlags::ALL).map_err(verbs_io)?;
         let locks = match locks.local_atomic(0, |v| v) {
             Ok(_) => Some(locks),
@@ -702,6 +727,19 @@ impl SdpStream {
     /// BSDP: copies `buf` into Data messages; may send part of it (nonblocking, or timed out
     /// after some progress).
     fn write_copy(&self, buf: &[u8], nonblocking: bool, deadline: Option<Instant>) -> io::Result<usize> {
+        if !nonblocking {
+            let chunk = {
+                let c = self.lock();
+                if buf.len() >= c.config.bulk_min {
+                    c.pipe.bulk_chunk_max()
+                } else {
+                    0
+                }
+            };
+            if chunk > 0 {
+                return self.write_bulk(buf, chunk, deadline);
+            }
+        }
         let mut pacer = Pacer::default();
         let mut sent = 0;
         while sent < buf.len() {
@@ -739,6 +777,63 @@ impl SdpStream {
             self.lock().flush_pipe()?;
         }
         Ok(sent)
+    }
+
+    /// BSDP, large writes: `buf` is RDMA-written, `chunk` bytes at a time, into the peer's
+    /// bulk ring (in order with the messages: the chunks are stream bytes), and the call
+    /// returns once every chunk written has completed (the buffer is the caller's again). On
+    /// the software provider a chunk completes when the peer's process takes it in (any call
+    /// on its socket), so a write can wait for a reader, as a TCP write does once the buffers
+    /// are full. A write timeout stops starting chunks, for a partial write as TCP reports
+    /// it; chunks started and still not taken in after as long again fail the socket (the
+    /// buffer cannot be handed back with a transfer from it pending), like an unanswered
+    /// ZSDP write.
+    fn write_bulk(&self, buf: &[u8], chunk: usize, deadline: Option<Instant>) -> io::Result<usize> {
+        let rt = runtime()?;
+        // SAFETY: `buf` stays borrowed (mapped, unchanged) until this returns, and it returns
+        // only after every chunk written from it completed, or with the queue pair in error.
+        let reg = unsafe { rt.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }
+            .map_err(verbs_io)?;
+        let give_up = deadline.zip(self.lock().write_timeout).map(|(d, t)| d + t);
+        let mut tokens = VecDeque::new();
+        let (mut sent, mut end) = (0, buf.len());
+        let (mut pacer, mut polls) = (Pacer::default(), 0u32);
+        let result = loop {
+            match self.lock().bulk_step(&buf[sent..end], reg.lkey(), chunk, &mut tokens) {
+                Ok(0) if sent == end && tokens.is_empty() => break Ok(sent),
+                Ok(0) => {
+                    // The clock every 64th poll only (a tenth of the loop's time otherwise).
+                    polls = polls.wrapping_add(1);
+                    if !polls.is_multiple_of(64) {
+                        pacer.pause(None, "writing")?;
+                        continue;
+                    }
+                    let now = Instant::now();
+                    if sent < end && deadline.is_some_and(|d| now >= d) {
+                        if sent == 0 {
+                            break Err(io::Error::new(io::ErrorKind::TimedOut, "timed out writing"));
+                        }
+                        end = sent; // a partial write: finish the chunks started, start no more
+                    } else if give_up.is_some_and(|g| now >= g) {
+                        let why = "the peer did not take bulk data in within twice the write timeout";
+                        break Err(self.lock().fail(io::ErrorKind::TimedOut, why.into()));
+                    } else {
+                        pacer.pause(None, "writing")?;
+                    }
+                }
+                Ok(n) => {
+                    sent += n;
+                    pacer = Pacer::default();
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        if result.is_err() && !tokens.is_empty() {
+            // Nothing may read `buf` once we return: stop the queue pair first.
+            let _ = self.lock().pipe.qp().modify(portability_verbs::QpTransition::Error);
+        }
+        drop(reg);
+        result
     }
 
     /// AZ-SDP: the unaligned head and tail go as Data, the whole pages between as a SrcAvail
@@ -1085,15 +1180,32 @@ impl Conn {
 
     /// Takes in every message that has arrived, queueing stream content and applying control.
     fn pump(&mut self) -> io::Result<()> {
+        self.pump_until(false)
+    }
+
+    /// [`Conn::pump`], stopping at bulk-lane bytes if `at_bulk`: a reader copies them
+    /// straight out of the ring next (taking them into `rx` would cost a copy, and once `rx`
+    /// holds anything every later chunk would follow the same way).
+    fn pump_until(&mut self, at_bulk: bool) -> io::Result<()> {
         self.check_ok()?;
         if self.pipe.staged() > 0 {
             self.flush_pipe()?;
         }
         loop {
+            // (After Disconnect, bulk bytes are a protocol error: taken in, they fail the socket.)
+            if at_bulk && !self.eof && matches!(self.pipe.front(), Ok(Some((Lane::Bulk, _)))) {
+                self.complete_reads()?;
+                return self.copy_on_write();
+            }
             let mut outcome: Result<Option<Control>, io::Error> = Ok(None);
             let got = {
                 let (seq, rx, eof, seen) = (&mut self.seq, &mut self.rx, &mut self.eof, &mut self.srcs_seen);
-                self.pipe.recv_with(|bytes| outcome = take_message(bytes, seq, rx, eof, seen))
+                self.pipe.recv_lane(|lane, bytes| {
+                    outcome = match lane {
+                        Lane::Message => take_message(bytes, seq, rx, eof, seen),
+                        Lane::Bulk => take_bulk(bytes, rx, *eof),
+                    }
+                })
             };
             match got {
                 Ok(Some(())) => {}
@@ -1363,6 +1475,35 @@ impl Conn {
         Ok(true)
     }
 
+    /// One step of a bulk write: starts the next chunk of `rest` (registered under `lkey`) if
+    /// the peer's ring has room; otherwise takes in what arrived (the peer may be writing to
+    /// us too, and its chunks must not wait for ours) and collects the chunks completed, in
+    /// order, from `tokens`. Returns the bytes started.
+    fn bulk_step(&mut self, rest: &[u8], lkey: u32, chunk: usize, tokens: &mut VecDeque<u64>) -> io::Result<usize> {
+        if !rest.is_empty() {
+            self.check_writable()?;
+            let n = rest.len().min(chunk);
+            let sge = Sge { addr: rest.as_ptr() as u64, length: n as u32, lkey };
+            match self.pipe.try_send_bulk(sge) {
+                Ok(Some(t)) => {
+                    tokens.push_back(t);
+                    return Ok(n);
+                }
+                Ok(None) => {}
+                Err(e) => return Err(self.fail_verbs(e)),
+            }
+        }
+        self.pump()?;
+        while let Some(&t) = tokens.front() {
+            match self.pipe.take_user_completion(t) {
+                None => break,
+                Some(WcStatus::Success) => _ = tokens.pop_front(),
+                Some(st) => return Err(self.fail(io::ErrorKind::ConnectionReset, format!("bulk write failed: {st:?}"))),
+            }
+        }
+        Ok(0)
+    }
+
     /// One nonblocking read attempt.
     fn try_read(&mut self, buf: &mut [u8]) -> io::Result<ReadStep> {
         if self.read_shut {
@@ -1372,7 +1513,12 @@ impl Conn {
         if direct > 0 {
             return Ok(ReadStep::Got(direct));
         }
-        let pumped = self.pump();
+        let pumped = self.pump_until(true);
+        if pumped.is_ok() && self.rx.is_empty() && !self.eof && self.pipe.peek_lane() == Some(Lane::Bulk) {
+            // Control taken in, bulk bytes next: straight from the ring, unless `buf` is held.
+            let direct = self.read_in_place(buf)?;
+            return Ok(if direct > 0 { ReadStep::Got(direct) } else { ReadStep::BufferHeld });
+        }
         // Bytes that arrived before a failure are still delivered, then the error.
         match self.rx.front_mut() {
             Some(RxItem::Bytes(..)) => {
@@ -1484,14 +1630,28 @@ impl Conn {
         }
     }
 
-    /// The buffer-copy fast path: while nothing is queued, copies whole Data messages straight
-    /// from the pipe's receive buffers into `buf` (one copy, no queue, no allocation), as many
-    /// as fit. Anything else (control, a SrcAvail, a message larger than what is left of
-    /// `buf`, a malformed one) is left to `pump`. Returns the bytes copied.
+    /// The buffer-copy fast path: while nothing is queued, copies whole Data messages and
+    /// bulk-lane bytes straight from the pipe's receive buffers and bulk ring into `buf` (one
+    /// copy, no queue, no allocation), as many as fit. Anything else (control, a SrcAvail, a
+    /// message larger than what is left of `buf`, a malformed one) is left to `pump`. Returns
+    /// the bytes copied.
     fn read_in_place(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let mut n = 0;
         while self.rx.is_empty() && !self.eof && self.failed.is_none() {
-            let Ok(Some((_, bytes))) = self.pipe.front() else { break };
+            let Ok(Some((lane, bytes))) = self.pipe.front() else { break };
+            if lane == Lane::Bulk {
+                // Bulk-lane bytes: as many as fit, the rest left in the ring for the next read.
+                let k = bytes.len().min(buf.len() - n);
+                if k == 0 || protect::overlaps(buf[n..].as_ptr() as usize, k) {
+                    break;
+                }
+                buf[n..n + k].copy_from_slice(&bytes[..k]);
+                let whole = k == bytes.len();
+                n += k;
+                let r = if whole { self.pipe.pop_front() } else { self.pipe.consume_front(k) };
+                r.map_err(|e| self.fail_verbs(e))?;
+                continue;
+            }
             let Ok((h, Message::Data(d))) = Message::decode(bytes) else { break };
             if d.len() > buf.len() - n || protect::overlaps(buf[n..].as_ptr() as usize, d.len()) {
                 break;
@@ -1627,6 +1787,15 @@ fn take_message(
         }
         Message::Abort => Some(Control::Abort),
     })
+}
+
+/// Queues bulk-lane bytes as stream content (what a read left of the chunk).
+fn take_bulk(bytes: &[u8], rx: &mut VecDeque<RxItem>, eof: bool) -> Result<Option<Control>, io::Error> {
+    if eof {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "stream content after Disconnect"));
+    }
+    rx.push_back(RxItem::Bytes(bytes.to_vec(), 0));
+    Ok(None)
 }
 
 /// Waits between polls: spins first (the latency path), then yields, then naps.

@@ -6,19 +6,22 @@ use std::time::Duration;
 
 use portability_verbs::cm::{self, CmAddr};
 use portability_verbs::datapath::MsgPipe;
-use portability_verbs::{Context, QpInit};
+use portability_verbs::{AccessFlags, Context, ProtectionDomain, QpInit};
 use sockets_compat::wire::{Advert, Bsdh, Message};
 use sockets_compat::{Design, SdpConfig, SdpListener};
 
 const T: Duration = Duration::from_secs(10);
 
 /// Accepts on an SDP listener while a raw pipe peer connects; returns the socket and the peer.
-fn with_raw_peer(send: impl FnOnce(&mut MsgPipe) + Send + 'static) -> sockets_compat::SdpStream {
+fn with_raw_peer(send: impl FnOnce(&mut MsgPipe, &ProtectionDomain) + Send + 'static) -> sockets_compat::SdpStream {
     with_raw_peer_and(SdpConfig::default(), send)
 }
 
 /// [`with_raw_peer`] for a socket with settings `cfg`.
-fn with_raw_peer_and(cfg: SdpConfig, send: impl FnOnce(&mut MsgPipe) + Send + 'static) -> sockets_compat::SdpStream {
+fn with_raw_peer_and(
+    cfg: SdpConfig,
+    send: impl FnOnce(&mut MsgPipe, &ProtectionDomain) + Send + 'static,
+) -> sockets_compat::SdpStream {
     let l = SdpListener::bind_with("127.0.0.1:0", cfg).unwrap();
     let addr = l.local_addr().unwrap();
     std::thread::spawn(move || {
@@ -27,7 +30,7 @@ fn with_raw_peer_and(cfg: SdpConfig, send: impl FnOnce(&mut MsgPipe) + Send + 's
         let cq = ctx.create_cq(256).unwrap();
         let conn = cm::connect(&CmAddr::Tcp(addr), &pd, &QpInit::new(&cq), b"SDP1", T).unwrap();
         let mut pipe = MsgPipe::establish(conn.qp, cq, &pd, SdpConfig::CREDIT, T).unwrap();
-        send(&mut pipe);
+        send(&mut pipe, &pd);
         // Stay up long enough for the socket to read everything.
         let end = std::time::Instant::now() + Duration::from_secs(2);
         while std::time::Instant::now() < end {
@@ -49,7 +52,7 @@ fn encode(mseq: u32, m: Message<'_>) -> Vec<u8> {
 
 #[test]
 fn a_malformed_header_fails_the_socket_after_the_good_bytes() {
-    let mut s = with_raw_peer(|p| {
+    let mut s = with_raw_peer(|p, _| {
         p.send(&encode(1, Message::Data(b"good")), T).unwrap();
         p.send(&[0xFF, 0, 0, 0, 0, 0, 0, 99, 0, 0, 0, 2], T).unwrap(); // length lies
     });
@@ -63,7 +66,7 @@ fn a_malformed_header_fails_the_socket_after_the_good_bytes() {
 
 #[test]
 fn an_out_of_order_sequence_number_fails_the_socket() {
-    let mut s = with_raw_peer(|p| {
+    let mut s = with_raw_peer(|p, _| {
         p.send(&encode(1, Message::Data(b"a")), T).unwrap();
         p.send(&encode(3, Message::Data(b"b")), T).unwrap();
     });
@@ -74,7 +77,7 @@ fn an_out_of_order_sequence_number_fails_the_socket() {
 
 #[test]
 fn an_advertised_buffer_the_peer_does_not_honor_is_an_error_not_garbage() {
-    let mut s = with_raw_peer(|p| {
+    let mut s = with_raw_peer(|p, _| {
         let bogus = Advert { len: 4096, rkey: 0xdead_beef, addr: 0x1000 };
         p.send(&encode(1, Message::SrcAvail(bogus)), T).unwrap();
     });
@@ -83,9 +86,45 @@ fn an_advertised_buffer_the_peer_does_not_honor_is_an_error_not_garbage() {
     assert!(matches!(e.kind(), ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset), "{e:?}");
 }
 
+/// Sends `bytes` as one chunk of the socket's bulk lane.
+fn send_bulk(p: &mut MsgPipe, pd: &ProtectionDomain, bytes: &[u8]) {
+    let mr = pd.register(bytes.to_vec().into_boxed_slice(), AccessFlags::NONE).unwrap();
+    let t = p.try_send_bulk(mr.sge(0, bytes.len())).unwrap().expect("room in the socket's bulk ring");
+    let end = std::time::Instant::now() + T;
+    while p.take_user_completion(t).is_none() {
+        p.progress().unwrap();
+        assert!(std::time::Instant::now() < end, "the socket never took the chunk in");
+    }
+}
+
+#[test]
+fn bulk_lane_bytes_are_stream_bytes_in_order_and_none_may_follow_disconnect() {
+    let mut s = with_raw_peer(|p, pd| {
+        p.send(&encode(1, Message::Data(b"ab")), T).unwrap();
+        send_bulk(p, pd, b"cdef");
+        p.send(&encode(2, Message::Data(b"gh")), T).unwrap();
+        p.send(&encode(3, Message::Disconnect), T).unwrap();
+        send_bulk(p, pd, b"too late");
+    });
+    let mut got = [0u8; 8];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"abcdefgh");
+    // EOF until the late chunk is in (the peer thread may still be sending it), then an error.
+    let end = std::time::Instant::now() + T;
+    let e = loop {
+        match s.read(&mut got) {
+            Ok(0) => assert!(std::time::Instant::now() < end, "the late chunk never failed the socket"),
+            Ok(n) => panic!("{n} bytes after Disconnect"),
+            Err(e) => break e,
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
+}
+
 #[test]
 fn an_abort_is_a_reset() {
-    let mut s = with_raw_peer(|p| {
+    let mut s = with_raw_peer(|p, _| {
         p.send(&encode(1, Message::Abort), T).unwrap();
     });
     assert_eq!(s.read(&mut [0u8; 8]).unwrap_err().kind(), ErrorKind::ConnectionReset);
@@ -105,7 +144,7 @@ fn aligned(v: &mut [u8], pages: usize) -> &mut [u8] {
 
 #[test]
 fn a_peer_that_aborts_instead_of_reading_a_held_buffer_releases_it() {
-    let mut s = with_raw_peer_and(az(), |p| {
+    let mut s = with_raw_peer_and(az(), |p, _| {
         // The socket first tells where its copy-on-write lock table is.
         let table = p.recv(T).unwrap();
         assert!(matches!(Message::decode(&table).unwrap().1, Message::LockTable(_)));
@@ -125,7 +164,7 @@ fn a_peer_that_aborts_instead_of_reading_a_held_buffer_releases_it() {
 
 #[test]
 fn an_unhonored_advert_into_a_held_receive_buffer_releases_it_and_fails_the_socket() {
-    let mut s = with_raw_peer_and(az(), |p| {
+    let mut s = with_raw_peer_and(az(), |p, _| {
         let bogus = Advert { len: 16 * PAGE as u32, rkey: 0xdead_beef, addr: 0x10000 };
         p.send(&encode(1, Message::SrcAvail(bogus)), T).unwrap();
     });

@@ -14,7 +14,12 @@ use common::{pair, Rng};
 /// Writes a random stream in random-sized writes across every protocol boundary and checks
 /// the reader, reading in random-sized pieces, gets exactly it.
 fn random_stream(cfg: SdpConfig, seed: u64) {
-    let (mut c, mut s) = pair(cfg, cfg);
+    random_stream_between(cfg, cfg, seed)
+}
+
+/// [`random_stream`] from a writer with settings `cfg` to a reader with `reader`.
+fn random_stream_between(cfg: SdpConfig, reader: SdpConfig, seed: u64) {
+    let (mut c, mut s) = pair(cfg, reader);
     let mut rng = Rng(seed);
     let sizes: Vec<usize> = (0..60)
         .map(|i| match i % 4 {
@@ -58,6 +63,63 @@ fn bsdp_streams_are_byte_exact_under_every_flow_control() {
     for (i, flow) in [SdpConfig::CREDIT, SdpConfig::RDMA, SdpConfig::WINDOW].into_iter().enumerate() {
         random_stream(SdpConfig { design: Design::Bsdp, flow, ..SdpConfig::default() }, 11 + i as u64);
     }
+}
+
+/// Large buffer-copy writes through the peer's bulk ring: a small ring that wraps again and
+/// again, chunks smaller than the writes, bulk bytes between Data messages, reads in pieces;
+/// and a reader without a bulk ring, to which the same writer sends Data.
+#[test]
+fn bulk_lane_streams_are_byte_exact_under_every_flow_control() {
+    for (i, flow) in [SdpConfig::CREDIT, SdpConfig::RDMA, SdpConfig::WINDOW].into_iter().enumerate() {
+        let cfg =
+            SdpConfig { design: Design::Bsdp, flow, bulk_ring: 16 * 1024, bulk_min: 3000, ..SdpConfig::default() };
+        random_stream(cfg, 31 + i as u64);
+        random_stream_between(cfg, SdpConfig { bulk_ring: 0, ..cfg }, 41 + i as u64);
+    }
+}
+
+/// Two ends that each write more than the other's bulk ring holds before reading anything:
+/// each takes in the other's chunks while it waits for room, so neither waits forever.
+#[test]
+fn two_ends_writing_large_buffers_at_once_both_finish() {
+    let cfg = SdpConfig { bulk_ring: 64 * 1024, ..SdpConfig::default() };
+    let (c, s) = pair(cfg, cfg);
+    let run = |mut sock: SdpStream, seed: u64| {
+        thread::spawn(move || {
+            sock.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            let mine = Rng(seed).bytes(4 << 20);
+            sock.write_all(&mine).unwrap();
+            let mut theirs = vec![0u8; 4 << 20];
+            sock.read_exact(&mut theirs).unwrap();
+            theirs
+        })
+    };
+    let (a, b) = (run(c, 1), run(s, 2));
+    assert!(a.join().unwrap() == Rng(2).bytes(4 << 20));
+    assert!(b.join().unwrap() == Rng(1).bytes(4 << 20));
+}
+
+/// A bulk writer whose reader does not read fills the reader's ring, then its write timeout
+/// ends the write part-way, as TCP's does; the reader gets exactly the bytes reported.
+#[test]
+fn a_bulk_writer_whose_reader_waits_gets_a_partial_write_at_its_timeout() {
+    let cfg = SdpConfig { bulk_ring: 64 * 1024, ..SdpConfig::default() };
+    let (mut c, mut s) = pair(cfg, cfg);
+    c.set_write_timeout(Some(Duration::from_millis(100))).unwrap();
+    let data = Rng(77).bytes(8 << 20);
+    let n = c.write(&data).unwrap();
+    assert!(n > 0 && n < data.len(), "wrote {n} bytes");
+    let mut got = vec![0u8; n];
+    s.read_exact(&mut got).unwrap();
+    assert!(got[..] == data[..n]);
+    // Nothing more is there, and the socket still works (a write the ring holds whole).
+    s.set_nonblocking(true).unwrap();
+    assert_eq!(s.read(&mut [0u8; 16]).unwrap_err().kind(), ErrorKind::WouldBlock);
+    c.write_all(&data[n..n + 40_000]).unwrap();
+    s.set_nonblocking(false).unwrap();
+    let mut more = vec![0u8; 40_000];
+    s.read_exact(&mut more).unwrap();
+    assert!(more[..] == data[n..n + 40_000]);
 }
 
 #[test]
@@ -292,6 +354,11 @@ fn many_connections_at_once() {
 fn bad_settings_are_errors() {
     let none = SdpConfig { design: Design::AzSdp, az_max_outstanding: 0, ..SdpConfig::default() };
     assert_eq!(SdpListener::bind_with("127.0.0.1:0", none).err().unwrap().kind(), ErrorKind::InvalidInput);
+    for bad in
+        [SdpConfig { bulk_ring: 5000, ..SdpConfig::default() }, SdpConfig { bulk_min: 0, ..SdpConfig::default() }]
+    {
+        assert_eq!(SdpListener::bind_with("127.0.0.1:0", bad).err().unwrap().kind(), ErrorKind::InvalidInput);
+    }
     assert!(SdpStream::connect_with("127.0.0.1:1", SdpConfig::default()).is_err());
 }
 
