@@ -114,14 +114,16 @@ fn touch(buf: &[u8]) -> u64 {
 }
 
 /// The socket configuration of an SDP layer: a design's name, or `azsdp-bow` for AZ-SDP with
-/// block-on-write instead of the default copy-on-write.
+/// block-on-write instead of the default copy-on-write; other settings from the `SDP_*`
+/// environment variables (`SdpConfig::from_env`).
 fn sdp_config(layer: &str, zcopy_threshold: usize) -> SdpConfig {
     let (name, block_on_write) = match layer.strip_suffix("-bow") {
         Some(name) => (name, true),
         None => (layer, false),
     };
     let design = Design::by_name(name).unwrap_or_else(|| panic!("unknown layer {layer}"));
-    SdpConfig { design, zcopy_threshold, az_copy_on_write: !block_on_write, ..SdpConfig::default() }
+    let env = SdpConfig::from_env().unwrap_or_else(|e| panic!("SDP_* settings: {e}"));
+    SdpConfig { design, zcopy_threshold, az_copy_on_write: !block_on_write, ..env }
 }
 
 /// `n` connected pairs of the named transport on one listener: (client, server) each.
@@ -617,12 +619,15 @@ fn main() {
         PeerKind::Thread => (Peer::Thread, "threads of one process"),
         PeerKind::Process => (Peer::Process(Remote::start()), "two processes"),
     };
+    let env = SdpConfig::from_env().unwrap_or_else(|e| panic!("SDP_* settings: {e}"));
     println!("# sdp_bench: {ends} on CPUs 0 and 1; cache-line one-way floor now {floor:.0} ns");
     println!(
-        "# zero-copy threshold {} (ZSDP, AZ-SDP), BSDP buffers {:?}, AZ-SDP outstanding {}",
+        "# zero-copy threshold {} (ZSDP, AZ-SDP), buffer copy {:?}, bulk ring {} for writes from {}, AZ-SDP outstanding {}",
         fmt_size(a.zcopy_threshold),
-        SdpConfig::CREDIT,
-        SdpConfig::default().az_max_outstanding
+        env.flow,
+        fmt_size(env.bulk_ring),
+        fmt_size(env.bulk_min),
+        env.az_max_outstanding
     );
     let zt = a.zcopy_threshold;
     let sizes = sizes_between(a.min.max(1), a.max);
