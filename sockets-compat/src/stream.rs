@@ -182,7 +182,7 @@ impl Default for SdpConfig {
             az_max_outstanding: 16,
             az_fault_limit: 64,
             az_copy_on_write: true,
-            bulk_ring: 1 << 20,
+            bulk_ring: 2 << 20,
             bulk_min: 16 * 1024,
         }
     }
