@@ -43,7 +43,8 @@ use portability_verbs::cm::{self, CmAddr};
 use portability_verbs::datapath::{FlowStrategy, Lane, MsgPipe, PipeOptions, Registration, RegistrationCache};
 use portability_verbs::protect::{self, LazyRange, ProtectedRange, Protection};
 use portability_verbs::{
-    AccessFlags, Context, MemoryRegion, ProtectionDomain, QpCaps, QpInit, SendWr, Sge, VerbsError, WcStatus,
+    AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCaps, QpInit, SendWr, Sge, VerbsError,
+    WcStatus,
 };
 
 use crate::engine::{self, Background};
@@ -434,6 +435,8 @@ struct Conn {
 /// A connected SDP stream socket: a reliable byte stream like `TcpStream`.
 pub struct SdpStream {
     conn: Arc<Mutex<Conn>>,
+    /// The connection's completion queue, to sleep on without holding the lock.
+    cq: CompletionQueue,
 }
 
 impl SdpStream {
@@ -508,7 +511,8 @@ impl SdpStream {
             let table = Advert { len: CAS_RESULT as u32, rkey: l.rkey(), addr: l.addr() };
             c.send_now(&Message::LockTable(table))?;
         }
-        Ok(SdpStream { conn: Arc::new(Mutex::new(c)) })
+        let cq = c.pipe.cq().clone();
+        Ok(SdpStream { conn: Arc::new(Mutex::new(c)), cq })
     }
 
     fn lock(&self) -> MutexGuard<'_, Conn> {
@@ -571,7 +575,7 @@ impl SdpStream {
 
     /// Another handle to the same socket (for example a reader thread and a writer thread).
     pub fn try_clone(&self) -> io::Result<SdpStream> {
-        Ok(SdpStream { conn: self.conn.clone() })
+        Ok(SdpStream { conn: self.conn.clone(), cq: self.cq.clone() })
     }
 
     /// This end's send design.
@@ -673,7 +677,12 @@ impl SdpStream {
                     // Our own or another socket's transfer holds the buffer: it ends without us.
                     ReadStep::BufferHeld => protect::ring_bell(),
                     ReadStep::Nothing if c.nonblocking => return Err(io::ErrorKind::WouldBlock.into()),
-                    ReadStep::Nothing => {}
+                    ReadStep::Nothing => {
+                        drop(c);
+                        // Whatever comes next (a message, bulk data, our reads) completes.
+                        pacer.pause_on(deadline, "reading", Some(&self.cq))?;
+                        continue;
+                    }
                 }
             }
             pacer.pause(deadline, "reading")?;
@@ -877,7 +886,8 @@ impl SdpStream {
                     break;
                 }
             }
-            pacer.pause(deadline, "waiting for an outstanding SrcAvail to be read")?;
+            // RdmaRdCompl arrives as a message.
+            pacer.pause_on(deadline, "waiting for an outstanding SrcAvail to be read", Some(&self.cq))?;
         }
         let (addr, len) = (pages.as_ptr() as usize, pages.len());
         // SAFETY: the pages stay mapped until the receiver answers, by the AZ-SDP contract
@@ -976,7 +986,7 @@ impl SdpStream {
                 self.send_control(Message::SrcAvailCancel)?;
                 deadline = timeout.map(|t| Instant::now() + t);
             }
-            pacer.pause(None, "waiting for RdmaRdCompl")?;
+            pacer.pause_on(None, "waiting for RdmaRdCompl", Some(&self.cq))?;
         }
     }
 }
@@ -1798,24 +1808,46 @@ fn take_bulk(bytes: &[u8], rx: &mut VecDeque<RxItem>, eof: bool) -> Result<Optio
     Ok(None)
 }
 
-/// Waits between polls: spins first (the latency path), then yields, then naps.
+/// Waits between polls: spins first (the latency path), then yields, then sleeps: on the
+/// socket's completion queue where the awaited event raises a completion (a message, bulk
+/// data, the peer's answer), else in short naps (a flow-control update is a plain RDMA write,
+/// a hold's release a futex wake-up).
 #[derive(Default)]
 struct Pacer {
     polls: u32,
 }
 
+/// Longest sleep on a completion queue: bounds what a wake-up taken by another thread
+/// sleeping on the same queue (a `try_clone` of the socket) costs.
+const SLEEP_SLICE: Duration = Duration::from_millis(2);
+/// A nap where no completion announces the event.
+const NAP: Duration = Duration::from_micros(20);
+
 impl Pacer {
     fn pause(&mut self, deadline: Option<Instant>, what: &str) -> io::Result<()> {
+        self.pause_on(deadline, what, None)
+    }
+
+    /// [`Pacer::pause`] for an event that raises a completion on `cq`.
+    fn pause_on(&mut self, deadline: Option<Instant>, what: &str, cq: Option<&CompletionQueue>) -> io::Result<()> {
         self.polls += 1;
-        if self.polls.is_multiple_of(64) && deadline.is_some_and(|d| Instant::now() >= d) {
+        let sleeping = self.polls >= 6000;
+        if (sleeping || self.polls.is_multiple_of(64)) && deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(io::Error::new(io::ErrorKind::TimedOut, format!("timed out {what}")));
         }
         if self.polls < 4000 {
             std::hint::spin_loop();
-        } else if self.polls < 6000 {
+        } else if !sleeping {
             std::thread::yield_now();
+        } else if let Some(cq) = cq {
+            let slice = deadline.map_or(SLEEP_SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLEEP_SLICE));
+            if let Err(e) = portability_verbs::wait_any(&[cq], slice) {
+                // The next poll reports a broken queue; until then, nap.
+                debug!("SDP: cannot sleep on the completion queue: {e}");
+                std::thread::sleep(NAP);
+            }
         } else {
-            std::thread::sleep(Duration::from_micros(20));
+            std::thread::sleep(NAP);
         }
         Ok(())
     }
