@@ -60,6 +60,20 @@ fn set_affinity(cpus: &[usize]) {
     }
 }
 
+/// CPU time (user and system, seconds) of this process, or with `thread` of the calling
+/// thread only.
+pub fn cpu_seconds(thread: bool) -> f64 {
+    let who = if thread { libc::RUSAGE_THREAD } else { libc::RUSAGE_SELF };
+    // SAFETY: getrusage fills a zeroed struct.
+    let u = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(who, &mut u);
+        u
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
 /// Proportional set size of this process in KiB (0 if unknown).
 pub fn pss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/smaps_rollup")

@@ -31,8 +31,8 @@ use sockets_compat::{Design, SdpConfig, SdpListener, SdpStream};
 #[derive(Parser)]
 #[command(about = "SDP designs against TCP loopback: the AZ-SDP paper's benchmark suite")]
 struct Args {
-    /// Which tests to run (latency, throughput, overlap, window, hotspot, multi).
-    #[arg(long, default_value = "latency,throughput,overlap,window,hotspot,multi", value_delimiter = ',')]
+    /// Which tests to run (latency, throughput, overlap, window, idle, hotspot, multi).
+    #[arg(long, default_value = "latency,throughput,overlap,window,idle,hotspot,multi", value_delimiter = ',')]
     tests: Vec<String>,
     /// Smallest message of the latency and throughput sweeps.
     #[arg(long, default_value_t = 8)]
@@ -82,17 +82,24 @@ enum PeerKind {
 /// A connected byte stream of any layer.
 trait Stream: Read + Write + Send + 'static {
     fn nonblocking(&self, on: bool);
+    fn read_timeout(&self, t: Duration);
 }
 
 impl Stream for TcpStream {
     fn nonblocking(&self, on: bool) {
         self.set_nonblocking(on).expect("set_nonblocking");
     }
+    fn read_timeout(&self, t: Duration) {
+        self.set_read_timeout(Some(t)).expect("set_read_timeout");
+    }
 }
 
 impl Stream for SdpStream {
     fn nonblocking(&self, on: bool) {
         self.set_nonblocking(on).expect("set_nonblocking");
+    }
+    fn read_timeout(&self, t: Duration) {
+        self.set_read_timeout(Some(t)).expect("set_read_timeout");
     }
 }
 
@@ -445,6 +452,23 @@ fn throughput(peer: &mut Peer, layer: &str, size: usize, volume: usize, load: Se
     (count * size) as f64 / secs / 1e9
 }
 
+/// CPU the reading thread uses (% of one core) while a blocking read waits `wait` on a
+/// connection nothing arrives on, until its timeout: what an idle connection with a reader
+/// blocked on it costs.
+fn idle_read(layer: &str, wait: Duration, zt: usize) -> f64 {
+    let (_c, mut s) = connect(layer, zt);
+    s.nonblocking(false);
+    s.read_timeout(wait);
+    let (cpu, t) = (benches::cpu_seconds(true), Instant::now());
+    let r = s.read(&mut [0u8; 16]);
+    let used = benches::cpu_seconds(true) - cpu;
+    match r {
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock) => {}
+        r => panic!("{layer}: an idle read returned {r:?}"),
+    }
+    used / t.elapsed().as_secs_f64() * 100.0
+}
+
 /// Hot-spot: `n` clients ping-pong with one server (a thread per connection); the median
 /// one-way latency over all clients, microseconds.
 fn hot_spot(layer: &str, n: usize, size: usize, iters: usize, zt: usize) -> f64 {
@@ -683,6 +707,12 @@ fn main() {
     // Several connections: threads of this process, every thread may run anywhere.
     drop(peer);
     unpin();
+    if run("idle") {
+        let title = "Idle connection: CPU of a thread blocked in read, % of one core".into();
+        let mut t = Table::start("idle", title, "seconds", false, false, &a.layers);
+        t.row(1.0, "1".into(), |l| idle_read(l, Duration::from_secs(1), zt));
+        tables.push(t);
+    }
     for size in [8usize, 64 * 1024].into_iter().filter(|_| run("hotspot")) {
         let title = format!("Hot-spot latency at {}: one server, N clients, median one way (us)", fmt_size(size));
         let mut t = Table::start(&format!("hot_spot_{size}"), title, "clients", false, false, &a.layers);

@@ -158,17 +158,6 @@ struct Point {
     mb_per_cpu_s: f64,
 }
 
-fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage fills a zeroed struct.
-    let u = unsafe {
-        let mut u: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut u);
-        u
-    };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    tv(u.ru_utime) + tv(u.ru_stime)
-}
-
 fn lat_iters(args: &Args, size: usize) -> u64 {
     (args.iters * 4096 / (size as u64).max(4096)).max(20)
 }
@@ -520,14 +509,14 @@ fn measure(
             }
         }
         let count = stream_count(args, size);
-        let cpu0 = cpu_seconds();
+        let cpu0 = benches::cpu_seconds(false);
         let t = Instant::now();
         for _ in 0..count {
             link.send(size)?;
         }
         link.recv(8)?; // the server's acknowledgement of the whole stream, with its CPU time
         let secs = t.elapsed().as_secs_f64();
-        let cpu = cpu_seconds() - cpu0 + link.get() as f64 * 1e-9;
+        let cpu = benches::cpu_seconds(false) - cpu0 + link.get() as f64 * 1e-9;
         let bytes = (count * size as u64) as f64;
         out.push(Point {
             layer,
@@ -568,11 +557,11 @@ fn serve(args: &Args, link: &mut dyn Link) -> Result<(), String> {
             link.recv(size)?;
             link.send(size)?;
         }
-        let cpu0 = cpu_seconds();
+        let cpu0 = benches::cpu_seconds(false);
         for _ in 0..stream_count(args, size) {
             link.recv(size)?;
         }
-        link.put(((cpu_seconds() - cpu0) * 1e9) as u64);
+        link.put(((benches::cpu_seconds(false) - cpu0) * 1e9) as u64);
         link.send(8)?;
     }
 }
