@@ -9,6 +9,7 @@ fn sdp_bench_runs_end_to_end() {
     let run = Command::new(env!("CARGO_BIN_EXE_sdp_bench"))
         .args(["--max", "4096", "--iters", "60", "--volume", "400000", "--compute-us", "0,20"])
         .args(["--windows", "1,4", "--connections", "1,2"])
+        .args(["--tests", "latency,throughput,overlap,window,hotspot,multi"])
         .arg("--out")
         .arg(&out)
         .output()
@@ -33,5 +34,24 @@ fn sdp_bench_runs_end_to_end() {
         let svg = std::fs::read_to_string(out.join(format!("{key}.svg"))).unwrap();
         assert_eq!(svg.matches("<polyline").count(), 4, "{key}.svg");
     }
+    std::fs::remove_dir_all(&out).ok();
+}
+
+/// The idle test: one row, a CPU share per layer (TCP's may be 0: it sleeps in the kernel).
+#[test]
+fn sdp_bench_measures_an_idle_reader() {
+    let out = std::env::temp_dir().join(format!("sdp-bench-idle-{}", std::process::id()));
+    let run =
+        Command::new(env!("CARGO_BIN_EXE_sdp_bench")).args(["--tests", "idle", "--out"]).arg(&out).output().unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "sdp_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
+    let rows: Vec<Vec<f64>> = stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty() && !l.contains("bsdp"))
+        .map(|l| l.split_whitespace().filter_map(|w| w.parse::<f64>().ok()).collect())
+        .collect();
+    assert_eq!(rows.len(), 1, "{stdout}");
+    assert_eq!(rows[0].len(), 5, "{stdout}");
+    assert!(rows[0][1..].iter().all(|&x| (0.0..=100.0).contains(&x)), "{stdout}");
     std::fs::remove_dir_all(&out).ok();
 }
