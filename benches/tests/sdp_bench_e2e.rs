@@ -3,6 +3,15 @@
 
 use std::process::Command;
 
+/// The numbers of each table row of the benchmark's output (not headers or comments).
+fn table_rows(stdout: &str) -> Vec<Vec<f64>> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty() && !l.contains("bsdp"))
+        .map(|l| l.split_whitespace().filter_map(|w| w.parse::<f64>().ok()).collect())
+        .collect()
+}
+
 #[test]
 fn sdp_bench_runs_end_to_end() {
     let out = std::env::temp_dir().join(format!("sdp-bench-e2e-{}", std::process::id()));
@@ -16,11 +25,7 @@ fn sdp_bench_runs_end_to_end() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(run.status.success(), "sdp_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
-    let rows: Vec<Vec<f64>> = stdout
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty() && !l.contains("bsdp"))
-        .map(|l| l.split_whitespace().filter_map(|w| w.parse::<f64>().ok()).collect())
-        .collect();
+    let rows = table_rows(&stdout);
     // Latency: 8 B .. 4 KiB (10 rows); throughput: 1 KiB .. 4 KiB (3); overlap 2 x 2; fault
     // window 2 x 2; hot-spot 2 x 2; multi-stream 2; multi-client 2.
     assert_eq!(rows.len(), 10 + 3 + 4 + 4 + 4 + 2 + 2, "{stdout}");
@@ -45,11 +50,7 @@ fn sdp_bench_measures_an_idle_reader() {
         Command::new(env!("CARGO_BIN_EXE_sdp_bench")).args(["--tests", "idle", "--out"]).arg(&out).output().unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(run.status.success(), "sdp_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
-    let rows: Vec<Vec<f64>> = stdout
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty() && !l.contains("bsdp"))
-        .map(|l| l.split_whitespace().filter_map(|w| w.parse::<f64>().ok()).collect())
-        .collect();
+    let rows = table_rows(&stdout);
     assert_eq!(rows.len(), 1, "{stdout}");
     assert_eq!(rows[0].len(), 5, "{stdout}");
     assert!(rows[0][1..].iter().all(|&x| (0.0..=100.0).contains(&x)), "{stdout}");
