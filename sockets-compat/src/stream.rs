@@ -639,7 +639,9 @@ impl SdpStream {
             }
             pacer.pause(deadline, "sending a control message")?;
         }
-        self.drain_staged(deadline)
+        self.drain_staged(deadline)?;
+        self.hand_over();
+        Ok(())
     }
 
     /// Drives the pipe until nothing accepted is still coalesced on our side.
@@ -726,10 +728,24 @@ impl SdpStream {
         // Sending reads the buffer: a receive still landing in it must finish first.
         self.wait_readable(buf, deadline)?;
         // A nonblocking socket copies: it cannot hold the caller's buffer past the call.
-        match design {
+        let written = match design {
             Design::Zsdp if zcopy && !nonblocking => self.write_zcopy(buf, timeout),
             Design::AzSdp if zcopy && !nonblocking => self.write_async(buf, deadline),
             _ => self.write_copy(buf, nonblocking, deadline),
+        };
+        self.hand_over();
+        written
+    }
+
+    /// Leaves the socket to the background engine while its pipe has requests the transport
+    /// has not finished: on the software provider a request queued behind earlier ones (a
+    /// ring acknowledgement, an RDMA write, waits for the peer to take a message first) starts
+    /// only when this process drives the queue pair again, and the application may never call
+    /// into the socket again (a last write, then waiting elsewhere for the answer).
+    fn hand_over(&self) {
+        let mut c = self.lock();
+        if c.failed.is_none() && !c.pipe.idle() {
+            self.watch(&mut c);
         }
     }
 
@@ -1025,7 +1041,7 @@ impl Background for Conn {
     /// a fault: on a loaded machine a third thread polling a busy socket only steals its CPU
     /// and its lock.
     fn background_progress(&mut self) -> bool {
-        let in_flight = !self.sends.is_empty() || !self.reads.is_empty();
+        let in_flight = !self.sends.is_empty() || !self.reads.is_empty() || !self.pipe.idle();
         let app_active = std::mem::replace(&mut self.calls_seen, self.calls) != self.calls;
         if in_flight && protect::fault_waiters() == 0 && app_active {
             return true;
@@ -1034,7 +1050,7 @@ impl Background for Conn {
             // Errors are recorded in the socket; its next call reports them.
             let _ = self.pump();
         }
-        self.failed.is_none() && (!self.sends.is_empty() || !self.reads.is_empty())
+        self.failed.is_none() && (!self.sends.is_empty() || !self.reads.is_empty() || !self.pipe.idle())
     }
 }
 
