@@ -619,3 +619,53 @@ fn deregistered_keys_are_refused_and_never_match_a_later_registration() {
         assert_eq!(new.read_u64(0), 0);
     });
 }
+
+/// A request that could not start when posted (the target's ring was full, or a one-sided
+/// operation ordered behind a send the target had not taken yet) starts once the target made
+/// room, whether or not its owner ever drives its queue pair again: a NIC needs no CPU of its
+/// host for that, and an upper layer that posts and then waits on another connection (or
+/// computes) must not stall its peer.
+#[test]
+fn requests_left_waiting_start_without_their_owner_polling() {
+    each(|ctx| {
+        // One-sided behind a send the target has not taken (no receive posted yet: the
+        // owner's own post cannot finish the send by driving a same-process target).
+        let p = pair(ctx, 1 << 20);
+        p.mr_a.write(0, &[7u8; 64]);
+        p.mr_a.write(64, &[9u8; 8]);
+        p.a.post_send(&[SendWr::send(1, &[p.mr_a.sge(0, 64)])]).unwrap();
+        p.a.post_send(&[SendWr::write(2, &[p.mr_a.sge(64, 8)], p.mr_b.addr() + 4096, p.mr_b.rkey())]).unwrap();
+        p.b.post_recv(&[RecvWr::new(1, &[p.mr_b.sge(0, 64)])]).unwrap();
+        assert_eq!(wait_one(&p.cq_b).status, WcStatus::Success);
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let mut got = [0u8; 8];
+            p.mr_b.read(4096, &mut got);
+            if got == [9u8; 8] {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the write never landed while its owner was idle");
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        let done = wait_n(&p.cq_a, 2);
+        assert!(done.iter().all(|wc| wc.status == WcStatus::Success), "{done:?}");
+
+        // Sends beyond what the target's ring holds at once.
+        let p = pair(ctx, 1 << 20);
+        let (n, len) = (64usize, 4096usize);
+        let data = pattern(5, n * len);
+        p.mr_a.write(0, &data);
+        for i in 0..n {
+            p.a.post_send(&[SendWr::send(i as u64, &[p.mr_a.sge(i * len, len)])]).unwrap();
+        }
+        for i in 0..n {
+            p.b.post_recv(&[RecvWr::new(i as u64, &[p.mr_b.sge(i * len, len)])]).unwrap();
+        }
+        let got = wait_n(&p.cq_b, n);
+        assert!(got.iter().enumerate().all(|(i, wc)| wc.wr_id == i as u64 && wc.status == WcStatus::Success));
+        let mut back = vec![0u8; n * len];
+        p.mr_b.read(0, &mut back);
+        assert_eq!(back, data);
+        assert_eq!(wait_n(&p.cq_a, n).len(), n);
+    });
+}

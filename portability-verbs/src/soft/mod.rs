@@ -12,6 +12,7 @@
 //! - Waiting: busy polling needs no syscalls; a sleeper arms its queue's doorbell and producers
 //!   signal its eventfd only then.
 
+mod backstop;
 mod cq;
 mod ctx;
 mod layout;

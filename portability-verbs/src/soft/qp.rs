@@ -183,6 +183,8 @@ pub struct QpInner {
     peek_head: AtomicU64,
     sq_busy: AtomicBool,
     idle: AtomicU32,
+    /// Registered with the backstop, which starts waiting requests when we do not.
+    backstop_watched: AtomicBool,
 }
 
 type LocalQps = Mutex<std::collections::HashMap<(u64, u32), std::sync::Weak<QpInner>>>;
@@ -297,6 +299,7 @@ impl QpInner {
             peek_head: AtomicU64::new(0),
             sq_busy: AtomicBool::new(false),
             idle: AtomicU32::new(0),
+            backstop_watched: AtomicBool::new(false),
         });
         send_cq.attach(&qp);
         recv_cq.attach(&qp);
@@ -1372,8 +1375,46 @@ impl QpInner {
         self.peek_head.store(core.cons_head, Ordering::Relaxed);
         // Unsignaled requests in flight alone do not make polls reap: they are retired on the
         // periodic slow pass, when ring space or queue slots are needed, or by a later signaled one.
-        let eager = core.signaled_outstanding > 0 || core.exec_next < core.sq.len();
-        self.sq_busy.store(eager, Ordering::Relaxed);
+        let waiting = core.exec_next < core.sq.len();
+        self.sq_busy.store(core.signaled_outstanding > 0 || waiting, Ordering::Relaxed);
+        if waiting
+            && core.state == QpState::ReadyToSend
+            && !self.backstop_watched.load(Ordering::Relaxed)
+            && !self.backstop_watched.swap(true, Ordering::Relaxed)
+        {
+            match local_qp(self.ctx.id, self.qpn) {
+                Some(me) => super::backstop::watch(me),
+                None => self.backstop_watched.store(false, Ordering::Relaxed),
+            }
+        }
+    }
+
+    /// The backstop's pass: starts the waiting requests the target made room for, if no other
+    /// thread is on this queue pair, and checks on a peer that lets them wait. True while
+    /// requests still wait (the backstop keeps watching).
+    pub(crate) fn drive_waiting(&self) -> bool {
+        let Some(mut core) = self.core.try_lock() else {
+            return true;
+        };
+        let mut out = Out::new();
+        self.progress_outbound(&mut core, &mut out);
+        let waits = |core: &QpCore| core.exec_next < core.sq.len() && core.state == QpState::ReadyToSend;
+        if waits(&core) {
+            let now = Instant::now();
+            if now.duration_since(core.last_liveness) >= LIVENESS_EVERY {
+                core.last_liveness = now;
+                self.check_peer(&mut core, &mut out);
+            }
+        }
+        let waiting = waits(&core);
+        if !waiting {
+            // Under the lock: whoever leaves requests waiting next sees the flag down.
+            self.backstop_watched.store(false, Ordering::Relaxed);
+        }
+        self.publish_peek(&core);
+        self.deliver(&out); // under the lock: per-QP completion order across threads
+        drop(core);
+        waiting
     }
 
     /// Runs the responder side if no other thread is on this queue pair.
