@@ -148,6 +148,17 @@ impl PeerCtx {
         Ok(guard)
     }
 
+    /// True if `rkey` names memory this process reaches with plain stores (a provider segment,
+    /// or any memory of a same-process peer): writes there cost no more than copying through
+    /// the ring, and leave the responder nothing to place. A hint only: [`PeerCtx::access`]
+    /// makes the checks.
+    pub fn stores_directly(&self, rkey: u32) -> bool {
+        self.same_process
+            || key_slot(rkey)
+                .and_then(|i| self.ctrl().mr(i))
+                .is_some_and(|e| e.key.load(Ordering::Acquire) == rkey && e.seg_id.load(Ordering::Relaxed) != 0)
+    }
+
     /// The mapping of the provider segment holding a region, fetched and mapped on first use.
     /// None for user memory, or if the segment cannot be had (then cross-memory attach serves).
     fn segment_of(&self, entry: &MrEntry) -> Option<Arc<Segment>> {

@@ -714,13 +714,16 @@ impl QpInner {
         }
     }
 
-    /// True when a write-with-immediate goes through the ring with its data (small, and the
-    /// target is not memory we reach directly).
+    /// True when a write-with-immediate goes through the ring with its data: small, and the
+    /// target is user memory of another process (one record beats a cross-memory-attach call).
+    /// Into memory we reach with plain stores (provider segments, same-process memory) the data
+    /// is stored directly and only a notification goes through the ring: no copy left for the
+    /// responder, and nothing for later one-sided requests to wait for.
     fn wwi_is_ring_inline(&self, core: &QpCore, wr: &SendWr) -> bool {
         let Some(r) = &core.remote else {
             return false;
         };
-        wr.byte_len() as usize <= self.ctx.config.copy_threshold && !r.peer.same_process
+        wr.byte_len() as usize <= self.ctx.config.copy_threshold && !r.peer.stores_directly(wr.rkey)
     }
 
     /// Places a record in the peer's ring: `fill` writes the payload. Returns the stage, or
