@@ -292,6 +292,8 @@ pub struct MsgPipe {
     freed: smallvec::SmallVec<[u32; 8]>,
     /// Completions of requests posted through `post_user`, by token.
     user_done: std::collections::HashMap<u64, WcStatus>,
+    /// Staging buffers of framed bulk chunks in flight, by token.
+    bulk_staging: smallvec::SmallVec<[(u64, u32); 4]>,
     next_user: u64,
 }
 
@@ -396,6 +398,7 @@ impl MsgPipe {
             wcs: vec![WorkCompletion::EMPTY; 32],
             freed: smallvec::SmallVec::new(),
             user_done: std::collections::HashMap::new(),
+            bulk_staging: smallvec::SmallVec::new(),
             next_user: 0,
         };
         pipe.setup(timeout)?;
@@ -771,7 +774,12 @@ impl MsgPipe {
 
     fn handle_completion(&mut self, wc: WorkCompletion) -> Result<()> {
         if wc.wr_id >> TAG_SHIFT == TAG_USER {
-            self.user_done.insert(wc.wr_id & ((1 << TAG_SHIFT) - 1), wc.status);
+            let token = wc.wr_id & ((1 << TAG_SHIFT) - 1);
+            if let Some(i) = self.bulk_staging.iter().position(|&(t, _)| t == token) {
+                let (_, index) = self.bulk_staging.swap_remove(i);
+                self.send_pool.release_index(index)?;
+            }
+            self.user_done.insert(token, wc.status);
             if wc.status != WcStatus::Success {
                 return Err(VerbsError::PeerUnreachable(format!("transfer failed: {:?} ({:?})", wc.status, wc.opcode)));
             }
@@ -872,12 +880,31 @@ impl MsgPipe {
     /// room now (call [`MsgPipe::progress`] and retry). `Ok(Some(token))`: `data` must stay
     /// untouched until [`MsgPipe::take_user_completion`] reports the token.
     pub fn try_send_bulk(&mut self, data: Sge) -> Result<Option<u64>> {
+        self.try_send_bulk_framed(&[], data, &[])
+    }
+
+    /// Most bytes [`MsgPipe::try_send_bulk_framed`] carries around a chunk's data.
+    pub fn bulk_frame_max(&self) -> usize {
+        self.send_pool.buf_size()
+    }
+
+    /// A bulk chunk of `head`, then `data`, then `tail`, written as one: the framing bytes
+    /// (copied before this returns, at most [`MsgPipe::bulk_frame_max`] together) let a layer
+    /// above send its own records with the data, so a transfer needs no message next to its
+    /// chunk. (A message ahead of a chunk holds the chunk back on transports that place a
+    /// send's data only when the target takes it, as the software provider does: an RDMA
+    /// write never overtakes an earlier send.) `data` may be empty when framing is not; the
+    /// rest as [`MsgPipe::try_send_bulk`], `Ok(None)` also when no staging buffer is free.
+    pub fn try_send_bulk_framed(&mut self, head: &[u8], data: Sge, tail: &[u8]) -> Result<Option<u64>> {
         self.check_failed()?;
         let max = self.bulk_chunk_max();
-        if data.length == 0 || data.length as usize > max {
+        let frame = head.len() + tail.len();
+        let total = frame + data.length as usize;
+        if total == 0 || total > max || frame > self.bulk_frame_max() {
             return Err(VerbsError::invalid(format!(
-                "bulk chunk of {} bytes (1 to {max}; 0 means the peer has no bulk ring)",
-                data.length
+                "bulk chunk of {total} bytes, {frame} of them framing (1 to {max}, framing at most {}; \
+                 0 means the peer has no bulk ring)",
+                self.bulk_frame_max()
             )));
         }
         if !self.coalescer.is_empty() {
@@ -892,23 +919,54 @@ impl MsgPipe {
             self.stats.blocked += 1;
             return Ok(None);
         }
-        let Some(place) = self.bulk_tx.reserve(data.length as u64) else {
+        let Some(place) = self.bulk_tx.reserve(total as u64) else {
             self.stats.blocked += 1;
             return Ok(None);
         };
+        let mut sges: smallvec::SmallVec<[Sge; 3]> = smallvec::SmallVec::new();
+        let mut staging = None;
+        if frame > 0 {
+            let Some(mut b) = self.send_pool.try_acquire() else {
+                // Freed as earlier transfers complete.
+                self.bulk_tx.unreserve();
+                self.stats.blocked += 1;
+                return Ok(None);
+            };
+            b.push(head);
+            b.push(tail);
+            let all = b.sge();
+            if !head.is_empty() {
+                sges.push(Sge { length: head.len() as u32, ..all });
+            }
+            if data.length > 0 {
+                sges.push(data);
+            }
+            if !tail.is_empty() {
+                sges.push(Sge { addr: all.addr + head.len() as u64, length: tail.len() as u32, lkey: all.lkey });
+            }
+            staging = Some(b.into_index());
+        } else {
+            sges.push(data);
+        }
         let peer = self.peer_bulk.as_ref().expect("bulk_chunk_max checked");
-        let imm = data.length | IMM_BULK | if place.wrapped { IMM_WRAPPED } else { 0 };
-        let wr = SendWr::write_with_imm(0, &[data], peer.addr + place.offset, peer.rkey, imm);
+        let imm = total as u32 | IMM_BULK | if place.wrapped { IMM_WRAPPED } else { 0 };
+        let wr = SendWr::write_with_imm(0, &sges, peer.addr + place.offset, peer.rkey, imm);
         match self.post_user(wr) {
             Ok(token) => {
                 if credit {
                     self.credits.on_send_bare();
+                }
+                if let Some(index) = staging {
+                    self.bulk_staging.push((token, index));
                 }
                 self.stats.transfers += 1;
                 Ok(Some(token))
             }
             Err(e) => {
                 self.bulk_tx.unreserve();
+                if let Some(index) = staging {
+                    self.send_pool.release_index(index)?;
+                }
                 Err(e)
             }
         }
@@ -1319,6 +1377,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A framed chunk arrives as head, data, tail in one chunk (also with no data), its
+    /// staging buffer comes back when it completes, and framing that does not fit is refused.
+    #[test]
+    fn framed_chunks_carry_head_data_and_tail() {
+        let s = FlowStrategy::Window { window: 512, buffers: 4 };
+        let (pd, mut a, mut b) = pair_with(s, PipeOptions { bulk_ring: 16 * 1024, ..PipeOptions::default() });
+        let src: Vec<u8> = (0..4096u32).map(|i| (i * 11 % 241) as u8).collect();
+        let reg = pd.register(src.clone().into_boxed_slice(), AccessFlags::NONE).unwrap();
+        let deadline = Instant::now() + T;
+        let cases: [(&[u8], usize, &[u8]); 4] =
+            [(b"head", 1000, b"tail"), (b"", 4000, b"t"), (b"only-framing", 0, b"!"), (&[7u8; 512], 3584, b"")];
+        for (i, &(head, len, tail)) in cases.iter().enumerate() {
+            let token = loop {
+                if let Some(t) = a.try_send_bulk_framed(head, reg.sge(0, len), tail).unwrap() {
+                    break t;
+                }
+                a.progress().unwrap();
+                b.progress().unwrap();
+                assert!(Instant::now() < deadline, "case {i} never sent");
+            };
+            let got = loop {
+                if let Some(x) = b.recv_lane(|l, m| (l, m.to_vec())).unwrap() {
+                    break x;
+                }
+                assert!(Instant::now() < deadline, "case {i} never arrived");
+            };
+            assert_eq!(got, (Lane::Bulk, [head, &src[..len], tail].concat()), "case {i}");
+            while a.take_user_completion(token).is_none() {
+                a.progress().unwrap();
+                b.progress().unwrap();
+                assert!(Instant::now() < deadline, "case {i} never completed");
+            }
+        }
+        assert!(a.bulk_staging.is_empty(), "staging buffers still held");
+        assert_eq!(a.send_pool.stats().in_use, 0, "staging buffers not back in the pool");
+        let over = vec![0u8; a.bulk_frame_max() + 1];
+        assert!(a.try_send_bulk_framed(&over, reg.sge(0, 1), b"").is_err(), "framing over the staging buffer");
+        assert!(a.try_send_bulk_framed(b"", reg.sge(0, 0), b"").is_err(), "an empty chunk");
+        assert!(a.try_send_bulk_framed(b"x", reg.sge(0, 4096), b"").is_err(), "a chunk over the largest");
     }
 
     /// A bulk lane is refused where it cannot work, and misuse is an error, not a panic.
