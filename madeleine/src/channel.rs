@@ -76,6 +76,12 @@ fn step_past(pipe: &mut MsgPipe, front_at: &mut usize, next: usize, len: usize) 
     }
 }
 
+/// Takes the first `n` bytes of the pipe's front bulk chunk (of `len` bytes), releasing it
+/// once all are taken.
+fn take_from_front(pipe: &mut MsgPipe, n: usize, len: usize) -> std::result::Result<(), Broken> {
+    if n >= len { pipe.pop_front() } else { pipe.consume_front(n) }.map_err(lost)
+}
+
 struct ConnIo {
     pipe: MsgPipe,
     /// Records taken out of the pipe before their reader came; they come before the pipe's.
@@ -98,7 +104,19 @@ impl ConnIo {
             self.incoming.pop_front();
             return Ok(Some(packs));
         }
-        if !self.incoming.is_empty() || self.front_at == 0 {
+        if !self.incoming.is_empty() || self.bulk_left > 0 {
+            return Ok(None);
+        }
+        if self.pipe.peek_lane() == Some(Lane::Bulk) {
+            // Records after a pack's data in its last chunk.
+            let Ok(Some((_, m))) = self.pipe.front() else { return Ok(None) };
+            let (rec, _, next) = wire::decode_in_chunk(m, 0).map_err(|e| Broken::Protocol(e.to_string()))?;
+            let Record::End { packs } = rec else { return Ok(None) };
+            let len = m.len();
+            take_from_front(&mut self.pipe, next, len)?;
+            return Ok(Some(packs));
+        }
+        if self.front_at == 0 {
             return Ok(None);
         }
         // Mid-message, so the pipe's front is that message (no progress is driven); a broken
@@ -127,19 +145,37 @@ impl ConnIo {
                 Err(e) => return Err(lost(e)),
             };
             if *bulk_left > 0 {
-                if lane != Lane::Bulk || m.len() as u64 > *bulk_left {
-                    return Err(Broken::Protocol("bulk pack data missing or too long".into()));
+                if lane != Lane::Bulk {
+                    return Err(Broken::Protocol("bulk pack data missing".into()));
                 }
                 if how == Pump::StopAtBulk {
                     return Ok(Err(f));
                 }
-                *bulk_left -= m.len() as u64;
-                let r = f(Next::BulkData(m));
-                pipe.pop_front().map_err(lost)?;
+                // A chunk may end with records after its pack's data.
+                let (n, len) = ((m.len() as u64).min(*bulk_left) as usize, m.len());
+                *bulk_left -= n as u64;
+                let r = f(Next::BulkData(&m[..n]));
+                take_from_front(pipe, n, len)?;
                 return Ok(Ok(r));
             }
             if lane == Lane::Bulk {
-                return Err(Broken::Protocol("bulk data nobody announced".into()));
+                // Bulk bytes nobody announced are records: a chunk that carries its pack's
+                // announcement (and maybe the message's End), read in place like a message.
+                let len = m.len();
+                let (rec, data, next) = wire::decode_in_chunk(m, 0).map_err(|e| Broken::Protocol(e.to_string()))?;
+                match rec {
+                    Record::Fin { id } => {
+                        fins.insert(id);
+                        take_from_front(pipe, next, len)?;
+                        continue;
+                    }
+                    Record::Bulk { total: 0, .. } => return Err(Broken::Protocol("empty bulk pack".into())),
+                    Record::Bulk { total, .. } => *bulk_left = total,
+                    _ => {}
+                }
+                let r = f(Next::Rec(rec, &m[data]));
+                take_from_front(pipe, next, len)?;
+                return Ok(Ok(r));
             }
             let len = m.len();
             if *front_at >= len {
@@ -235,6 +271,8 @@ pub(crate) struct Conn {
     max_msg: usize,
     /// Largest bulk-lane chunk (0: no bulk lane).
     bulk_chunk: usize,
+    /// Most record bytes a bulk chunk carries around its data.
+    bulk_frame: usize,
     /// Packs of at least this many bytes go by rendezvous (zero-copy).
     threshold: usize,
     /// The pipe's completion queue, for waiters to sleep on without the pipe's lock.
@@ -256,6 +294,7 @@ impl Conn {
             threshold,
             max_msg: s.cfg.strategy.max_message(),
             bulk_chunk: pipe.bulk_chunk_max(),
+            bulk_frame: pipe.bulk_frame_max().min(pipe.bulk_chunk_max() / 2),
             io: Mutex::new(ConnIo {
                 pipe,
                 incoming: VecDeque::new(),
@@ -447,6 +486,7 @@ impl Channel {
             rdv: Vec::new(),
             bulk_tokens: Vec::new(),
             bulk_regs: Vec::new(),
+            pending_bulk: None,
             flushed: false,
             finished: false,
         })
@@ -602,6 +642,9 @@ pub struct Packer<'p> {
     /// Bulk chunks of borrowed buffers still being written, and their registrations.
     bulk_tokens: Vec<u64>,
     bulk_regs: Vec<Registration<'p>>,
+    /// A borrowed bulk pack not sent yet: the next pack, `flush` or `end_packing` sends it,
+    /// `end_packing` with the message's `End` in its last chunk.
+    pending_bulk: Option<(&'p [u8], Modes)>,
     /// Part of the message was handed to the network already (it cannot go as one `Whole`).
     flushed: bool,
     finished: bool,
@@ -638,25 +681,35 @@ impl<'p> Packer<'p> {
     /// Sends a pack whose buffer lives as long as the packer (`Later`/`Cheaper` packs may be
     /// read until `end_packing`).
     fn emit_borrowed(&mut self, buf: &'p [u8], modes: Modes) -> Result<()> {
+        self.send_pending(false)?;
         if modes.send != SendMode::Safer && self.wants_bulk(buf.len()) {
-            // SAFETY: `buf` is borrowed for 'p, the packer's life; `finish` waits until every
-            // chunk written from it completed before the registration is dropped.
-            let (reg, tokens) = unsafe { self.send_bulk(buf, modes) }?;
-            self.bulk_tokens.extend(tokens);
-            self.bulk_regs.push(reg);
+            // Held back by one pack: if it is the last, the message's End rides in its chunk.
+            self.pending_bulk = Some((buf, modes));
             return Ok(());
         }
         self.emit(buf, modes)
     }
 
+    /// Sends the pending bulk pack, if any (`end`: as the message's last, with its `End`).
+    fn send_pending(&mut self, end: bool) -> Result<()> {
+        let Some((buf, modes)) = self.pending_bulk.take() else { return Ok(()) };
+        // SAFETY: `buf` is borrowed for 'p, the packer's life; `finish` waits until every
+        // chunk written from it completed before the registration is dropped.
+        let (reg, tokens) = unsafe { self.send_bulk(buf, modes, end) }?;
+        self.bulk_tokens.extend(tokens);
+        self.bulk_regs.push(reg);
+        Ok(())
+    }
+
     /// Sends a pack whose buffer may be reused as soon as this returns.
     fn emit(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
+        self.send_pending(false)?;
         if buf.len() >= self.conn.threshold {
             self.rendezvous(buf, modes)
         } else if self.wants_bulk(buf.len()) {
             // SAFETY: `buf` outlives this call, which waits for its chunks before returning
             // and dropping the registration.
-            let (_reg, mut tokens) = unsafe { self.send_bulk(buf, modes) }?;
+            let (_reg, mut tokens) = unsafe { self.send_bulk(buf, modes, false) }?;
             self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)
         } else {
             self.inline(buf, modes)
@@ -669,45 +722,57 @@ impl<'p> Packer<'p> {
         self.conn.bulk_chunk > 0 && len > self.conn.max_msg - 3 * wire::HEADER && len < self.conn.threshold
     }
 
-    /// Announces `buf` as a bulk pack and writes its chunks; returns its registration and the
-    /// chunks' tokens.
+    /// Writes `buf` as a bulk pack: its `Bulk` record, with the records packed before it,
+    /// leads its first chunk, and with `end` the message's `End` closes its last, so a message
+    /// of bulk packs travels as bulk chunks alone (no pipe message that the next message's
+    /// chunks would have to wait behind). Returns its registration and the chunks' tokens.
     ///
     /// # Safety
     /// `buf` must stay mapped and unchanged, and the registration alive, until every token
     /// completed.
-    unsafe fn send_bulk<'r>(&mut self, buf: &[u8], modes: Modes) -> Result<(Registration<'r>, Vec<u64>)>
+    unsafe fn send_bulk<'r>(&mut self, buf: &[u8], modes: Modes, end: bool) -> Result<(Registration<'r>, Vec<u64>)>
     where
         'p: 'r,
     {
         // SAFETY: the caller keeps `buf` mapped for as long as the registration lives.
         let reg: Registration<'r> =
             unsafe { self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?;
-        self.announce_bulk(buf.len(), modes)?;
-        let tokens = self.bulk_chunks(buf, &reg)?;
-        Ok((reg, tokens))
-    }
-
-    /// Ends the current pipe message with a bulk announcement.
-    fn announce_bulk(&mut self, len: usize, modes: Modes) -> Result<()> {
-        if self.agg.len() + wire::HEADER > self.conn.max_msg {
-            self.flush()?;
+        if self.agg.len() + 2 * wire::HEADER > self.conn.bulk_frame {
+            self.flush_agg()?;
         }
-        Record::Bulk { modes, total: len as u64 }.encode(&mut self.agg);
-        self.flush()
+        Record::Bulk { modes, total: buf.len() as u64 }.encode(&mut self.agg);
+        let mut tail = SmallVec::<[u8; wire::HEADER]>::new();
+        if end {
+            tail.extend_from_slice(&Record::End { packs: self.packs }.header());
+        }
+        let head = std::mem::take(&mut self.agg);
+        let tokens = self.bulk_chunks(&head, buf, &reg, &tail);
+        self.agg = head;
+        self.agg.clear();
+        self.flushed = true;
+        Ok((reg, tokens?))
     }
 
-    /// Writes `buf` (registered as `reg`) into the peer's bulk ring, chunk by chunk, waiting
-    /// for ring space (while draining what arrives, so two ends sending at once never block
-    /// each other). Returns the chunks' tokens: `buf` is in use until they complete.
-    fn bulk_chunks(&self, buf: &[u8], reg: &Registration<'_>) -> Result<Vec<u64>> {
-        let mut tokens = Vec::with_capacity(buf.len().div_ceil(self.conn.bulk_chunk));
+    /// Writes `head`, `buf` (registered as `reg`) and `tail` into the peer's bulk ring, chunk
+    /// by chunk (`head` in the first, `tail` in the last), waiting for ring space (while
+    /// draining what arrives, so two ends sending at once never block each other). Returns
+    /// the chunks' tokens: `buf` is in use until they complete.
+    fn bulk_chunks(&self, head: &[u8], buf: &[u8], reg: &Registration<'_>, tail: &[u8]) -> Result<Vec<u64>> {
+        let max = self.conn.bulk_chunk;
+        let mut tokens = Vec::with_capacity(buf.len().div_ceil(max) + 1);
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for room in the peer's bulk ring");
-        for c in buf.chunks(self.conn.bulk_chunk) {
-            let sge = Sge { addr: c.as_ptr() as u64, length: c.len() as u32, lkey: reg.lkey() };
+        let (mut off, mut head, mut tail_sent) = (0, head, false);
+        while off < buf.len() || !tail_sent {
+            let n = (max - head.len()).min(buf.len() - off);
+            let last = off + n == buf.len();
+            let tail_here = if last && head.len() + n + tail.len() <= max { tail } else { &[][..] };
+            let piece = &buf[off..off + n];
+            let sge = Sge { addr: piece.as_ptr() as u64, length: n as u32, lkey: reg.lkey() };
             loop {
                 {
                     let mut io = self.conn.io();
-                    if let Some(t) = io.pipe.try_send_bulk(sge).map_err(|e| self.conn.lost(e))? {
+                    let sent = io.pipe.try_send_bulk_framed(head, sge, tail_here).map_err(|e| self.conn.lost(e))?;
+                    if let Some(t) = sent {
                         tokens.push(t);
                         break;
                     }
@@ -716,6 +781,9 @@ impl<'p> Packer<'p> {
                 }
                 w.pause()?;
             }
+            off += n;
+            head = &[];
+            tail_sent = last && (tail.is_empty() || !tail_here.is_empty());
         }
         Ok(tokens)
     }
@@ -773,6 +841,12 @@ impl<'p> Packer<'p> {
     /// Hands what was packed so far to the network without ending the message (packs are
     /// otherwise aggregated until a pipe message is full or `end_packing`).
     pub fn flush(&mut self) -> Result<()> {
+        self.send_pending(false)?;
+        self.flush_agg()
+    }
+
+    /// Sends the aggregated records as one pipe message.
+    fn flush_agg(&mut self) -> Result<()> {
         if self.agg.is_empty() {
             return Ok(());
         }
@@ -799,7 +873,10 @@ impl<'p> Packer<'p> {
                 Deferred::Owned(v, m) => self.emit(&v, m)?,
             }
         }
-        if !self.flushed && self.rdv.is_empty() && self.agg.len() <= wire::WHOLE_MAX {
+        if self.pending_bulk.is_some() {
+            // The last pack is bulk: the message ends in its last chunk.
+            self.send_pending(true)?;
+        } else if !self.flushed && self.rdv.is_empty() && self.agg.len() <= wire::WHOLE_MAX {
             // Begin and inline packs only, all here: one Whole record instead of Begin .. End.
             self.agg[..wire::HEADER]
                 .copy_from_slice(&Record::Whole { seq: self.seq.seq(), packs: self.packs }.header());
@@ -1038,16 +1115,28 @@ impl<'u> Unpacker<'u> {
                 }
                 let ConnIo { pipe, bulk_left, .. } = &mut *io;
                 let mut bad = false;
-                let got = pipe.recv_lane(|lane, m| {
-                    if lane != Lane::Bulk || m.len() > buf.len() - off {
-                        bad = true;
-                        return;
+                let got = match pipe.front() {
+                    Ok(Some((lane, m))) => {
+                        // The pack's data; records may follow it in the same chunk.
+                        let (n, len) = ((m.len() as u64).min(*bulk_left) as usize, m.len());
+                        if lane != Lane::Bulk || n > buf.len() - off {
+                            bad = true;
+                            Ok(())
+                        } else {
+                            buf[off..off + n].copy_from_slice(&m[..n]);
+                            off += n;
+                            *bulk_left -= n as u64;
+                            progressed = true;
+                            if n == len {
+                                pipe.pop_front()
+                            } else {
+                                pipe.consume_front(n)
+                            }
+                        }
                     }
-                    buf[off..off + m.len()].copy_from_slice(m);
-                    off += m.len();
-                    *bulk_left -= m.len() as u64;
-                    progressed = true;
-                });
+                    Ok(None) => Ok(()),
+                    Err(e) => Err(e),
+                };
                 match got {
                     Ok(_) if bad => {
                         let e = self.bad("bulk data out of place");

@@ -11,6 +11,10 @@
 //! Whole   seq packs          a whole small message: Begin, its `packs` Inline records, no End
 //! ```
 //! A `Bulk` record ends its pipe message: the pack's chunks come next on the pipe's bulk lane.
+//! A bulk chunk that arrives when no pack's bytes are due carries records itself (decoded with
+//! [`decode_in_chunk`]): there a `Bulk` record's data follows it in the same chunk (and in
+//! later chunks if longer), and records may follow the data (the message's `End`), so a
+//! message of bulk packs needs no pipe message at all.
 //! A `Whole` record owns the rest of its pipe message: its packs' records, each one complete
 //! (the path of small messages, which a receiver takes in one step). Every header is 16 bytes
 //! (Rdv 32); every length is checked on decode.
@@ -214,6 +218,17 @@ pub fn decode(msg: &[u8]) -> Result<Decoded, WireError> {
 /// `msg`; empty for other records), and where the next record starts. What a reader taking a
 /// message apart in place, one record at a time, calls.
 pub fn decode_one(msg: &[u8], at: usize) -> Result<(Record, std::ops::Range<usize>, usize), WireError> {
+    decode_at(msg, at, false)
+}
+
+/// Decodes the record at offset `at` of a bulk chunk that carries records: as
+/// [`decode_one`], except that a `Bulk` record's data follows it (where the next record
+/// would start) and that `Whole` records, which own the rest of a pipe message, are refused.
+pub fn decode_in_chunk(chunk: &[u8], at: usize) -> Result<(Record, std::ops::Range<usize>, usize), WireError> {
+    decode_at(chunk, at, true)
+}
+
+fn decode_at(msg: &[u8], at: usize, in_chunk: bool) -> Result<(Record, std::ops::Range<usize>, usize), WireError> {
     let u32_at = |b: &[u8], i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
     let u64_at = |b: &[u8], i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
     let h = msg.get(at..at.saturating_add(HEADER)).ok_or(WireError("message ends inside a record header"))?;
@@ -255,12 +270,13 @@ pub fn decode_one(msg: &[u8], at: usize) -> Result<(Record, std::ops::Range<usiz
             if h[2] != 0 || h[4..8] != [0; 4] {
                 return Err(WireError("reserved bulk bytes set"));
             }
-            if at + HEADER != msg.len() {
+            if at + HEADER != msg.len() && !in_chunk {
                 return Err(WireError("records after a bulk announcement"));
             }
             (Record::Bulk { modes, total: u64_at(h, 8) }, at..at, at + HEADER)
         }
         5 => (Record::Fin { id: u32_at(h, 4) }, at..at, at + HEADER),
+        7 if in_chunk => return Err(WireError("a whole message in a bulk chunk")),
         7 => {
             if h[1] != 0 || h[2] != 0 || h[12..16] != [0; 4] {
                 return Err(WireError("reserved whole-message bytes set"));

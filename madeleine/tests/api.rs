@@ -20,16 +20,31 @@ fn group_with<F>(n: usize, threshold: usize, barrier: bool, timeout: Duration, f
 where
     F: Fn(usize, &Channel) + Sync,
 {
+    group_cfg(
+        n,
+        barrier,
+        |cfg| {
+            cfg.timeout = timeout;
+            cfg.rendezvous_threshold = Some(threshold);
+        },
+        f,
+    )
+}
+
+/// As [`group`], each rank's configuration set by `set`.
+fn group_cfg<F>(n: usize, barrier: bool, set: impl Fn(&mut SessionConfig) + Sync, f: F)
+where
+    F: Fn(usize, &Channel) + Sync,
+{
     let dir =
         std::env::temp_dir().join(format!("mad-test-{}-{}", std::process::id(), GROUP.fetch_add(1, Ordering::Relaxed)));
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|rank| {
-                let (dir, f) = (dir.clone(), &f);
+                let (dir, f, set) = (dir.clone(), &f, &set);
                 s.spawn(move || {
                     let mut cfg = SessionConfig::new(rank, n, dir);
-                    cfg.timeout = timeout;
-                    cfg.rendezvous_threshold = Some(threshold);
+                    set(&mut cfg);
                     let session = Session::new(cfg).unwrap();
                     let ch = session.channel().unwrap();
                     let control = session.channel().unwrap();
@@ -493,4 +508,79 @@ proptest::proptest! {
             }
         });
     }
+}
+
+/// Messages of bulk packs travel as bulk chunks that carry their own records (the Bulk
+/// announcement before the data, the End after it): with a 4 KiB bulk ring (1 KiB chunks),
+/// sizes that put the End in the last data chunk, exactly fill it (the End then goes in a
+/// chunk of its own) or spill over, and packs before, between and after bulk packs, in
+/// messages back to back, all arrive intact and in order.
+#[test]
+fn bulk_chunks_carry_their_records_at_every_framing_boundary() {
+    // Begin + Bulk records lead the first chunk: 1024 - 32 data bytes fit beside them.
+    let first = 1024 - 32;
+    let sizes: Vec<usize> =
+        [first, first + 1024, first + 2 * 1024].iter().flat_map(|&n| [n - 17, n - 16, n - 1, n, n + 1]).collect(); // the smallest go inline, the rest by the bulk lane
+    let shapes = 4;
+    group_cfg(
+        2,
+        true,
+        |cfg| {
+            cfg.bulk_ring_bytes = 4096;
+            cfg.rendezvous_threshold = Some(usize::MAX);
+            cfg.timeout = Duration::from_secs(20);
+        },
+        |rank, ch| {
+            for (i, &n) in sizes.iter().enumerate() {
+                for shape in 0..shapes {
+                    let (a, b) = (pattern(i * 10 + shape, n), pattern(i * 10 + shape + 5, n + 3));
+                    if rank == 0 {
+                        let mut p = ch.begin_packing(1).unwrap();
+                        match shape {
+                            0 => p.pack(&a, SendMode::Cheaper, RecvMode::Cheaper).unwrap(),
+                            1 => {
+                                p.pack_safer(b"head", RecvMode::Express).unwrap();
+                                p.pack(&a, SendMode::Cheaper, RecvMode::Express).unwrap();
+                            }
+                            2 => {
+                                p.pack(&a, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                                p.pack(&b, SendMode::Later, RecvMode::Cheaper).unwrap();
+                            }
+                            _ => {
+                                p.pack(&a, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                                p.flush().unwrap();
+                                p.pack_safer(b"tail", RecvMode::Express).unwrap();
+                            }
+                        }
+                        p.end_packing().unwrap();
+                    } else {
+                        let (mut ga, mut gb, mut small) = (vec![0u8; n], vec![0u8; n + 3], [0u8; 4]);
+                        let mut u = ch.begin_unpacking_from(0).unwrap();
+                        match shape {
+                            0 => u.unpack(&mut ga, SendMode::Cheaper, RecvMode::Cheaper).unwrap(),
+                            1 => {
+                                u.unpack_express(&mut small, SendMode::Safer).unwrap();
+                                assert_eq!(&small, b"head");
+                                u.unpack(&mut ga, SendMode::Cheaper, RecvMode::Express).unwrap();
+                            }
+                            2 => {
+                                u.unpack(&mut ga, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                                u.unpack(&mut gb, SendMode::Later, RecvMode::Cheaper).unwrap();
+                            }
+                            _ => {
+                                u.unpack(&mut ga, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                                u.unpack_express(&mut small, SendMode::Safer).unwrap();
+                                assert_eq!(&small, b"tail");
+                            }
+                        }
+                        u.end_unpacking().unwrap();
+                        assert!(ga == a, "{n} bytes, shape {shape}");
+                        if shape == 2 {
+                            assert!(gb == b, "{} bytes, shape {shape}", n + 3);
+                        }
+                    }
+                }
+            }
+        },
+    );
 }
