@@ -434,6 +434,10 @@ fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> 
     if let Some(t) = layer.mad_threshold() {
         cfg.rendezvous_threshold = Some(t);
     }
+    if let Ok(name) = std::env::var("MAD_FLOW") {
+        cfg.strategy = datapath::FlowStrategy::by_name(&name)
+            .ok_or_else(|| format!("MAD_FLOW={name:?}: credit, rdma or window"))?;
+    }
     let s = Session::new(cfg).map_err(|e| e.to_string())?;
     let ch = s.channel().map_err(|e| e.to_string())?;
     if layer == Layer::Madeleine && rank == 0 {
