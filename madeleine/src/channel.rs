@@ -750,7 +750,16 @@ impl<'p> Packer<'p> {
         self.agg = head;
         self.agg.clear();
         self.flushed = true;
-        Ok((reg, tokens?))
+        match tokens {
+            Ok(tokens) => Ok((reg, tokens)),
+            Err(e) => {
+                // Chunks posted before the failure may still be read from `buf` (a timeout
+                // leaves the pipe working): keep the registration for good rather than let its
+                // memory go while a transfer might use it, as a dropped packer does.
+                std::mem::forget(reg);
+                Err(e)
+            }
+        }
     }
 
     /// Writes `head`, `buf` (registered as `reg`) and `tail` into the peer's bulk ring, chunk
