@@ -133,57 +133,47 @@ impl Record {
     /// Appends the encoding (header, and for `Inline` nothing more: the caller appends the
     /// fragment's bytes; for `Whole`, the message's records).
     pub fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.header());
+        let (lo, hi) = self.words();
+        // Two 8-byte stores straight from registers: a header assembled byte by byte in a
+        // temporary and then copied costs a store-forwarding stall on every message.
+        out.extend_from_slice(&lo.to_le_bytes());
+        out.extend_from_slice(&hi.to_le_bytes());
         if let Record::Rdv { len, id, .. } = *self {
-            let mut x = [0u8; RDV - HEADER];
-            x[0..8].copy_from_slice(&len.to_le_bytes());
-            x[8..12].copy_from_slice(&id.to_le_bytes());
-            out.extend_from_slice(&x);
+            out.extend_from_slice(&len.to_le_bytes());
+            out.extend_from_slice(&(id as u64).to_le_bytes());
         }
     }
 
-    /// The record's 16-byte header (all of it but a rendezvous record's second half), for
-    /// writing over a header encoded before.
+    /// Writes the record's 16-byte header (all of it but a rendezvous record's second half)
+    /// over `out`'s first 16 bytes (a header encoded before).
+    pub fn write_header(&self, out: &mut [u8; HEADER]) {
+        let (lo, hi) = self.words();
+        out[..8].copy_from_slice(&lo.to_le_bytes());
+        out[8..].copy_from_slice(&hi.to_le_bytes());
+    }
+
+    /// The record's 16-byte header (all of it but a rendezvous record's second half).
     pub fn header(&self) -> [u8; HEADER] {
         let mut h = [0u8; HEADER];
-        match *self {
-            Record::Begin { seq } => {
-                h[0] = 1;
-                h[4..8].copy_from_slice(&seq.to_le_bytes());
-            }
-            Record::Inline { modes, len, last, total } => {
-                h[0] = 2;
-                h[1] = modes.byte();
-                h[2] = last as u8;
-                h[4..8].copy_from_slice(&len.to_le_bytes());
-                h[8..16].copy_from_slice(&total.to_le_bytes());
-            }
-            Record::Rdv { modes, addr, rkey, .. } => {
-                h[0] = 3;
-                h[1] = modes.byte();
-                h[4..8].copy_from_slice(&rkey.to_le_bytes());
-                h[8..16].copy_from_slice(&addr.to_le_bytes());
-            }
-            Record::Bulk { modes, total } => {
-                h[0] = 6;
-                h[1] = modes.byte();
-                h[8..16].copy_from_slice(&total.to_le_bytes());
-            }
-            Record::End { packs } => {
-                h[0] = 4;
-                h[4..8].copy_from_slice(&packs.to_le_bytes());
-            }
-            Record::Fin { id } => {
-                h[0] = 5;
-                h[4..8].copy_from_slice(&id.to_le_bytes());
-            }
-            Record::Whole { seq, packs } => {
-                h[0] = 7;
-                h[4..8].copy_from_slice(&seq.to_le_bytes());
-                h[8..12].copy_from_slice(&packs.to_le_bytes());
-            }
-        }
+        self.write_header(&mut h);
         h
+    }
+
+    /// The header as two little-endian words: bytes 0-7 (tag, modes, flag, reserved byte,
+    /// a 32-bit field) and bytes 8-15.
+    fn words(&self) -> (u64, u64) {
+        let lo = |tag: u8, modes: u8, flag: u8, field: u32| {
+            tag as u64 | (modes as u64) << 8 | (flag as u64) << 16 | (field as u64) << 32
+        };
+        match *self {
+            Record::Begin { seq } => (lo(1, 0, 0, seq), 0),
+            Record::Inline { modes, len, last, total } => (lo(2, modes.byte(), last as u8, len), total),
+            Record::Rdv { modes, addr, rkey, .. } => (lo(3, modes.byte(), 0, rkey), addr),
+            Record::Bulk { modes, total } => (lo(6, modes.byte(), 0, 0), total),
+            Record::End { packs } => (lo(4, 0, 0, packs), 0),
+            Record::Fin { id } => (lo(5, 0, 0, id), 0),
+            Record::Whole { seq, packs } => (lo(7, 0, 0, seq), packs as u64),
+        }
     }
 
     /// Bytes the encoding takes (without an inline fragment's data).
