@@ -1,6 +1,6 @@
 //! Channels, connections, and the packing and unpacking of messages.
 
-use std::cell::Cell;
+use std::cell::UnsafeCell;
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -210,25 +210,31 @@ enum Pump {
     Drain,
 }
 
-/// A claim on one direction of a connection for a whole message, and that direction's next
-/// sequence number. Unlike a `MutexGuard`, a claim may be released on another thread than the
-/// one that took it, which coroutines migrating between `may` workers need.
-pub(crate) struct Token {
+/// A claim on one direction of a connection for a whole message, with that direction's
+/// state (its next sequence number and a buffer kept between messages: no allocation, no
+/// thread-local lookup on a message's path). Unlike a `MutexGuard`, a claim may be released
+/// on another thread than the one that took it, which coroutines migrating between `may`
+/// workers need.
+pub(crate) struct Token<T> {
     busy: std::sync::atomic::AtomicBool,
-    seq: AtomicU32,
+    state: UnsafeCell<T>,
 }
 
-impl Token {
-    fn new() -> Token {
-        Token { busy: std::sync::atomic::AtomicBool::new(false), seq: AtomicU32::new(0) }
+// SAFETY: `state` is reached only through a `Claim`, and `busy` admits one claim at a time
+// (acquire on claim, release on drop), as a lock does.
+unsafe impl<T: Send> Sync for Token<T> {}
+
+impl<T> Token<T> {
+    fn new(state: T) -> Token<T> {
+        Token { busy: std::sync::atomic::AtomicBool::new(false), state: UnsafeCell::new(state) }
     }
 
-    fn try_claim(&self) -> Option<Claim<'_>> {
+    fn try_claim(&self) -> Option<Claim<'_, T>> {
         self.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).ok().map(|_| Claim { t: self })
     }
 
     /// Claims, yielding (coroutines) or spinning then napping (threads) while another holds it.
-    fn claim(&self, timeout: std::time::Duration) -> Result<Claim<'_>> {
+    fn claim(&self, timeout: std::time::Duration) -> Result<Claim<'_, T>> {
         let mut w = Waiter::new(timeout, "waiting for a connection held by another sender or receiver");
         loop {
             if let Some(c) = self.try_claim() {
@@ -239,34 +245,56 @@ impl Token {
     }
 }
 
-/// A held [`Token`]; released on drop.
-pub(crate) struct Claim<'a> {
-    t: &'a Token,
+/// A held [`Token`], giving access to its state; released on drop.
+pub(crate) struct Claim<'a, T> {
+    t: &'a Token<T>,
 }
 
-impl Claim<'_> {
-    fn seq(&self) -> u32 {
-        self.t.seq.load(Ordering::Relaxed)
-    }
-    fn advance(&self) {
-        self.t.seq.store(self.seq().wrapping_add(1), Ordering::Relaxed);
+impl<T> std::ops::Deref for Claim<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: this claim is the only one (see `Token`).
+        unsafe { &*self.t.state.get() }
     }
 }
 
-impl Drop for Claim<'_> {
+impl<T> std::ops::DerefMut for Claim<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: this claim is the only one (see `Token`), and `&mut self` the only borrow.
+        unsafe { &mut *self.t.state.get() }
+    }
+}
+
+impl<T> Drop for Claim<'_, T> {
     fn drop(&mut self) {
         self.t.busy.store(false, Ordering::Release);
     }
+}
+
+/// The sending direction of a connection, held by a packer for a whole message.
+pub(crate) struct SendSide {
+    /// Sequence number of the next message.
+    seq: u32,
+    /// Records of the pipe message being filled.
+    agg: Vec<u8>,
+}
+
+/// The receiving direction of a connection, held by an unpacker for a whole message.
+pub(crate) struct RecvSide {
+    /// Sequence number of the next message.
+    seq: u32,
+    /// The records of a message that came whole, taken out of the pipe at once.
+    whole: Vec<u8>,
 }
 
 /// A connection to one peer on one channel.
 pub(crate) struct Conn {
     peer: usize,
     io: Mutex<ConnIo>,
-    /// Claimed by a packer for the whole message; the next sequence number to send.
-    send_seq: Token,
-    /// Claimed by an unpacker for the whole message; the next sequence number expected.
-    recv_seq: Token,
+    /// Claimed by a packer for the whole message.
+    send_side: Token<SendSide>,
+    /// Claimed by an unpacker for the whole message.
+    recv_side: Token<RecvSide>,
     next_rdv: AtomicU32,
     max_msg: usize,
     /// Largest bulk-lane chunk (0: no bulk lane).
@@ -303,8 +331,8 @@ impl Conn {
                 failed: None,
                 bulk_left: 0,
             }),
-            send_seq: Token::new(),
-            recv_seq: Token::new(),
+            send_side: Token::new(SendSide { seq: 0, agg: Vec::new() }),
+            recv_side: Token::new(RecvSide { seq: 0, whole: Vec::new() }),
             next_rdv: AtomicU32::new(0),
             cq,
         })
@@ -471,16 +499,15 @@ impl Channel {
     /// `end_packing`: a message is packed atomically.
     pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
         let conn = self.conn(dest)?;
-        let seq = conn.send_seq.claim(self.session.cfg.timeout)?;
-        let mut agg = take_cached(&AGG_CACHE);
+        let mut tx = conn.send_side.claim(self.session.cfg.timeout)?;
+        let SendSide { seq, agg } = &mut *tx;
         agg.clear();
         agg.reserve(conn.max_msg);
-        Record::Begin { seq: seq.seq() }.encode(&mut agg);
+        Record::Begin { seq: *seq }.encode(agg);
         Ok(Packer {
             ch: self,
             conn,
-            seq,
-            agg,
+            tx,
             packs: 0,
             deferred: Vec::new(),
             rdv: Vec::new(),
@@ -527,11 +554,11 @@ impl Channel {
             let start = self.next_source.fetch_add(1, Ordering::Relaxed);
             for k in 0..n {
                 let Some(conn) = self.conns[(start + k) % n].as_deref() else { continue };
-                let Some(seq) = conn.recv_seq.try_claim() else { continue };
+                let Some(mut rx) = conn.recv_side.try_claim() else { continue };
                 // Not holding the claim between rounds: a thread waiting for this source only
                 // may take it.
-                if let Some(whole) = self.try_begin(conn, &seq).map_err(|e| conn.poison(e))? {
-                    return Ok(self.unpacker(conn, seq, whole));
+                if let Some(whole) = self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
+                    return Ok(self.unpacker(conn, rx, whole));
                 }
             }
             w.pause_on(&cqs)?;
@@ -544,20 +571,20 @@ impl Channel {
         let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
         // Claimed once for the whole wait: whoever else wants this source's next message
         // would wait behind us anyway.
-        let seq = conn.recv_seq.claim(self.session.cfg.timeout)?;
+        let mut rx = conn.recv_side.claim(self.session.cfg.timeout)?;
         loop {
-            if let Some(whole) = self.try_begin(conn, &seq).map_err(|e| conn.poison(e))? {
-                return Ok(self.unpacker(conn, seq, whole));
+            if let Some(whole) = self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
+                return Ok(self.unpacker(conn, rx, whole));
             }
             w.pause_on(&[&conn.cq])?;
         }
     }
 
-    fn unpacker<'u>(&'u self, conn: &'u Conn, seq: Claim<'u>, whole: Option<WholeMsg>) -> Unpacker<'u> {
+    fn unpacker<'u>(&'u self, conn: &'u Conn, rx: Claim<'u, RecvSide>, whole: Option<WholeMsg>) -> Unpacker<'u> {
         Unpacker {
             ch: self,
             conn,
-            seq,
+            rx,
             unpacks: 0,
             pending: Vec::new(),
             fins: Vec::new(),
@@ -570,49 +597,39 @@ impl Channel {
     /// Takes the start of the connection's next message if it has begun arriving (`None` if
     /// nothing is there yet): `Some(None)` for a message whose records follow, `Some(Some(_))`
     /// for a message that came whole.
-    fn try_begin(&self, conn: &Conn, seq: &Claim<'_>) -> Result<Option<Option<WholeMsg>>> {
+    fn try_begin(&self, conn: &Conn, rx: &mut Claim<'_, RecvSide>) -> Result<Option<Option<WholeMsg>>> {
+        /// What the next record says (small and plain: it travels back through the record
+        /// reader's results on every message).
+        #[derive(Clone, Copy)]
+        enum Start {
+            Begin(u32),
+            Whole(u32, u32),
+            Other,
+        }
+        let RecvSide { seq: due, whole } = &mut **rx;
         let got = conn.next_with(&mut conn.io(), Pump::StopAtBulk, |n| match n {
-            Next::Rec(Record::Begin { seq }, _) => Some((seq, None)),
+            Next::Rec(Record::Begin { seq }, _) => Start::Begin(seq),
             // A small message, taken out of the pipe at once: its unpacks need no lock.
             Next::Rec(Record::Whole { seq, packs }, body) => {
-                let mut bytes = take_cached(&WHOLE_CACHE);
-                bytes.clear();
-                bytes.extend_from_slice(body);
-                Some((seq, Some(WholeMsg { body: bytes, at: 0, taken: 0, packs })))
+                whole.clear();
+                whole.extend_from_slice(body);
+                Start::Whole(seq, packs)
             }
-            _ => None,
+            _ => Start::Other,
         })?;
-        match got {
-            Ok(Some((s, whole))) if s == seq.seq() => Ok(Some(whole)),
-            Ok(Some((s, _))) => {
-                Err(MadError::Protocol { rank: conn.peer, why: format!("message {s} where {} was due", seq.seq()) })
+        let (seq, packs) = match got {
+            Err(_) => return Ok(None),
+            Ok(Start::Begin(seq)) => (seq, None),
+            Ok(Start::Whole(seq, packs)) => (seq, Some(packs)),
+            Ok(Start::Other) => {
+                return Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() })
             }
-            Ok(None) => Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() }),
-            Err(_) => Ok(None),
+        };
+        if seq != *due {
+            return Err(MadError::Protocol { rank: conn.peer, why: format!("message {seq} where {due} was due") });
         }
+        Ok(Some(packs.map(|packs| WholeMsg { at: 0, taken: 0, packs })))
     }
-}
-
-thread_local! {
-    /// An aggregation buffer kept between messages, per thread: no allocation and no lock on
-    /// the path of a message.
-    static AGG_CACHE: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
-    /// The same for the bytes of messages received whole.
-    static WHOLE_CACHE: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
-}
-
-/// A buffer from this thread's `cache` (empty if it has none).
-fn take_cached(cache: &'static std::thread::LocalKey<Cell<Vec<u8>>>) -> Vec<u8> {
-    cache.try_with(Cell::take).unwrap_or_default()
-}
-
-/// Keeps `buf` in this thread's `cache` for the next message (the larger one, if another
-/// packer or unpacker of this thread returned one meanwhile).
-fn give_back(cache: &'static std::thread::LocalKey<Cell<Vec<u8>>>, buf: Vec<u8>) {
-    let _ = cache.try_with(|c| {
-        let other = c.take();
-        c.set(if other.capacity() > buf.capacity() { other } else { buf });
-    });
 }
 
 /// A pack queued behind a `SendMode::Later` pack (sent at `end_packing`, in order).
@@ -634,8 +651,8 @@ struct Held<'p> {
 pub struct Packer<'p> {
     ch: &'p Channel,
     conn: &'p Conn,
-    seq: Claim<'p>,
-    agg: Vec<u8>,
+    /// The connection's sending side, held until the message is complete.
+    tx: Claim<'p, SendSide>,
     packs: u32,
     deferred: Vec<Deferred<'p>>,
     rdv: Vec<Held<'p>>,
@@ -737,18 +754,18 @@ impl<'p> Packer<'p> {
         // SAFETY: the caller keeps `buf` mapped for as long as the registration lives.
         let reg: Registration<'r> =
             unsafe { self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?;
-        if self.agg.len() + 2 * wire::HEADER > self.conn.bulk_frame {
+        if self.tx.agg.len() + 2 * wire::HEADER > self.conn.bulk_frame {
             self.flush_agg()?;
         }
-        Record::Bulk { modes, total: buf.len() as u64 }.encode(&mut self.agg);
+        Record::Bulk { modes, total: buf.len() as u64 }.encode(&mut self.tx.agg);
         let mut tail = SmallVec::<[u8; wire::HEADER]>::new();
         if end {
             tail.extend_from_slice(&Record::End { packs: self.packs }.header());
         }
-        let head = std::mem::take(&mut self.agg);
+        let head = std::mem::take(&mut self.tx.agg);
         let tokens = self.bulk_chunks(&head, buf, &reg, &tail);
-        self.agg = head;
-        self.agg.clear();
+        self.tx.agg = head;
+        self.tx.agg.clear();
         self.flushed = true;
         match tokens {
             Ok(tokens) => Ok((reg, tokens)),
@@ -799,26 +816,26 @@ impl<'p> Packer<'p> {
 
     fn inline(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
         let total = buf.len() as u64;
-        if self.agg.len() + wire::HEADER + buf.len() <= self.conn.max_msg {
+        if self.tx.agg.len() + wire::HEADER + buf.len() <= self.conn.max_msg {
             // The usual case: the whole pack fits the pipe message being filled.
             let rec = Record::Inline { modes, len: buf.len() as u32, last: true, total };
-            self.agg.extend_from_slice(&rec.header());
-            self.agg.extend_from_slice(buf);
+            self.tx.agg.extend_from_slice(&rec.header());
+            self.tx.agg.extend_from_slice(buf);
             return Ok(());
         }
         let mut off = 0;
         loop {
             // A record header must fit, and some data too unless little is left.
-            let fits_header = self.agg.len() + wire::HEADER <= self.conn.max_msg;
-            let room = self.conn.max_msg.saturating_sub(self.agg.len() + wire::HEADER);
+            let fits_header = self.tx.agg.len() + wire::HEADER <= self.conn.max_msg;
+            let room = self.conn.max_msg.saturating_sub(self.tx.agg.len() + wire::HEADER);
             if !fits_header || room < 64.min(buf.len() - off) {
                 self.flush()?;
                 continue;
             }
             let n = room.min(buf.len() - off);
             let last = off + n == buf.len();
-            Record::Inline { modes, len: n as u32, last, total }.encode(&mut self.agg);
-            self.agg.extend_from_slice(&buf[off..off + n]);
+            Record::Inline { modes, len: n as u32, last, total }.encode(&mut self.tx.agg);
+            self.tx.agg.extend_from_slice(&buf[off..off + n]);
             off += n;
             if last {
                 return Ok(());
@@ -839,10 +856,10 @@ impl<'p> Packer<'p> {
         let reg: Registration<'p> = unsafe { self.ch.session.regcache.get_raw(addr, len, AccessFlags::REMOTE_READ) }?;
         let id = self.conn.next_rdv.fetch_add(1, Ordering::Relaxed);
         let rec = Record::Rdv { modes, len, addr, rkey: reg.rkey(), id };
-        if self.agg.len() + rec.encoded_len() > self.conn.max_msg {
+        if self.tx.agg.len() + rec.encoded_len() > self.conn.max_msg {
             self.flush()?;
         }
-        rec.encode(&mut self.agg);
+        rec.encode(&mut self.tx.agg);
         self.rdv.push(Held { id, _reg: reg, _copy: copy });
         Ok(())
     }
@@ -856,12 +873,12 @@ impl<'p> Packer<'p> {
 
     /// Sends the aggregated records as one pipe message.
     fn flush_agg(&mut self) -> Result<()> {
-        if self.agg.is_empty() {
+        if self.tx.agg.is_empty() {
             return Ok(());
         }
         self.flushed = true;
-        self.conn.send_msg(&self.agg, self.ch.session.cfg.timeout)?;
-        self.agg.clear();
+        self.conn.send_msg(&self.tx.agg, self.ch.session.cfg.timeout)?;
+        self.tx.agg.clear();
         Ok(())
     }
 
@@ -885,15 +902,15 @@ impl<'p> Packer<'p> {
         if self.pending_bulk.is_some() {
             // The last pack is bulk: the message ends in its last chunk.
             self.send_pending(true)?;
-        } else if !self.flushed && self.rdv.is_empty() && self.agg.len() <= wire::WHOLE_MAX {
+        } else if !self.flushed && self.rdv.is_empty() && self.tx.agg.len() <= wire::WHOLE_MAX {
             // Begin and inline packs only, all here: one Whole record instead of Begin .. End.
-            self.agg[..wire::HEADER]
-                .copy_from_slice(&Record::Whole { seq: self.seq.seq(), packs: self.packs }.header());
+            let whole = Record::Whole { seq: self.tx.seq, packs: self.packs };
+            whole.write_header((&mut self.tx.agg[..wire::HEADER]).try_into().expect("a Begin header"));
         } else {
-            if self.agg.len() + wire::HEADER > self.conn.max_msg {
+            if self.tx.agg.len() + wire::HEADER > self.conn.max_msg {
                 self.flush()?;
             }
-            Record::End { packs: self.packs }.encode(&mut self.agg);
+            Record::End { packs: self.packs }.encode(&mut self.tx.agg);
         }
         self.flush()?;
         if !self.bulk_tokens.is_empty() {
@@ -904,7 +921,7 @@ impl<'p> Packer<'p> {
         if !self.rdv.is_empty() {
             self.wait_fins()?;
         }
-        self.seq.advance();
+        self.tx.seq = self.tx.seq.wrapping_add(1);
         Ok(())
     }
 
@@ -937,7 +954,6 @@ impl Drop for Packer<'_> {
                 std::mem::forget(std::mem::take(&mut self.bulk_regs));
             }
         }
-        give_back(&AGG_CACHE, std::mem::take(&mut self.agg));
     }
 }
 
@@ -961,7 +977,8 @@ struct PendingRead<'u> {
 pub struct Unpacker<'u> {
     ch: &'u Channel,
     conn: &'u Conn,
-    seq: Claim<'u>,
+    /// The connection's receiving side, held until the message is complete.
+    rx: Claim<'u, RecvSide>,
     unpacks: u32,
     pending: Vec<PendingRead<'u>>,
     fins: Vec<u32>,
@@ -972,10 +989,9 @@ pub struct Unpacker<'u> {
     finished: bool,
 }
 
-/// A message that came whole: its packs' records (in a buffer kept per thread), and how far
-/// they were unpacked.
+/// A message that came whole (its packs' records are in the receiving side's buffer): how
+/// far they were unpacked.
 struct WholeMsg {
-    body: Vec<u8>,
     at: usize,
     /// Records taken (by unpacks, matching or not).
     taken: u32,
@@ -1056,12 +1072,12 @@ impl<'u> Unpacker<'u> {
 
     /// Unpacks the next pack of a message that came whole.
     fn take_whole_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<()> {
-        let w = self.whole.as_mut().expect("a whole message");
-        if w.at == w.body.len() {
+        let (w, body) = (self.whole.as_mut().expect("a whole message"), &self.rx.whole);
+        if w.at == body.len() {
             let packs = w.packs;
             return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
         }
-        let decoded = wire::decode_one(&w.body, w.at);
+        let decoded = wire::decode_one(body, w.at);
         if let Ok((_, _, next)) = decoded {
             // Taken even if the unpack does not match it (as a pack read from the pipe is).
             w.at = next;
@@ -1075,8 +1091,7 @@ impl<'u> Unpacker<'u> {
             return Err(self.bad("a whole message holds complete inline packs only"));
         }
         self.check(modes, total, asked, buf.len())?;
-        let w = self.whole.as_ref().expect("a whole message");
-        buf.copy_from_slice(&w.body[data]);
+        buf.copy_from_slice(&self.rx.whole[data]);
         Ok(())
     }
 
@@ -1084,8 +1099,9 @@ impl<'u> Unpacker<'u> {
     /// packs nobody unpacked into `extra`.
     fn whole_end(&self, w: &WholeMsg, extra: &mut u32) -> Result<u32> {
         let mut at = w.at;
-        while at < w.body.len() {
-            let (rec, _, next) = wire::decode_one(&w.body, at).map_err(|e| self.bad(&e.to_string()))?;
+        let body = &self.rx.whole;
+        while at < body.len() {
+            let (rec, _, next) = wire::decode_one(body, at).map_err(|e| self.bad(&e.to_string()))?;
             if !matches!(rec, Record::Inline { last: true, .. }) {
                 return Err(self.bad("a whole message holds complete inline packs only"));
             }
@@ -1341,7 +1357,7 @@ impl<'u> Unpacker<'u> {
         };
         self.fins.append(&mut unread);
         self.send_fins()?;
-        self.seq.advance();
+        self.rx.seq = self.rx.seq.wrapping_add(1);
         if packs != self.unpacks || extra > 0 {
             return Err(
                 self.mismatch(format!("the sender packed {packs} items, the receiver unpacked {}", self.unpacks))
@@ -1403,9 +1419,6 @@ impl Drop for Unpacker<'_> {
                 log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
                 std::mem::forget(std::mem::take(&mut self.pending));
             }
-        }
-        if let Some(w) = self.whole.take() {
-            give_back(&WHOLE_CACHE, w.body);
         }
     }
 }
