@@ -1,0 +1,128 @@
+//! Madeleine's CPU cost per small message over the message pipe it runs on: one thread packs
+//! a message to a peer session of the same process and unpacks it there, then does the same
+//! through a bare pipe (header and payload of the same size), so no cross-core transfer or
+//! wait is measured, only instructions, locks and cache-resident copies. What this adds to the
+//! pipe is what Madeleine adds to a ping-pong's one-way latency on both sides of the wire
+//! together (`stack_bench` measures that latency between processes).
+
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use madeleine::{RecvMode, SendMode, Session, SessionConfig};
+use portability_verbs::datapath::{FlowStrategy, MsgPipe};
+use portability_verbs::*;
+
+/// Per-message CPU cost of Madeleine and of the bare message pipe, side by side.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Pack size (bytes; small: the path of latency-bound messages).
+    #[arg(long, default_value_t = 8)]
+    size: usize,
+    /// Messages per round.
+    #[arg(long, default_value_t = 500_000)]
+    messages: u64,
+    /// Rounds per layer; the best is reported (this machine is noisy).
+    #[arg(long, default_value_t = 7)]
+    rounds: u32,
+}
+
+const T: Duration = Duration::from_secs(30);
+
+/// Bytes Madeleine puts around one pack of a message that goes whole (its `Whole` and
+/// `Inline` headers), for the pipe to carry the same.
+const MAD_HEADERS: usize = 32;
+
+fn best_of(rounds: u32, messages: u64, mut round: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+    let mut best = f64::MAX;
+    for _ in 0..rounds {
+        let t = Instant::now();
+        for _ in 0..messages {
+            round()?;
+        }
+        best = best.min(t.elapsed().as_nanos() as f64 / messages as f64);
+    }
+    Ok(best)
+}
+
+fn madeleine_cost(args: &Args) -> Result<f64, String> {
+    let dir = std::env::temp_dir().join(format!("mad-overhead-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let cfg = |rank| {
+        let mut c = SessionConfig::new(rank, 2, &dir);
+        c.timeout = T;
+        c
+    };
+    let (s1, s0) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| Session::new(cfg(1)));
+        (h.join().expect("session thread"), Session::new(cfg(0)))
+    });
+    let (s0, s1) = (s0.map_err(|e| e.to_string())?, s1.map_err(|e| e.to_string())?);
+    let (c0, c1) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| s1.channel());
+        (s0.channel(), h.join().expect("channel thread"))
+    });
+    let (c0, c1) = (c0.map_err(|e| e.to_string())?, c1.map_err(|e| e.to_string())?);
+    let _ = std::fs::remove_dir_all(&dir);
+    let buf = vec![7u8; args.size];
+    let mut rbuf = vec![0u8; args.size];
+    let e = |e: madeleine::MadError| e.to_string();
+    best_of(args.rounds, args.messages, || {
+        let mut p = c0.begin_packing(1).map_err(e)?;
+        p.pack(&buf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
+        p.end_packing().map_err(e)?;
+        let mut u = c1.begin_unpacking_from(0).map_err(e)?;
+        u.unpack(&mut rbuf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
+        u.end_unpacking().map_err(e)
+    })
+}
+
+fn pipe_cost(args: &Args) -> Result<f64, String> {
+    let e = |e: VerbsError| e.to_string();
+    let ctx = Context::open(Provider::Software).map_err(e)?;
+    let pd = ctx.alloc_pd().map_err(e)?;
+    let (ca, cb) = (ctx.create_cq(1024).map_err(e)?, ctx.create_cq(1024).map_err(e)?);
+    let a = pd.create_qp(&QpInit::new(&ca)).map_err(e)?;
+    let b = pd.create_qp(&QpInit::new(&cb)).map_err(e)?;
+    a.connect_to(b.endpoint()).map_err(e)?;
+    b.connect_to(a.endpoint()).map_err(e)?;
+    let s = FlowStrategy::WINDOW;
+    let (pa, pb) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| MsgPipe::establish(b, cb, &pd, s, T));
+        (MsgPipe::establish(a, ca, &pd, s, T), h.join().expect("pipe thread"))
+    });
+    let (mut pa, mut pb) = (pa.map_err(e)?, pb.map_err(e)?);
+    let buf = vec![7u8; args.size + MAD_HEADERS];
+    let mut rbuf = vec![0u8; args.size + MAD_HEADERS];
+    // Both ends are driven here, so a message is there at once: a retry means something broke.
+    best_of(args.rounds, args.messages, || {
+        if !pa.try_send(&buf).map_err(e)? {
+            pa.progress().map_err(e)?;
+            if !pa.try_send(&buf).map_err(e)? {
+                return Err("pipe: no room to send".into());
+            }
+        }
+        if pb.recv_with(|m| rbuf.copy_from_slice(m)).map_err(e)?.is_none() {
+            return Err("pipe: the message did not arrive".into());
+        }
+        pa.progress().map_err(e)
+    })
+}
+
+fn main() {
+    env_logger::init();
+    let args = Args::parse();
+    let run = || -> Result<(), String> {
+        let pipe = pipe_cost(&args)?;
+        let mad = madeleine_cost(&args)?;
+        println!("# one thread, both ends, {} B packs: best of {} rounds of {}", args.size, args.rounds, args.messages);
+        println!("pipe       {pipe:7.1} ns per message (send + receive, {} B with headers)", args.size + MAD_HEADERS);
+        println!("madeleine  {mad:7.1} ns per message (send + receive)");
+        println!("overhead   {:7.1} ns per message", mad - pipe);
+        Ok(())
+    };
+    if let Err(e) = run() {
+        eprintln!("mad_overhead: {e}");
+        std::process::exit(1);
+    }
+}
