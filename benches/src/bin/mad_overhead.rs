@@ -1,7 +1,8 @@
-//! Madeleine's CPU cost per small message over the message pipe it runs on: one thread packs
-//! a message to a peer session of the same process and unpacks it there, then does the same
-//! through a bare pipe (header and payload of the same size), so no cross-core transfer or
-//! wait is measured, only instructions, locks and cache-resident copies. What this adds to the
+//! Madeleine's CPU cost per small message over the message pipe it runs on: one thread plays
+//! a ping-pong between two sessions of the same process (packs a message on one, unpacks it
+//! on the other, and back), then the same through a bare pipe pair (header and payload of the
+//! same size), so no cross-core transfer or wait is measured, only instructions, locks and
+//! cache-resident copies. What this adds to the
 //! pipe is what Madeleine adds to a ping-pong's one-way latency on both sides of the wire
 //! together (`stack_bench` measures that latency between processes).
 
@@ -25,6 +26,9 @@ struct Args {
     /// Rounds per layer; the best is reported (this machine is noisy).
     #[arg(long, default_value_t = 7)]
     rounds: u32,
+    /// Measure Madeleine only (for a profiler).
+    #[arg(long)]
+    madeleine_only: bool,
 }
 
 const T: Duration = Duration::from_secs(30);
@@ -33,12 +37,14 @@ const T: Duration = Duration::from_secs(30);
 /// `Inline` headers), for the pipe to carry the same.
 const MAD_HEADERS: usize = 32;
 
-fn best_of(rounds: u32, messages: u64, mut round: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+/// Best time per message of `rounds` rounds of `messages` messages, sent by `one(true)`
+/// (there) and `one(false)` (back) in turn.
+fn best_of(rounds: u32, messages: u64, mut one: impl FnMut(bool) -> Result<(), String>) -> Result<f64, String> {
     let mut best = f64::MAX;
     for _ in 0..rounds {
         let t = Instant::now();
-        for _ in 0..messages {
-            round()?;
+        for i in 0..messages {
+            one(i % 2 == 0)?;
         }
         best = best.min(t.elapsed().as_nanos() as f64 / messages as f64);
     }
@@ -67,11 +73,12 @@ fn madeleine_cost(args: &Args) -> Result<f64, String> {
     let buf = vec![7u8; args.size];
     let mut rbuf = vec![0u8; args.size];
     let e = |e: madeleine::MadError| e.to_string();
-    best_of(args.rounds, args.messages, || {
-        let mut p = c0.begin_packing(1).map_err(e)?;
+    best_of(args.rounds, args.messages, |there| {
+        let ((from, from_rank), (to, to_rank)) = if there { ((&c0, 0), (&c1, 1)) } else { ((&c1, 1), (&c0, 0)) };
+        let mut p = from.begin_packing(to_rank).map_err(e)?;
         p.pack(&buf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
         p.end_packing().map_err(e)?;
-        let mut u = c1.begin_unpacking_from(0).map_err(e)?;
+        let mut u = to.begin_unpacking_from(from_rank).map_err(e)?;
         u.unpack(&mut rbuf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
         u.end_unpacking().map_err(e)
     })
@@ -95,17 +102,18 @@ fn pipe_cost(args: &Args) -> Result<f64, String> {
     let buf = vec![7u8; args.size + MAD_HEADERS];
     let mut rbuf = vec![0u8; args.size + MAD_HEADERS];
     // Both ends are driven here, so a message is there at once: a retry means something broke.
-    best_of(args.rounds, args.messages, || {
-        if !pa.try_send(&buf).map_err(e)? {
-            pa.progress().map_err(e)?;
-            if !pa.try_send(&buf).map_err(e)? {
+    best_of(args.rounds, args.messages, |there| {
+        let (from, to) = if there { (&mut pa, &mut pb) } else { (&mut pb, &mut pa) };
+        if !from.try_send(&buf).map_err(e)? {
+            from.progress().map_err(e)?;
+            if !from.try_send(&buf).map_err(e)? {
                 return Err("pipe: no room to send".into());
             }
         }
-        if pb.recv_with(|m| rbuf.copy_from_slice(m)).map_err(e)?.is_none() {
-            return Err("pipe: the message did not arrive".into());
+        match to.recv_with(|m| rbuf.copy_from_slice(m)).map_err(e)? {
+            Some(()) => Ok(()),
+            None => Err("pipe: the message did not arrive".into()),
         }
-        pa.progress().map_err(e)
     })
 }
 
@@ -113,6 +121,10 @@ fn main() {
     env_logger::init();
     let args = Args::parse();
     let run = || -> Result<(), String> {
+        if args.madeleine_only {
+            println!("madeleine  {:7.1} ns per message (send + receive)", madeleine_cost(&args)?);
+            return Ok(());
+        }
         let pipe = pipe_cost(&args)?;
         let mad = madeleine_cost(&args)?;
         println!("# one thread, both ends, {} B packs: best of {} rounds of {}", args.size, args.rounds, args.messages);
