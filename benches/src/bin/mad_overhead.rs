@@ -59,9 +59,12 @@ fn madeleine_cost(args: &Args) -> Result<f64, String> {
         c.timeout = T;
         c
     };
-    let (s1, s0) = std::thread::scope(|sc| {
+    // Each rank's set-up runs while the other's does (ours first, then the join), as the
+    // rendezvous may need both.
+    let (s0, s1) = std::thread::scope(|sc| {
         let h = sc.spawn(|| Session::new(cfg(1)));
-        (h.join().expect("session thread"), Session::new(cfg(0)))
+        let s0 = Session::new(cfg(0));
+        (s0, h.join().expect("session thread"))
     });
     let (s0, s1) = (s0.map_err(|e| e.to_string())?, s1.map_err(|e| e.to_string())?);
     let (c0, c1) = std::thread::scope(|sc| {
