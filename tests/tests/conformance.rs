@@ -313,6 +313,19 @@ fn send_without_receive_retries_then_fails_with_rnr_retry_exceeded() {
 }
 
 #[test]
+fn unsignaled_send_without_receive_still_reports_rnr_retry_exceeded() {
+    // Nothing signaled is outstanding, so only the periodic passes of polling can find it.
+    each(|ctx| {
+        let rts = RtsAttr { rnr_retry: 1, ..RtsAttr::default() };
+        let p = pair_with(ctx, 4096, rts, 1);
+        p.a.post_send(&[SendWr::send(1, &[p.mr_a.sge(0, 8)]).signaled(false)]).unwrap();
+        let wc = wait_one(&p.cq_a);
+        assert_eq!((wc.wr_id, wc.status), (1, WcStatus::RnrRetryExcErr));
+        assert_eq!(p.a.state(), QpState::Error);
+    });
+}
+
+#[test]
 fn send_waits_for_a_late_receive_while_retries_last() {
     each(|ctx| {
         let p = pair(ctx, 4096); // rnr_retry 7: retry for ever

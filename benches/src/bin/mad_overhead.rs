@@ -27,8 +27,11 @@ struct Args {
     #[arg(long, default_value_t = 7)]
     rounds: u32,
     /// Measure Madeleine only (for a profiler).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "pipe_only")]
     madeleine_only: bool,
+    /// Measure the pipe only (for a profiler).
+    #[arg(long)]
+    pipe_only: bool,
 }
 
 const T: Duration = Duration::from_secs(30);
@@ -126,6 +129,10 @@ fn main() {
     let run = || -> Result<(), String> {
         if args.madeleine_only {
             println!("madeleine  {:7.1} ns per message (send + receive)", madeleine_cost(&args)?);
+            return Ok(());
+        }
+        if args.pipe_only {
+            println!("pipe       {:7.1} ns per message (send + receive)", pipe_cost(&args)?);
             return Ok(());
         }
         let pipe = pipe_cost(&args)?;

@@ -162,6 +162,8 @@ struct QpCore {
     cons_head: u64,
     inbound_dead: bool,
     idle_polls: u32,
+    /// Periodic passes since the last one that reaped (see [`QpInner::periodic_reap_due`]).
+    quiet_passes: u32,
     last_liveness: Instant,
 }
 
@@ -203,6 +205,10 @@ fn local_qp(ctx_id: u64, qpn: u32) -> Option<std::sync::Weak<QpInner>> {
 pub(crate) type Out = smallvec::SmallVec<[(bool, WorkCompletion); 8]>;
 
 const LIVENESS_EVERY: Duration = Duration::from_millis(10);
+
+/// A periodic pass (nothing signaled or waiting) reaps unsignaled requests only every this
+/// many passes, or when the send queue is half full.
+const PERIODIC_REAP_EVERY: u32 = 16;
 
 fn status_of(code: u32) -> WcStatus {
     match code {
@@ -294,6 +300,7 @@ impl QpInner {
                 cons_head: 0,
                 inbound_dead: false,
                 idle_polls: 0,
+                quiet_passes: 0,
                 last_liveness: Instant::now(),
             }),
             peek_head: AtomicU64::new(0),
@@ -1333,7 +1340,7 @@ impl QpInner {
         if recv_side {
             self.progress_inbound(&mut core, &mut out);
         }
-        if send_side {
+        if send_side && (outbound || self.periodic_reap_due(&mut core)) {
             self.progress_outbound(&mut core, &mut out);
         }
         if out.is_empty() && core.remote.is_some() && core.state != QpState::Error {
@@ -1371,6 +1378,27 @@ impl QpInner {
             }
         }
         drop(core);
+    }
+
+    /// Whether a periodic pass should reap. With only unsignaled requests in flight nobody
+    /// waits for their completions: reaping them reads the peer's consumed count, a line the
+    /// peer writes on every message, and doing that on every periodic pass (about once per
+    /// message in a ping-pong) costs a cache miss here and makes the peer's next write of it
+    /// wait for the line to come back. They are still retired on every `PERIODIC_REAP_EVERY`th
+    /// pass (which also probes for receiver-not-ready and errors), when the queue is half
+    /// full, and when a request needs ring space or a queue slot.
+    fn periodic_reap_due(&self, core: &mut QpCore) -> bool {
+        if core.in_ring == 0 {
+            return false;
+        }
+        core.quiet_passes += 1;
+        if core.quiet_passes >= PERIODIC_REAP_EVERY || core.sq.len() * 2 >= self.caps.max_send_wr as usize {
+            core.quiet_passes = 0;
+            // Rare enough to probe receiver-not-ready on every one.
+            core.head_waits = u32::MAX;
+            return true;
+        }
+        false
     }
 
     /// Publishes the lock-free hints from the locked state.
@@ -1461,8 +1489,12 @@ impl QpInner {
         let mut core = self.core.lock();
         let mut out = Out::new();
         core.last_liveness = Instant::now();
-        // After a sleep the next reap probes receiver-not-ready at once.
-        core.head_waits = 63;
+        // After a sleep, probe receiver-not-ready at once: a request the peer has no receive
+        // for wakes nobody, and polls after a sleep are too few for the periodic passes.
+        core.head_waits = u32::MAX;
+        if core.in_ring > 0 {
+            self.progress_outbound(&mut core, &mut out);
+        }
         self.check_peer(&mut core, &mut out);
         self.publish_peek(&core);
         self.deliver(&out); // under the lock: per-QP completion order across threads
