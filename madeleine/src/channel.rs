@@ -504,19 +504,7 @@ impl Channel {
         agg.clear();
         agg.reserve(conn.max_msg);
         Record::Begin { seq: *seq }.encode(agg);
-        Ok(Packer {
-            ch: self,
-            conn,
-            tx,
-            packs: 0,
-            deferred: Vec::new(),
-            rdv: Vec::new(),
-            bulk_tokens: Vec::new(),
-            bulk_regs: Vec::new(),
-            pending_bulk: None,
-            flushed: false,
-            finished: false,
-        })
+        Ok(Packer { ch: self, conn, tx, packs: 0, flushed: false, finished: false, more: None })
     }
 
     /// Waits until every process of the session reached this call on this channel (an empty
@@ -581,17 +569,7 @@ impl Channel {
     }
 
     fn unpacker<'u>(&'u self, conn: &'u Conn, rx: Claim<'u, RecvSide>, whole: Option<WholeMsg>) -> Unpacker<'u> {
-        Unpacker {
-            ch: self,
-            conn,
-            rx,
-            unpacks: 0,
-            pending: Vec::new(),
-            fins: Vec::new(),
-            end: None,
-            whole,
-            finished: false,
-        }
+        Unpacker { ch: self, conn, rx, unpacks: 0, rdv: None, end: None, whole, finished: false }
     }
 
     /// Takes the start of the connection's next message if it has begun arriving (`None` if
@@ -654,6 +632,18 @@ pub struct Packer<'p> {
     /// The connection's sending side, held until the message is complete.
     tx: Claim<'p, SendSide>,
     packs: u32,
+    /// Part of the message was handed to the network already (it cannot go as one `Whole`).
+    flushed: bool,
+    finished: bool,
+    /// What `Later`, rendezvous and bulk packs need, allocated by the first of them: a
+    /// message of small packs never touches it, and the packer stays small enough to move
+    /// cheaply (it is returned by value on every message).
+    more: Option<Box<PackerMore<'p>>>,
+}
+
+/// A packer's state for its rarer packs.
+#[derive(Default)]
+struct PackerMore<'p> {
     deferred: Vec<Deferred<'p>>,
     rdv: Vec<Held<'p>>,
     /// Bulk chunks of borrowed buffers still being written, and their registrations.
@@ -662,19 +652,33 @@ pub struct Packer<'p> {
     /// A borrowed bulk pack not sent yet: the next pack, `flush` or `end_packing` sends it,
     /// `end_packing` with the message's `End` in its last chunk.
     pending_bulk: Option<(&'p [u8], Modes)>,
-    /// Part of the message was handed to the network already (it cannot go as one `Whole`).
-    flushed: bool,
-    finished: bool,
 }
 
 impl<'p> Packer<'p> {
+    fn more(&mut self) -> &mut PackerMore<'p> {
+        self.more.get_or_insert_with(Box::default)
+    }
+
+    fn has_deferred(&self) -> bool {
+        self.more.as_ref().is_some_and(|m| !m.deferred.is_empty())
+    }
+
+    fn has_rdv(&self) -> bool {
+        self.more.as_ref().is_some_and(|m| !m.rdv.is_empty())
+    }
+
     /// Adds `buf` to the message with the given modes.
     pub fn pack(&mut self, buf: &'p [u8], send: SendMode, recv: RecvMode) -> Result<()> {
         let modes = Modes { send, recv };
         self.packs += 1;
-        if send == SendMode::Later || !self.deferred.is_empty() {
+        if send != SendMode::Later && self.fits_now(buf.len()) {
+            // The path of small packs: copied into the message being filled, nothing else.
+            self.append_inline(buf, modes);
+            return Ok(());
+        }
+        if send == SendMode::Later || self.has_deferred() {
             // Read at end_packing; what follows a Later pack waits behind it, in order.
-            self.deferred.push(match send {
+            self.more().deferred.push(match send {
                 SendMode::Safer => Deferred::Owned(buf.to_vec(), modes),
                 _ => Deferred::Borrowed(buf, modes),
             });
@@ -688,8 +692,12 @@ impl<'p> Packer<'p> {
     pub fn pack_safer(&mut self, buf: &[u8], recv: RecvMode) -> Result<()> {
         let modes = Modes { send: SendMode::Safer, recv };
         self.packs += 1;
-        if !self.deferred.is_empty() {
-            self.deferred.push(Deferred::Owned(buf.to_vec(), modes));
+        if self.fits_now(buf.len()) {
+            self.append_inline(buf, modes);
+            return Ok(());
+        }
+        if self.has_deferred() {
+            self.more().deferred.push(Deferred::Owned(buf.to_vec(), modes));
             return Ok(());
         }
         self.emit(buf, modes)
@@ -701,7 +709,7 @@ impl<'p> Packer<'p> {
         self.send_pending(false)?;
         if modes.send != SendMode::Safer && self.wants_bulk(buf.len()) {
             // Held back by one pack: if it is the last, the message's End rides in its chunk.
-            self.pending_bulk = Some((buf, modes));
+            self.more().pending_bulk = Some((buf, modes));
             return Ok(());
         }
         self.emit(buf, modes)
@@ -709,12 +717,13 @@ impl<'p> Packer<'p> {
 
     /// Sends the pending bulk pack, if any (`end`: as the message's last, with its `End`).
     fn send_pending(&mut self, end: bool) -> Result<()> {
-        let Some((buf, modes)) = self.pending_bulk.take() else { return Ok(()) };
+        let Some((buf, modes)) = self.more.as_mut().and_then(|m| m.pending_bulk.take()) else { return Ok(()) };
         // SAFETY: `buf` is borrowed for 'p, the packer's life; `finish` waits until every
         // chunk written from it completed before the registration is dropped.
         let (reg, tokens) = unsafe { self.send_bulk(buf, modes, end) }?;
-        self.bulk_tokens.extend(tokens);
-        self.bulk_regs.push(reg);
+        let more = self.more();
+        more.bulk_tokens.extend(tokens);
+        more.bulk_regs.push(reg);
         Ok(())
     }
 
@@ -814,15 +823,31 @@ impl<'p> Packer<'p> {
         Ok(tokens)
     }
 
+    /// Whether a pack of `len` bytes goes inline, whole, into the message being filled, with
+    /// nothing ahead of it (no deferred pack, no held-back bulk pack): the common case, which
+    /// `pack` takes without the general path's steps.
+    #[inline]
+    fn fits_now(&self, len: usize) -> bool {
+        self.more.as_ref().is_none_or(|m| m.deferred.is_empty() && m.pending_bulk.is_none())
+            && len < self.conn.threshold
+            && self.tx.agg.len() + wire::HEADER + len <= self.conn.max_msg
+    }
+
+    /// Appends a whole inline pack to the message being filled (the caller checked it fits).
+    #[inline]
+    fn append_inline(&mut self, buf: &[u8], modes: Modes) {
+        let rec = Record::Inline { modes, len: buf.len() as u32, last: true, total: buf.len() as u64 };
+        self.tx.agg.extend_from_slice(&rec.header());
+        self.tx.agg.extend_from_slice(buf);
+    }
+
     fn inline(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
-        let total = buf.len() as u64;
         if self.tx.agg.len() + wire::HEADER + buf.len() <= self.conn.max_msg {
             // The usual case: the whole pack fits the pipe message being filled.
-            let rec = Record::Inline { modes, len: buf.len() as u32, last: true, total };
-            self.tx.agg.extend_from_slice(&rec.header());
-            self.tx.agg.extend_from_slice(buf);
+            self.append_inline(buf, modes);
             return Ok(());
         }
+        let total = buf.len() as u64;
         let mut off = 0;
         loop {
             // A record header must fit, and some data too unless little is left.
@@ -860,7 +885,7 @@ impl<'p> Packer<'p> {
             self.flush()?;
         }
         rec.encode(&mut self.tx.agg);
-        self.rdv.push(Held { id, _reg: reg, _copy: copy });
+        self.more().rdv.push(Held { id, _reg: reg, _copy: copy });
         Ok(())
     }
 
@@ -893,16 +918,17 @@ impl<'p> Packer<'p> {
             return Ok(());
         }
         self.finished = true;
-        for d in std::mem::take(&mut self.deferred) {
+        let deferred = self.more.as_mut().map(|m| std::mem::take(&mut m.deferred)).unwrap_or_default();
+        for d in deferred {
             match d {
                 Deferred::Borrowed(b, m) => self.emit_borrowed(b, m)?,
                 Deferred::Owned(v, m) => self.emit(&v, m)?,
             }
         }
-        if self.pending_bulk.is_some() {
+        if self.more.as_ref().is_some_and(|m| m.pending_bulk.is_some()) {
             // The last pack is bulk: the message ends in its last chunk.
             self.send_pending(true)?;
-        } else if !self.flushed && self.rdv.is_empty() && self.tx.agg.len() <= wire::WHOLE_MAX {
+        } else if !self.flushed && !self.has_rdv() && self.tx.agg.len() <= wire::WHOLE_MAX {
             // Begin and inline packs only, all here: one Whole record instead of Begin .. End.
             let whole = Record::Whole { seq: self.tx.seq, packs: self.packs };
             whole.write_header((&mut self.tx.agg[..wire::HEADER]).try_into().expect("a Begin header"));
@@ -913,12 +939,14 @@ impl<'p> Packer<'p> {
             Record::End { packs: self.packs }.encode(&mut self.tx.agg);
         }
         self.flush()?;
-        if !self.bulk_tokens.is_empty() {
-            let mut tokens = std::mem::take(&mut self.bulk_tokens);
-            self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
+        if let Some(more) = self.more.as_mut() {
+            if !more.bulk_tokens.is_empty() {
+                let mut tokens = std::mem::take(&mut more.bulk_tokens);
+                self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
+            }
+            more.bulk_regs.clear();
         }
-        self.bulk_regs.clear();
-        if !self.rdv.is_empty() {
+        if self.has_rdv() {
             self.wait_fins()?;
         }
         self.tx.seq = self.tx.seq.wrapping_add(1);
@@ -928,14 +956,14 @@ impl<'p> Packer<'p> {
     /// Waits until the receiver has read every zero-copy pack.
     fn wait_fins(&mut self) -> Result<()> {
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for the receiver to read zero-copy packs");
-        while !self.rdv.is_empty() {
+        while self.has_rdv() {
             {
                 let mut io = self.conn.io();
                 self.conn.pump(&mut io)?;
                 let fins = &mut io.fins;
-                self.rdv.retain(|h| !fins.remove(&h.id));
+                self.more().rdv.retain(|h| !fins.remove(&h.id));
             }
-            if !self.rdv.is_empty() {
+            if self.has_rdv() {
                 w.pause()?;
             }
         }
@@ -950,8 +978,10 @@ impl Drop for Packer<'_> {
             // receiver may still read it.
             if let Err(e) = self.finish() {
                 log::error!("madeleine: completing a dropped message to rank {} failed: {e}", self.conn.peer);
-                std::mem::forget(std::mem::take(&mut self.rdv));
-                std::mem::forget(std::mem::take(&mut self.bulk_regs));
+                if let Some(more) = self.more.as_mut() {
+                    std::mem::forget(std::mem::take(&mut more.rdv));
+                    std::mem::forget(std::mem::take(&mut more.bulk_regs));
+                }
             }
         }
     }
@@ -980,13 +1010,22 @@ pub struct Unpacker<'u> {
     /// The connection's receiving side, held until the message is complete.
     rx: Claim<'u, RecvSide>,
     unpacks: u32,
-    pending: Vec<PendingRead<'u>>,
-    fins: Vec<u32>,
+    /// Zero-copy reads in flight and rendezvous to acknowledge, allocated by the first
+    /// rendezvous: a message of small packs never touches them, and the unpacker stays small
+    /// enough to move cheaply (it is returned by value on every message).
+    rdv: Option<Box<UnpackerRdv<'u>>>,
     /// The message's `End` (its pack count), once taken.
     end: Option<u32>,
     /// The message, if it came as one `Whole` record.
     whole: Option<WholeMsg>,
     finished: bool,
+}
+
+/// An unpacker's rendezvous state.
+#[derive(Default)]
+struct UnpackerRdv<'u> {
+    pending: Vec<PendingRead<'u>>,
+    fins: Vec<u32>,
 }
 
 /// A message that came whole (its packs' records are in the receiving side's buffer): how
@@ -1208,7 +1247,7 @@ impl<'u> Unpacker<'u> {
         match self.take_pack(buf, modes)? {
             Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
                 let (token, reg) = self.start_read(buf, addr, rkey)?;
-                self.pending.push(PendingRead { token, id, _reg: reg });
+                self.rdv.get_or_insert_with(Box::default).pending.push(PendingRead { token, id, _reg: reg });
                 Ok(())
             }
             got => self.complete_copy(buf, got),
@@ -1225,7 +1264,7 @@ impl<'u> Unpacker<'u> {
                 let (token, reg) = self.start_read(buf, addr, rkey)?;
                 self.wait_read(token)?;
                 drop(reg);
-                self.fins.push(id);
+                self.rdv.get_or_insert_with(Box::default).fins.push(id);
                 Ok(())
             }
             got => self.complete_copy(buf, got),
@@ -1339,12 +1378,13 @@ impl<'u> Unpacker<'u> {
         }
         self.finished = true;
         let mut result = Ok(());
-        for p in std::mem::take(&mut self.pending) {
+        let pending = self.rdv.as_mut().map(|r| std::mem::take(&mut r.pending)).unwrap_or_default();
+        for p in pending {
             if let Err(e) = self.wait_read(p.token) {
                 result = Err(e);
                 break;
             }
-            self.fins.push(p.id);
+            self.rdv.get_or_insert_with(Box::default).fins.push(p.id);
         }
         result?;
         // The End record, or what the sender packed beyond our unpacks.
@@ -1355,7 +1395,9 @@ impl<'u> Unpacker<'u> {
             (None, Some(packs)) => packs,
             (None, None) => self.find_end(&mut extra, &mut unread)?,
         };
-        self.fins.append(&mut unread);
+        if !unread.is_empty() {
+            self.rdv.get_or_insert_with(Box::default).fins.append(&mut unread);
+        }
         self.send_fins()?;
         self.rx.seq = self.rx.seq.wrapping_add(1);
         if packs != self.unpacks || extra > 0 {
@@ -1397,10 +1439,9 @@ impl<'u> Unpacker<'u> {
     }
 
     fn send_fins(&mut self) -> Result<()> {
-        if self.fins.is_empty() {
+        let Some(fins) = self.rdv.as_mut().map(|r| std::mem::take(&mut r.fins)).filter(|f| !f.is_empty()) else {
             return Ok(());
-        }
-        let fins: Vec<u32> = self.fins.drain(..).collect();
+        };
         for batch in fins.chunks((self.conn.max_msg / wire::HEADER).max(1)) {
             let mut msg = Vec::with_capacity(batch.len() * wire::HEADER);
             for &id in batch {
@@ -1417,7 +1458,9 @@ impl Drop for Unpacker<'_> {
         if !self.finished {
             if let Err(e) = self.finish().map_err(|e| self.conn.poison(e)) {
                 log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
-                std::mem::forget(std::mem::take(&mut self.pending));
+                if let Some(rdv) = self.rdv.as_mut() {
+                    std::mem::forget(std::mem::take(&mut rdv.pending));
+                }
             }
         }
     }
