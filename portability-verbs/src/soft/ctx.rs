@@ -55,7 +55,7 @@ impl SoftConfig {
                 self.ring_bytes
             )));
         }
-        if self.copy_threshold > super::wire::max_record(self.ring_bytes) - super::wire::HEADER_BYTES {
+        if self.copy_threshold > super::wire::max_record(self.ring_bytes) - super::wire::WRITE_HEADER_BYTES {
             return Err(VerbsError::invalid("copy_threshold does not fit in half the ring"));
         }
         Ok(())

@@ -135,8 +135,8 @@ pub struct RingConsumer {
     pub taking: AtomicU64,
 }
 
-/// Magic of a queue-pair segment.
-pub const QP_MAGIC: u64 = 0x5056_5150_5347_0001;
+/// Magic of a queue-pair segment (its low bits change with the ring record format).
+pub const QP_MAGIC: u64 = 0x5056_5150_5347_0002;
 /// Offset of the inbound ring in a queue-pair segment.
 pub const RING_OFFSET: usize = 2 * LINE;
 

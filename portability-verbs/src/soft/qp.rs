@@ -23,7 +23,7 @@ use super::peer::PeerCtx;
 use super::segment::{qp_name, Segment};
 use super::spin::SpinLock;
 use super::sys;
-use super::wire::{self, status, Descriptor, RecordHeader, RecordKind, FIELDS_BYTES, HEADER_BYTES};
+use super::wire::{self, status, Descriptor, RecordHeader, RecordKind, FIELDS_BYTES};
 use crate::endpoint::{EndpointInfo, SoftEndpoint};
 use crate::error::{Result, VerbsError};
 use crate::types::*;
@@ -750,7 +750,7 @@ impl QpInner {
         }
         let placement = wire::place(core.produced, core.reaped, ring_bytes, size)?;
         // `place` keeps the record inside the ring and clear of unconsumed bytes.
-        if let Err(st) = fill(ring.payload(placement.at, size)) {
+        if let Err(st) = fill(ring.payload(placement.at, &header)) {
             return Some(SqStage::Done(st));
         }
         ring.status(placement.at).store(status::OK, Ordering::Relaxed);
@@ -1107,7 +1107,7 @@ impl QpInner {
                 break;
             }
             // The decoder checked that the record lies inside the ring.
-            let payload = ring.payload(off, h.record_size());
+            let payload = ring.payload(off, &h);
             let (result, keep_receive) = self.deliver_record(core, &h, payload, &recv);
             let src_qp = core.remote.as_ref().map(|r| r.info.qpn).unwrap_or(0);
             let imm = (h.flags & wire::FLAG_IMM != 0).then_some(h.imm);
@@ -1557,7 +1557,7 @@ struct RingView {
 impl RingView {
     fn check(&self, off: usize) {
         assert!(
-            off.is_multiple_of(wire::RECORD_ALIGN) && off + HEADER_BYTES <= self.bytes,
+            off.is_multiple_of(wire::RECORD_ALIGN) && off + wire::RECORD_ALIGN <= self.bytes,
             "record offset outside the ring"
         );
     }
@@ -1574,12 +1574,14 @@ impl RingView {
         // SAFETY: as for `publish`, 4 bytes at a 4-aligned offset inside the header.
         unsafe { &*(self.base.add(off + wire::STATUS_OFFSET) as *const AtomicU32) }
     }
-    /// Writes the decoded fields of a header (bytes 8..32 of a record).
+    /// Writes the decoded fields of a header (from byte 8 of a record; a send's stop before
+    /// its status word and payload).
     fn write_fields(&self, off: usize, h: &RecordHeader) {
         self.check(off);
         let b = h.encode();
-        // SAFETY: 24 bytes at off+8 are inside the ring (checked above).
-        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.base.add(off + 8), FIELDS_BYTES) };
+        // SAFETY: at most 32 bytes at off+8, inside the record's first line, which is inside
+        // the ring (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.base.add(off + 8), h.fields_len()) };
     }
     /// Copies the decoded fields of the header at `off`.
     fn read_fields(&self, off: usize) -> [u8; FIELDS_BYTES] {
@@ -1589,10 +1591,10 @@ impl RingView {
         unsafe { std::ptr::copy_nonoverlapping(self.base.add(off + 8), b.as_mut_ptr(), FIELDS_BYTES) };
         b
     }
-    /// Pointer to the payload of a record of `size` bytes at `off`.
-    fn payload(&self, off: usize, size: usize) -> *mut u8 {
-        assert!(off + size <= self.bytes && size >= HEADER_BYTES, "record outside the ring");
-        self.base.wrapping_add(off + HEADER_BYTES)
+    /// Pointer to the payload of the record with header `h` at `off`.
+    fn payload(&self, off: usize, h: &RecordHeader) -> *mut u8 {
+        assert!(off + h.record_size() <= self.bytes, "record outside the ring");
+        self.base.wrapping_add(off + h.header_bytes())
     }
 }
 
@@ -1620,7 +1622,7 @@ mod tests {
         // SAFETY: test-only raw writes inside our own ring.
         unsafe {
             std::ptr::copy_nonoverlapping(fields.as_ptr(), ring.base.add(8), FIELDS_BYTES);
-            std::ptr::copy_nonoverlapping(payload.as_ptr(), ring.base.add(HEADER_BYTES), payload.len());
+            std::ptr::copy_nonoverlapping(payload.as_ptr(), ring.base.add(wire::HEADER_BYTES), payload.len());
         }
         ring.publish(0).store(wire::publish_word(pos), Ordering::Release);
     }

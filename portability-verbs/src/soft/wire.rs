@@ -9,11 +9,15 @@
 //! ```text
 //! 0  publish: u64 written last by the producer: a function of the record's absolute position
 //!                 (see `publish_word`), so stale bytes of an earlier lap never match
-//! 8  kind: u8, flags: u8, sge_count: u16, len: u32, imm: u32, rkey: u32, raddr: u64
-//! 32 status: u32  0 from the producer; the consumer writes an error code only on failure
-//! 36 (reserved)
-//! 40 payload      inline data, or sge_count descriptors of 16 bytes (addr u64, len u32, key u32)
+//! 8  kind: u8, flags: u8, sge_count: u16, len: u32, imm: u32
+//! 20 status: u32  0 from the producer; the consumer writes an error code only on failure
+//! 24 payload      sends: inline data, or sge_count descriptors of 16 bytes (addr u64, len u32,
+//!                 key u32)
+//! 24 raddr: u64, rkey: u32, (reserved u32)   writes with immediate only; their data at 40
 //! ```
+//! A send header is 24 bytes, so a send of up to 40 bytes (a small message with its upper
+//! layers' headers) is one cache line: the consumer's one miss, the producer's one ownership
+//! request.
 //! On success the consumer writes nothing into the ring: a record is done when the consumer's
 //! counter passes it. Every lap overwrites every byte of the ring, so the bytes at a position are
 //! from the current or the previous lap; a previous-lap header carries another position's
@@ -22,12 +26,17 @@
 
 /// Records start on this alignment (a cache line).
 pub const RECORD_ALIGN: usize = 64;
-/// Bytes of a record header.
-pub const HEADER_BYTES: usize = 40;
+/// Bytes of a send's (and a pad's) header.
+pub const HEADER_BYTES: usize = 24;
+/// Bytes of a write-with-immediate's header (with the remote address and key).
+pub const WRITE_HEADER_BYTES: usize = 40;
 /// Offset of the status word in a record.
-pub const STATUS_OFFSET: usize = 32;
-/// Bytes of the part of the header that is decoded (after seq and status).
-pub const FIELDS_BYTES: usize = 24;
+pub const STATUS_OFFSET: usize = 20;
+/// Bytes the consumer reads to decode a header: bytes 8..40 of a record (a send's payload
+/// starts inside them and is ignored; every record spans at least these).
+pub const FIELDS_BYTES: usize = 32;
+/// Bytes of those the producer writes for a send or a pad (bytes 8..20).
+const SEND_FIELDS_BYTES: usize = 12;
 /// Bytes of one descriptor in a descriptor record.
 pub const DESC_BYTES: usize = 16;
 /// Descriptors one record may carry at most.
@@ -71,6 +80,12 @@ pub enum RecordKind {
 }
 
 impl RecordKind {
+    /// Whether records of this kind name the responder's memory (their header carries the
+    /// remote address and key).
+    pub fn addresses_memory(self) -> bool {
+        matches!(self, RecordKind::WriteImmInline | RecordKind::WriteImmNotify)
+    }
+
     fn code(self) -> u8 {
         match self {
             RecordKind::SendInline => 1,
@@ -149,7 +164,8 @@ pub enum RecordError {
 }
 
 impl RecordHeader {
-    /// Encodes the decoded part of the header.
+    /// Encodes the decoded part of the header (record bytes 8..40, the status word zero);
+    /// the producer writes the first [`RecordHeader::fields_len`] bytes of it.
     pub fn encode(&self) -> [u8; FIELDS_BYTES] {
         let mut b = [0u8; FIELDS_BYTES];
         b[0] = self.kind.code();
@@ -157,9 +173,30 @@ impl RecordHeader {
         b[2..4].copy_from_slice(&self.sge_count.to_le_bytes());
         b[4..8].copy_from_slice(&self.len.to_le_bytes());
         b[8..12].copy_from_slice(&self.imm.to_le_bytes());
-        b[12..16].copy_from_slice(&self.rkey.to_le_bytes());
-        b[16..24].copy_from_slice(&self.raddr.to_le_bytes());
+        if self.kind.addresses_memory() {
+            b[16..24].copy_from_slice(&self.raddr.to_le_bytes());
+            b[24..28].copy_from_slice(&self.rkey.to_le_bytes());
+        }
         b
+    }
+
+    /// Bytes of [`RecordHeader::encode`] that belong to this record's header (the rest of a
+    /// send's 32 are its payload).
+    pub fn fields_len(&self) -> usize {
+        if self.kind.addresses_memory() {
+            FIELDS_BYTES
+        } else {
+            SEND_FIELDS_BYTES
+        }
+    }
+
+    /// Bytes of this record's header: where its payload starts.
+    pub fn header_bytes(&self) -> usize {
+        if self.kind.addresses_memory() {
+            WRITE_HEADER_BYTES
+        } else {
+            HEADER_BYTES
+        }
     }
 
     /// Bytes of payload that follow the header.
@@ -172,11 +209,16 @@ impl RecordHeader {
         }
     }
 
+    /// Bytes a record with this header and `payload` bytes after it occupies in the ring.
+    fn size_with(&self, payload: usize) -> usize {
+        (self.header_bytes() + payload).div_ceil(RECORD_ALIGN) * RECORD_ALIGN
+    }
+
     /// Bytes the whole record occupies in the ring.
     pub fn record_size(&self) -> usize {
         match self.kind {
             RecordKind::Pad => self.len as usize,
-            _ => record_size(self.payload_len()),
+            _ => self.size_with(self.payload_len()),
         }
     }
 
@@ -184,14 +226,22 @@ impl RecordHeader {
     /// can be validated without the payload.
     pub fn decode(b: &[u8; FIELDS_BYTES], offset: usize, ring: usize) -> Result<RecordHeader, RecordError> {
         let kind = RecordKind::from_code(b[0]).ok_or(RecordError::UnknownKind(b[0]))?;
+        let (raddr, rkey) = if kind.addresses_memory() {
+            (
+                u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
+                u32::from_le_bytes(b[24..28].try_into().expect("4 bytes")),
+            )
+        } else {
+            (0, 0) // those bytes are the payload's
+        };
         let h = RecordHeader {
             kind,
             flags: b[1],
             sge_count: u16::from_le_bytes([b[2], b[3]]),
             len: u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")),
             imm: u32::from_le_bytes(b[8..12].try_into().expect("4 bytes")),
-            rkey: u32::from_le_bytes(b[12..16].try_into().expect("4 bytes")),
-            raddr: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
+            rkey,
+            raddr,
         };
         if h.flags & !FLAG_IMM != 0 {
             return Err(RecordError::BadFlags(h.flags));
@@ -266,11 +316,6 @@ pub fn decode_descriptors(payload: &[u8], total: u32) -> Result<smallvec::SmallV
     Ok(list)
 }
 
-/// Ring bytes of a record with `payload` bytes after its header.
-pub fn record_size(payload: usize) -> usize {
-    (HEADER_BYTES + payload).div_ceil(RECORD_ALIGN) * RECORD_ALIGN
-}
-
 /// Where the producer puts its next record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Placement {
@@ -322,10 +367,22 @@ mod tests {
     proptest! {
         #[test]
         fn headers_round_trip(kind in kind(), imm_flag in any::<bool>(), sges in 1u16..=MAX_DESC as u16,
-                              len in 0u32..4096, imm in any::<u32>(), rkey in any::<u32>(), raddr in any::<u64>()) {
+                              len in 0u32..4096, imm in any::<u32>(), rkey in any::<u32>(), raddr in any::<u64>(),
+                              payload in any::<[u8; FIELDS_BYTES]>()) {
+            let (rkey, raddr) = if kind.addresses_memory() { (rkey, raddr) } else { (0, 0) };
             let h = RecordHeader { kind, flags: if imm_flag { FLAG_IMM } else { 0 }, sge_count: sges, len, imm, rkey, raddr };
             let ring = 1 << 16;
-            prop_assert_eq!(RecordHeader::decode(&h.encode(), 0, ring).unwrap(), h);
+            // What the consumer reads: the fields the producer wrote, then the payload's bytes.
+            let mut seen = payload;
+            seen[..h.fields_len()].copy_from_slice(&h.encode()[..h.fields_len()]);
+            prop_assert_eq!(RecordHeader::decode(&seen, 0, ring).unwrap(), h);
+            prop_assert!(h.fields_len() <= h.header_bytes() - 8);
+        }
+
+        #[test]
+        fn small_sends_take_one_cache_line(len in 0u32..=40) {
+            let h = RecordHeader { kind: RecordKind::SendInline, flags: 0, sge_count: 0, len, imm: 0, rkey: 0, raddr: 0 };
+            prop_assert_eq!(h.record_size(), RECORD_ALIGN);
         }
 
         #[test]
@@ -334,7 +391,7 @@ mod tests {
             let off = (off % ring) / RECORD_ALIGN * RECORD_ALIGN;
             if let Ok(h) = RecordHeader::decode(&b, off, ring) {
                 prop_assert!(off + h.record_size() <= ring);
-                prop_assert!(HEADER_BYTES + h.payload_len() <= h.record_size());
+                prop_assert!(h.header_bytes() + h.payload_len() <= h.record_size());
             }
         }
 
