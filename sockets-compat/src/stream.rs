@@ -1206,22 +1206,34 @@ impl Conn {
 
     /// Takes in every message that has arrived, queueing stream content and applying control.
     fn pump(&mut self) -> io::Result<()> {
-        self.pump_until(false)
+        self.pump_until(None)
     }
 
-    /// [`Conn::pump`], stopping at bulk-lane bytes if `at_bulk`: a reader copies them
-    /// straight out of the ring next (taking them into `rx` would cost a copy, and once `rx`
-    /// holds anything every later chunk would follow the same way).
-    fn pump_until(&mut self, at_bulk: bool) -> io::Result<()> {
+    /// [`Conn::pump`] for a reader with `reader_room` bytes of buffer: stops at stream bytes it
+    /// copies straight out of the pipe next (bulk-lane bytes, a Data message that fits). Taking
+    /// them into `rx` would cost a copy and an allocation, and once `rx` holds anything every
+    /// later message would follow the same way.
+    fn pump_until(&mut self, reader_room: Option<usize>) -> io::Result<()> {
         self.check_ok()?;
         if self.pipe.staged() > 0 {
             self.flush_pipe()?;
         }
         loop {
-            // (After Disconnect, bulk bytes are a protocol error: taken in, they fail the socket.)
-            if at_bulk && !self.eof && matches!(self.pipe.front(), Ok(Some((Lane::Bulk, _)))) {
-                self.complete_reads()?;
-                return self.copy_on_write();
+            // (After Disconnect, stream bytes are a protocol error: taken in, they fail the socket.)
+            // Only with nothing queued: what is queued goes first, and may wait for control
+            // further on (a SrcAvail's update).
+            // (The check looks at the pipe once: an item arriving after it waits for the next
+            // pump, or a reader would take it into `rx` on the second look.)
+            if let Some(room) = reader_room {
+                if !self.eof && self.rx.is_empty() {
+                    match self.front_is_direct(room) {
+                        Some(false) => {}
+                        Some(true) | None => {
+                            self.complete_reads()?;
+                            return self.copy_on_write();
+                        }
+                    }
+                }
             }
             let mut outcome: Result<Option<Control>, io::Error> = Ok(None);
             let got = {
@@ -1530,6 +1542,23 @@ impl Conn {
         Ok(0)
     }
 
+    /// Whether the pipe's next item is stream bytes a reader with `room` bytes of buffer takes
+    /// straight from the pipe ([`Conn::read_in_place`]): bulk-lane bytes, or a well-formed Data
+    /// message of at most `room` bytes (anything else `pump` takes, and fails on if malformed).
+    /// `None` when nothing has arrived.
+    fn front_is_direct(&mut self, room: usize) -> Option<bool> {
+        match self.pipe.front() {
+            Ok(Some((Lane::Bulk, _))) => Some(true),
+            Ok(Some((Lane::Message, bytes))) => Some(match Message::decode(bytes) {
+                Ok((h, Message::Data(d))) => d.len() <= room && self.seq.check(&h).is_ok(),
+                _ => false,
+            }),
+            Ok(None) => None,
+            // Taken (and failed on) by `pump`.
+            Err(_) => Some(false),
+        }
+    }
+
     /// One nonblocking read attempt.
     fn try_read(&mut self, buf: &mut [u8]) -> io::Result<ReadStep> {
         if self.read_shut {
@@ -1539,9 +1568,13 @@ impl Conn {
         if direct > 0 {
             return Ok(ReadStep::Got(direct));
         }
-        let pumped = self.pump_until(true);
-        if pumped.is_ok() && self.rx.is_empty() && !self.eof && self.pipe.peek_lane() == Some(Lane::Bulk) {
-            // Control taken in, bulk bytes next: straight from the ring, unless `buf` is held.
+        // Stream bytes already queued go first, without taking in more behind them (that
+        // would queue those too, and a reader keeping up with its writer would never get back
+        // to copying straight from the pipe).
+        let queued = matches!(self.rx.front(), Some(RxItem::Bytes(..)));
+        let pumped = if queued { Ok(()) } else { self.pump_until(Some(buf.len())) };
+        if pumped.is_ok() && self.rx.is_empty() && !self.eof && self.pipe.peek_lane().is_some() {
+            // Control taken in, stream bytes next: straight from the pipe, unless `buf` is held.
             let direct = self.read_in_place(buf)?;
             return Ok(if direct > 0 { ReadStep::Got(direct) } else { ReadStep::BufferHeld });
         }
@@ -1568,6 +1601,10 @@ impl Conn {
                     if *off == v.len() {
                         self.rx.pop_front();
                     }
+                }
+                if n < buf.len() && pumped.is_ok() {
+                    // The queue ran dry: what follows in the pipe, straight from it.
+                    n += self.read_in_place(&mut buf[n..])?;
                 }
                 Ok(ReadStep::Got(n))
             }

@@ -354,13 +354,19 @@ impl Sequencer {
     /// Checks an incoming header: its `mseq` must follow the previous one, and its `mseq_ack`
     /// may not acknowledge messages we never sent.
     pub fn accept(&mut self, h: &Bsdh) -> Result<(), WireError> {
+        self.check(h)?;
+        self.last_in = h.mseq;
+        Ok(())
+    }
+
+    /// Whether [`Sequencer::accept`] would take `h`, without taking it.
+    pub fn check(&self, h: &Bsdh) -> Result<(), WireError> {
         if h.mseq != self.last_in.wrapping_add(1) {
             return Err(WireError::OutOfOrder { got: h.mseq, expected: self.last_in.wrapping_add(1) });
         }
         if self.next_out.wrapping_sub(h.mseq_ack) > (1 << 31) {
             return Err(WireError::BadField { field: "mseq_ack (ahead of what was sent)", value: h.mseq_ack as u64 });
         }
-        self.last_in = h.mseq;
         Ok(())
     }
 
