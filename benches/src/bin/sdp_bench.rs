@@ -412,10 +412,16 @@ struct SenderLoad {
 }
 
 /// Sends `count` writes of `size` from `c`; returns once the peer has taken them all in
-/// (flush: AZ-SDP must not free a buffer the peer still reads).
-fn send_stream(c: &mut dyn Stream, size: usize, count: usize, load: SenderLoad) {
+/// (flush: AZ-SDP must not free a buffer the peer still reads), with the time the first
+/// `warm_up` writes had returned: the start of the steady state, past first touches of rings
+/// and buffers and the ramp of flow control.
+fn send_stream(c: &mut dyn Stream, size: usize, count: usize, warm_up: usize, load: SenderLoad) -> Instant {
     let mut buf = PageBuf::new(size, 7);
+    let mut steady = Instant::now();
     for i in 0..count {
+        if i == warm_up {
+            steady = Instant::now();
+        }
         write_full(c, &buf).expect("sender write");
         if !load.compute.is_zero() {
             spin_for(load.compute);
@@ -426,6 +432,7 @@ fn send_stream(c: &mut dyn Stream, size: usize, count: usize, load: SenderLoad) 
     }
     // AZ-SDP: the buffer goes back to the allocator only once the peer has read it.
     c.flush().expect("sender flush");
+    steady
 }
 
 /// Receives `count` messages of `size` into one buffer and looks at the last one.
@@ -438,18 +445,22 @@ fn receive_stream(s: &mut dyn Stream, size: usize, count: usize) {
 }
 
 /// Unidirectional throughput in GB/s of `volume` bytes in writes of `size`; the receiver
-/// reads `size` at a time and acknowledges the end.
+/// reads `size` at a time and acknowledges the end. The first eighth of the writes is a
+/// warm-up, not timed (what is still buffered when the clock starts, a few credits' worth,
+/// is small against the rest).
 fn throughput(peer: &mut Peer, layer: &str, size: usize, volume: usize, load: SenderLoad, zt: usize) -> f64 {
     let count = (volume / size).max(8);
+    let warm_up = count / 8;
     let (mut c, far) = peer.open(layer, zt, Role::Sink { size, count });
-    let t = Instant::now();
-    send_stream(&mut *c, size, count, load);
+    let steady = send_stream(&mut *c, size, count, warm_up, load);
     let mut ack = [0u8];
     read_full(&mut *c, &mut ack).expect("ack");
-    let secs = t.elapsed().as_secs_f64();
+    let secs = steady.elapsed().as_secs_f64();
     c.flush().expect("flush");
+    // Both ends close at once (the far end's close lingers until we take its last messages).
+    drop(c);
     peer.finish(far);
-    (count * size) as f64 / secs / 1e9
+    ((count - warm_up) * size) as f64 / secs / 1e9
 }
 
 /// CPU the reading thread uses (% of one core) while a blocking read waits `wait` on a
@@ -492,7 +503,7 @@ fn multi_stream(layer: &str, n: usize, size: usize, volume: usize, zt: usize) ->
         .flat_map(|(mut c, mut s)| {
             [
                 thread::spawn(move || {
-                    send_stream(&mut *c, size, count, SenderLoad::default());
+                    send_stream(&mut *c, size, count, 0, SenderLoad::default());
                     let mut ack = [0u8];
                     read_full(&mut *c, &mut ack).expect("ack");
                     c.flush().expect("flush");
@@ -522,7 +533,7 @@ fn multi_client(layer: &str, n: usize, size: usize, volume: usize, zt: usize) ->
         .into_iter()
         .map(|mut c| {
             thread::spawn(move || {
-                send_stream(&mut *c, size, count, SenderLoad::default());
+                send_stream(&mut *c, size, count, 0, SenderLoad::default());
                 let mut ack = [0u8];
                 read_full(&mut *c, &mut ack).expect("ack");
                 c.flush().expect("flush");
@@ -672,7 +683,7 @@ fn main() {
         let mut t =
             Table::start("throughput", "Unidirectional throughput (GB/s)".into(), "size", true, false, &a.layers);
         for &size in sizes.iter().filter(|&&s| s >= 1024) {
-            let vol = a.volume.min(size * 20_000);
+            let vol = a.volume.min(size * 160_000);
             t.row(size as f64, fmt_size(size), |l| throughput(&mut peer, l, size, vol, SenderLoad::default(), zt));
         }
         tables.push(t);
