@@ -1959,20 +1959,28 @@ impl Drop for Conn {
         }
         // Close: Disconnect after the bytes written, then linger until the peer took them
         // (and, for AZ-SDP, read the buffers still held).
-        let deadline = Instant::now() + LINGER;
+        // The wait spins briefly, then sleeps on the completion queue in short slices: a peer
+        // that makes no call on its socket for a while must not cost us a core meanwhile.
+        let deadline = Some(Instant::now() + LINGER);
+        let cq = self.pipe.cq().clone();
+        let mut pacer = Pacer::default();
         if !self.write_shut {
-            while !matches!(self.try_send(&Message::Disconnect), Ok(true) | Err(_)) && Instant::now() < deadline {
+            while !matches!(self.try_send(&Message::Disconnect), Ok(true) | Err(_)) {
                 let _ = self.pipe.progress();
+                if pacer.pause_on(deadline, "closing", Some(&cq)).is_err() {
+                    break;
+                }
             }
         }
-        while Instant::now() < deadline
-            && self.failed.is_none()
+        while self.failed.is_none()
             && self.pipe.failure().is_none()
             && !(self.pipe.idle() && self.sends.is_empty() && self.reads.is_empty())
         {
             let _ = self.pipe.flush();
             let _ = self.pump();
-            std::thread::yield_now();
+            if pacer.pause_on(deadline, "closing", Some(&cq)).is_err() {
+                break;
+            }
         }
         self.release_all();
     }
