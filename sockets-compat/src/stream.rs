@@ -611,7 +611,7 @@ impl SdpStream {
     /// released (AZ-SDP; immediate otherwise). `write` and `read` never need this: touching a
     /// buffer waits by itself. Useful before handing a buffer to a system call.
     pub fn wait_transfers(&self, timeout: Duration) -> io::Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = &Deadline::after(Some(timeout));
         let mut pacer = Pacer::default();
         loop {
             {
@@ -622,12 +622,12 @@ impl SdpStream {
                     return Ok(());
                 }
             }
-            pacer.pause(Some(deadline), "waiting for transfers to complete")?;
+            pacer.pause(deadline, "waiting for transfers to complete")?;
         }
     }
 
     fn send_control(&self, m: Message<'_>) -> io::Result<()> {
-        let deadline = self.lock().write_timeout.map(|t| Instant::now() + t);
+        let deadline = &Deadline::after(self.lock().write_timeout);
         let mut pacer = Pacer::default();
         loop {
             {
@@ -645,7 +645,7 @@ impl SdpStream {
     }
 
     /// Drives the pipe until nothing accepted is still coalesced on our side.
-    fn drain_staged(&self, deadline: Option<Instant>) -> io::Result<()> {
+    fn drain_staged(&self, deadline: &Deadline) -> io::Result<()> {
         let mut pacer = Pacer::default();
         loop {
             {
@@ -664,7 +664,7 @@ impl SdpStream {
         if buf.is_empty() {
             return Ok(0);
         }
-        let deadline = self.lock().read_timeout.map(|t| Instant::now() + t);
+        let deadline = &Deadline::after(self.lock().read_timeout);
         let mut pacer = Pacer::default();
         loop {
             {
@@ -702,7 +702,7 @@ impl SdpStream {
 
     /// Waits until no transfer holds `buf` against reading (a receive whose data has not
     /// landed), driving this socket meanwhile: `write` reads the buffer.
-    fn wait_readable(&self, buf: &[u8], deadline: Option<Instant>) -> io::Result<()> {
+    fn wait_readable(&self, buf: &[u8], deadline: &Deadline) -> io::Result<()> {
         let mut pacer = Pacer::default();
         while protect::read_blocked(buf.as_ptr() as usize, buf.len()) {
             self.lock().pump()?;
@@ -724,7 +724,7 @@ impl SdpStream {
         if buf.is_empty() {
             return Ok(0);
         }
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let deadline = &Deadline::after(timeout);
         // Sending reads the buffer: a receive still landing in it must finish first.
         self.wait_readable(buf, deadline)?;
         // A nonblocking socket copies: it cannot hold the caller's buffer past the call.
@@ -751,7 +751,7 @@ impl SdpStream {
 
     /// BSDP: copies `buf` into Data messages; may send part of it (nonblocking, or timed out
     /// after some progress).
-    fn write_copy(&self, buf: &[u8], nonblocking: bool, deadline: Option<Instant>) -> io::Result<usize> {
+    fn write_copy(&self, buf: &[u8], nonblocking: bool, deadline: &Deadline) -> io::Result<usize> {
         if !nonblocking {
             let chunk = {
                 let c = self.lock();
@@ -783,7 +783,7 @@ impl SdpStream {
                 if nonblocking {
                     break;
                 }
-                if sent > 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+                if sent > 0 && deadline.passed() {
                     break; // a partial write, as a timed-out socket write reports it
                 }
                 pacer.pause(deadline, "writing")?;
@@ -813,13 +813,13 @@ impl SdpStream {
     /// it; chunks started and still not taken in after as long again fail the socket (the
     /// buffer cannot be handed back with a transfer from it pending), like an unanswered
     /// ZSDP write.
-    fn write_bulk(&self, buf: &[u8], chunk: usize, deadline: Option<Instant>) -> io::Result<usize> {
+    fn write_bulk(&self, buf: &[u8], chunk: usize, deadline: &Deadline) -> io::Result<usize> {
         let rt = runtime()?;
         // SAFETY: `buf` stays borrowed (mapped, unchanged) until this returns, and it returns
         // only after every chunk written from it completed, or with the queue pair in error.
         let reg = unsafe { rt.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }
             .map_err(verbs_io)?;
-        let give_up = deadline.zip(self.lock().write_timeout).map(|(d, t)| d + t);
+        let write_timeout = self.lock().write_timeout;
         let mut tokens = VecDeque::new();
         let (mut sent, mut end) = (0, buf.len());
         let (mut pacer, mut polls) = (Pacer::default(), 0u32);
@@ -830,20 +830,20 @@ impl SdpStream {
                     // The clock every 64th poll only (a tenth of the loop's time otherwise).
                     polls = polls.wrapping_add(1);
                     if !polls.is_multiple_of(64) {
-                        pacer.pause(None, "writing")?;
+                        pacer.pause(&Deadline::never(), "writing")?;
                         continue;
                     }
                     let now = Instant::now();
-                    if sent < end && deadline.is_some_and(|d| now >= d) {
+                    if sent < end && deadline.get().is_some_and(|d| now >= d) {
                         if sent == 0 {
                             break Err(io::Error::new(io::ErrorKind::TimedOut, "timed out writing"));
                         }
                         end = sent; // a partial write: finish the chunks started, start no more
-                    } else if give_up.is_some_and(|g| now >= g) {
+                    } else if deadline.get().zip(write_timeout).is_some_and(|(d, t)| now >= d + t) {
                         let why = "the peer did not take bulk data in within twice the write timeout";
                         break Err(self.lock().fail(io::ErrorKind::TimedOut, why.into()));
                     } else {
-                        pacer.pause(None, "writing")?;
+                        pacer.pause(&Deadline::never(), "writing")?;
                     }
                 }
                 Ok(n) => {
@@ -863,7 +863,7 @@ impl SdpStream {
 
     /// AZ-SDP: the unaligned head and tail go as Data, the whole pages between as a SrcAvail
     /// of the read-only-protected buffer; returns without waiting for the receiver.
-    fn write_async(&self, buf: &[u8], deadline: Option<Instant>) -> io::Result<usize> {
+    fn write_async(&self, buf: &[u8], deadline: &Deadline) -> io::Result<usize> {
         let (head, middle) = whole_pages(buf.as_ptr() as usize, buf.len().min(u32::MAX as usize & !0xfff));
         if middle == 0 {
             return self.write_copy(buf, false, deadline);
@@ -891,7 +891,7 @@ impl SdpStream {
     }
 
     /// Protects `pages` read-only, advertises them and returns; RdmaRdCompl releases them.
-    fn advertise_held(&self, pages: &[u8], deadline: Option<Instant>) -> io::Result<()> {
+    fn advertise_held(&self, pages: &[u8], deadline: &Deadline) -> io::Result<()> {
         let rt = runtime()?;
         let mut pacer = Pacer::default();
         loop {
@@ -937,7 +937,7 @@ impl SdpStream {
     /// Sends a SrcAvail for `advert` as soon as flow control admits it, queueing `what` under
     /// its number to await the answer, and hands it to the transport. An AZ-SDP advert puts
     /// the socket under the engine's watch (nobody waits for its answer).
-    fn send_advert(&self, advert: Advert, what: Sending, deadline: Option<Instant>) -> io::Result<()> {
+    fn send_advert(&self, advert: Advert, what: Sending, deadline: &Deadline) -> io::Result<()> {
         let watched = matches!(what, Sending::Held { .. });
         let mut pending = Some(what);
         let mut pacer = Pacer::default();
@@ -967,7 +967,7 @@ impl SdpStream {
         let advert = Advert { len: buf.len() as u32, rkey: reg.rkey(), addr: buf.as_ptr() as u64 };
         let mut deadline = timeout.map(|t| Instant::now() + t);
         self.lock().zcopy_answer = None;
-        self.send_advert(advert, Sending::Waited, deadline)?;
+        self.send_advert(advert, Sending::Waited, &Deadline::after(timeout))?;
         let mut cancelled = false;
         let mut pacer = Pacer::default();
         loop {
@@ -1002,7 +1002,7 @@ impl SdpStream {
                 self.send_control(Message::SrcAvailCancel)?;
                 deadline = timeout.map(|t| Instant::now() + t);
             }
-            pacer.pause_on(None, "waiting for RdmaRdCompl", Some(&self.cq))?;
+            pacer.pause_on(&Deadline::never(), "waiting for RdmaRdCompl", Some(&self.cq))?;
         }
     }
 }
@@ -1861,6 +1861,35 @@ fn take_bulk(bytes: &[u8], rx: &mut VecDeque<RxItem>, eof: bool) -> Result<Optio
     Ok(None)
 }
 
+/// A call's timeout, turned into a point in time only when the call first has to wait: the
+/// calls that complete at once (most small reads and writes) never read the clock for it.
+struct Deadline {
+    timeout: Option<Duration>,
+    at: std::cell::Cell<Option<Instant>>,
+}
+
+impl Deadline {
+    fn never() -> Deadline {
+        Deadline::after(None)
+    }
+
+    fn after(timeout: Option<Duration>) -> Deadline {
+        Deadline { timeout, at: std::cell::Cell::new(None) }
+    }
+
+    /// When the call times out, counted from the first time this is asked.
+    fn get(&self) -> Option<Instant> {
+        let t = self.timeout?;
+        let at = self.at.get().unwrap_or_else(|| Instant::now() + t);
+        self.at.set(Some(at));
+        Some(at)
+    }
+
+    fn passed(&self) -> bool {
+        self.get().is_some_and(|d| Instant::now() >= d)
+    }
+}
+
 /// Waits between polls: spins first (the latency path), then yields, then sleeps: on the
 /// socket's completion queue where the awaited event raises a completion (a message, bulk
 /// data, the peer's answer), else in short naps (a flow-control update is a plain RDMA write,
@@ -1877,13 +1906,14 @@ const SLEEP_SLICE: Duration = Duration::from_millis(2);
 const NAP: Duration = Duration::from_micros(20);
 
 impl Pacer {
-    fn pause(&mut self, deadline: Option<Instant>, what: &str) -> io::Result<()> {
+    fn pause(&mut self, deadline: &Deadline, what: &str) -> io::Result<()> {
         self.pause_on(deadline, what, None)
     }
 
     /// [`Pacer::pause`] for an event that raises a completion on `cq`.
-    fn pause_on(&mut self, deadline: Option<Instant>, what: &str, cq: Option<&CompletionQueue>) -> io::Result<()> {
+    fn pause_on(&mut self, deadline: &Deadline, what: &str, cq: Option<&CompletionQueue>) -> io::Result<()> {
         self.polls += 1;
+        let deadline = deadline.get();
         let sleeping = self.polls >= 6000;
         if (sleeping || self.polls.is_multiple_of(64)) && deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(io::Error::new(io::ErrorKind::TimedOut, format!("timed out {what}")));
@@ -1935,7 +1965,7 @@ impl Write for &SdpStream {
     /// control still holds and, for AZ-SDP, waits until the peer has read every buffer written
     /// (after which they may be freed or unmapped).
     fn flush(&mut self) -> io::Result<()> {
-        let deadline = self.lock().write_timeout.map(|t| Instant::now() + t);
+        let deadline = &Deadline::after(self.lock().write_timeout);
         let mut pacer = Pacer::default();
         loop {
             {
@@ -1961,7 +1991,7 @@ impl Drop for Conn {
         // (and, for AZ-SDP, read the buffers still held).
         // The wait spins briefly, then sleeps on the completion queue in short slices: a peer
         // that makes no call on its socket for a while must not cost us a core meanwhile.
-        let deadline = Some(Instant::now() + LINGER);
+        let deadline = &Deadline::after(Some(LINGER));
         let cq = self.pipe.cq().clone();
         let mut pacer = Pacer::default();
         if !self.write_shut {
@@ -1983,5 +2013,25 @@ impl Drop for Conn {
             }
         }
         self.release_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deadline_is_fixed_when_first_asked_and_absent_without_a_timeout() {
+        assert_eq!(Deadline::never().get(), None);
+        assert!(!Deadline::never().passed());
+        let d = Deadline::after(Some(Duration::from_millis(20)));
+        let before = Instant::now();
+        let first = d.get().expect("a timeout gives a deadline");
+        assert!(first >= before + Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(d.get(), Some(first), "asking again must not move it");
+        assert!(!d.passed());
+        std::thread::sleep(Duration::from_millis(25));
+        assert!(d.passed());
     }
 }
