@@ -139,6 +139,16 @@ pub fn overlaps(addr: usize, len: usize) -> bool {
     any_active() && blocking_hold(addr, len, true).is_some()
 }
 
+/// True if the kernel may find a page of `[addr, addr + len)` not writable right now: a hold
+/// there, or a lazily released send hold not yet opened (its pages stay read-only until a
+/// store opens them; a kernel copy into them fails with `EFAULT` instead). Lock-free.
+#[inline]
+pub fn kernel_write_blocked(addr: usize, len: usize) -> bool {
+    USED.load(Ordering::Acquire) != 0
+        && overlapping(addr, addr.saturating_add(len.max(1)))
+            .any(|o| blocks(o.level, true) || matches!(o.level, LAZY | LAZY_OPENING))
+}
+
 /// True if some hold forbids reading a byte of `[addr, addr + len)`.
 #[inline]
 pub fn read_blocked(addr: usize, len: usize) -> bool {
@@ -855,6 +865,25 @@ mod tests {
         assert_eq!(perms_of(pages.addr), "r--p");
         drop(lazy);
         assert_eq!(perms_of(pages.addr), "rw-p");
+    }
+
+    #[test]
+    fn a_lazy_range_still_blocks_kernel_writes_until_opened() {
+        let _s = serial();
+        let pages = Pages::new(2);
+        let p = crate::soft::page_size();
+        assert!(!kernel_write_blocked(pages.addr, 2 * p));
+        // SAFETY: our own fresh pages, which outlive the holds and lazy ranges on them.
+        let hold = unsafe { protect(pages.addr, p, Protection::ReadOnly).unwrap() };
+        assert!(kernel_write_blocked(pages.addr, 2 * p));
+        assert!(!kernel_write_blocked(pages.addr + p, p), "the next page is not held");
+        // SAFETY: as above.
+        let lazy = unsafe { hold.release_lazily() }.unwrap();
+        assert!(!overlaps(pages.addr, p), "nobody waits on a lazy range");
+        assert!(kernel_write_blocked(pages.addr, p), "but its page is still read-only");
+        assert_eq!(perms_of(pages.addr), "r--p");
+        drop(lazy);
+        assert!(!kernel_write_blocked(pages.addr, 2 * p));
     }
 
     #[test]

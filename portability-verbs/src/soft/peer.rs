@@ -309,14 +309,16 @@ impl RemoteAccess<'_> {
             Reach::Remote(addr) => {
                 let mem = self.peer.mem.as_ref().ok_or(WcStatus::GeneralErr)?;
                 let from = addr + off as u64;
-                let direct = !crate::protect::overlaps(dst as usize, len) && {
+                // (Checked first: a kernel copy into a read-only page fails only after trying
+                // both cross-memory attach and /proc/PID/mem, two system calls wasted.)
+                let direct = !crate::protect::kernel_write_blocked(dst as usize, len) && {
                     // SAFETY: the caller vouches that `dst` is valid for writes of `len` bytes;
                     // only the kernel writes it (EFAULT, not a fault, if it is not writable).
                     let bytes = unsafe { std::slice::from_raw_parts_mut(dst, len) };
                     mem.read(from, bytes).is_ok()
                 };
                 // A destination protected against this process (an asynchronous receive, or a
-                // page a send keeps read-only): the kernel will not copy into it, so bounce
+                // page a send keeps read-only, held or lazily): the kernel will not copy into it, so bounce
                 // through /proc/self/mem, which reaches it as a NIC's DMA would.
                 if !direct
                     && !bounce(len, |at, tmp| mem.read(from + at, tmp).and(sys::write_self_mem(dst as u64 + at, tmp)))
