@@ -965,9 +965,9 @@ impl SdpStream {
         let buf = &buf[..buf.len().min(u32::MAX as usize)];
         let reg = rt.regcache.get(buf, AccessFlags::REMOTE_READ).map_err(verbs_io)?;
         let advert = Advert { len: buf.len() as u32, rkey: reg.rkey(), addr: buf.as_ptr() as u64 };
-        let mut deadline = timeout.map(|t| Instant::now() + t);
+        let mut deadline = Deadline::after(timeout);
         self.lock().zcopy_answer = None;
-        self.send_advert(advert, Sending::Waited, &Deadline::after(timeout))?;
+        self.send_advert(advert, Sending::Waited, &deadline)?;
         let mut cancelled = false;
         let mut pacer = Pacer::default();
         loop {
@@ -987,7 +987,7 @@ impl SdpStream {
                     return Err(e);
                 }
             }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            if deadline.passed() {
                 if cancelled {
                     // The peer answers neither the advertisement nor its cancellation: the
                     // connection is dropped so the buffer can no longer be read.
@@ -1000,7 +1000,7 @@ impl SdpStream {
                 }
                 cancelled = true;
                 self.send_control(Message::SrcAvailCancel)?;
-                deadline = timeout.map(|t| Instant::now() + t);
+                deadline = Deadline::after(timeout);
             }
             pacer.pause_on(&Deadline::never(), "waiting for RdmaRdCompl", Some(&self.cq))?;
         }
@@ -1219,11 +1219,11 @@ impl Conn {
             self.flush_pipe()?;
         }
         loop {
-            // (After Disconnect, stream bytes are a protocol error: taken in, they fail the socket.)
-            // Only with nothing queued: what is queued goes first, and may wait for control
-            // further on (a SrcAvail's update).
-            // (The check looks at the pipe once: an item arriving after it waits for the next
-            // pump, or a reader would take it into `rx` on the second look.)
+            // A reader stops only with nothing queued: what is queued goes first, and may wait
+            // for control further on (a SrcAvail's update). The check looks at the pipe once:
+            // an item arriving after it waits for the next pump, where a second look would take
+            // it into `rx`. (After Disconnect, stream bytes are a protocol error: taken in, they
+            // fail the socket.)
             if let Some(room) = reader_room {
                 if !self.eof && self.rx.is_empty() {
                     match self.front_is_direct(room) {
