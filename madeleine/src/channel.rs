@@ -504,7 +504,8 @@ impl Channel {
         agg.clear();
         agg.reserve(conn.max_msg);
         Record::Begin { seq: *seq }.encode(agg);
-        Ok(Packer { ch: self, conn, tx, packs: 0, flushed: false, finished: false, more: None })
+        let inline_modes = Modes { send: SendMode::Safer, recv: RecvMode::Express };
+        Ok(Packer { ch: self, conn, tx, packs: 0, flushed: false, inline_modes, finished: false, more: None })
     }
 
     /// Waits until every process of the session reached this call on this channel (an empty
@@ -582,6 +583,7 @@ impl Channel {
         enum Start {
             Begin(u32),
             Whole(u32, u32),
+            One(u32, Modes),
             Other,
         }
         let RecvSide { seq: due, whole } = &mut **rx;
@@ -593,12 +595,18 @@ impl Channel {
                 whole.extend_from_slice(body);
                 Start::Whole(seq, packs)
             }
+            Next::Rec(Record::One { seq, modes }, body) => {
+                whole.clear();
+                whole.extend_from_slice(body);
+                Start::One(seq, modes)
+            }
             _ => Start::Other,
         })?;
-        let (seq, packs) = match got {
+        let (seq, whole) = match got {
             Err(_) => return Ok(None),
             Ok(Start::Begin(seq)) => (seq, None),
-            Ok(Start::Whole(seq, packs)) => (seq, Some(packs)),
+            Ok(Start::Whole(seq, packs)) => (seq, Some(WholeMsg { at: 0, taken: 0, packs, single: None })),
+            Ok(Start::One(seq, modes)) => (seq, Some(WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes) })),
             Ok(Start::Other) => {
                 return Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() })
             }
@@ -606,7 +614,7 @@ impl Channel {
         if seq != *due {
             return Err(MadError::Protocol { rank: conn.peer, why: format!("message {seq} where {due} was due") });
         }
-        Ok(Some(packs.map(|packs| WholeMsg { at: 0, taken: 0, packs })))
+        Ok(Some(whole))
     }
 }
 
@@ -634,6 +642,9 @@ pub struct Packer<'p> {
     packs: u32,
     /// Part of the message was handed to the network already (it cannot go as one `Whole`).
     flushed: bool,
+    /// Modes of the last pack appended whole inline (a message of that pack alone goes as
+    /// one `One` record).
+    inline_modes: Modes,
     finished: bool,
     /// What `Later`, rendezvous and bulk packs need, allocated by the first of them: a
     /// message of small packs never touches it, and the packer stays small enough to move
@@ -839,6 +850,7 @@ impl<'p> Packer<'p> {
         let rec = Record::Inline { modes, len: buf.len() as u32, last: true, total: buf.len() as u64 };
         self.tx.agg.extend_from_slice(&rec.header());
         self.tx.agg.extend_from_slice(buf);
+        self.inline_modes = modes;
     }
 
     fn inline(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
@@ -928,6 +940,19 @@ impl<'p> Packer<'p> {
         if self.more.as_ref().is_some_and(|m| m.pending_bulk.is_some()) {
             // The last pack is bulk: the message ends in its last chunk.
             self.send_pending(true)?;
+        } else if self.packs == 1 && !self.flushed && !self.has_rdv() && self.tx.agg.len() <= wire::WHOLE_MAX {
+            // One inline pack, all here (a pack that did not fit whole would have flushed):
+            // its bytes behind a One header written over the second half of its Inline header.
+            let at = 2 * wire::HEADER - wire::ONE_HEADER;
+            debug_assert!(matches!(
+                wire::decode_one(&self.tx.agg, wire::HEADER),
+                Ok((Record::Inline { last: true, .. }, _, n)) if n == self.tx.agg.len()
+            ));
+            let one = Record::one_header(self.tx.seq, self.inline_modes);
+            self.tx.agg[at..2 * wire::HEADER].copy_from_slice(&one);
+            self.flushed = true;
+            self.conn.send_msg(&self.tx.agg[at..], self.ch.session.cfg.timeout)?;
+            self.tx.agg.clear();
         } else if !self.flushed && !self.has_rdv() && self.tx.agg.len() <= wire::WHOLE_MAX {
             // Begin and inline packs only, all here: one Whole record instead of Begin .. End.
             let whole = Record::Whole { seq: self.tx.seq, packs: self.packs };
@@ -1035,6 +1060,8 @@ struct WholeMsg {
     /// Records taken (by unpacks, matching or not).
     taken: u32,
     packs: u32,
+    /// A `One` message: the pack's modes (the buffer holds its bytes alone).
+    single: Option<Modes>,
 }
 
 impl<'u> Unpacker<'u> {
@@ -1112,6 +1139,15 @@ impl<'u> Unpacker<'u> {
     /// Unpacks the next pack of a message that came whole.
     fn take_whole_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<()> {
         let (w, body) = (self.whole.as_mut().expect("a whole message"), &self.rx.whole);
+        if let Some(sent) = w.single {
+            if w.taken == 1 {
+                return Err(self.mismatch("the sender packed 1 item, the receiver asked for more".into()));
+            }
+            w.taken = 1;
+            self.check(sent, self.rx.whole.len() as u64, asked, buf.len())?;
+            buf.copy_from_slice(&self.rx.whole);
+            return Ok(());
+        }
         if w.at == body.len() {
             let packs = w.packs;
             return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
@@ -1137,6 +1173,10 @@ impl<'u> Unpacker<'u> {
     /// The pack count of a message that came whole, checked against its records; counts the
     /// packs nobody unpacked into `extra`.
     fn whole_end(&self, w: &WholeMsg, extra: &mut u32) -> Result<u32> {
+        if w.single.is_some() {
+            *extra = 1 - w.taken;
+            return Ok(1);
+        }
         let mut at = w.at;
         let body = &self.rx.whole;
         while at < body.len() {
@@ -1428,7 +1468,9 @@ impl<'u> Unpacker<'u> {
                     *extra += last as u32;
                     Ok(None)
                 }
-                Next::Rec(Record::Begin { .. } | Record::Whole { .. } | Record::Fin { .. }, _) => Err(()),
+                Next::Rec(Record::Begin { .. } | Record::Whole { .. } | Record::One { .. } | Record::Fin { .. }, _) => {
+                    Err(())
+                }
             })?;
             match step {
                 Ok(Some(n)) => return Ok(n),
@@ -1575,6 +1617,9 @@ mod tests {
             ),
             ("data-outside-a-message", encoded(&[(Record::End { packs: 0 }, &[])]), 0),
             ("wrong-sequence-number", encoded(&[(Record::Begin { seq: 7 }, &[])]), 0),
+            ("one-pack-wrong-sequence-number", encoded(&[(Record::One { seq: 7, modes: EXPRESS }, &[0; 8])]), 0),
+            ("one-pack-bad-modes", vec![8, 0xff, 0, 0, 0, 0, 0, 0, 1, 2, 3], 0),
+            ("one-pack-short-header", vec![8, 0, 0, 0, 0], 0),
             (
                 "fragment-in-a-whole-message",
                 encoded(&[

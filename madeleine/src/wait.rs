@@ -32,6 +32,9 @@ pub(crate) struct Waiter {
     what: &'static str,
     polls: u32,
     sleeping: bool,
+    /// Whether the wait runs in a coroutine, looked up at the first pause (a thread-local
+    /// lookup a spinning waiter need not repeat on every poll).
+    in_coroutine: Option<bool>,
 }
 
 fn spin_time() -> Duration {
@@ -47,7 +50,7 @@ fn spin_time() -> Duration {
 
 impl Waiter {
     pub fn new(timeout: Duration, what: &'static str) -> Waiter {
-        Waiter { start: None, timeout, spin: spin_time(), what, polls: 0, sleeping: false }
+        Waiter { start: None, timeout, spin: spin_time(), what, polls: 0, sleeping: false, in_coroutine: None }
     }
 
     /// Called when a poll found nothing and no completion will say when to look again:
@@ -71,7 +74,7 @@ impl Waiter {
             left = self.timeout - waited;
             self.sleeping = waited > self.spin;
         }
-        if may::coroutine::is_coroutine() {
+        if *self.in_coroutine.get_or_insert_with(may::coroutine::is_coroutine) {
             // Yielding alone can starve coroutines queued behind two waiters that keep yielding
             // to each other: after a few rounds, sleep (which parks this coroutine, not the
             // worker thread).

@@ -9,6 +9,7 @@
 //! End     packs              the message had this many packs
 //! Fin     id                 receiver -> sender: the rendezvous `id` was read
 //! Whole   seq packs          a whole small message: Begin, its `packs` Inline records, no End
+//! One     seq modes          a whole small message of one pack, its bytes after the header
 //! ```
 //! A `Bulk` record ends its pipe message: the pack's chunks come next on the pipe's bulk lane.
 //! A bulk chunk that arrives when no pack's bytes are due carries records itself (decoded with
@@ -16,8 +17,11 @@
 //! later chunks if longer), and records may follow the data (the message's `End`), so a
 //! message of bulk packs needs no pipe message at all.
 //! A `Whole` record owns the rest of its pipe message: its packs' records, each one complete
-//! (the path of small messages, which a receiver takes in one step). Every header is 16 bytes
-//! (Rdv 32); every length is checked on decode.
+//! (the path of small messages, which a receiver takes in one step). A `One` record is the
+//! leanest of these, for the commonest message (a single small pack): an 8-byte header, the
+//! pack's bytes to the end of the pipe message, so that a message of up to 16 bytes fills the
+//! transport's first cache line with room to spare and the receiver decodes one record. Every
+//! other header is 16 bytes (Rdv 32); every length is checked on decode.
 
 use crate::{RecvMode, SendMode};
 
@@ -25,7 +29,9 @@ use crate::{RecvMode, SendMode};
 pub const HEADER: usize = 16;
 /// Bytes of a rendezvous record.
 pub const RDV: usize = 32;
-/// Largest message a sender sends as one `Whole` record (header included).
+/// Bytes of a `One` record's header.
+pub const ONE_HEADER: usize = 8;
+/// Largest message a sender sends as one `Whole` or `One` record (header included).
 pub const WHOLE_MAX: usize = 256;
 
 /// A record.
@@ -85,6 +91,13 @@ pub enum Record {
         /// Number of packs in it.
         packs: u32,
     },
+    /// A whole message of one complete pack, whose bytes are the rest of the pipe message.
+    One {
+        /// Sequence number of the message on its connection.
+        seq: u32,
+        /// Modes the pack was made with.
+        modes: Modes,
+    },
 }
 
 /// The modes of a pack, as sent (so the receiver can check its unpack against them).
@@ -131,12 +144,15 @@ pub struct WireError(pub &'static str);
 
 impl Record {
     /// Appends the encoding (header, and for `Inline` nothing more: the caller appends the
-    /// fragment's bytes; for `Whole`, the message's records).
+    /// fragment's bytes; for `Whole`, the message's records; for `One`, the pack's bytes).
     pub fn encode(&self, out: &mut Vec<u8>) {
         let (lo, hi) = self.words();
         // Two 8-byte stores straight from registers: a header assembled byte by byte in a
         // temporary and then copied costs a store-forwarding stall on every message.
         out.extend_from_slice(&lo.to_le_bytes());
+        if let Record::One { .. } = self {
+            return;
+        }
         out.extend_from_slice(&hi.to_le_bytes());
         if let Record::Rdv { len, id, .. } = *self {
             out.extend_from_slice(&len.to_le_bytes());
@@ -150,6 +166,11 @@ impl Record {
         let (lo, hi) = self.words();
         out[..8].copy_from_slice(&lo.to_le_bytes());
         out[8..].copy_from_slice(&hi.to_le_bytes());
+    }
+
+    /// A `One` record's 8-byte header.
+    pub fn one_header(seq: u32, modes: Modes) -> [u8; ONE_HEADER] {
+        Record::One { seq, modes }.words().0.to_le_bytes()
     }
 
     /// The record's 16-byte header (all of it but a rendezvous record's second half).
@@ -173,15 +194,16 @@ impl Record {
             Record::End { packs } => (lo(4, 0, 0, packs), 0),
             Record::Fin { id } => (lo(5, 0, 0, id), 0),
             Record::Whole { seq, packs } => (lo(7, 0, 0, seq), packs as u64),
+            Record::One { seq, modes } => (lo(8, modes.byte(), 0, seq), 0),
         }
     }
 
     /// Bytes the encoding takes (without an inline fragment's data).
     pub fn encoded_len(&self) -> usize {
-        if matches!(self, Record::Rdv { .. }) {
-            RDV
-        } else {
-            HEADER
+        match self {
+            Record::Rdv { .. } => RDV,
+            Record::One { .. } => ONE_HEADER,
+            _ => HEADER,
         }
     }
 }
@@ -205,7 +227,7 @@ pub fn decode(msg: &[u8]) -> Result<Decoded, WireError> {
 
 /// Decodes the record at offset `at` of a pipe message (a record boundary): the record, the
 /// byte range of its inline data in `msg` (for `Whole`, the message's records up to the end of
-/// `msg`; empty for other records), and where the next record starts. What a reader taking a
+/// `msg`; for `One`, its pack's bytes up to the end of `msg`; empty for other records), and where the next record starts. What a reader taking a
 /// message apart in place, one record at a time, calls.
 pub fn decode_one(msg: &[u8], at: usize) -> Result<(Record, std::ops::Range<usize>, usize), WireError> {
     decode_at(msg, at, false)
@@ -213,7 +235,8 @@ pub fn decode_one(msg: &[u8], at: usize) -> Result<(Record, std::ops::Range<usiz
 
 /// Decodes the record at offset `at` of a bulk chunk that carries records: as
 /// [`decode_one`], except that a `Bulk` record's data follows it (where the next record
-/// would start) and that `Whole` records, which own the rest of a pipe message, are refused.
+/// would start) and that `Whole` and `One` records, which own the rest of a pipe message, are
+/// refused.
 pub fn decode_in_chunk(chunk: &[u8], at: usize) -> Result<(Record, std::ops::Range<usize>, usize), WireError> {
     decode_at(chunk, at, true)
 }
@@ -221,10 +244,22 @@ pub fn decode_in_chunk(chunk: &[u8], at: usize) -> Result<(Record, std::ops::Ran
 fn decode_at(msg: &[u8], at: usize, in_chunk: bool) -> Result<(Record, std::ops::Range<usize>, usize), WireError> {
     let u32_at = |b: &[u8], i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
     let u64_at = |b: &[u8], i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-    let h = msg.get(at..at.saturating_add(HEADER)).ok_or(WireError("message ends inside a record header"))?;
+    let short = WireError("message ends inside a record header");
+    let h = msg.get(at..at.saturating_add(ONE_HEADER)).ok_or(short.clone())?;
     if h[3] != 0 {
         return Err(WireError("reserved header byte set"));
     }
+    if h[0] == 8 {
+        if in_chunk {
+            return Err(WireError("a whole message in a bulk chunk"));
+        }
+        let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
+        if h[2] != 0 {
+            return Err(WireError("reserved one-pack bytes set"));
+        }
+        return Ok((Record::One { seq: u32_at(h, 4), modes }, at + ONE_HEADER..msg.len(), msg.len()));
+    }
+    let h = msg.get(at..at.saturating_add(HEADER)).ok_or(short)?;
     Ok(match h[0] {
         1 => (Record::Begin { seq: u32_at(h, 4) }, at..at, at + HEADER),
         2 => {
@@ -311,6 +346,8 @@ mod tests {
             bulk().prop_map(|b| (b, vec![])),
             (any::<u32>(), any::<u32>(), proptest::collection::vec(any::<u8>(), 0..300))
                 .prop_map(|(seq, packs, body)| (Record::Whole { seq, packs }, body)),
+            (any::<u32>(), modes(), proptest::collection::vec(any::<u8>(), 0..300))
+                .prop_map(|(seq, modes, body)| (Record::One { seq, modes }, body)),
         ]
     }
 
@@ -354,6 +391,26 @@ mod tests {
             prop_assert_eq!(body, HEADER..bytes.len());
             prop_assert_eq!(next, bytes.len());
             prop_assert_eq!(decode_one(&bytes[HEADER..], 0).unwrap().0, r);
+        }
+
+        #[test]
+        fn a_one_header_over_an_inline_header_reads_back(seq in any::<u32>(), m in modes(), d in proptest::collection::vec(any::<u8>(), 0..64)) {
+            // What a sender of a one-pack message does: Begin and Inline encoded while packing,
+            // the One header written over the Inline header's second half at the end.
+            let mut bytes = Vec::new();
+            Record::Begin { seq }.encode(&mut bytes);
+            Record::Inline { modes: m, len: d.len() as u32, last: true, total: d.len() as u64 }.encode(&mut bytes);
+            bytes.extend_from_slice(&d);
+            let at = 2 * HEADER - ONE_HEADER;
+            bytes[at..2 * HEADER].copy_from_slice(&Record::one_header(seq, m));
+            let mut encoded = Vec::new();
+            Record::One { seq, modes: m }.encode(&mut encoded);
+            prop_assert_eq!(&encoded[..], &bytes[at..2 * HEADER]);
+            let (got, body, next) = decode_one(&bytes, at).unwrap();
+            prop_assert_eq!(got, Record::One { seq, modes: m });
+            prop_assert_eq!(&bytes[body], &d[..]);
+            prop_assert_eq!(next, bytes.len());
+            prop_assert!(decode_in_chunk(&bytes, at).is_err());
         }
 
         #[test]

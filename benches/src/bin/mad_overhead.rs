@@ -36,9 +36,16 @@ struct Args {
 
 const T: Duration = Duration::from_secs(30);
 
-/// Bytes Madeleine puts around one pack of a message that goes whole (its `Whole` and
-/// `Inline` headers), for the pipe to carry the same.
-const MAD_HEADERS: usize = 32;
+/// Bytes Madeleine puts around a message of one pack of `size` bytes (a `One` header when it
+/// goes whole, else `Begin`, `Inline` and `End`), for the pipe to carry the same.
+fn mad_headers(size: usize) -> usize {
+    use madeleine::wire::{HEADER, ONE_HEADER, WHOLE_MAX};
+    if size + ONE_HEADER <= WHOLE_MAX {
+        ONE_HEADER
+    } else {
+        3 * HEADER
+    }
+}
 
 /// Best time per message of `rounds` rounds of `messages` messages, sent by `one(true)`
 /// (there) and `one(false)` (back) in turn.
@@ -105,8 +112,8 @@ fn pipe_cost(args: &Args) -> Result<f64, String> {
         (MsgPipe::establish(a, ca, &pd, s, T), h.join().expect("pipe thread"))
     });
     let (mut pa, mut pb) = (pa.map_err(e)?, pb.map_err(e)?);
-    let buf = vec![7u8; args.size + MAD_HEADERS];
-    let mut rbuf = vec![0u8; args.size + MAD_HEADERS];
+    let buf = vec![7u8; args.size + mad_headers(args.size)];
+    let mut rbuf = vec![0u8; args.size + mad_headers(args.size)];
     // Both ends are driven here, so a message is there at once: a retry means something broke.
     best_of(args.rounds, args.messages, |there| {
         let (from, to) = if there { (&mut pa, &mut pb) } else { (&mut pb, &mut pa) };
@@ -138,7 +145,10 @@ fn main() {
         let pipe = pipe_cost(&args)?;
         let mad = madeleine_cost(&args)?;
         println!("# one thread, both ends, {} B packs: best of {} rounds of {}", args.size, args.rounds, args.messages);
-        println!("pipe       {pipe:7.1} ns per message (send + receive, {} B with headers)", args.size + MAD_HEADERS);
+        println!(
+            "pipe       {pipe:7.1} ns per message (send + receive, {} B with headers)",
+            args.size + mad_headers(args.size)
+        );
         println!("madeleine  {mad:7.1} ns per message (send + receive)");
         println!("overhead   {:7.1} ns per message", mad - pipe);
         Ok(())
