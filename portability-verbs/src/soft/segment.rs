@@ -48,8 +48,14 @@ impl Segment {
     pub fn create_named(name: &str, id: u64, len: usize) -> Result<Segment> {
         let len = round_to_page(len.max(1));
         let file = sys::memfd(name, len)?;
-        let map =
-            MmapOptions::new().len(len).map_raw(&file).map_err(|e| VerbsError::os("mapping a shared segment", e))?;
+        // Populated: a segment is a ring or registered memory both ends will go through, and a
+        // first touch of each page (a fault of a few microseconds on this kind of VM) would
+        // otherwise fall on the data path, once per page, in whichever process comes first.
+        let map = MmapOptions::new()
+            .len(len)
+            .populate()
+            .map_raw(&file)
+            .map_err(|e| VerbsError::os("mapping a shared segment", e))?;
         Ok(Segment { map, file, id })
     }
 
@@ -68,8 +74,13 @@ impl Segment {
         if len < min_len {
             return Err(VerbsError::Protocol(format!("peer segment has {len} bytes, expected at least {min_len}")));
         }
-        let map =
-            MmapOptions::new().len(len).map_raw(&file).map_err(|e| VerbsError::os("mapping a peer segment", e))?;
+        // Populated, as in `create_named`: the pages exist, their mapping here need not be
+        // faulted in one by one while copying.
+        let map = MmapOptions::new()
+            .len(len)
+            .populate()
+            .map_raw(&file)
+            .map_err(|e| VerbsError::os("mapping a peer segment", e))?;
         Ok(Segment { map, file, id: 0 })
     }
 
