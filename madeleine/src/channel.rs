@@ -5,7 +5,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use portability_verbs::datapath::{FlowStrategy, Lane, MsgPipe, PipeOptions, Registration};
+use portability_verbs::datapath::{AdaptiveCrossover, FlowStrategy, Lane, MsgPipe, PipeOptions, Registration};
 use portability_verbs::{cm, AccessFlags, CompletionQueue, SendWr, Sge, WcStatus};
 use smallvec::SmallVec;
 
@@ -277,6 +277,8 @@ pub(crate) struct SendSide {
     seq: u32,
     /// Records of the pipe message being filled.
     agg: Vec<u8>,
+    /// Copy or zero-copy for large packs, from the probe and the copies timed since.
+    crossover: AdaptiveCrossover,
 }
 
 /// The receiving direction of a connection, held by an unpacker for a whole message.
@@ -301,7 +303,8 @@ pub(crate) struct Conn {
     bulk_chunk: usize,
     /// Most record bytes a bulk chunk carries around its data.
     bulk_frame: usize,
-    /// Packs of at least this many bytes go by rendezvous (zero-copy).
+    /// Packs of at least this many bytes go by rendezvous (zero-copy), as probed or configured
+    /// (large packs may go so below it while the bulk lane is measured slow: `SendSide`).
     threshold: usize,
     /// The pipe's completion queue, for waiters to sleep on without the pipe's lock.
     cq: CompletionQueue,
@@ -315,7 +318,8 @@ impl Conn {
         };
         let options = PipeOptions { bulk_ring, ..PipeOptions::default() };
         let mut pipe = MsgPipe::establish_with(conn.qp, cq.clone(), &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
-        let threshold = crate::probe::rendezvous_threshold(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
+        let crossover = crate::probe::rendezvous_crossover(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
+        let threshold = crossover.probed();
         log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
         Ok(Conn {
             peer,
@@ -331,7 +335,7 @@ impl Conn {
                 failed: None,
                 bulk_left: 0,
             }),
-            send_side: Token::new(SendSide { seq: 0, agg: Vec::new() }),
+            send_side: Token::new(SendSide { seq: 0, agg: Vec::new(), crossover }),
             recv_side: Token::new(RecvSide { seq: 0, whole: Vec::new() }),
             next_rdv: AtomicU32::new(0),
             cq,
@@ -500,7 +504,7 @@ impl Channel {
     pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
         let conn = self.conn(dest)?;
         let mut tx = conn.send_side.claim(self.session.cfg.timeout)?;
-        let SendSide { seq, agg } = &mut *tx;
+        let SendSide { seq, agg, .. } = &mut *tx;
         agg.clear();
         agg.reserve(conn.max_msg);
         Record::Begin { seq: *seq }.encode(agg);
@@ -528,7 +532,9 @@ impl Channel {
 
     /// Packs of at least this many bytes to `rank` go by rendezvous (zero-copy): the session's
     /// setting, or what the connection's probe chose (`usize::MAX`: never, copying through
-    /// the bulk lane is faster to that peer).
+    /// the bulk lane is faster to that peer). Without a setting, packs of at least
+    /// [`AdaptiveCrossover::MIN_PACK`] also go zero-copy while the sender's copies into the
+    /// bulk lane run slower than the probe's reads (a trial copy now and then).
     pub fn rendezvous_threshold(&self, rank: usize) -> Result<usize> {
         Ok(self.conn(rank)?.threshold)
     }
@@ -616,6 +622,17 @@ impl Channel {
         }
         Ok(Some(whole))
     }
+}
+
+/// How a pack travels.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// Copied into pipe messages.
+    Inline,
+    /// Copied through the bulk lane.
+    Bulk,
+    /// Read by the receiver from the sender's memory (zero-copy).
+    Rendezvous,
 }
 
 /// A pack queued behind a `SendMode::Later` pack (sent at `end_packing`, in order).
@@ -718,12 +735,13 @@ impl<'p> Packer<'p> {
     /// read until `end_packing`).
     fn emit_borrowed(&mut self, buf: &'p [u8], modes: Modes) -> Result<()> {
         self.send_pending(false)?;
-        if modes.send != SendMode::Safer && self.wants_bulk(buf.len()) {
+        let route = self.route(buf.len());
+        if modes.send != SendMode::Safer && route == Route::Bulk {
             // Held back by one pack: if it is the last, the message's End rides in its chunk.
             self.more().pending_bulk = Some((buf, modes));
             return Ok(());
         }
-        self.emit(buf, modes)
+        self.emit_by(buf, modes, route)
     }
 
     /// Sends the pending bulk pack, if any (`end`: as the message's last, with its `End`).
@@ -741,22 +759,34 @@ impl<'p> Packer<'p> {
     /// Sends a pack whose buffer may be reused as soon as this returns.
     fn emit(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
         self.send_pending(false)?;
-        if buf.len() >= self.conn.threshold {
-            self.rendezvous(buf, modes)
-        } else if self.wants_bulk(buf.len()) {
-            // SAFETY: `buf` outlives this call, which waits for its chunks before returning
-            // and dropping the registration.
-            let (_reg, mut tokens) = unsafe { self.send_bulk(buf, modes, false) }?;
-            self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)
-        } else {
-            self.inline(buf, modes)
+        let route = self.route(buf.len());
+        self.emit_by(buf, modes, route)
+    }
+
+    fn emit_by(&mut self, buf: &[u8], modes: Modes, route: Route) -> Result<()> {
+        match route {
+            Route::Rendezvous => self.rendezvous(buf, modes),
+            Route::Bulk => {
+                // SAFETY: `buf` outlives this call, which waits for its chunks before returning
+                // and dropping the registration.
+                let (_reg, mut tokens) = unsafe { self.send_bulk(buf, modes, false) }?;
+                self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)
+            }
+            Route::Inline => self.inline(buf, modes),
         }
     }
 
-    /// Whether a pack of `len` bytes goes by the bulk lane (more than fits one pipe message,
-    /// below the rendezvous threshold).
-    fn wants_bulk(&self, len: usize) -> bool {
-        self.conn.bulk_chunk > 0 && len > self.conn.max_msg - 3 * wire::HEADER && len < self.conn.threshold
+    /// How a pack of `len` bytes travels: by rendezvous from the connection's crossover on,
+    /// else by the bulk lane if it is more than fits one pipe message, else inline.
+    fn route(&mut self, len: usize) -> Route {
+        let large = len >= AdaptiveCrossover::MIN_PACK.min(self.conn.threshold);
+        if large && self.tx.crossover.zero_copy(len, std::time::Instant::now()) {
+            Route::Rendezvous
+        } else if self.conn.bulk_chunk > 0 && len > self.conn.max_msg - 3 * wire::HEADER {
+            Route::Bulk
+        } else {
+            Route::Inline
+        }
     }
 
     /// Writes `buf` as a bulk pack: its `Bulk` record, with the records packed before it,
@@ -788,7 +818,10 @@ impl<'p> Packer<'p> {
         self.tx.agg.clear();
         self.flushed = true;
         match tokens {
-            Ok(tokens) => Ok((reg, tokens)),
+            Ok((tokens, copying)) => {
+                self.tx.crossover.on_copy(buf.len(), copying);
+                Ok((reg, tokens))
+            }
             Err(e) => {
                 // Chunks posted before the failure may still be read from `buf` (a timeout
                 // leaves the pipe working): keep the registration for good rather than let its
@@ -802,9 +835,18 @@ impl<'p> Packer<'p> {
     /// Writes `head`, `buf` (registered as `reg`) and `tail` into the peer's bulk ring, chunk
     /// by chunk (`head` in the first, `tail` in the last), waiting for ring space (while
     /// draining what arrives, so two ends sending at once never block each other). Returns
-    /// the chunks' tokens: `buf` is in use until they complete.
-    fn bulk_chunks(&self, head: &[u8], buf: &[u8], reg: &Registration<'_>, tail: &[u8]) -> Result<Vec<u64>> {
+    /// the chunks' tokens (`buf` is in use until they complete) and the time spent handing
+    /// them over (on the software provider, copying them into the ring).
+    fn bulk_chunks(
+        &self,
+        head: &[u8],
+        buf: &[u8],
+        reg: &Registration<'_>,
+        tail: &[u8],
+    ) -> Result<(Vec<u64>, std::time::Duration)> {
         let max = self.conn.bulk_chunk;
+        let timed = buf.len() >= AdaptiveCrossover::MIN_PACK;
+        let mut copying = std::time::Duration::ZERO;
         let mut tokens = Vec::with_capacity(buf.len().div_ceil(max) + 1);
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for room in the peer's bulk ring");
         let (mut off, mut head, mut tail_sent) = (0, head, false);
@@ -817,8 +859,10 @@ impl<'p> Packer<'p> {
             loop {
                 {
                     let mut io = self.conn.io();
+                    let t0 = timed.then(std::time::Instant::now);
                     let sent = io.pipe.try_send_bulk_framed(head, sge, tail_here).map_err(|e| self.conn.lost(e))?;
                     if let Some(t) = sent {
+                        copying += t0.map_or(std::time::Duration::ZERO, |t0| t0.elapsed());
                         tokens.push(t);
                         break;
                     }
@@ -831,7 +875,7 @@ impl<'p> Packer<'p> {
             head = &[];
             tail_sent = last && (tail.is_empty() || !tail_here.is_empty());
         }
-        Ok(tokens)
+        Ok((tokens, copying))
     }
 
     /// Whether a pack of `len` bytes goes inline, whole, into the message being filled, with

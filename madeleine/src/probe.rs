@@ -7,11 +7,13 @@
 //! cross-memory attach (several times slower than `memcpy` here), on a network it runs at the
 //! link's speed. So each end measures it: both register an ordinary (heap) buffer, exchange
 //! its key, and time RDMA reads of a few bytes and of [`PROBE_BYTES`] from the peer's; the
-//! crossover tuner turns that and this process's copy curve into the threshold.
+//! crossover tuner turns that and this process's copy curve into the threshold, and the
+//! connection's [`AdaptiveCrossover`] keeps the read's figures to lower it while the sender's
+//! copies run slower than at set-up.
 
 use std::time::{Duration, Instant};
 
-use portability_verbs::datapath::{crossover, MsgPipe};
+use portability_verbs::datapath::{crossover, AdaptiveCrossover, MsgPipe};
 use portability_verbs::{AccessFlags, Provider, SendWr, WcStatus};
 
 use crate::session::SessionInner;
@@ -25,15 +27,15 @@ const DONE: &[u8; 8] = b"MADPDONE";
 const SLACK: f64 = 0.25;
 
 /// Runs the probe exchange with `peer` over `pipe` (both ends call this at the same point of
-/// the connection's set-up, whatever their configuration) and returns the rendezvous threshold
-/// for packs sent to it: `configured` if given (then this end offers its buffer but reads
-/// nothing), else measured.
-pub(crate) fn rendezvous_threshold(
+/// the connection's set-up, whatever their configuration) and returns the rendezvous crossover
+/// for packs sent to it: `configured` if given, fixed (then this end offers its buffer but
+/// reads nothing), else measured and adaptive.
+pub(crate) fn rendezvous_crossover(
     pipe: &mut MsgPipe,
     s: &SessionInner,
     peer: usize,
     configured: Option<usize>,
-) -> Result<usize> {
+) -> Result<AdaptiveCrossover> {
     let bad = |why: String| MadError::Protocol { rank: peer, why: format!("transport probe: {why}") };
     let timeout = s.cfg.timeout;
     let src = s.pd.register(vec![0x5a; PROBE_BYTES].into_boxed_slice(), AccessFlags::REMOTE_READ)?;
@@ -88,7 +90,7 @@ pub(crate) fn rendezvous_threshold(
         return Err(bad("expected the end of the probe".into()));
     }
     let Some((small, big)) = measured else {
-        return Ok(configured.map_or(usize::MAX, |t| t.max(1)));
+        return Ok(AdaptiveCrossover::fixed(configured.map_or(usize::MAX, |t| t.max(1))));
     };
     let curve = crossover::copy_curve();
     let threshold = match s.ctx.provider() {
@@ -101,5 +103,5 @@ pub(crate) fn rendezvous_threshold(
         "madeleine: transport to rank {peer}: read of 8 B {small:?}, of {PROBE_BYTES} B {big:?}; rendezvous from {}",
         if threshold == usize::MAX { "never".to_string() } else { format!("{threshold} B") }
     );
-    Ok(threshold)
+    Ok(AdaptiveCrossover::new(threshold, small, big, PROBE_BYTES))
 }
