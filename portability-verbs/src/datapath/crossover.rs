@@ -118,9 +118,9 @@ pub fn zero_copy_threshold(
 /// ([`Self::on_copy`]) over windows of [`Self::WINDOW`] bytes and takes the median rate of
 /// each window's packs (a preempted copy does not count). While that runs clearly slower than
 /// the probe's read ([`Self::MARGIN`]: a rendezvous adds a round trip and its control
-/// messages to the read, and a near tie is not worth a switch), large packs go zero-copy; every [`Self::TRIAL_EVERY`]
-/// two windows' worth go by copy again as a trial, so the connection returns to copying when
-/// the host does. The first window of a connection and of a trial only warms the path up:
+/// messages to the read, and a near tie is not worth a switch), large packs go zero-copy;
+/// every [`Self::TRIAL_EVERY`] two windows' worth go by copy again as a trial, so the
+/// connection returns to copying when the host does. The first window of a connection and of a trial only warms the path up:
 /// measured here, a connection's first 4 MiB of copies ran at 3-6 GB/s in a phase where the
 /// next ran at 25. Sans-IO: the caller passes the clock.
 #[derive(Clone, Debug)]
@@ -238,15 +238,14 @@ impl AdaptiveCrossover {
         if self.window_bytes < Self::WINDOW {
             return;
         }
-        self.window.sort_by(|a, b| a.total_cmp(b));
-        let rate = self.window[self.window.len() / 2];
+        self.window_bytes = 0;
         if std::mem::take(&mut self.warming) {
             self.window.clear();
-            self.window_bytes = 0;
             return;
         }
+        self.window.sort_by(|a, b| a.total_cmp(b));
+        let rate = self.window[self.window.len() / 2];
         self.window.clear();
-        self.window_bytes = 0;
         self.trial = false;
         self.copy_rate = Some(rate);
         // Zero-copy pays for `n` bytes once `fixed + n * per_byte <= MARGIN * n / rate`.
