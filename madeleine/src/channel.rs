@@ -984,23 +984,27 @@ impl<'p> Packer<'p> {
         if self.more.as_ref().is_some_and(|m| m.pending_bulk.is_some()) {
             // The last pack is bulk: the message ends in its last chunk.
             self.send_pending(true)?;
-        } else if self.packs == 1 && !self.flushed && !self.has_rdv() && self.tx.agg.len() <= wire::WHOLE_MAX {
-            // One inline pack, all here (a pack that did not fit whole would have flushed):
-            // its bytes behind a One header written over the second half of its Inline header.
-            let at = 2 * wire::HEADER - wire::ONE_HEADER;
-            debug_assert!(matches!(
-                wire::decode_one(&self.tx.agg, wire::HEADER),
-                Ok((Record::Inline { last: true, .. }, _, n)) if n == self.tx.agg.len()
-            ));
-            let one = Record::one_header(self.tx.seq, self.inline_modes);
-            self.tx.agg[at..2 * wire::HEADER].copy_from_slice(&one);
-            self.flushed = true;
-            self.conn.send_msg(&self.tx.agg[at..], self.ch.session.cfg.timeout)?;
-            self.tx.agg.clear();
         } else if !self.flushed && !self.has_rdv() && self.tx.agg.len() <= wire::WHOLE_MAX {
-            // Begin and inline packs only, all here: one Whole record instead of Begin .. End.
-            let whole = Record::Whole { seq: self.tx.seq, packs: self.packs };
-            whole.write_header((&mut self.tx.agg[..wire::HEADER]).try_into().expect("a Begin header"));
+            // Begin and inline packs only, all here (a pack that did not fit whole would have
+            // flushed): the message goes whole.
+            if self.packs == 1 {
+                // One pack: its bytes behind a One header written over the second half of its
+                // Inline header.
+                let at = 2 * wire::HEADER - wire::ONE_HEADER;
+                debug_assert!(matches!(
+                    wire::decode_one(&self.tx.agg, wire::HEADER),
+                    Ok((Record::Inline { last: true, .. }, _, n)) if n == self.tx.agg.len()
+                ));
+                let one = Record::one_header(self.tx.seq, self.inline_modes);
+                self.tx.agg[at..2 * wire::HEADER].copy_from_slice(&one);
+                self.flushed = true;
+                self.conn.send_msg(&self.tx.agg[at..], self.ch.session.cfg.timeout)?;
+                self.tx.agg.clear();
+            } else {
+                // One Whole record instead of Begin .. End.
+                let whole = Record::Whole { seq: self.tx.seq, packs: self.packs };
+                whole.write_header((&mut self.tx.agg[..wire::HEADER]).try_into().expect("a Begin header"));
+            }
         } else {
             if self.tx.agg.len() + wire::HEADER > self.conn.max_msg {
                 self.flush()?;
