@@ -9,7 +9,7 @@
 //! allocates nothing, so it cannot deadlock with the code it interrupted.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{compiler_fence, AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -31,8 +31,11 @@ thread_local! {
     /// The last fault this thread let retry without finding a hold: (address, release
     /// generation). A second identical fault is not ours.
     static LAST_RETRY: Cell<(usize, u32)> = const { Cell::new((0, 0)) };
-    /// Inside [`guarded_read`]: 0 no, 1 yes, 2 yes and a hole was filled.
-    static GUARDED: Cell<u8> = const { Cell::new(0) };
+    /// Inside [`guarded_read`]: 0 no, 1 yes, 2 yes and a hole was filled. An atomic behind
+    /// compiler fences, not a `Cell`: the fault handler changes it in the middle of the read,
+    /// which the compiler cannot see (with a `Cell`, an optimised build folded the value set
+    /// before the copy into the check after it, and a vanished page read as intact).
+    static GUARDED: AtomicU8 = const { AtomicU8::new(0) };
 }
 
 /// Runs `read`, which reads memory under a read-only hold with plain loads (the provider
@@ -41,16 +44,18 @@ thread_local! {
 /// so the fault handler maps a zero page into the hole (never over anything mapped) and the
 /// copy finishes with garbage that the caller must discard (`false`). Such a page stays mapped.
 pub fn guarded_read<R>(read: impl FnOnce() -> R) -> (R, bool) {
-    GUARDED.with(|g| g.set(1));
+    GUARDED.with(|g| g.store(1, Ordering::Relaxed));
+    compiler_fence(Ordering::SeqCst);
     let r = read();
-    let intact = GUARDED.with(|g| g.replace(0)) == 1;
+    compiler_fence(Ordering::SeqCst);
+    let intact = GUARDED.with(|g| g.swap(0, Ordering::Relaxed)) == 1;
     (r, intact)
 }
 
 /// A read fault inside [`guarded_read`] on a page a read-only hold covers: the page is gone.
 /// Fills the hole with a zero page; returns whether it did. Async-signal-safe.
 fn fill_hole(addr: usize) -> bool {
-    if GUARDED.with(|g| g.get()) == 0 || !super::read_only_hold_at(addr) {
+    if GUARDED.with(|g| g.load(Ordering::Relaxed)) == 0 || !super::read_only_hold_at(addr) {
         return false;
     }
     let page = crate::soft::page_size();
@@ -69,7 +74,7 @@ fn fill_hole(addr: usize) -> bool {
     if p == libc::MAP_FAILED {
         return false;
     }
-    GUARDED.with(|g| g.set(2));
+    GUARDED.with(|g| g.store(2, Ordering::Relaxed));
     true
 }
 
