@@ -182,6 +182,39 @@ fn overlapping(start: usize, end: usize) -> impl Iterator<Item = Seen> {
     })
 }
 
+/// What the holds say about a copy of `len` bytes from `src` to `dst`, found in one lock-free
+/// scan (the provider asks for every copy it makes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyHolds {
+    /// A hold forbids writing into the destination.
+    pub dst_held: bool,
+    /// A hold forbids reading the source.
+    pub src_read_blocked: bool,
+    /// A hold covers the source (read-only ones included: loads are fine, stores would fault).
+    pub src_held: bool,
+}
+
+/// The holds over a copy's destination and source (see [`CopyHolds`]).
+#[inline]
+pub fn copy_holds(dst: usize, src: usize, len: usize) -> CopyHolds {
+    let mut h = CopyHolds::default();
+    if !any_active() || len == 0 {
+        return h;
+    }
+    let (dst_end, src_end) = (dst.saturating_add(len), src.saturating_add(len));
+    let (lo, hi) = (dst.min(src), dst_end.max(src_end));
+    for o in overlapping(lo, hi) {
+        if o.start < dst_end && dst < o.end && blocks(o.level, true) {
+            h.dst_held = true;
+        }
+        if o.start < src_end && src < o.end {
+            h.src_read_blocked |= blocks(o.level, false);
+            h.src_held |= blocks(o.level, true);
+        }
+    }
+    h
+}
+
 /// True if a live read-only hold covers `addr` (a read fault there means the page is gone).
 /// Lock-free and async-signal-safe.
 fn read_only_hold_at(addr: usize) -> bool {
@@ -766,6 +799,30 @@ mod tests {
         drop(again);
         assert_eq!(perms_of(pages.addr), "rw-p");
         assert!(wait_accessible(pages.addr, pages.len, true, Some(Duration::ZERO)));
+    }
+
+    #[test]
+    fn a_copy_learns_in_one_scan_what_each_query_says() {
+        let _s = serial();
+        let pages = Pages::new(4);
+        let p = crate::soft::page_size();
+        let (ro, na, free) = (pages.addr, pages.addr + p, pages.addr + 3 * p);
+        // SAFETY: our own fresh pages.
+        let (_send, _recv) =
+            unsafe { (protect(ro, p, Protection::ReadOnly).unwrap(), protect(na, p, Protection::None).unwrap()) };
+        let separately = |dst: usize, src: usize, len: usize| CopyHolds {
+            dst_held: overlaps(dst, len),
+            src_read_blocked: read_blocked(src, len),
+            src_held: overlaps(src, len),
+        };
+        for (dst, src, len) in
+            [(free, ro, p), (free, na, 8), (ro, free, 8), (na, free, p), (free, free + 8, 64), (ro, na, p)]
+        {
+            assert_eq!(copy_holds(dst, src, len), separately(dst, src, len), "dst {dst:#x} src {src:#x} len {len}");
+        }
+        // Ranges that only touch a hold's edge are not under it.
+        assert_eq!(copy_holds(free, na + p, p), CopyHolds::default());
+        assert_eq!(copy_holds(ro - p, free, p), CopyHolds::default());
     }
 
     #[test]

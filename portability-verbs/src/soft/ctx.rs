@@ -312,9 +312,9 @@ pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
     if len == 0 {
         return true;
     }
-    let (dst_held, src_held) =
-        (crate::protect::overlaps(dst as usize, len), crate::protect::read_blocked(src as usize, len));
-    if !dst_held && !src_held && crate::protect::overlaps(src as usize, len) {
+    let holds = crate::protect::copy_holds(dst as usize, src as usize, len);
+    let (dst_held, src_held) = (holds.dst_held, holds.src_read_blocked);
+    if !dst_held && !src_held && holds.src_held {
         // A source under a send hold: readable, unless the application unmapped it against
         // its contract, which the guard turns into an access error rather than a crash.
         // SAFETY: as below; a load from a vanished page reads a zero page the guard maps.
