@@ -62,6 +62,10 @@ struct Args {
     /// The zero-copy threshold of ZSDP and AZ-SDP.
     #[arg(long, default_value_t = 16 * 1024)]
     zcopy_threshold: usize,
+    /// Measurements per point: every point is taken this many times, the layers in turn
+    /// (a slow spell of the host hits them all alike), and the median reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=99))]
+    repeat: u32,
     /// Where the far end of single-connection tests runs: `thread` or `process`.
     #[arg(long, value_enum, default_value_t = PeerKind::Thread)]
     peer: PeerKind,
@@ -582,41 +586,77 @@ struct Table {
     x_sizes: bool,
     log_y: bool,
     layers: Vec<String>,
-    rows: Vec<(f64, Vec<f64>)>,
+    /// Measurements per point.
+    repeat: u32,
+    /// Per row: `x`, each layer's median, each layer's samples.
+    rows: Vec<(f64, Vec<f64>, Vec<Vec<f64>>)>,
+}
+
+/// The median of `v` (the mean of the middle two of an even count).
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
 }
 
 impl Table {
-    fn start(key: &str, title: String, x_name: &'static str, x_sizes: bool, log_y: bool, layers: &[String]) -> Table {
+    fn start(
+        key: &str,
+        title: String,
+        x_name: &'static str,
+        x_sizes: bool,
+        log_y: bool,
+        layers: &[String],
+        repeat: u32,
+    ) -> Table {
         println!("\n## {title}");
         print!("{x_name:>10}");
         for l in layers {
             print!("{l:>10}");
         }
         println!();
-        Table { key: key.into(), title, x_name, x_sizes, log_y, layers: layers.to_vec(), rows: Vec::new() }
+        Table { key: key.into(), title, x_name, x_sizes, log_y, layers: layers.to_vec(), repeat, rows: Vec::new() }
     }
 
-    /// Measures and prints one row.
+    /// Measures and prints one row: each layer's figure `repeat` times, the layers in turn, and
+    /// the median of each (every sample goes to the JSON).
     fn row(&mut self, x: f64, label: String, mut figure: impl FnMut(&str) -> f64) {
         print!("{label:>10}");
-        let mut v = Vec::new();
-        for l in &self.layers {
-            let f = figure(l);
+        std::io::stdout().flush().ok();
+        let mut samples = vec![Vec::new(); self.layers.len()];
+        for _ in 0..self.repeat {
+            for (l, s) in self.layers.iter().zip(&mut samples) {
+                s.push(figure(l));
+            }
+        }
+        let medians: Vec<f64> = samples.iter().map(|s| median(s)).collect();
+        for f in &medians {
             print!("{f:>10.2}");
-            std::io::stdout().flush().ok();
-            v.push(f);
         }
         println!();
-        self.rows.push((x, v));
+        self.rows.push((x, medians, samples));
     }
 
     fn json(&self) -> String {
         let rows: Vec<String> = self
             .rows
             .iter()
-            .map(|(x, v)| {
+            .map(|(x, v, samples)| {
                 let figs: Vec<String> = self.layers.iter().zip(v).map(|(l, f)| format!("\"{l}\":{f:.4}")).collect();
-                format!("{{\"x\":{x},{}}}", figs.join(","))
+                let all: Vec<String> = self
+                    .layers
+                    .iter()
+                    .zip(samples)
+                    .map(|(l, s)| {
+                        let s: Vec<String> = s.iter().map(|f| format!("{f:.4}")).collect();
+                        format!("\"{l}\":[{}]", s.join(","))
+                    })
+                    .collect();
+                format!("{{\"x\":{x},{},\"samples\":{{{}}}}}", figs.join(","), all.join(","))
             })
             .collect();
         format!(
@@ -633,7 +673,7 @@ impl Table {
             .layers
             .iter()
             .enumerate()
-            .map(|(k, l)| Series { name: l.clone(), points: self.rows.iter().map(|(x, v)| (*x, v[k])).collect() })
+            .map(|(k, l)| Series { name: l.clone(), points: self.rows.iter().map(|(x, v, _)| (*x, v[k])).collect() })
             .collect();
         line_chart(
             &Axes { title: &self.title, x_label: self.x_name, x_sizes: self.x_sizes, log_y: self.log_y },
@@ -655,7 +695,10 @@ fn main() {
         PeerKind::Process => (Peer::Process(Remote::start()), "two processes"),
     };
     let env = SdpConfig::from_env().unwrap_or_else(|e| panic!("SDP_* settings: {e}"));
-    println!("# sdp_bench: {ends} on CPUs 0 and 1; cache-line one-way floor now {floor:.0} ns");
+    println!(
+        "# sdp_bench: {ends} on CPUs 0 and 1; cache-line one-way floor now {floor:.0} ns; each figure the median of {} runs, the layers in turn",
+        a.repeat
+    );
     println!(
         "# zero-copy threshold {} (ZSDP, AZ-SDP), buffer copy {:?}, bulk ring {} for writes from {}, AZ-SDP outstanding {}",
         fmt_size(a.zcopy_threshold),
@@ -670,8 +713,15 @@ fn main() {
     let mut tables = Vec::new();
 
     if run("latency") {
-        let mut t =
-            Table::start("latency", "Ping-pong latency, one way, median (us)".into(), "size", true, true, &a.layers);
+        let mut t = Table::start(
+            "latency",
+            "Ping-pong latency, one way, median (us)".into(),
+            "size",
+            true,
+            true,
+            &a.layers,
+            a.repeat,
+        );
         for &size in &sizes {
             let iters = (a.iters * 64 * 1024 / size.max(64 * 1024)).max(50);
             t.row(size as f64, fmt_size(size), |l| pingpong(&mut peer, l, size, iters, zt));
@@ -680,8 +730,15 @@ fn main() {
     }
 
     if run("throughput") {
-        let mut t =
-            Table::start("throughput", "Unidirectional throughput (GB/s)".into(), "size", true, false, &a.layers);
+        let mut t = Table::start(
+            "throughput",
+            "Unidirectional throughput (GB/s)".into(),
+            "size",
+            true,
+            false,
+            &a.layers,
+            a.repeat,
+        );
         for &size in sizes.iter().filter(|&&s| s >= 1024) {
             let vol = a.volume.min(size * 160_000);
             t.row(size as f64, fmt_size(size), |l| throughput(&mut peer, l, size, vol, SenderLoad::default(), zt));
@@ -691,7 +748,7 @@ fn main() {
 
     for size in [64 * 1024, 1 << 20].into_iter().filter(|_| run("overlap")) {
         let title = format!("Overlap: throughput at {} with computation between sends (GB/s)", fmt_size(size));
-        let mut t = Table::start(&format!("overlap_{size}"), title, "compute us", false, false, &a.layers);
+        let mut t = Table::start(&format!("overlap_{size}"), title, "compute us", false, false, &a.layers, a.repeat);
         for &us in &a.compute_us {
             // Enough sends for a steady state, bounded in time.
             let n = if us == 0 { 2000 } else { (400_000 / us as usize).clamp(200, 4000) };
@@ -706,7 +763,7 @@ fn main() {
     for size in [64 * 1024, 1 << 20].into_iter().filter(|_| run("window")) {
         let title =
             format!("Page-fault window: throughput at {}, buffer touched every W writes (GB/s)", fmt_size(size));
-        let mut t = Table::start(&format!("fault_window_{size}"), title, "W", false, false, &a.layers);
+        let mut t = Table::start(&format!("fault_window_{size}"), title, "W", false, false, &a.layers, a.repeat);
         for &w in &a.windows {
             let load = SenderLoad { touch_every: Some(w.max(1)), ..SenderLoad::default() };
             let vol = a.volume.min(size * 4000);
@@ -720,13 +777,13 @@ fn main() {
     unpin();
     if run("idle") {
         let title = "Idle connection: CPU of a thread blocked in read, % of one core".into();
-        let mut t = Table::start("idle", title, "seconds", false, false, &a.layers);
+        let mut t = Table::start("idle", title, "seconds", false, false, &a.layers, a.repeat);
         t.row(1.0, "1".into(), |l| idle_read(l, Duration::from_secs(1), zt));
         tables.push(t);
     }
     for size in [8usize, 64 * 1024].into_iter().filter(|_| run("hotspot")) {
         let title = format!("Hot-spot latency at {}: one server, N clients, median one way (us)", fmt_size(size));
-        let mut t = Table::start(&format!("hot_spot_{size}"), title, "clients", false, false, &a.layers);
+        let mut t = Table::start(&format!("hot_spot_{size}"), title, "clients", false, false, &a.layers, a.repeat);
         for &n in &a.connections {
             let iters = if size < 4096 { a.iters / 2 } else { a.iters / 10 }.max(50);
             t.row(n as f64, format!("{n}"), |l| hot_spot(l, n, size, iters, zt));
@@ -743,7 +800,7 @@ fn main() {
     ];
     for (key, what, x_name, measure) in aggregates.into_iter().filter(|_| run("multi")) {
         let title = format!("{what} at {} (GB/s, aggregate)", fmt_size(size));
-        let mut t = Table::start(key, title, x_name, false, false, &a.layers);
+        let mut t = Table::start(key, title, x_name, false, false, &a.layers, a.repeat);
         for &n in &a.connections {
             t.row(n as f64, format!("{n}"), |l| measure(l, n, size, vol, zt));
         }
