@@ -313,15 +313,15 @@ pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
         return true;
     }
     let holds = crate::protect::copy_holds(dst as usize, src as usize, len);
-    let (dst_held, src_held) = (holds.dst_held, holds.src_read_blocked);
-    if !dst_held && !src_held && holds.src_held {
+    let (dst_held, src_blocked) = (holds.dst_held, holds.src_read_blocked);
+    if !dst_held && !src_blocked && holds.src_held {
         // A source under a send hold: readable, unless the application unmapped it against
         // its contract, which the guard turns into an access error rather than a crash.
         // SAFETY: as below; a load from a vanished page reads a zero page the guard maps.
         let ((), intact) = crate::protect::guarded_read(|| unsafe { std::ptr::copy(src, dst, len) });
         return intact;
     }
-    if dst_held || src_held {
+    if dst_held || src_blocked {
         // SAFETY: these slices are only handed to the kernel, which checks the addresses itself
         // (EFAULT rather than a fault) and copies through /proc/self/mem regardless of protection.
         let (d, s) = unsafe { (std::slice::from_raw_parts_mut(dst, len), std::slice::from_raw_parts(src, len)) };
