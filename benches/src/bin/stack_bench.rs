@@ -635,6 +635,21 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A port that is free, with the next one free too: the bootstrap's and the verbs connection
+/// manager's. The kernel picks the first; the second is checked, since an ephemeral socket of
+/// another program (a parallel test's connection) may hold it. Both are let go just before the
+/// server binds them.
+fn free_port_pair() -> Result<u16, String> {
+    for _ in 0..64 {
+        let first = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("finding a free port: {e}"))?;
+        let port = first.local_addr().map_err(|e| e.to_string())?.port();
+        if port < u16::MAX && TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err("no two consecutive free ports on 127.0.0.1 in 64 tries".into())
+}
+
 fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec<Point>, String> {
     let sock: std::net::SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
     let cm_addr = cm::CmAddr::Tcp(std::net::SocketAddr::new(sock.ip(), sock.port() + 1));
@@ -817,8 +832,7 @@ fn run(args: &Args) -> Result<(), String> {
             let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
             let floor = (ncpu > 1 && !args.no_pin)
                 .then(|| cacheline_one_way_ns(args.cpus[0], args.cpus.get(1).copied().unwrap_or(0)));
-            // A free port for the bootstrap (and the next one for the verbs connection manager).
-            let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
+            let port = free_port_pair()?;
             let addr = format!("127.0.0.1:{port}");
             let dir = std::env::temp_dir().join(format!("stack-bench-{}", std::process::id()));
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
