@@ -33,6 +33,7 @@
 #![warn(missing_docs)]
 
 pub mod cm;
+pub mod copy;
 pub mod datapath;
 pub mod endpoint;
 pub mod error;
