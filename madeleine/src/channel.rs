@@ -5,6 +5,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use portability_verbs::copy::copy_slice;
 use portability_verbs::datapath::{AdaptiveCrossover, FlowStrategy, Lane, MsgPipe, PipeOptions, Registration};
 use portability_verbs::{cm, AccessFlags, CompletionQueue, SendWr, Sge, WcStatus};
 use smallvec::SmallVec;
@@ -1254,7 +1255,7 @@ impl<'u> Unpacker<'u> {
                     if d.len() > buf.len() - off {
                         return Err(self.bad("bulk data longer than its pack"));
                     }
-                    buf[off..off + d.len()].copy_from_slice(d);
+                    copy_slice(&mut buf[off..off + d.len()], d);
                     off += d.len();
                     io.incoming.pop_front();
                     continue;
@@ -1275,7 +1276,7 @@ impl<'u> Unpacker<'u> {
                             bad = true;
                             Ok(())
                         } else {
-                            buf[off..off + n].copy_from_slice(&m[..n]);
+                            copy_slice(&mut buf[off..off + n], &m[..n]);
                             off += n;
                             *bulk_left -= n as u64;
                             progressed = true;

@@ -318,13 +318,13 @@ impl MemoryRegion {
         assert!(offset.checked_add(dst.len()).is_some_and(|e| e <= self.len()), "read outside the region");
         // SAFETY: in bounds of a live registration; volatile-free byte copy of shared memory whose
         // concurrent writers (peers) are the verbs contract's business, not Rust references.
-        unsafe { std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+        unsafe { crate::copy::copy_bytes(dst.as_mut_ptr(), self.as_ptr().add(offset), dst.len()) };
     }
     /// Copies bytes into the region.
     pub fn write(&self, offset: usize, src: &[u8]) {
         assert!(offset.checked_add(src.len()).is_some_and(|e| e <= self.len()), "write outside the region");
         // SAFETY: in bounds of a live registration the caller owns.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len()) };
+        unsafe { crate::copy::copy_bytes(self.as_ptr().add(offset), src.as_ptr(), src.len()) };
     }
     /// Replaces the aligned u64 at `offset` by `op(old)`, atomically with respect to the RDMA
     /// atomics (compare-and-swap, fetch-and-add) peers run on this region, and returns `old`:

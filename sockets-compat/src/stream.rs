@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 
 use log::debug;
 use portability_verbs::cm::{self, CmAddr};
+use portability_verbs::copy::copy_slice;
 use portability_verbs::datapath::{FlowStrategy, Lane, MsgPipe, PipeOptions, Registration, RegistrationCache};
 use portability_verbs::protect::{self, LazyRange, ProtectedRange, Protection};
 use portability_verbs::{
@@ -1488,7 +1489,7 @@ impl Conn {
         // this send), so plain loads do not fault; pages unmapped against the contract are
         // reported instead of crashing.
         let ((), intact) = protect::guarded_read(|| unsafe {
-            std::ptr::copy_nonoverlapping(hold.addr() as *const u8, copy.as_mut_ptr(), copy.len())
+            portability_verbs::copy::copy_bytes(copy.as_mut_ptr(), hold.addr() as *const u8, copy.len())
         });
         if !intact {
             return Err(self.fail(io::ErrorKind::ConnectionAborted, "a held send buffer was unmapped".into()));
@@ -1600,7 +1601,7 @@ impl Conn {
                         }
                         return Ok(ReadStep::BufferHeld);
                     }
-                    buf[n..n + k].copy_from_slice(&v[*off..*off + k]);
+                    copy_slice(&mut buf[n..n + k], &v[*off..*off + k]);
                     *off += k;
                     n += k;
                     if *off == v.len() {
@@ -1713,7 +1714,7 @@ impl Conn {
                 if k == 0 || protect::overlaps(buf[n..].as_ptr() as usize, k) {
                     break;
                 }
-                buf[n..n + k].copy_from_slice(&bytes[..k]);
+                copy_slice(&mut buf[n..n + k], &bytes[..k]);
                 let whole = k == bytes.len();
                 n += k;
                 let r = if whole { self.pipe.pop_front() } else { self.pipe.consume_front(k) };
@@ -1727,7 +1728,7 @@ impl Conn {
             if self.seq.accept(&h).is_err() {
                 break; // `pump` takes it again and fails the socket
             }
-            buf[n..n + d.len()].copy_from_slice(d);
+            copy_slice(&mut buf[n..n + d.len()], d);
             n += d.len();
             self.pipe.pop_front().map_err(|e| self.fail_verbs(e))?;
         }

@@ -318,7 +318,7 @@ pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
         // A source under a send hold: readable, unless the application unmapped it against
         // its contract, which the guard turns into an access error rather than a crash.
         // SAFETY: as below; a load from a vanished page reads a zero page the guard maps.
-        let ((), intact) = crate::protect::guarded_read(|| unsafe { std::ptr::copy(src, dst, len) });
+        let ((), intact) = crate::protect::guarded_read(|| unsafe { crate::copy::copy_bytes(dst, src, len) });
         return intact;
     }
     if dst_held || src_blocked {
@@ -340,7 +340,7 @@ pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
     }
     // SAFETY: the caller guarantees both ranges are valid; overlapping registered buffers are the
     // caller's own business, so use the overlap-tolerant copy.
-    unsafe { std::ptr::copy(src, dst, len) };
+    unsafe { crate::copy::copy_bytes(dst, src, len) };
     true
 }
 
