@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use log::debug;
 use portability_verbs::cm::{self, CmAddr};
-use portability_verbs::copy::copy_slice;
+use portability_verbs::copy::{copy_bytes, copy_slice};
 use portability_verbs::datapath::{FlowStrategy, Lane, MsgPipe, PipeOptions, Registration, RegistrationCache};
 use portability_verbs::protect::{self, LazyRange, ProtectedRange, Protection};
 use portability_verbs::{
@@ -1488,9 +1488,8 @@ impl Conn {
         // SAFETY: the held pages are read-only, not inaccessible (a receive into them waits for
         // this send), so plain loads do not fault; pages unmapped against the contract are
         // reported instead of crashing.
-        let ((), intact) = protect::guarded_read(|| unsafe {
-            portability_verbs::copy::copy_bytes(copy.as_mut_ptr(), hold.addr() as *const u8, copy.len())
-        });
+        let ((), intact) =
+            protect::guarded_read(|| unsafe { copy_bytes(copy.as_mut_ptr(), hold.addr() as *const u8, copy.len()) });
         if !intact {
             return Err(self.fail(io::ErrorKind::ConnectionAborted, "a held send buffer was unmapped".into()));
         }
