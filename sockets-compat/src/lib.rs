@@ -11,6 +11,7 @@
 //! so `write` and `read` return at once; see [`stream`] for the contract).
 
 mod engine;
+pub mod proto;
 pub mod stream;
 pub mod wire;
 

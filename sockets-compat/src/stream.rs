@@ -49,8 +49,9 @@ use portability_verbs::{
 };
 
 use crate::engine::{self, Background};
-
-use crate::wire::{Advert, Design, Message, Sequencer, WireError, BSDH_LEN};
+use crate::proto::lock::{self, ReceiverClaim, SenderClaim, Taker};
+use crate::proto::{Event, Proto, ProtoError, RxItem};
+use crate::wire::{Advert, Design, Message, BSDH_LEN};
 
 /// How long connection setup may take.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -65,20 +66,6 @@ const LAZY_MAX: usize = 16;
 const LOCK_WORDS: u64 = 256;
 /// Where, in a connection's lock memory, our own compare-and-swap results land.
 const CAS_RESULT: usize = 8 * LOCK_WORDS as usize;
-/// Who took a lock word: the receiver (reading the SrcAvail) or the sender (copying it aside).
-const BY_RECEIVER: u64 = 0;
-const BY_SENDER: u64 = 1;
-
-/// The value of a lock word taken for SrcAvail `index` by `who`. A word only ever moves to a
-/// later SrcAvail's value, so "taken for an earlier one" means free for this one.
-fn lock_word(index: u64, who: u64) -> u64 {
-    (index + 1) << 1 | who
-}
-
-/// The SrcAvail number a lock word was last taken for (`None`: never).
-fn lock_index(word: u64) -> Option<u64> {
-    (word >> 1).checked_sub(1)
-}
 
 /// Per-socket settings, by default from the environment: `SDP_DESIGN` (`bsdp`, `zsdp`,
 /// `azsdp`), `SDP_FLOW` (`credit`, `rdma`, `window`: must be the same at both ends),
@@ -317,34 +304,7 @@ fn qp_init(cq: &portability_verbs::CompletionQueue) -> QpInit<'_> {
     QpInit { caps: QpCaps { max_send_wr: 512, max_recv_wr: 512, ..QpCaps::default() }, ..QpInit::new(cq) }
 }
 
-/// Queued receive-side stream content, in arrival order.
-enum RxItem {
-    /// Copied stream bytes and how many were read already.
-    Bytes(Vec<u8>, usize),
-    /// A peer buffer to RDMA-read.
-    Src(SrcItem),
-}
-
-/// A SrcAvail of the peer's, queued as stream content.
-struct SrcItem {
-    advert: Advert,
-    /// Bytes read already.
-    done: u32,
-    /// Its number on the connection (from 0), which names its copy-on-write lock word.
-    index: u64,
-    /// We may read it: we took its lock word, or the peer moved it to a copy (SrcAvailUpdate).
-    claimed: bool,
-}
-
-/// A SrcAvail of ours the receiver has not answered yet.
-struct Outbound {
-    len: u32,
-    /// Its number on the connection (from 0).
-    index: u64,
-    what: Sending,
-}
-
-/// What a SrcAvail of ours lets the peer read.
+/// What a SrcAvail of ours lets the peer read (kept with it in [`Proto`] until its answer).
 enum Sending {
     /// ZSDP: the waiting `write` keeps the buffer and its registration.
     Waited,
@@ -374,31 +334,24 @@ enum ReadStep {
     BufferHeld,
 }
 
+/// A socket's connection: the protocol state and what drives it.
 struct Conn {
     pipe: MsgPipe,
-    seq: Sequencer,
+    /// Stream content received, our SrcAvails awaiting an answer, sequence numbers, what the
+    /// peer announced.
+    proto: Proto<Sending>,
     config: SdpConfig,
     local: SocketAddr,
     peer: SocketAddr,
-    rx: VecDeque<RxItem>,
-    /// The peer sent Disconnect (after everything queued in `rx`).
-    eof: bool,
     /// Why the socket failed, if it did.
     failed: Option<(io::ErrorKind, String)>,
     read_shut: bool,
     write_shut: bool,
-    /// Our SrcAvails not answered yet, oldest first.
-    sends: VecDeque<Outbound>,
     /// Our lock table (a word per SrcAvail of the peer's, taken by us with local atomics before
     /// we read it, by the peer with compare-and-swap before it copies it aside), then the word
     /// our own compare-and-swap results land in. `None` where the provider cannot run local
     /// atomics against remote ones: the peer is then never told of a table and never copies.
     locks: Option<MemoryRegion>,
-    /// The peer's lock table (its LockTable message), if it has one we can use.
-    peer_locks: Option<Advert>,
-    /// SrcAvails sent and received so far: the next ones' numbers.
-    srcs_sent: u64,
-    srcs_seen: u64,
     /// Our compare-and-swap on the peer's lock table in flight: (SrcAvail number, token,
     /// value expected).
     cow_try: Option<(u64, u64, u64)>,
@@ -429,7 +382,6 @@ struct Conn {
     nonblocking: bool,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
-    peer_design: Design,
     tx: Vec<u8>,
 }
 
@@ -477,20 +429,14 @@ impl SdpStream {
         };
         let mut c = Conn {
             pipe,
-            seq: Sequencer::default(),
+            proto: Proto::new(config.az_max_outstanding),
             config,
             local,
             peer,
-            rx: VecDeque::new(),
-            eof: false,
             failed: None,
             read_shut: false,
             write_shut: false,
-            sends: VecDeque::new(),
             locks,
-            peer_locks: None,
-            srcs_sent: 0,
-            srcs_seen: 0,
             cow_try: None,
             cow_unsent: VecDeque::new(),
             answered_at: Instant::now(),
@@ -505,7 +451,6 @@ impl SdpStream {
             nonblocking: false,
             read_timeout: None,
             write_timeout: None,
-            peer_design: Design::Bsdp,
             tx: Vec::with_capacity(config.flow.max_message()),
         };
         if let Some(l) = &c.locks {
@@ -593,7 +538,7 @@ impl SdpStream {
 
     /// The design the peer last announced (BSDP until it announces one).
     pub fn peer_design(&self) -> Design {
-        self.lock().peer_design
+        self.lock().proto.peer_design()
     }
 
     /// The design this end really uses now: ZSDP once an AZ-SDP socket has fallen back.
@@ -618,7 +563,7 @@ impl SdpStream {
             {
                 let mut c = self.lock();
                 c.pump()?;
-                if c.sends.is_empty() && c.reads.is_empty() {
+                if c.proto.sends().is_empty() && c.reads.is_empty() {
                     c.open_all_lazy();
                     return Ok(());
                 }
@@ -899,7 +844,7 @@ impl SdpStream {
             {
                 let mut c = self.lock();
                 c.pump()?;
-                if c.sends.len() < c.config.az_max_outstanding {
+                if c.proto.sends().len() < c.config.az_max_outstanding {
                     break;
                 }
             }
@@ -1000,6 +945,8 @@ impl SdpStream {
                     ));
                 }
                 cancelled = true;
+                // Marked first: the answer (for fewer bytes now) may come at once.
+                self.lock().proto.cancel_oldest();
                 self.send_control(Message::SrcAvailCancel)?;
                 deadline = Deadline::after(timeout);
             }
@@ -1042,7 +989,7 @@ impl Background for Conn {
     /// a fault: on a loaded machine a third thread polling a busy socket only steals its CPU
     /// and its lock.
     fn background_progress(&mut self) -> bool {
-        let in_flight = !self.sends.is_empty() || !self.reads.is_empty() || !self.pipe.idle();
+        let in_flight = !self.proto.sends().is_empty() || !self.reads.is_empty() || !self.pipe.idle();
         let app_active = std::mem::replace(&mut self.calls_seen, self.calls) != self.calls;
         if in_flight && protect::fault_waiters() == 0 && app_active {
             return true;
@@ -1051,7 +998,7 @@ impl Background for Conn {
             // Errors are recorded in the socket; its next call reports them.
             let _ = self.pump();
         }
-        self.failed.is_none() && (!self.sends.is_empty() || !self.reads.is_empty() || !self.pipe.idle())
+        self.failed.is_none() && (!self.proto.sends().is_empty() || !self.reads.is_empty() || !self.pipe.idle())
     }
 }
 
@@ -1103,11 +1050,11 @@ impl Conn {
     /// can still read or write the buffers, then the holds and registrations are dropped.
     fn release_all(&mut self) {
         self.open_all_lazy();
-        if self.sends.is_empty() && self.reads.is_empty() {
+        if self.proto.sends().is_empty() && self.reads.is_empty() {
             return;
         }
         let _ = self.pipe.qp().modify(portability_verbs::QpTransition::Error);
-        self.sends.clear();
+        self.proto.drop_sends();
         self.reads.clear();
     }
 
@@ -1154,13 +1101,11 @@ impl Conn {
 
     fn try_send(&mut self, m: &Message<'_>) -> io::Result<bool> {
         self.check_ok()?;
-        let h = self.seq.stamp(0, 0);
-        self.tx.clear();
-        m.encode(&h, &mut self.tx);
+        self.proto.encode(m, &mut self.tx);
         match self.pipe.try_send(&self.tx) {
             Ok(true) => Ok(true),
             Ok(false) => {
-                self.seq.unstamp();
+                self.proto.unsend();
                 Ok(false)
             }
             Err(e) => Err(self.fail_verbs(e)),
@@ -1212,7 +1157,7 @@ impl Conn {
 
     /// [`Conn::pump`] for a reader with `reader_room` bytes of buffer: stops at stream bytes it
     /// copies straight out of the pipe next (bulk-lane bytes, a Data message that fits). Taking
-    /// them into `rx` would cost a copy and an allocation, and once `rx` holds anything every
+    /// them into the queue would cost a copy and an allocation, and once it holds anything every
     /// later message would follow the same way.
     fn pump_until(&mut self, reader_room: Option<usize>) -> io::Result<()> {
         self.check_ok()?;
@@ -1223,10 +1168,10 @@ impl Conn {
             // A reader stops only with nothing queued: what is queued goes first, and may wait
             // for control further on (a SrcAvail's update). The check looks at the pipe once:
             // an item arriving after it waits for the next pump, where a second look would take
-            // it into `rx`. (After Disconnect, stream bytes are a protocol error: taken in, they
-            // fail the socket.)
+            // it into the queue. (After Disconnect, stream bytes are a protocol error: taken in,
+            // they fail the socket.)
             if let Some(room) = reader_room {
-                if !self.eof && self.rx.is_empty() {
+                if !self.proto.eof() && self.proto.rx().is_empty() {
                     match self.front_is_direct(room) {
                         Some(false) => {}
                         Some(true) | None => {
@@ -1236,13 +1181,13 @@ impl Conn {
                     }
                 }
             }
-            let mut outcome: Result<Option<Control>, io::Error> = Ok(None);
+            let mut outcome: Result<Event<Sending>, ProtoError> = Ok(Event::None);
             let got = {
-                let (seq, rx, eof, seen) = (&mut self.seq, &mut self.rx, &mut self.eof, &mut self.srcs_seen);
+                let proto = &mut self.proto;
                 self.pipe.recv_lane(|lane, bytes| {
                     outcome = match lane {
-                        Lane::Message => take_message(bytes, seq, rx, eof, seen),
-                        Lane::Bulk => take_bulk(bytes, rx, *eof),
+                        Lane::Message => proto.on_message(bytes),
+                        Lane::Bulk => proto.on_bulk(bytes).map(|()| Event::None),
                     }
                 })
             };
@@ -1255,87 +1200,47 @@ impl Conn {
                 Err(e) => return Err(self.fail_verbs(e)),
             }
             match outcome {
-                Ok(None) => {}
-                Ok(Some(ctl)) => self.apply(ctl)?,
+                Ok(event) => self.apply(event)?,
                 Err(e) => {
-                    // A malformed message: tell the peer, then fail.
+                    // The peer broke the protocol: tell it, then fail.
                     let _ = self.try_send(&Message::Abort);
                     let _ = self.pipe.flush();
-                    return Err(self.fail(e.kind(), e.to_string()));
+                    return Err(self.fail(io::ErrorKind::InvalidData, e.to_string()));
                 }
             }
         }
     }
 
-    fn apply(&mut self, ctl: Control) -> io::Result<()> {
-        match ctl {
-            Control::ReadDone(n) => match self.sends.pop_front().map(|o| (o.len, o.what)).inspect(|_| {
+    /// Does what an incoming message asks.
+    fn apply(&mut self, event: Event<Sending>) -> io::Result<()> {
+        match event {
+            Event::None => {}
+            Event::Answered { sent, read } => {
                 self.answered_at = Instant::now();
-            }) {
-                Some((_, Sending::Waited)) => self.zcopy_answer = Some(n),
-                Some((len, Sending::Copied { .. })) => {
-                    if n != len {
-                        let why = format!("RdmaRdCompl for {n} of an uncancelled {len}-byte SrcAvail");
-                        return Err(self.fail(io::ErrorKind::InvalidData, why));
-                    }
-                }
-                Some((len, Sending::Held { hold, reg, .. })) => {
-                    self.note_faults(hold.faults());
-                    drop(reg);
-                    // SAFETY: the buffer stays mapped until `flush`, `wait_transfers` or close,
-                    // by the AZ-SDP contract (module docs), and each of those opens `lazy` first.
-                    if let Some(lazy) = unsafe { hold.release_lazily() } {
-                        self.lazy.push_back(lazy);
-                        if self.lazy.len() > LAZY_MAX {
-                            self.open_lazy(0);
+                match sent.what {
+                    Sending::Waited => self.zcopy_answer = Some(read),
+                    Sending::Copied { .. } => {}
+                    Sending::Held { hold, reg, .. } => {
+                        self.note_faults(hold.faults());
+                        drop(reg);
+                        // SAFETY: the buffer stays mapped until `flush`, `wait_transfers` or
+                        // close, by the AZ-SDP contract (module docs), and each of those opens
+                        // `lazy` first.
+                        if let Some(lazy) = unsafe { hold.release_lazily() } {
+                            self.lazy.push_back(lazy);
+                            if self.lazy.len() > LAZY_MAX {
+                                self.open_lazy(0);
+                            }
                         }
                     }
-                    if n != len {
-                        let why = format!("RdmaRdCompl for {n} of an uncancelled {len}-byte SrcAvail");
-                        return Err(self.fail(io::ErrorKind::InvalidData, why));
-                    }
-                }
-                None => {
-                    return Err(self.fail(io::ErrorKind::InvalidData, "RdmaRdCompl with no SrcAvail outstanding".into()))
-                }
-            },
-            Control::Cancel => {
-                // Withdraw the oldest advertisement not fully read; answer with what was read,
-                // after the reads already started on it have landed.
-                if let Some(i) = self.rx.iter().position(|r| matches!(r, RxItem::Src(..))) {
-                    let RxItem::Src(src) = self.rx.remove(i).expect("found") else { unreachable!() };
-                    self.finish_reads()?;
-                    self.answer_read(src.done)?;
-                }
-                // Otherwise it crossed our RdmaRdCompl, which already answered.
-            }
-            Control::Mode(d) => self.peer_design = d,
-            Control::Locks(table) => {
-                // Usable only if no two of our outstanding SrcAvails can share a word.
-                if table.len as usize / 8 >= self.config.az_max_outstanding {
-                    self.peer_locks = Some(table);
-                } else {
-                    debug!("SDP: the peer's lock table is too small for copy-on-write");
                 }
             }
-            Control::Moved(index, advert) => {
-                let src = self.rx.iter_mut().find_map(|r| match r {
-                    RxItem::Src(s) if s.index == index => Some(s),
-                    _ => None,
-                });
-                match src {
-                    Some(s) if !s.claimed && s.advert.len == advert.len => {
-                        s.advert = advert;
-                        s.claimed = true;
-                    }
-                    _ => {
-                        let why = format!("SrcAvailUpdate for SrcAvail {index}, which it does not own or is not there");
-                        let _ = self.try_send(&Message::Abort);
-                        return Err(self.fail(io::ErrorKind::InvalidData, why));
-                    }
-                }
+            Event::Withdrawn { done } => {
+                // Answered with what was read, after the reads already started on it landed.
+                self.finish_reads()?;
+                self.answer_read(done)?;
             }
-            Control::Abort => {
+            Event::Aborted => {
                 return Err(self.fail(io::ErrorKind::ConnectionReset, "the peer aborted the connection".into()))
             }
         }
@@ -1363,41 +1268,36 @@ impl Conn {
     /// place otherwise) into the queue of SrcAvails awaiting an answer under its number.
     fn advertise(&mut self, advert: Advert, what: &mut Option<Sending>) -> io::Result<()> {
         if self.try_send(&Message::SrcAvail(advert))? {
-            let what = what.take().expect("something to advertise");
-            self.sends.push_back(Outbound { len: advert.len, index: self.srcs_sent, what });
-            self.srcs_sent += 1;
+            self.proto.advertised(advert.len, what.take().expect("something to advertise"));
         }
         Ok(())
     }
 
-    /// Takes the lock word of the SrcAvail at the front of `rx` before its first read: `false`
-    /// if the peer took it first (it copies the buffer aside and re-advertises it: wait for
-    /// its SrcAvailUpdate).
+    /// Takes the lock word of the SrcAvail at the front of the queue before its first read:
+    /// `false` if the peer took it first (it copies the buffer aside and re-advertises it: wait
+    /// for its SrcAvailUpdate).
     fn claim_front(&mut self) -> io::Result<bool> {
-        let Some(RxItem::Src(src)) = self.rx.front() else { return Ok(true) };
+        let Some(RxItem::Src(src)) = self.proto.rx().front() else { return Ok(true) };
         if src.claimed {
             return Ok(true);
         }
         let index = src.index;
         let Some(locks) = &self.locks else { return Ok(true) }; // the peer cannot copy
         let off = 8 * (index % LOCK_WORDS) as usize;
-        let old = locks
-            .local_atomic(
-                off,
-                |w| if lock_index(w).is_none_or(|i| i < index) { lock_word(index, BY_RECEIVER) } else { w },
-            )
-            .map_err(|e| self.fail_verbs(e))?;
-        if lock_index(old).is_none_or(|i| i < index) {
-            if let Some(RxItem::Src(src)) = self.rx.front_mut() {
-                src.claimed = true;
+        let old = locks.local_atomic(off, |w| lock::receiver_take(w, index)).map_err(|e| self.fail_verbs(e))?;
+        match lock::receiver_claim(old, index) {
+            ReceiverClaim::Won => {
+                if let Some(RxItem::Src(src)) = self.proto.rx_front_mut() {
+                    src.claimed = true;
+                }
+                Ok(true)
             }
-            return Ok(true);
+            ReceiverClaim::Moved => Ok(false),
+            ReceiverClaim::Corrupt => {
+                let why = format!("lock word of SrcAvail {index} holds {old:#x}");
+                Err(self.fail(io::ErrorKind::InvalidData, why))
+            }
         }
-        if old == lock_word(index, BY_SENDER) {
-            return Ok(false);
-        }
-        let why = format!("lock word of SrcAvail {index} holds {old:#x}");
-        Err(self.fail(io::ErrorKind::InvalidData, why))
     }
 
     /// AZ-SDP copy-on-write, the sender's side: when a thread waits in the fault handler to
@@ -1411,7 +1311,8 @@ impl Conn {
         }
         // Our lock memory holds the compare-and-swap results (a peer announcing a table to a
         // socket without one is ignored).
-        let Some(table) = self.peer_locks.filter(|_| self.config.az_copy_on_write && self.locks.is_some()) else {
+        let Some(table) = self.proto.peer_locks().filter(|_| self.config.az_copy_on_write && self.locks.is_some())
+        else {
             return Ok(());
         };
         if let Some((index, token, expected)) = self.cow_try {
@@ -1425,18 +1326,17 @@ impl Conn {
                 }
             }
             let old = self.locks.as_ref().expect("checked above").read_u64(CAS_RESULT);
-            let Some(i) = self.sends.iter().position(|o| o.index == index) else { return Ok(()) };
-            if old == expected {
-                return self.copy_aside(i);
-            }
-            if lock_index(old).is_some_and(|taken| taken >= index) {
-                // The peer is reading it: the writer waits for its answer.
-                if let Sending::Held { lost, .. } = &mut self.sends[i].what {
-                    *lost = true;
+            let Some(i) = self.proto.sends().iter().position(|o| o.index == index) else { return Ok(()) };
+            match lock::sender_claim(old, expected, index) {
+                SenderClaim::Won => return self.copy_aside(i),
+                SenderClaim::Reading => {
+                    // The peer is reading it: the writer waits for its answer.
+                    if let Some(Sending::Held { lost, .. }) = self.proto.send_mut(i).map(|o| &mut o.what) {
+                        *lost = true;
+                    }
                 }
-            } else {
                 // The word held an older SrcAvail's value than we guessed: try again with it.
-                return self.try_lock(table, index, old);
+                SenderClaim::Retry(old) => return self.try_lock(table, index, old),
             }
         }
         // A store that has waited longer than copying the buffer would take, while the peer
@@ -1449,7 +1349,7 @@ impl Conn {
             return Ok(());
         }
         let (mut now, answered_at) = (None, self.answered_at);
-        let wanted = self.sends.iter_mut().find_map(|o| match &mut o.what {
+        let wanted = self.proto.sends_mut().find_map(|o| match &mut o.what {
             Sending::Held { hold, lost: false, waited_since, .. } if hold.faults() > 0 => {
                 let now = *now.get_or_insert_with(Instant::now);
                 let since = (*waited_since.get_or_insert(now)).max(answered_at);
@@ -1458,11 +1358,7 @@ impl Conn {
             _ => None,
         });
         if let Some(index) = wanted {
-            // The word most likely last served the SrcAvail a table's length before, read by
-            // the peer.
-            let words = table.len as u64 / 8;
-            let guess = if index >= words { lock_word(index - words, BY_RECEIVER) } else { 0 };
-            self.try_lock(table, index, guess)?;
+            self.try_lock(table, index, lock::sender_guess(index, table.len as u64 / 8))?;
         }
         Ok(())
     }
@@ -1472,18 +1368,19 @@ impl Conn {
     fn try_lock(&mut self, table: Advert, index: u64, expected: u64) -> io::Result<()> {
         let locks = self.locks.as_ref().expect("copy_on_write checks our lock memory first");
         let word = table.addr + 8 * (index % (table.len as u64 / 8));
-        let mine = lock_word(index, BY_SENDER);
+        let mine = lock::word(index, Taker::Sender);
         let wr = SendWr::compare_and_swap(0, locks.sge(CAS_RESULT, 8), word, table.rkey, expected, mine);
         let token = self.pipe.post_user(wr).map_err(|e| self.fail_verbs(e))?;
         self.cow_try = Some((index, token, expected));
         Ok(())
     }
 
-    /// We hold the lock word of `sends[i]`: copy its buffer aside, let the application have
-    /// its pages back, and tell the peer where the bytes are now.
+    /// We hold the lock word of our SrcAvail at `i` (of `proto.sends()`): copy its buffer
+    /// aside, let the application have its pages back, and tell the peer where the bytes are
+    /// now.
     fn copy_aside(&mut self, i: usize) -> io::Result<()> {
         let rt = runtime()?;
-        let Sending::Held { hold, .. } = &self.sends[i].what else { return Ok(()) };
+        let Some(Sending::Held { hold, .. }) = self.proto.sends().get(i).map(|o| &o.what) else { return Ok(()) };
         let mut copy = vec![0u8; hold.len()].into_boxed_slice();
         // SAFETY: the held pages are read-only, not inaccessible (a receive into them waits for
         // this send), so plain loads do not fault; pages unmapped against the contract are
@@ -1495,8 +1392,9 @@ impl Conn {
         }
         let mr = rt.pd.register(copy, AccessFlags::REMOTE_READ).map_err(verbs_io)?;
         let advert = Advert { len: mr.len() as u32, rkey: mr.rkey(), addr: mr.addr() };
-        let index = self.sends[i].index;
-        let held = std::mem::replace(&mut self.sends[i].what, Sending::Copied { _copy: mr });
+        let sent = self.proto.send_mut(i).expect("looked up above");
+        let index = sent.index;
+        let held = std::mem::replace(&mut sent.what, Sending::Copied { _copy: mr });
         if let Sending::Held { hold, reg, .. } = held {
             self.note_faults(hold.faults());
             drop(reg);
@@ -1554,10 +1452,7 @@ impl Conn {
     fn front_is_direct(&mut self, room: usize) -> Option<bool> {
         match self.pipe.front() {
             Ok(Some((Lane::Bulk, _))) => Some(true),
-            Ok(Some((Lane::Message, bytes))) => Some(match Message::decode(bytes) {
-                Ok((h, Message::Data(d))) => d.len() <= room && self.seq.check(&h).is_ok(),
-                _ => false,
-            }),
+            Ok(Some((Lane::Message, bytes))) => Some(self.proto.next_data(bytes).is_some_and(|(_, d)| d.len() <= room)),
             Ok(None) => None,
             // Taken (and failed on) by `pump`.
             Err(_) => Some(false),
@@ -1576,37 +1471,22 @@ impl Conn {
         // Stream bytes already queued go first, without taking in more behind them (that
         // would queue those too, and a reader keeping up with its writer would never get back
         // to copying straight from the pipe).
-        let queued = matches!(self.rx.front(), Some(RxItem::Bytes(..)));
+        let queued = matches!(self.proto.rx().front(), Some(RxItem::Bytes(..)));
         let pumped = if queued { Ok(()) } else { self.pump_until(Some(buf.len())) };
-        if pumped.is_ok() && self.rx.is_empty() && !self.eof && self.pipe.peek_lane().is_some() {
+        if pumped.is_ok() && self.proto.rx().is_empty() && !self.proto.eof() && self.pipe.peek_lane().is_some() {
             // Control taken in, stream bytes next: straight from the pipe, unless `buf` is held.
             let direct = self.read_in_place(buf)?;
             return Ok(if direct > 0 { ReadStep::Got(direct) } else { ReadStep::BufferHeld });
         }
         // Bytes that arrived before a failure are still delivered, then the error.
-        match self.rx.front_mut() {
+        match self.proto.rx_front_mut() {
             Some(RxItem::Bytes(..)) => {
-                // As much as is queued, across messages, as a TCP read returns.
-                let mut n = 0;
-                while let Some(RxItem::Bytes(v, off)) = self.rx.front_mut() {
-                    let k = (buf.len() - n).min(v.len() - *off);
-                    if k == 0 {
-                        break;
-                    }
-                    if protect::overlaps(buf[n..].as_ptr() as usize, k) {
-                        // A plain copy would fault here, with our lock held.
-                        if n > 0 {
-                            break;
-                        }
-                        return Ok(ReadStep::BufferHeld);
-                    }
-                    copy_slice(&mut buf[n..n + k], &v[*off..*off + k]);
-                    *off += k;
-                    n += k;
-                    if *off == v.len() {
-                        self.rx.pop_front();
-                    }
-                }
+                // As much as is queued, across messages, as a TCP read returns; not into held
+                // pages (a plain copy would fault there, with our lock held).
+                let Some(mut n) = self.proto.read_queued(buf, |d| protect::overlaps(d.as_ptr() as usize, d.len()))
+                else {
+                    return Ok(ReadStep::BufferHeld);
+                };
                 if n < buf.len() && pumped.is_ok() {
                     // The queue ran dry: what follows in the pipe, straight from it.
                     n += self.read_in_place(&mut buf[n..])?;
@@ -1654,12 +1534,12 @@ impl Conn {
                     let dst = &mut buf[head..head + middle];
                     self.post_read(dst, a.addr + done as u64 + head as u64, a.rkey, true, answer)?;
                 }
-                self.consume_front_src(end);
+                self.proto.consume_front_src(end);
                 Ok(ReadStep::Got(head + middle))
             }
             None => {
                 pumped?;
-                Ok(if self.eof { ReadStep::Got(0) } else { ReadStep::Nothing })
+                Ok(if self.proto.eof() { ReadStep::Got(0) } else { ReadStep::Nothing })
             }
         }
     }
@@ -1667,7 +1547,7 @@ impl Conn {
     /// Whether an AZ-SDP write of ours still holds part of `buf`.
     fn sending_from(&self, buf: &[u8]) -> bool {
         let (start, end) = (buf.as_ptr() as usize, buf.as_ptr() as usize + buf.len());
-        self.sends.iter().any(|o| match &o.what {
+        self.proto.sends().iter().any(|o| match &o.what {
             Sending::Held { hold: h, .. } => h.addr() < end && start < h.addr() + h.len(),
             _ => false,
         })
@@ -1676,26 +1556,15 @@ impl Conn {
     /// Reads the next `n` bytes of the SrcAvail at the front into a private buffer, queued as
     /// stream bytes ahead of the rest of it, answering the peer if that ends the SrcAvail.
     fn read_aside(&mut self, n: usize) -> io::Result<()> {
-        let Some(RxItem::Src(src)) = self.rx.front() else { return Ok(()) };
+        let Some(RxItem::Src(src)) = self.proto.rx().front() else { return Ok(()) };
         let (a, done) = (src.advert, src.done);
         let mut aside = vec![0u8; n];
         let end = done + n as u32;
         let token = self.post_read(&mut aside, a.addr + done as u64, a.rkey, false, (end == a.len).then_some(end))?;
         self.wait_read(token)?;
-        self.consume_front_src(end);
-        self.rx.push_front(RxItem::Bytes(aside, 0));
+        self.proto.consume_front_src(end);
+        self.proto.push_front_bytes(aside);
         Ok(())
-    }
-
-    /// Notes that the SrcAvail at the front of `rx` has been read up to `end`; drops it once
-    /// read to its end.
-    fn consume_front_src(&mut self, end: u32) {
-        if let Some(RxItem::Src(src)) = self.rx.front_mut() {
-            src.done = end;
-            if end == src.advert.len {
-                self.rx.pop_front();
-            }
-        }
     }
 
     /// The buffer-copy fast path: while nothing is queued, copies whole Data messages and
@@ -1705,7 +1574,7 @@ impl Conn {
     /// the bytes copied.
     fn read_in_place(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let mut n = 0;
-        while self.rx.is_empty() && !self.eof && self.failed.is_none() {
+        while self.proto.rx().is_empty() && !self.proto.eof() && self.failed.is_none() {
             let Ok(Some((lane, bytes))) = self.pipe.front() else { break };
             if lane == Lane::Bulk {
                 // Bulk-lane bytes: as many as fit, the rest left in the ring for the next read.
@@ -1720,13 +1589,12 @@ impl Conn {
                 r.map_err(|e| self.fail_verbs(e))?;
                 continue;
             }
-            let Ok((h, Message::Data(d))) = Message::decode(bytes) else { break };
+            // Anything but the next Data message is left to `pump` (which fails on a bad one).
+            let Some((h, d)) = self.proto.next_data(bytes) else { break };
             if d.len() > buf.len() - n || protect::overlaps(buf[n..].as_ptr() as usize, d.len()) {
                 break;
             }
-            if self.seq.accept(&h).is_err() {
-                break; // `pump` takes it again and fails the socket
-            }
+            self.proto.took_data(&h);
             copy_slice(&mut buf[n..n + d.len()], d);
             n += d.len();
             self.pipe.pop_front().map_err(|e| self.fail_verbs(e))?;
@@ -1802,68 +1670,6 @@ impl Conn {
             None => Ok(()),
         }
     }
-}
-
-/// What an incoming message asks of the connection beyond queueing stream content.
-enum Control {
-    ReadDone(u32),
-    Cancel,
-    Mode(Design),
-    Locks(Advert),
-    Moved(u64, Advert),
-    Abort,
-}
-
-/// Decodes one message and queues its stream content (`srcs_seen` numbers SrcAvails).
-fn take_message(
-    bytes: &[u8],
-    seq: &mut Sequencer,
-    rx: &mut VecDeque<RxItem>,
-    eof: &mut bool,
-    srcs_seen: &mut u64,
-) -> Result<Option<Control>, io::Error> {
-    let bad = |e: WireError| io::Error::new(io::ErrorKind::InvalidData, format!("malformed SDP message: {e}"));
-    let (h, m) = Message::decode(bytes).map_err(bad)?;
-    seq.accept(&h).map_err(bad)?;
-    if *eof
-        && !matches!(m, Message::RdmaRdCompl { .. } | Message::Abort | Message::ModeChange(_) | Message::LockTable(_))
-    {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "stream content after Disconnect"));
-    }
-    Ok(match m {
-        Message::Data([]) => None,
-        Message::Data(d) => {
-            rx.push_back(RxItem::Bytes(d.to_vec(), 0));
-            None
-        }
-        Message::SrcAvail(advert) => {
-            rx.push_back(RxItem::Src(SrcItem { advert, done: 0, index: *srcs_seen, claimed: false }));
-            *srcs_seen += 1;
-            None
-        }
-        Message::LockTable(a) => Some(Control::Locks(a)),
-        Message::SrcAvailUpdate { index, advert } => Some(Control::Moved(index, advert)),
-        Message::SinkAvail(_) => {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "SinkAvail is not used by this implementation"))
-        }
-        Message::RdmaRdCompl { len } => Some(Control::ReadDone(len)),
-        Message::SrcAvailCancel => Some(Control::Cancel),
-        Message::ModeChange(d) => Some(Control::Mode(d)),
-        Message::Disconnect => {
-            *eof = true;
-            None
-        }
-        Message::Abort => Some(Control::Abort),
-    })
-}
-
-/// Queues bulk-lane bytes as stream content (what a read left of the chunk).
-fn take_bulk(bytes: &[u8], rx: &mut VecDeque<RxItem>, eof: bool) -> Result<Option<Control>, io::Error> {
-    if eof {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "stream content after Disconnect"));
-    }
-    rx.push_back(RxItem::Bytes(bytes.to_vec(), 0));
-    Ok(None)
 }
 
 /// A call's timeout, turned into a point in time only when the call first has to wait: the
@@ -1977,7 +1783,7 @@ impl Write for &SdpStream {
                 let mut c = self.lock();
                 c.flush_pipe()?;
                 c.pump()?;
-                if c.sends.is_empty() {
+                if c.proto.sends().is_empty() {
                     c.open_all_lazy();
                     return Ok(());
                 }
@@ -2009,7 +1815,7 @@ impl Drop for Conn {
         }
         while self.failed.is_none()
             && self.pipe.failure().is_none()
-            && !(self.pipe.idle() && self.sends.is_empty() && self.reads.is_empty())
+            && !(self.pipe.idle() && self.proto.sends().is_empty() && self.reads.is_empty())
         {
             let _ = self.pipe.flush();
             let _ = self.pump();

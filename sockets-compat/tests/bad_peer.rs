@@ -181,3 +181,34 @@ fn an_unhonored_advert_into_a_held_receive_buffer_releases_it_and_fails_the_sock
     };
     assert!(matches!(e.kind(), ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset), "{e:?}");
 }
+
+/// A peer that answers a SrcAvail of ours it has not read to the end (or claims more than
+/// it had) fails the socket: a ZSDP write never reports more bytes than it was given, and an
+/// AZ-SDP buffer is released, not left read-only.
+#[test]
+fn an_answer_that_does_not_cover_the_srcavail_fails_the_write() {
+    for (design, claim) in [(Design::Zsdp, 1i64), (Design::Zsdp, -1), (Design::AzSdp, -4096)] {
+        let cfg = SdpConfig { design, zcopy_threshold: PAGE, ..SdpConfig::default() };
+        let mut s = with_raw_peer_and(cfg, move |p, _| loop {
+            let m = p.recv(T).unwrap();
+            if let Message::SrcAvail(a) = Message::decode(&m).unwrap().1 {
+                let len = (a.len as i64 + claim) as u32;
+                p.send(&encode(1, Message::RdmaRdCompl { len }), T).unwrap();
+                break;
+            }
+        });
+        s.set_write_timeout(Some(T)).unwrap();
+        let mut v = vec![3u8; 17 * PAGE];
+        let buf = aligned(&mut v, 16);
+        let e = match design {
+            Design::AzSdp => {
+                s.write_all(buf).unwrap();
+                s.flush().unwrap_err()
+            }
+            _ => s.write(buf).unwrap_err(),
+        };
+        assert_eq!(e.kind(), ErrorKind::InvalidData, "{design:?} answered {claim:+}: {e}");
+        buf.fill(1); // not left protected
+        assert!(s.write(b"x").is_err(), "the socket stays failed");
+    }
+}
