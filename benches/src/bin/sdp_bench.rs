@@ -175,23 +175,6 @@ fn connect(layer: &str, zcopy_threshold: usize) -> (Box<dyn Stream>, Box<dyn Str
     connect_many(layer, zcopy_threshold, 1).pop().expect("one pair")
 }
 
-/// Round trips of `size` from `c` against an echoing `s` on another thread: the one-way
-/// latencies (half round trips) in nanoseconds.
-fn pingpong_pair(c: Box<dyn Stream>, s: Box<dyn Stream>, size: usize, iters: usize, pin: bool) -> Histogram<u64> {
-    let server = thread::spawn(move || {
-        if pin {
-            pin_to_cpu(1);
-        }
-        serve(s, Role::Echo { size, rounds: rounds(iters) })
-    });
-    if pin {
-        pin_to_cpu(0);
-    }
-    let h = pingpong_client(c, size, iters);
-    drop(server.join().expect("server"));
-    h
-}
-
 /// Warm-up round trips before `iters` measured ones.
 fn rounds(iters: usize) -> usize {
     iters + iters / 10
@@ -484,16 +467,33 @@ fn idle_read(layer: &str, wait: Duration, zt: usize) -> f64 {
     used / t.elapsed().as_secs_f64() * 100.0
 }
 
-/// Hot-spot: `n` clients ping-pong with one server (a thread per connection); the median
-/// one-way latency over all clients, microseconds.
+/// Hot-spot, as the paper runs it: `n` clients ping-pong with one server thread, which takes
+/// a message from every client in turn, then answers every client in turn (so an AZ-SDP
+/// server's answers overlap, where a ZSDP server's wait for each other); the median one-way
+/// latency over all clients (half of each client's round trip), microseconds.
 fn hot_spot(layer: &str, n: usize, size: usize, iters: usize, zt: usize) -> f64 {
-    let pairs = connect_many(layer, zt, n);
-    let runs: Vec<_> =
-        pairs.into_iter().map(|(c, s)| thread::spawn(move || pingpong_pair(c, s, size, iters, false))).collect();
+    let (clients, mut servers): (Vec<_>, Vec<_>) = connect_many(layer, zt, n).into_iter().unzip();
+    let server = thread::spawn(move || {
+        let mut bufs: Vec<PageBuf> = (0..servers.len()).map(|_| PageBuf::new(size, 0)).collect();
+        for _ in 0..rounds(iters) {
+            for (s, buf) in servers.iter_mut().zip(&mut bufs) {
+                read_full(&mut **s, buf).expect("server read");
+            }
+            for (s, buf) in servers.iter_mut().zip(&bufs) {
+                write_full(&mut **s, buf).expect("server write");
+            }
+        }
+        for s in &mut servers {
+            s.flush().expect("server flush");
+        }
+        servers
+    });
+    let runs: Vec<_> = clients.into_iter().map(|c| thread::spawn(move || pingpong_client(c, size, iters))).collect();
     let mut all = Histogram::<u64>::new(3).expect("histogram");
     for r in runs {
         all.add(r.join().expect("client")).expect("merge");
     }
+    drop(server.join().expect("server"));
     all.value_at_quantile(0.5) as f64 / 1000.0
 }
 
