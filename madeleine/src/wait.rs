@@ -16,6 +16,10 @@ use crate::{MadError, Result};
 const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 /// Polls between clock reads while spinning.
 const CHECK_EVERY: u32 = 64;
+/// Polls that only spin (about ten microseconds: the latency path) ...
+const SPIN_ONLY: u32 = 128;
+/// ... before every so many polls of the spin phase yields the CPU.
+const YIELD_EVERY: u32 = 16;
 /// Longest sleep on completion queues: bounds what a wake-up taken by another thread sleeping
 /// on the same queue costs.
 const SLEEP_SLICE: Duration = Duration::from_millis(2);
@@ -86,6 +90,11 @@ impl Waiter {
         } else if !self.sleeping {
             // Spinning: poll again at once. A poll is a full trip through the transport's
             // queues; a pause instruction (about 25 ns here) would only delay seeing the event.
+            // Past the first polls, other threads of this CPU get it now and then: with more
+            // busy threads than CPUs, the one that would end this wait may be waiting for it.
+            if self.polls >= SPIN_ONLY && self.polls.is_multiple_of(YIELD_EVERY) {
+                std::thread::yield_now();
+            }
         } else if cqs.is_empty() {
             std::thread::sleep(NAP);
         } else if let Err(e) = portability_verbs::wait_any(cqs, left.min(SLEEP_SLICE)) {
