@@ -16,10 +16,6 @@ use crate::{MadError, Result};
 const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 /// Polls between clock reads while spinning.
 const CHECK_EVERY: u32 = 64;
-/// Polls that only spin (about ten microseconds: the latency path) ...
-const SPIN_ONLY: u32 = 128;
-/// ... before every so many polls of the spin phase yields the CPU.
-const YIELD_EVERY: u32 = 16;
 /// Longest sleep on completion queues: bounds what a wake-up taken by another thread sleeping
 /// on the same queue costs.
 const SLEEP_SLICE: Duration = Duration::from_millis(2);
@@ -92,7 +88,7 @@ impl Waiter {
             // queues; a pause instruction (about 25 ns here) would only delay seeing the event.
             // Past the first polls, other threads of this CPU get it now and then: with more
             // busy threads than CPUs, the one that would end this wait may be waiting for it.
-            if self.polls >= SPIN_ONLY && self.polls.is_multiple_of(YIELD_EVERY) {
+            if portability_verbs::spin_yields(self.polls) {
                 std::thread::yield_now();
             }
         } else if cqs.is_empty() {

@@ -379,6 +379,15 @@ enum CqImpl {
 #[derive(Clone)]
 pub struct CompletionQueue(CqImpl);
 
+/// Whether a busy-polling wait yields the CPU before its `n`-th poll (from 1): not in the
+/// first 128 polls (about ten microseconds: the latency path), then on every 16th. With more
+/// busy threads than CPUs, the thread that would end the wait may be the one waiting for this
+/// CPU; spinning alone would keep it out for a whole time slice. Pair it with [`wait_any`]
+/// once a wait has spun long enough to sleep.
+pub fn spin_yields(n: u32) -> bool {
+    n >= 128 && n.is_multiple_of(16)
+}
+
 /// Sleeps until one of `cqs` has an event (a completion, or on the software provider a dead
 /// peer) or `timeout` passes: arms each queue, sleeps on their descriptors together, and
 /// acknowledges the events it woke for. Returns whether one fired. Waking a sleeping thread

@@ -1715,10 +1715,6 @@ struct Pacer {
 const SLEEP_SLICE: Duration = Duration::from_millis(2);
 /// A nap where no completion announces the event.
 const NAP: Duration = Duration::from_micros(20);
-/// Polls that only spin (the latency path: about ten microseconds) ...
-const SPIN_ONLY: u32 = 128;
-/// ... before every so many polls yields the CPU.
-const YIELD_EVERY: u32 = 16;
 
 impl Pacer {
     fn pause(&mut self, deadline: &Deadline, what: &str) -> io::Result<()> {
@@ -1733,12 +1729,10 @@ impl Pacer {
         if (sleeping || self.polls.is_multiple_of(64)) && deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(io::Error::new(io::ErrorKind::TimedOut, format!("timed out {what}")));
         }
-        if self.polls < SPIN_ONLY || (!sleeping && !self.polls.is_multiple_of(YIELD_EVERY)) {
+        if !sleeping && !portability_verbs::spin_yields(self.polls) {
             std::hint::spin_loop();
         } else if !sleeping {
-            // A wait past the first tens of microseconds lets other threads of this CPU run
-            // now and then: with more busy threads than CPUs (a server thread and its
-            // clients), the thread that would end the wait may be the one waiting for a CPU.
+            // A server thread and its clients may outnumber the CPUs.
             std::thread::yield_now();
         } else if let Some(cq) = cq {
             let slice = deadline.map_or(SLEEP_SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLEEP_SLICE));
