@@ -1581,7 +1581,7 @@ impl RingView {
         let b = h.encode();
         // SAFETY: at most 32 bytes at off+8, inside the record's first line, which is inside
         // the ring (checked above).
-        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.base.add(off + 8), h.fields_len()) };
+        unsafe { crate::copy::copy_bytes(self.base.add(off + 8), b.as_ptr(), h.fields_len()) };
     }
     /// Copies the decoded fields of the header at `off`.
     fn read_fields(&self, off: usize) -> [u8; FIELDS_BYTES] {
