@@ -3,7 +3,7 @@
 use std::cell::UnsafeCell;
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use portability_verbs::copy::copy_slice;
 use portability_verbs::datapath::{AdaptiveCrossover, FlowStrategy, Lane, MsgPipe, PipeOptions, Registration};
@@ -211,11 +211,14 @@ enum Pump {
     Drain,
 }
 
-/// A claim on one direction of a connection for a whole message, with that direction's
-/// state (its next sequence number and a buffer kept between messages: no allocation, no
-/// thread-local lookup on a message's path). Unlike a `MutexGuard`, a claim may be released
-/// on another thread than the one that took it, which coroutines migrating between `may`
-/// workers need.
+/// A lock around state, taken two ways: claimed for a whole message (one direction of a
+/// connection, with its next sequence number and a buffer kept between messages: no
+/// allocation, no thread-local lookup on a message's path), waiting as any blocking call
+/// does; or held for a short critical section that never waits inside (the connection's
+/// pipe), spinning. Unlike a `MutexGuard`, a claim may be released on another thread than
+/// the one that took it, which coroutines migrating between `may` workers need; and its
+/// release is a plain store where a mutex's is an atomic exchange (the pipe is locked on
+/// every poll of a waiting receiver).
 pub(crate) struct Token<T> {
     busy: std::sync::atomic::AtomicBool,
     state: UnsafeCell<T>,
@@ -228,6 +231,23 @@ unsafe impl<T: Send> Sync for Token<T> {}
 impl<T> Token<T> {
     fn new(state: T) -> Token<T> {
         Token { busy: std::sync::atomic::AtomicBool::new(false), state: UnsafeCell::new(state) }
+    }
+
+    /// Takes the token for a short critical section (one that never waits inside): spins,
+    /// yielding the CPU now and then (the holder may be a preempted thread).
+    fn hold(&self) -> Claim<'_, T> {
+        let mut polls = 0u32;
+        loop {
+            if let Some(c) = self.try_claim() {
+                return c;
+            }
+            polls = polls.wrapping_add(1);
+            if portability_verbs::spin_yields(polls) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
     }
 
     fn try_claim(&self) -> Option<Claim<'_, T>> {
@@ -293,7 +313,8 @@ pub(crate) struct RecvSide {
 /// A connection to one peer on one channel.
 pub(crate) struct Conn {
     peer: usize,
-    io: Mutex<ConnIo>,
+    /// The pipe and what was taken out of it, held briefly (never across a wait).
+    io: Token<ConnIo>,
     /// Claimed by a packer for the whole message.
     send_side: Token<SendSide>,
     /// Claimed by an unpacker for the whole message.
@@ -328,7 +349,7 @@ impl Conn {
             max_msg: s.cfg.strategy.max_message(),
             bulk_chunk: pipe.bulk_chunk_max(),
             bulk_frame: pipe.bulk_frame_max().min(pipe.bulk_chunk_max() / 2),
-            io: Mutex::new(ConnIo {
+            io: Token::new(ConnIo {
                 pipe,
                 incoming: VecDeque::new(),
                 front_at: 0,
@@ -343,8 +364,8 @@ impl Conn {
         })
     }
 
-    fn io(&self) -> MutexGuard<'_, ConnIo> {
-        self.io.lock().unwrap_or_else(|p| p.into_inner())
+    fn io(&self) -> Claim<'_, ConnIo> {
+        self.io.hold()
     }
 
     fn lost(&self, why: impl std::fmt::Display) -> MadError {
@@ -1607,7 +1628,7 @@ mod tests {
     /// What a peer sending `raw` as one pipe message does to rank 0's connection to it: the
     /// error rank 0 gets, after which its connection to rank 2 must still carry messages.
     fn malformed(tag: &str, raw: Vec<u8>, unpacks: usize) -> MadError {
-        let got = Mutex::new(None);
+        let got = std::sync::Mutex::new(None);
         trio(tag, |rank, ch| match rank {
             0 => {
                 let r = (|| {
