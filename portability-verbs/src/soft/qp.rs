@@ -812,7 +812,7 @@ impl QpInner {
         let need = match inline {
             Inline::Owned(data) => {
                 // SAFETY: `dst` has room for the whole message (the record was sized by its length).
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+                unsafe { crate::copy::copy_bytes(dst, data.as_ptr(), data.len()) };
                 return Ok(());
             }
             Inline::Borrowed => None,
