@@ -114,8 +114,10 @@ pub enum Event<S> {
 pub struct Proto<S> {
     seq: Sequencer,
     rx: VecDeque<RxItem>,
-    /// The peer sent Disconnect (after everything in `rx`).
+    /// The peer sent Disconnect or Close (after everything in `rx`).
     eof: bool,
+    /// The peer sent Close: it reads nothing more.
+    peer_closed: bool,
     sends: VecDeque<Outbound<S>>,
     /// SrcAvails sent and received so far: the next ones' numbers.
     srcs_sent: u64,
@@ -134,6 +136,7 @@ impl<S> Proto<S> {
             seq: Sequencer::default(),
             rx: VecDeque::new(),
             eof: false,
+            peer_closed: false,
             sends: VecDeque::new(),
             srcs_sent: 0,
             srcs_seen: 0,
@@ -201,12 +204,13 @@ impl<S> Proto<S> {
     pub fn on_message(&mut self, bytes: &[u8]) -> Result<Event<S>, ProtoError> {
         let (h, m) = Message::decode(bytes)?;
         self.seq.check(&h)?;
-        if self.eof
-            && !matches!(
-                m,
-                Message::RdmaRdCompl { .. } | Message::Abort | Message::ModeChange(_) | Message::LockTable(_)
-            )
-        {
+        // After Disconnect the peer only answers and announces; after Close, it only answers.
+        let allowed_after = match m {
+            Message::RdmaRdCompl { .. } | Message::Abort => true,
+            Message::ModeChange(_) | Message::LockTable(_) | Message::Close => !self.peer_closed,
+            _ => false,
+        };
+        if self.eof && !allowed_after {
             return Err(ProtoError::AfterDisconnect);
         }
         let event = match m {
@@ -270,6 +274,11 @@ impl<S> Proto<S> {
                 self.eof = true;
                 Event::None
             }
+            Message::Close => {
+                self.eof = true;
+                self.peer_closed = true;
+                Event::None
+            }
             Message::Abort => Event::Aborted,
         };
         self.seq.accept(&h).expect("checked above");
@@ -302,9 +311,15 @@ impl<S> Proto<S> {
         self.seq.accept(h).expect("checked by next_data");
     }
 
-    /// Whether the peer sent Disconnect.
+    /// Whether the peer sent Disconnect (or Close).
     pub fn eof(&self) -> bool {
         self.eof
+    }
+
+    /// Whether the peer sent Close: it reads nothing more, so what we send is lost and the
+    /// SrcAvails of ours it has not started reading will not be answered.
+    pub fn peer_closed(&self) -> bool {
+        self.peer_closed
     }
 
     /// The design the peer last announced (BSDP until it announces one).
@@ -574,6 +589,35 @@ mod tests {
     }
 
     #[test]
+    fn close_is_end_of_stream_and_only_answers_follow_it() {
+        // Close on its own: the bytes before it are read, then end of stream.
+        let mut p = Pair::new();
+        p.a_to_b(Message::Data(b"last")).unwrap();
+        assert!(!p.b.peer_closed());
+        p.a_to_b(Message::Close).unwrap();
+        assert!(p.b.eof() && p.b.peer_closed());
+        assert_eq!(read_all(&mut p.b), b"last");
+        // (Each refused message's sequence number is taken back, as the driver's would be.)
+        for refused in [Message::Data(b"more"), Message::ModeChange(Design::Zsdp), Message::Close] {
+            assert_eq!(p.a_to_b(refused).unwrap_err(), ProtoError::AfterDisconnect, "{refused:?}");
+            p.a.unsend();
+        }
+        // A read the closer started before it closed is still answered.
+        let mut p = Pair::new();
+        p.b_to_a(Message::SrcAvail(advert(4096))).unwrap();
+        p.b.advertised(4096, "buffer");
+        p.a_to_b(Message::Close).unwrap();
+        assert!(matches!(p.a_to_b(Message::RdmaRdCompl { len: 4096 }), Ok(Event::Answered { read: 4096, .. })));
+        // Close after a shutdown of the writing side.
+        let mut p = Pair::new();
+        p.a_to_b(Message::Disconnect).unwrap();
+        assert!(p.b.eof() && !p.b.peer_closed());
+        p.a_to_b(Message::Close).unwrap();
+        assert!(p.b.peer_closed());
+        assert!(matches!(p.a_to_b(Message::Abort), Ok(Event::Aborted)));
+    }
+
+    #[test]
     fn an_answer_releases_the_oldest_srcavail_and_must_cover_it_unless_cancelled() {
         let mut p = Pair::new();
         assert_eq!(p.b_to_a(Message::RdmaRdCompl { len: 1 }).unwrap_err(), ProtoError::NothingToAnswer);
@@ -715,6 +759,7 @@ mod tests {
         Table(u32),
         Mode,
         Disconnect,
+        Close,
         Abort,
         Garbage(Vec<u8>),
     }
@@ -729,6 +774,7 @@ mod tests {
             (0u32..512).prop_map(PeerMsg::Table),
             Just(PeerMsg::Mode),
             Just(PeerMsg::Disconnect),
+            Just(PeerMsg::Close),
             Just(PeerMsg::Abort),
             vec(any::<u8>(), 0..40).prop_map(PeerMsg::Garbage),
         ];
@@ -761,6 +807,7 @@ mod tests {
                             PeerMsg::Table(l) => Message::LockTable(advert(*l)),
                             PeerMsg::Mode => Message::ModeChange(Design::Zsdp),
                             PeerMsg::Disconnect => Message::Disconnect,
+                            PeerMsg::Close => Message::Close,
                             PeerMsg::Abort => Message::Abort,
                             PeerMsg::Garbage(_) => unreachable!(),
                         };
@@ -769,8 +816,9 @@ mod tests {
                         out
                     }
                 };
-                let state =
-                    |p: &Proto<u32>| (p.rx().len(), p.sends().len(), p.eof(), p.sends().front().map(|o| o.what));
+                let state = |p: &Proto<u32>| {
+                    (p.rx().len(), p.sends().len(), p.eof(), p.peer_closed(), p.sends().front().map(|o| o.what))
+                };
                 let before = state(&p);
                 match p.on_message(&bytes) {
                     Err(_) => {
@@ -778,7 +826,7 @@ mod tests {
                         mseq -= 1;
                     }
                     Ok(Event::Answered { sent, read }) => {
-                        prop_assert_eq!(Some(sent.what), before.3);
+                        prop_assert_eq!(Some(sent.what), before.4);
                         prop_assert_eq!(read, sent.len, "none of ours was cancelled");
                     }
                     Ok(_) => {}

@@ -1070,6 +1070,10 @@ impl Conn {
         if self.write_shut {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, "socket shut down for writing"));
         }
+        if self.proto.peer_closed() {
+            // TCP would answer the bytes with a reset, and the next write would see EPIPE.
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the peer closed the connection"));
+        }
         Ok(())
     }
 
@@ -1799,27 +1803,33 @@ impl Drop for Conn {
         if self.failed.is_some() {
             return;
         }
-        // Close: Disconnect after the bytes written, then linger until the peer took them
-        // (and, for AZ-SDP, read the buffers still held).
+        // Close: Close after the bytes written (it is Disconnect, and says we read nothing
+        // more), then linger until the peer took them (and, for AZ-SDP, read the buffers still
+        // held), or until the peer's own Close says it will take nothing more. Without that
+        // last condition two ends closing at once could each wait for the other: the first to
+        // finish drops its queue pair, and the other's last message then fails only when the
+        // transport notices the peer is gone (10 ms on the software provider, the retry timers
+        // on hardware).
         // The wait spins briefly, then sleeps on the completion queue in short slices: a peer
         // that makes no call on its socket for a while must not cost us a core meanwhile.
         let deadline = &Deadline::after(Some(LINGER));
         let cq = self.pipe.cq().clone();
         let mut pacer = Pacer::default();
-        if !self.write_shut {
-            while !matches!(self.try_send(&Message::Disconnect), Ok(true) | Err(_)) {
-                let _ = self.pipe.progress();
-                if pacer.pause_on(deadline, "closing", Some(&cq)).is_err() {
-                    break;
+        let mut close_sent = false;
+        while self.failed.is_none() && self.pipe.failure().is_none() {
+            if !close_sent {
+                match self.try_send(&Message::Close) {
+                    Ok(sent) => close_sent = sent,
+                    Err(_) => break,
                 }
             }
-        }
-        while self.failed.is_none()
-            && self.pipe.failure().is_none()
-            && !(self.pipe.idle() && self.proto.sends().is_empty() && self.reads.is_empty())
-        {
             let _ = self.pipe.flush();
             let _ = self.pump();
+            let done = self.pipe.idle() && self.proto.sends().is_empty() && self.reads.is_empty();
+            // A peer that closed is told so if flow control admits it, and not waited for.
+            if (close_sent && done) || self.proto.peer_closed() {
+                break;
+            }
             if pacer.pause_on(deadline, "closing", Some(&cq)).is_err() {
                 break;
             }

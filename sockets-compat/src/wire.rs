@@ -63,6 +63,7 @@ mod mid {
     pub const SRC_AVAIL_CANCEL: u8 = 0x08;
     pub const LOCK_TABLE: u8 = 0x80;
     pub const SRC_AVAIL_UPDATE: u8 = 0x81;
+    pub const CLOSE: u8 = 0x82;
     pub const SINK_AVAIL: u8 = 0xFD;
     pub const SRC_AVAIL: u8 = 0xFE;
     pub const DATA: u8 = 0xFF;
@@ -200,6 +201,12 @@ pub enum Message<'a> {
     },
     /// The sender will send no more stream bytes (shutdown of its write side).
     Disconnect,
+    /// The sender closed the socket: Disconnect (if it did not send one already), and it will
+    /// read nothing more, so its peer need not wait for its own messages to be taken. (The
+    /// specification ends a connection with a connection-manager handshake after both
+    /// Disconnects instead; without one, a closer that lingered until its peer's Disconnect
+    /// arrived could wait for a peer that never closes.)
+    Close,
     /// The sender drops the connection at once.
     Abort,
 }
@@ -216,6 +223,7 @@ impl Message<'_> {
             Message::LockTable(_) => mid::LOCK_TABLE,
             Message::SrcAvailUpdate { .. } => mid::SRC_AVAIL_UPDATE,
             Message::Disconnect => mid::DISCONNECT,
+            Message::Close => mid::CLOSE,
             Message::Abort => mid::ABORT,
         }
     }
@@ -228,7 +236,7 @@ impl Message<'_> {
             Message::SrcAvailUpdate { .. } => 24,
             Message::RdmaRdCompl { .. } => 4,
             Message::ModeChange(_) => 4,
-            Message::SrcAvailCancel | Message::Disconnect | Message::Abort => 0,
+            Message::SrcAvailCancel | Message::Disconnect | Message::Close | Message::Abort => 0,
         }
     }
 
@@ -255,7 +263,7 @@ impl Message<'_> {
             }
             Message::RdmaRdCompl { len } => out.extend_from_slice(&len.to_be_bytes()),
             Message::ModeChange(d) => out.extend_from_slice(&[d.code(), 0, 0, 0]),
-            Message::SrcAvailCancel | Message::Disconnect | Message::Abort => {}
+            Message::SrcAvailCancel | Message::Disconnect | Message::Close | Message::Abort => {}
         }
     }
 
@@ -317,11 +325,12 @@ impl Message<'_> {
                     Design::from_code(body[0]).ok_or(WireError::BadField { field: "mode", value: body[0] as u64 })?;
                 Message::ModeChange(d)
             }
-            mid::SRC_AVAIL_CANCEL | mid::DISCONNECT | mid::ABORT => {
+            mid::SRC_AVAIL_CANCEL | mid::DISCONNECT | mid::CLOSE | mid::ABORT => {
                 need(0)?;
                 match id {
                     mid::SRC_AVAIL_CANCEL => Message::SrcAvailCancel,
                     mid::DISCONNECT => Message::Disconnect,
+                    mid::CLOSE => Message::Close,
                     _ => Message::Abort,
                 }
             }
@@ -400,6 +409,7 @@ mod tests {
         Locks(Advert),
         Update(u64, Advert),
         Disc,
+        Close,
         Abort,
     }
 
@@ -415,6 +425,7 @@ mod tests {
                 Owned::Locks(a) => Message::LockTable(*a),
                 Owned::Update(index, advert) => Message::SrcAvailUpdate { index: *index, advert: *advert },
                 Owned::Disc => Message::Disconnect,
+                Owned::Close => Message::Close,
                 Owned::Abort => Message::Abort,
             }
         }
@@ -435,6 +446,7 @@ mod tests {
             })),
             (any::<u64>(), arb_advert()).prop_map(|(i, a)| Owned::Update(i, a)),
             Just(Owned::Disc),
+            Just(Owned::Close),
             Just(Owned::Abort),
         ]
     }

@@ -234,6 +234,81 @@ fn dropping_a_socket_is_eof_for_the_peer() {
 }
 
 #[test]
+fn a_closed_peer_is_eof_then_writing_to_it_is_a_broken_pipe() {
+    let (mut c, mut s) = pair(SdpConfig::default(), SdpConfig::default());
+    c.write_all(b"goodbye").unwrap();
+    drop(c);
+    let mut got = String::new();
+    s.read_to_string(&mut got).unwrap();
+    assert_eq!(got, "goodbye");
+    // The peer said it reads nothing more: the write fails rather than being lost.
+    let err = s.write(b"anyone there?").unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BrokenPipe, "{err}");
+    assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "EOF stays EOF");
+}
+
+#[test]
+fn a_peer_that_shut_down_writing_then_closes_is_a_broken_pipe_only_after_the_close() {
+    let (mut c, mut s) = pair(SdpConfig::default(), SdpConfig::default());
+    c.shutdown(Shutdown::Write).unwrap();
+    assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0);
+    // Half-closed: it still reads.
+    s.write_all(b"reply").unwrap();
+    let mut r = [0u8; 5];
+    c.read_exact(&mut r).unwrap();
+    assert_eq!(&r, b"reply");
+    drop(c);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let err = loop {
+        // The Close arrives after the Disconnect; the first writes may still go out.
+        match s.write(b"x") {
+            Ok(_) => assert!(std::time::Instant::now() < deadline, "the close never arrived"),
+            Err(e) => break e,
+        }
+        thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!(err.kind(), ErrorKind::BrokenPipe, "{err}");
+}
+
+/// Both ends write, read the other's stream whole and close at once, again and again: the
+/// close race (each end's last message meeting a queue pair the other already dropped) must
+/// neither lose bytes nor hang.
+#[test]
+fn both_ends_closing_at_once_lose_nothing() {
+    for design in [Design::Bsdp, Design::Zsdp, Design::AzSdp] {
+        let cfg = SdpConfig { design, ..SdpConfig::default() };
+        for round in 0..8u64 {
+            let (a, b) = pair(cfg, cfg);
+            let len = 300_000 + round as usize * 10_000;
+            let ends: Vec<_> = [(a, 1u64), (b, 2u64)]
+                .into_iter()
+                .map(|(mut sock, seed)| {
+                    thread::spawn(move || {
+                        let mine = Rng(seed + round * 10).bytes(len);
+                        let theirs = Rng((3 - seed) + round * 10).bytes(len);
+                        let writer = {
+                            let mut w = sock.try_clone().unwrap();
+                            thread::spawn(move || {
+                                w.write_all(&mine).unwrap();
+                                w.flush().unwrap();
+                            })
+                        };
+                        let mut got = vec![0u8; len];
+                        sock.read_exact(&mut got).unwrap();
+                        writer.join().unwrap();
+                        assert!(got == theirs, "{design:?} round {round}: stream corrupted");
+                        drop(sock);
+                    })
+                })
+                .collect();
+            for e in ends {
+                e.join().unwrap();
+            }
+        }
+    }
+}
+
+#[test]
 fn nonblocking_mode_returns_would_block() {
     let (mut c, mut s) = pair(SdpConfig::default(), SdpConfig::default());
     s.set_nonblocking(true).unwrap();

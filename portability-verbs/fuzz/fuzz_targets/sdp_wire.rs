@@ -24,9 +24,9 @@ fuzz_target!(|data: &[u8]| {
             let _ = seq.accept(&h);
         }
         // Taken or refused, never a panic; a refused message changes nothing.
-        let before = (proto.rx().len(), proto.sends().len(), proto.eof());
+        let before = (proto.rx().len(), proto.sends().len(), proto.eof(), proto.peer_closed());
         if proto.on_message(msg).is_err() {
-            assert_eq!(before, (proto.rx().len(), proto.sends().len(), proto.eof()));
+            assert_eq!(before, (proto.rx().len(), proto.sends().len(), proto.eof(), proto.peer_closed()));
         }
         let mut buf = [0u8; 64];
         let _ = proto.read_queued(&mut buf, |_| false);
