@@ -618,6 +618,59 @@ fn provider_allocated_memory_is_a_shared_segment_target() {
     assert_eq!(got, data);
 }
 
+/// A reader polling the last 8 bytes of an RDMA write (the RDMA fast path of eager protocols)
+/// sees the whole write once they change: the software provider places them last, as a NIC's
+/// in-order DMA does. Into provider memory and into this process's heap (both stored directly);
+/// each write waits for the reader's check, so a stale word the reader sees is a misplacement.
+#[test]
+fn a_polled_write_is_whole_once_its_last_word_changed() {
+    let ctx = Context::open(Provider::Software).unwrap();
+    let p = pair(&ctx, 8192);
+    let seg = p.pd.alloc(4096, AccessFlags::ALL).unwrap();
+    let heap = p.pd.register(vec![0u8; 4096].into_boxed_slice(), AccessFlags::ALL).unwrap();
+    for target in [&seg, &heap] {
+        target.write(0, &[0u8; 4096]);
+        let checked = std::sync::atomic::AtomicU64::new(0);
+        let rounds = 3000u64;
+        let size = |n: u64| 16 + (n as usize * 56) % 4080; // 16..4096, multiples of 8
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let base = target.as_ptr() as *const std::sync::atomic::AtomicU64;
+                let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                for n in 1..=rounds {
+                    let words = size(n) / 8;
+                    // SAFETY: aligned words inside the live region, written concurrently by the
+                    // provider only: atomic loads.
+                    let word = |i: usize| unsafe { (*base.add(i)).load(std::sync::atomic::Ordering::Acquire) };
+                    while word(words - 1) != n {
+                        assert!(std::time::Instant::now() < deadline, "write {n} never landed");
+                        std::hint::spin_loop();
+                    }
+                    for i in 0..words {
+                        assert_eq!(word(i), n, "word {i} of {words} stale when the last one showed write {n}");
+                    }
+                    checked.store(n, std::sync::atomic::Ordering::Release);
+                }
+            });
+            let mut buf = vec![0u8; 4096];
+            for n in 1..=rounds {
+                let len = size(n);
+                for w in buf[..len].chunks_mut(8) {
+                    w.copy_from_slice(&n.to_ne_bytes());
+                }
+                p.mr_a.write(0, &buf[..len]);
+                p.a.post_send(&[SendWr::write(n, &[p.mr_a.sge(0, len)], target.addr(), target.rkey())]).unwrap();
+                assert_eq!(wait_one(&p.cq_a).status, WcStatus::Success);
+                let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                while checked.load(std::sync::atomic::Ordering::Acquire) != n {
+                    assert!(std::time::Instant::now() < deadline, "the reader stopped at write {n}");
+                    std::thread::yield_now();
+                }
+            }
+        });
+    }
+}
+
 #[test]
 fn deregistered_keys_are_refused_and_never_match_a_later_registration() {
     each(|ctx| {

@@ -266,7 +266,17 @@ impl RemoteAccess<'_> {
             // SAFETY: the destination was validated against a live registration (in use until
             // this guard drops); the caller vouches for the source.
             Reach::Direct(p) => {
-                if !unsafe { local_copy(p.add(off), src, len) } {
+                // The range's last 8 bytes are placed after the rest, as a NIC's in-order DMA
+                // places them: a reader polling them (an RDMA fast path) then sees the whole
+                // write. (Pieces come in order, so only the last one is split.)
+                let last = if off + len == self.len { len.min(8) } else { 0 };
+                // SAFETY (both): as above; the two pieces split the checked range.
+                let placed = unsafe { local_copy(p.add(off), src, len - last) } && {
+                    std::sync::atomic::fence(Ordering::Release);
+                    // SAFETY: see above.
+                    unsafe { local_copy(p.add(off + len - last), src.add(len - last), last) }
+                };
+                if !placed {
                     return Err(WcStatus::RemAccessErr);
                 }
             }
