@@ -20,7 +20,9 @@ enum Op {
     Send,
     /// RDMA write-with-immediate into the peer's provider segment: latency and bandwidth.
     Wwi,
-    /// RDMA write into the peer's provider-allocated shared segment: bandwidth.
+    /// RDMA write into the peer's provider-allocated shared segment: bandwidth, and latency
+    /// with the receiver polling the segment's memory for the message's last 8 bytes (no
+    /// completion, no posted receive: the floor of an eager-RDMA path; from 8 bytes).
     WriteSeg,
     /// RDMA write into the peer's ordinary (heap) memory, by cross-memory attach: bandwidth.
     WriteUser,
@@ -210,6 +212,18 @@ impl Side {
     /// path while the peer has `LAT_DEPTH` posted.
     fn ping(&mut self, op: Op, i: u64, size: usize, total: u64) -> Result<()> {
         let (raddr, rkey) = target(self, op);
+        if op == Op::WriteSeg {
+            // The last 8 bytes say which message this is; the peer polls them in its memory.
+            self.send_buf.write(size - 8, &(i + 1).to_le_bytes());
+            let wr = SendWr::write(i, &[self.send_buf.sge(0, size)], raddr, rkey);
+            // Signaled now and then, so the send queue's slots come back.
+            let signaled = i % 64 == 63 || i + 1 == total;
+            self.qp.post_send(&[wr.inline(size <= 64).signaled(signaled)])?;
+            if signaled {
+                self.wait_sends(self.send_done + 1)?;
+            }
+            return Ok(());
+        }
         let wr = match op {
             Op::Send => SendWr::send(i, &[self.send_buf.sge(0, size)]),
             _ => SendWr::write_with_imm(i, &[self.send_buf.sge(0, size)], raddr, rkey, i as u32),
@@ -217,6 +231,18 @@ impl Side {
         self.qp.post_send(&[wr.inline(size <= 64).signaled(i + 1 == total)])?;
         if i + LAT_DEPTH < total {
             self.post_recv(0, size.max(1))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the peer's write of message `i` (`size` bytes) landed in our segment.
+    fn wait_written(&mut self, i: u64, size: usize) -> Result<()> {
+        let mut spin = Spin::new(TIMEOUT);
+        // SAFETY: in bounds of our live segment (size <= SEG_REGION); a volatile load, since
+        // the peer writes it behind the compiler's back.
+        let flag = unsafe { self._seg.as_ptr().add(size - 8) } as *const u64;
+        while u64::from_le(unsafe { std::ptr::read_volatile(flag) }) != i + 1 {
+            spin.tick()?;
         }
         Ok(())
     }
@@ -266,13 +292,18 @@ fn client_latency(side: &mut Side, args: &Args, op: Op, size: usize, hist: &mut 
     let iters = latency_iters(args, size);
     let total = iters + args.warmup.min(iters);
     let done = side.send_done + 1;
-    for _ in 0..LAT_DEPTH.min(total) {
+    let depth = if op == Op::WriteSeg { 0 } else { LAT_DEPTH };
+    for _ in 0..depth.min(total) {
         side.post_recv(0, size.max(1))?;
     }
     for i in 0..total {
         let t0 = Instant::now();
         side.ping(op, i, size, total)?;
-        side.wait_recv()?;
+        if op == Op::WriteSeg {
+            side.wait_written(i, size)?;
+        } else {
+            side.wait_recv()?;
+        }
         let rtt = t0.elapsed().as_nanos() as u64;
         if i >= args.warmup.min(iters) {
             hist.record((rtt / 2).max(1)).ok();
@@ -286,7 +317,11 @@ fn server_latency(side: &mut Side, args: &Args, op: Op, size: usize) -> Result<(
     let total = iters + args.warmup.min(iters);
     let done = side.send_done + 1;
     for i in 0..total {
-        side.wait_recv()?;
+        if op == Op::WriteSeg {
+            side.wait_written(i, size)?;
+        } else {
+            side.wait_recv()?;
+        }
         side.ping(op, i, size, total)?;
     }
     side.wait_sends(done)
@@ -367,7 +402,7 @@ fn schedule(args: &Args) -> Vec<Point> {
     let mut v = Vec::new();
     for &op in &args.ops {
         for size in sizes_between(args.min_size, args.max_size.min(MAX_SIZE)) {
-            if matches!(op, Op::Send | Op::Wwi) {
+            if matches!(op, Op::Send | Op::Wwi) || (op == Op::WriteSeg && size >= 8) {
                 v.push(Point { op, size, latency: true });
             }
             v.push(Point { op, size, latency: false });
@@ -394,7 +429,8 @@ fn run_server(args: &Args) -> Result<()> {
     let mut side = Side::setup(Role::Server, args.addr.as_deref().unwrap_or_default())?;
     for p in schedule(args) {
         if p.latency {
-            let (size, depth) = (p.size, LAT_DEPTH.min(latency_iters(args, p.size) * 2));
+            let receives = if p.op == Op::WriteSeg { 0 } else { LAT_DEPTH };
+            let (size, depth) = (p.size, receives.min(latency_iters(args, p.size) * 2));
             sync(&mut side, Role::Server, |s| (0..depth).try_for_each(|_| s.post_recv(0, size.max(1))))?;
             server_latency(&mut side, args, p.op, p.size)?;
         } else {
