@@ -235,6 +235,15 @@ impl Side {
         Ok(())
     }
 
+    /// Waits for the peer's latency message `i`: a receive, or (write-seg) its write landing.
+    fn wait_pong(&mut self, op: Op, i: u64, size: usize) -> Result<()> {
+        if op == Op::WriteSeg {
+            self.wait_written(i, size)
+        } else {
+            self.wait_recv().map(|_| ())
+        }
+    }
+
     /// Waits until the peer's write of message `i` (`size` bytes) landed in our segment.
     fn wait_written(&mut self, i: u64, size: usize) -> Result<()> {
         let mut spin = Spin::new(TIMEOUT);
@@ -287,23 +296,28 @@ fn target(side: &Side, op: Op) -> (u64, u32) {
 /// (after the next message is sent), as perftest does.
 const LAT_DEPTH: u64 = 8;
 
+/// Receives a latency run of `op` keeps posted (none where the peer's messages are polled for
+/// in memory).
+fn latency_receives(op: Op) -> u64 {
+    if op == Op::WriteSeg {
+        0
+    } else {
+        LAT_DEPTH
+    }
+}
+
 /// The client side of one latency point; records one-way latencies in nanoseconds.
 fn client_latency(side: &mut Side, args: &Args, op: Op, size: usize, hist: &mut Histogram<u64>) -> Result<()> {
     let iters = latency_iters(args, size);
     let total = iters + args.warmup.min(iters);
     let done = side.send_done + 1;
-    let depth = if op == Op::WriteSeg { 0 } else { LAT_DEPTH };
-    for _ in 0..depth.min(total) {
+    for _ in 0..latency_receives(op).min(total) {
         side.post_recv(0, size.max(1))?;
     }
     for i in 0..total {
         let t0 = Instant::now();
         side.ping(op, i, size, total)?;
-        if op == Op::WriteSeg {
-            side.wait_written(i, size)?;
-        } else {
-            side.wait_recv()?;
-        }
+        side.wait_pong(op, i, size)?;
         let rtt = t0.elapsed().as_nanos() as u64;
         if i >= args.warmup.min(iters) {
             hist.record((rtt / 2).max(1)).ok();
@@ -317,11 +331,7 @@ fn server_latency(side: &mut Side, args: &Args, op: Op, size: usize) -> Result<(
     let total = iters + args.warmup.min(iters);
     let done = side.send_done + 1;
     for i in 0..total {
-        if op == Op::WriteSeg {
-            side.wait_written(i, size)?;
-        } else {
-            side.wait_recv()?;
-        }
+        side.wait_pong(op, i, size)?;
         side.ping(op, i, size, total)?;
     }
     side.wait_sends(done)
@@ -429,8 +439,7 @@ fn run_server(args: &Args) -> Result<()> {
     let mut side = Side::setup(Role::Server, args.addr.as_deref().unwrap_or_default())?;
     for p in schedule(args) {
         if p.latency {
-            let receives = if p.op == Op::WriteSeg { 0 } else { LAT_DEPTH };
-            let (size, depth) = (p.size, receives.min(latency_iters(args, p.size) * 2));
+            let (size, depth) = (p.size, latency_receives(p.op).min(latency_iters(args, p.size) * 2));
             sync(&mut side, Role::Server, |s| (0..depth).try_for_each(|_| s.post_recv(0, size.max(1))))?;
             server_latency(&mut side, args, p.op, p.size)?;
         } else {
