@@ -324,6 +324,46 @@ struct PendingRead {
     _reg: Registration<'static>,
     /// Answer RdmaRdCompl with this length once complete (the advert's last read).
     answer: Option<u32>,
+    /// The application read into the held buffer again before the data landed.
+    ran_into: bool,
+}
+
+/// Whether an AZ-SDP receive's hold pays on this socket. A hold lets `read` return before its
+/// data has landed, which helps an application that does something else before it touches the
+/// buffer again; one that reads into the same buffer at once (a ttcp-style loop) waits for the
+/// data anyway, and pays two `mprotect`s and a landing through `/proc/self/mem` besides. After
+/// [`RxHolds::MISS_LIMIT`] holds in a row that the application ran into before they landed,
+/// receives wait for their data instead (as ZSDP's do); every [`RxHolds::TRIAL_EVERY`]th
+/// one may hold again, so a socket whose application changes its ways holds again.
+#[derive(Default)]
+struct RxHolds {
+    /// Holds in a row the application ran into.
+    misses: u32,
+    /// Receives that waited since the last trial.
+    waited: u32,
+}
+
+impl RxHolds {
+    const MISS_LIMIT: u32 = 4;
+    const TRIAL_EVERY: u32 = 64;
+
+    /// Whether the next receive may hold its buffer (else it waits for its data).
+    fn may_hold(&mut self) -> bool {
+        if self.misses < Self::MISS_LIMIT {
+            return true;
+        }
+        self.waited += 1;
+        if self.waited >= Self::TRIAL_EVERY {
+            self.waited = 0;
+            return true;
+        }
+        false
+    }
+
+    /// A held receive landed; `ran_into`: the application met the hold before that.
+    fn landed(&mut self, ran_into: bool) {
+        self.misses = if ran_into { self.misses.saturating_add(1) } else { 0 };
+    }
 }
 
 /// What one read attempt found.
@@ -363,6 +403,8 @@ struct Conn {
     /// ZSDP: the answer to the waiting write's SrcAvail.
     zcopy_answer: Option<u32>,
     reads: VecDeque<PendingRead>,
+    /// Whether receive holds have paid lately.
+    rx_holds: RxHolds,
     /// AZ-SDP send buffers read already whose pages were left read-only (oldest first): sending
     /// one again re-protects it for the price of an `mprotect` that changes nothing, and a write
     /// to one opens it from the fault handler. Opened at `flush`, `wait_transfers` and close,
@@ -442,6 +484,7 @@ impl SdpStream {
             answered_at: Instant::now(),
             zcopy_answer: None,
             reads: VecDeque::new(),
+            rx_holds: RxHolds::default(),
             lazy: VecDeque::new(),
             faults: 0,
             fell_back: false,
@@ -615,6 +658,8 @@ impl SdpStream {
         loop {
             {
                 let mut c = self.lock();
+                // Before `try_read` lands what it can: a hold met now has not paid.
+                c.ran_into_holds(buf);
                 match c.try_read(buf)? {
                     ReadStep::Got(n) => {
                         if !c.reads.is_empty() {
@@ -651,7 +696,10 @@ impl SdpStream {
     fn wait_readable(&self, buf: &[u8], deadline: &Deadline) -> io::Result<()> {
         let mut pacer = Pacer::default();
         while protect::read_blocked(buf.as_ptr() as usize, buf.len()) {
-            self.lock().pump()?;
+            let mut c = self.lock();
+            c.ran_into_holds(buf);
+            c.pump()?;
+            drop(c);
             if !protect::read_blocked(buf.as_ptr() as usize, buf.len()) {
                 break;
             }
@@ -1130,6 +1178,7 @@ impl Conn {
                     let r = self.reads.pop_front().expect("front");
                     if let Some(h) = &r.hold {
                         self.note_faults(h.faults());
+                        self.rx_holds.landed(r.ran_into || h.faults() > 0);
                     }
                     drop(r.hold);
                     if let Some(n) = r.answer {
@@ -1536,7 +1585,11 @@ impl Conn {
                 }
                 if middle > 0 {
                     let dst = &mut buf[head..head + middle];
-                    self.post_read(dst, a.addr + done as u64 + head as u64, a.rkey, true, answer)?;
+                    let hold = self.rx_holds.may_hold();
+                    let token = self.post_read(dst, a.addr + done as u64 + head as u64, a.rkey, hold, answer)?;
+                    if !hold {
+                        self.wait_read(token)?;
+                    }
                 }
                 self.proto.consume_front_src(end);
                 Ok(ReadStep::Got(head + middle))
@@ -1617,7 +1670,7 @@ impl Conn {
             .map_err(verbs_io)?;
         let sge = Sge { addr: dst.as_ptr() as u64, length: dst.len() as u32, lkey: reg.lkey() };
         let token = self.pipe.post_user(SendWr::read(0, &[sge], addr, rkey)).map_err(|e| self.fail_verbs(e))?;
-        self.reads.push_back(PendingRead { token, hold: None, _reg: reg, answer });
+        self.reads.push_back(PendingRead { token, hold: None, _reg: reg, answer, ran_into: false });
         if hold {
             // Protect only what is still in flight once the application gets control back: the
             // data landing before the pages close is harmless (the caller has not returned), and
@@ -1664,6 +1717,16 @@ impl Conn {
                 return Err(self.fail(io::ErrorKind::TimedOut, "an RDMA read did not complete".into()));
             }
             std::hint::spin_loop();
+        }
+    }
+
+    /// Notes that the application came back to `buf` while receive holds on it had not landed.
+    fn ran_into_holds(&mut self, buf: &[u8]) {
+        let (start, end) = (buf.as_ptr() as usize, buf.as_ptr() as usize + buf.len());
+        for r in self.reads.iter_mut() {
+            if r.hold.as_ref().is_some_and(|h| h.addr() < end && start < h.addr() + h.len()) {
+                r.ran_into = true;
+            }
         }
     }
 
@@ -1855,5 +1918,28 @@ mod tests {
         assert!(!d.passed());
         std::thread::sleep(Duration::from_millis(25));
         assert!(d.passed());
+    }
+
+    #[test]
+    fn receive_holds_stop_once_the_application_keeps_running_into_them_and_are_tried_again() {
+        let mut h = RxHolds::default();
+        for _ in 0..RxHolds::MISS_LIMIT - 1 {
+            assert!(h.may_hold());
+            h.landed(true);
+        }
+        // A hold that paid clears the streak.
+        assert!(h.may_hold());
+        h.landed(false);
+        for _ in 0..RxHolds::MISS_LIMIT {
+            assert!(h.may_hold());
+            h.landed(true);
+        }
+        let tries: Vec<bool> = (0..3 * RxHolds::TRIAL_EVERY).map(|_| h.may_hold()).collect();
+        let trials: Vec<usize> = tries.iter().enumerate().filter(|(_, &t)| t).map(|(i, _)| i).collect();
+        let every = RxHolds::TRIAL_EVERY as usize;
+        assert_eq!(trials, vec![every - 1, 2 * every - 1, 3 * every - 1], "only every {every}th receive tries");
+        // A trial that pays brings holds back.
+        h.landed(false);
+        assert!((0..8).all(|_| h.may_hold()));
     }
 }
