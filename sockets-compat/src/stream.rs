@@ -653,13 +653,16 @@ impl SdpStream {
         if buf.is_empty() {
             return Ok(0);
         }
-        let deadline = &Deadline::after(self.lock().read_timeout);
+        let deadline = {
+            let mut c = self.lock();
+            // Before `try_read` lands what it can: a hold met now has not paid.
+            c.ran_into_holds(buf);
+            &Deadline::after(c.read_timeout)
+        };
         let mut pacer = Pacer::default();
         loop {
             {
                 let mut c = self.lock();
-                // Before `try_read` lands what it can: a hold met now has not paid.
-                c.ran_into_holds(buf);
                 match c.try_read(buf)? {
                     ReadStep::Got(n) => {
                         if !c.reads.is_empty() {
@@ -1009,6 +1012,12 @@ impl SdpStream {
 fn hold_cost(len: usize) -> Duration {
     let pages = len.div_ceil(portability_verbs::page_size()) as u64;
     Duration::from_nanos(2 * (2000 + 80 * pages))
+}
+
+/// Whether `hold` covers a byte of `buf`.
+fn hold_meets(hold: &ProtectedRange, buf: &[u8]) -> bool {
+    let start = buf.as_ptr() as usize;
+    hold.addr() < start + buf.len() && start < hold.addr() + hold.len()
 }
 
 /// What copying `len` bytes aside costs (a fresh buffer's page faults and the copy: about
@@ -1603,9 +1612,8 @@ impl Conn {
 
     /// Whether an AZ-SDP write of ours still holds part of `buf`.
     fn sending_from(&self, buf: &[u8]) -> bool {
-        let (start, end) = (buf.as_ptr() as usize, buf.as_ptr() as usize + buf.len());
         self.proto.sends().iter().any(|o| match &o.what {
-            Sending::Held { hold: h, .. } => h.addr() < end && start < h.addr() + h.len(),
+            Sending::Held { hold, .. } => hold_meets(hold, buf),
             _ => false,
         })
     }
@@ -1722,9 +1730,8 @@ impl Conn {
 
     /// Notes that the application came back to `buf` while receive holds on it had not landed.
     fn ran_into_holds(&mut self, buf: &[u8]) {
-        let (start, end) = (buf.as_ptr() as usize, buf.as_ptr() as usize + buf.len());
         for r in self.reads.iter_mut() {
-            if r.hold.as_ref().is_some_and(|h| h.addr() < end && start < h.addr() + h.len()) {
+            if r.hold.as_ref().is_some_and(|h| hold_meets(h, buf)) {
                 r.ran_into = true;
             }
         }
