@@ -24,6 +24,11 @@ enum Op {
     /// with the receiver polling the segment's memory for the message's last 8 bytes (no
     /// completion, no posted receive: the floor of an eager-RDMA path; from 8 bytes).
     WriteSeg,
+    /// RDMA write-with-immediate into the peer's provider segment, latency only, with the
+    /// receiver polling the segment's memory for the message's last 8 bytes as for
+    /// `write-seg`, and taking the completion after its reply: the floor of an eager-RDMA path
+    /// whose messages still raise a completion (so a sleeping receiver wakes); from 8 bytes.
+    WwiSeg,
     /// RDMA write into the peer's ordinary (heap) memory, by cross-memory attach: bandwidth.
     WriteUser,
 }
@@ -91,6 +96,10 @@ struct Side {
     posted: u64,
     wcs: Vec<WorkCompletion>,
     pending_recvs: std::collections::VecDeque<WorkCompletion>,
+    /// Messages seen in memory (wwi-seg) whose completions are still to be taken.
+    polled_early: u64,
+    /// Completions of polled messages taken in this latency run (wwi-seg).
+    early_taken: u64,
     send_done: u64,
 }
 
@@ -146,6 +155,8 @@ impl Side {
             posted: 0,
             wcs: vec![WorkCompletion::EMPTY; 64],
             pending_recvs: Default::default(),
+            polled_early: 0,
+            early_taken: 0,
             send_done: 0,
         })
     }
@@ -212,6 +223,24 @@ impl Side {
     /// path while the peer has `LAT_DEPTH` posted.
     fn ping(&mut self, op: Op, i: u64, size: usize, total: u64) -> Result<()> {
         let (raddr, rkey) = target(self, op);
+        if op == Op::WwiSeg {
+            self.send_buf.write(size - 8, &(i + 1).to_le_bytes());
+            let wr = SendWr::write_with_imm(i, &[self.send_buf.sge(0, size)], raddr, rkey, i as u32);
+            self.qp.post_send(&[wr.inline(size <= 64).signaled(i + 1 == total)])?;
+            // The completions of messages seen in memory, taken now (after the reply), and
+            // their receives posted again.
+            self.poll()?;
+            while self.polled_early > 0 {
+                let Some(_) = self.pending_recvs.pop_front() else { break };
+                self.polled_early -= 1;
+                // The peer's message this receive took, counted from the run's start.
+                self.early_taken += 1;
+                if self.early_taken - 1 + LAT_DEPTH < total {
+                    self.post_recv(0, size)?;
+                }
+            }
+            return Ok(());
+        }
         if op == Op::WriteSeg {
             // The last 8 bytes say which message this is; the peer polls them in its memory.
             self.send_buf.write(size - 8, &(i + 1).to_le_bytes());
@@ -239,9 +268,22 @@ impl Side {
     fn wait_pong(&mut self, op: Op, i: u64, size: usize) -> Result<()> {
         if op == Op::WriteSeg {
             self.wait_written(i, size)
+        } else if op == Op::WwiSeg {
+            self.wait_written(i, size)?;
+            self.polled_early += 1;
+            Ok(())
         } else {
             self.wait_recv().map(|_| ())
         }
+    }
+
+    /// Takes the completions of messages already seen in memory (the end of a wwi-seg run).
+    fn drain_early(&mut self) -> Result<()> {
+        while self.polled_early > 0 {
+            self.wait_recv()?;
+            self.polled_early -= 1;
+        }
+        Ok(())
     }
 
     /// Waits until the peer's write of message `i` (`size` bytes) landed in our segment.
@@ -311,6 +353,7 @@ fn client_latency(side: &mut Side, args: &Args, op: Op, size: usize, hist: &mut 
     let iters = latency_iters(args, size);
     let total = iters + args.warmup.min(iters);
     let done = side.send_done + 1;
+    side.early_taken = 0;
     for _ in 0..latency_receives(op).min(total) {
         side.post_recv(0, size.max(1))?;
     }
@@ -323,6 +366,7 @@ fn client_latency(side: &mut Side, args: &Args, op: Op, size: usize, hist: &mut 
             hist.record((rtt / 2).max(1)).ok();
         }
     }
+    side.drain_early()?;
     side.wait_sends(done)
 }
 
@@ -330,10 +374,12 @@ fn server_latency(side: &mut Side, args: &Args, op: Op, size: usize) -> Result<(
     let iters = latency_iters(args, size);
     let total = iters + args.warmup.min(iters);
     let done = side.send_done + 1;
+    side.early_taken = 0;
     for i in 0..total {
         side.wait_pong(op, i, size)?;
         side.ping(op, i, size, total)?;
     }
+    side.drain_early()?;
     side.wait_sends(done)
 }
 
@@ -354,6 +400,7 @@ fn client_bandwidth(side: &mut Side, args: &Args, op: Op, size: usize) -> Result
             let wr = match op {
                 Op::Send => SendWr::send(posted, &[side.send_buf.sge(0, size)]),
                 Op::Wwi => SendWr::write_with_imm(posted, &[side.send_buf.sge(0, size)], raddr + off, rkey, 0),
+                Op::WwiSeg => return Err(VerbsError::InvalidArgument("wwi-seg measures latency only".into())),
                 Op::WriteSeg | Op::WriteUser => SendWr::write(posted, &[side.send_buf.sge(0, size)], raddr + off, rkey),
             };
             side.qp.post_send(&[wr.inline(size <= 64)])?;
@@ -412,10 +459,12 @@ fn schedule(args: &Args) -> Vec<Point> {
     let mut v = Vec::new();
     for &op in &args.ops {
         for size in sizes_between(args.min_size, args.max_size.min(MAX_SIZE)) {
-            if matches!(op, Op::Send | Op::Wwi) || (op == Op::WriteSeg && size >= 8) {
+            if matches!(op, Op::Send | Op::Wwi) || (matches!(op, Op::WriteSeg | Op::WwiSeg) && size >= 8) {
                 v.push(Point { op, size, latency: true });
             }
-            v.push(Point { op, size, latency: false });
+            if op != Op::WwiSeg {
+                v.push(Point { op, size, latency: false });
+            }
         }
     }
     v
@@ -456,7 +505,8 @@ struct Row {
     size: usize,
     median_us: Option<f64>,
     p99_us: Option<f64>,
-    gbps: f64,
+    /// None where only latency was measured (wwi-seg).
+    gbps: Option<f64>,
 }
 
 fn run_client(args: &Args, child: &mut Child, addr: &str) -> Result<Vec<Row>> {
@@ -487,13 +537,13 @@ fn run_client(args: &Args, child: &mut Child, addr: &str) -> Result<Vec<Row>> {
                 size: p.size,
                 median_us: Some(h.value_at_quantile(0.5) as f64 / 1e3),
                 p99_us: Some(h.value_at_quantile(0.99) as f64 / 1e3),
-                gbps: 0.0,
+                gbps: None,
             });
         } else {
             let bw = client_bandwidth(&mut side, args, p.op, p.size)?;
             match rows.iter_mut().find(|r| r.op == p.op && r.size == p.size) {
-                Some(r) => r.gbps = bw / 1e9,
-                None => rows.push(Row { op: p.op, size: p.size, median_us: None, p99_us: None, gbps: bw / 1e9 }),
+                Some(r) => r.gbps = Some(bw / 1e9),
+                None => rows.push(Row { op: p.op, size: p.size, median_us: None, p99_us: None, gbps: Some(bw / 1e9) }),
             }
         }
     }
@@ -591,14 +641,15 @@ fn client_main(args: &Args) -> Result<()> {
         println!("{:>10} {:>12} {:>12} {:>12}", "size", "median us", "p99 us", "GB/s");
         for r in rows.iter().filter(|r| r.op == *op) {
             let f = |v: Option<f64>| v.map(|x| format!("{x:.3}")).unwrap_or_else(|| "-".into());
-            println!("{:>10} {:>12} {:>12} {:>12.2}", fmt_size(r.size), f(r.median_us), f(r.p99_us), r.gbps);
+            let bw = r.gbps.map(|x| format!("{x:.2}")).unwrap_or_else(|| "-".into());
+            println!("{:>10} {:>12} {:>12} {:>12}", fmt_size(r.size), f(r.median_us), f(r.p99_us), bw);
             json.push_str(&format!(
-                "{{\"layer\":\"raw\",\"op\":\"{:?}\",\"size\":{},\"median_us\":{},\"p99_us\":{},\"gbps\":{:.4}}}\n",
+                "{{\"layer\":\"raw\",\"op\":\"{:?}\",\"size\":{},\"median_us\":{},\"p99_us\":{},\"gbps\":{}}}\n",
                 r.op,
                 r.size,
                 r.median_us.map(|v| format!("{v:.4}")).unwrap_or("null".into()),
                 r.p99_us.map(|v| format!("{v:.4}")).unwrap_or("null".into()),
-                r.gbps
+                r.gbps.map(|v| format!("{v:.4}")).unwrap_or("null".into())
             ));
         }
     }
