@@ -266,15 +266,13 @@ impl Side {
 
     /// Waits for the peer's latency message `i`: a receive, or (write-seg) its write landing.
     fn wait_pong(&mut self, op: Op, i: u64, size: usize) -> Result<()> {
-        if op == Op::WriteSeg {
-            self.wait_written(i, size)
-        } else if op == Op::WwiSeg {
-            self.wait_written(i, size)?;
-            self.polled_early += 1;
-            Ok(())
-        } else {
-            self.wait_recv().map(|_| ())
+        if !matches!(op, Op::WriteSeg | Op::WwiSeg) {
+            return self.wait_recv().map(|_| ());
         }
+        self.wait_written(i, size)?;
+        // A write-with-immediate's completion is still to come: taken after the reply.
+        self.polled_early += (op == Op::WwiSeg) as u64;
+        Ok(())
     }
 
     /// Takes the completions of messages already seen in memory (the end of a wwi-seg run).
