@@ -223,27 +223,11 @@ impl Side {
     /// path while the peer has `LAT_DEPTH` posted.
     fn ping(&mut self, op: Op, i: u64, size: usize, total: u64) -> Result<()> {
         let (raddr, rkey) = target(self, op);
-        if op == Op::WwiSeg {
-            self.send_buf.write(size - 8, &(i + 1).to_le_bytes());
-            let wr = SendWr::write_with_imm(i, &[self.send_buf.sge(0, size)], raddr, rkey, i as u32);
-            self.qp.post_send(&[wr.inline(size <= 64).signaled(i + 1 == total)])?;
-            // The completions of messages seen in memory, taken now (after the reply), and
-            // their receives posted again.
-            self.poll()?;
-            while self.polled_early > 0 {
-                let Some(_) = self.pending_recvs.pop_front() else { break };
-                self.polled_early -= 1;
-                // The peer's message this receive took, counted from the run's start.
-                self.early_taken += 1;
-                if self.early_taken - 1 + LAT_DEPTH < total {
-                    self.post_recv(0, size)?;
-                }
-            }
-            return Ok(());
-        }
-        if op == Op::WriteSeg {
+        if matches!(op, Op::WriteSeg | Op::WwiSeg) {
             // The last 8 bytes say which message this is; the peer polls them in its memory.
             self.send_buf.write(size - 8, &(i + 1).to_le_bytes());
+        }
+        if op == Op::WriteSeg {
             let wr = SendWr::write(i, &[self.send_buf.sge(0, size)], raddr, rkey);
             // Signaled now and then, so the send queue's slots come back.
             let signaled = i % 64 == 63 || i + 1 == total;
@@ -258,13 +242,17 @@ impl Side {
             _ => SendWr::write_with_imm(i, &[self.send_buf.sge(0, size)], raddr, rkey, i as u32),
         };
         self.qp.post_send(&[wr.inline(size <= 64).signaled(i + 1 == total)])?;
+        if op == Op::WwiSeg {
+            return self.take_polled_completions(size, total);
+        }
         if i + LAT_DEPTH < total {
             self.post_recv(0, size.max(1))?;
         }
         Ok(())
     }
 
-    /// Waits for the peer's latency message `i`: a receive, or (write-seg) its write landing.
+    /// Waits for the peer's latency message `i`: a receive, or (write-seg, wwi-seg) its write
+    /// landing.
     fn wait_pong(&mut self, op: Op, i: u64, size: usize) -> Result<()> {
         if !matches!(op, Op::WriteSeg | Op::WwiSeg) {
             return self.wait_recv().map(|_| ());
@@ -272,6 +260,22 @@ impl Side {
         self.wait_written(i, size)?;
         // A write-with-immediate's completion is still to come: taken after the reply.
         self.polled_early += (op == Op::WwiSeg) as u64;
+        Ok(())
+    }
+
+    /// Takes the completions of messages seen in memory that are here (after the reply:
+    /// off the critical path) and posts their receives again while the peer has messages left.
+    fn take_polled_completions(&mut self, size: usize, total: u64) -> Result<()> {
+        self.poll()?;
+        while self.polled_early > 0 {
+            let Some(_) = self.pending_recvs.pop_front() else { break };
+            self.polled_early -= 1;
+            // The peer's message this receive took, counted from the run's start.
+            self.early_taken += 1;
+            if self.early_taken - 1 + LAT_DEPTH < total {
+                self.post_recv(0, size)?;
+            }
+        }
         Ok(())
     }
 
