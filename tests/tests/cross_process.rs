@@ -27,8 +27,17 @@ fn socket_path(tag: &str) -> String {
 
 impl Peer {
     fn spawn(tag: &str) -> Peer {
+        Peer::spawn_env(tag, &[])
+    }
+
+    /// Spawns the peer with extra environment variables.
+    fn spawn_env(tag: &str, env: &[(&str, &str)]) -> Peer {
         let path = socket_path(tag);
-        let child = Proc::new(env!("CARGO_BIN_EXE_pv_peer")).args(["target", &format!("unix:{path}")]).spawn().unwrap();
+        let child = Proc::new(env!("CARGO_BIN_EXE_pv_peer"))
+            .args(["target", &format!("unix:{path}")])
+            .envs(env.iter().copied())
+            .spawn()
+            .unwrap();
         let ctx = Context::open(Provider::Software).unwrap();
         let pd = ctx.alloc_pd().unwrap();
         let cq = ctx.create_cq(256).unwrap();
@@ -182,6 +191,67 @@ fn one_sided_operations_reach_user_memory_and_shared_segments() {
         assert_eq!(wc.status, WcStatus::RemAccessErr);
         peer = Peer::spawn(if segment { "onesided3" } else { "onesided2" });
     }
+    peer.finish();
+}
+
+/// Reads into `peer.out` at `at` from the peer's user region at `off`, checking the bytes.
+fn read_and_check(peer: &mut Peer, data: &[u8], at: usize, off: usize, len: usize, what: &str) {
+    let (base, rkey) = peer.region(false);
+    peer.next_id += 1;
+    let wc = peer.one_sided(SendWr::read(peer.next_id, &[peer.out.sge(at, len)], base + off as u64, rkey));
+    assert_eq!(wc.status, WcStatus::Success, "{what}");
+    let mut got = vec![0u8; len];
+    peer.out.read(at, &mut got);
+    assert!(got == data[off..off + len], "{what}: read {len} at {off} differs");
+}
+
+/// Large reads of another process's user memory offer their back half to that process, whose
+/// polling thread pushes it while the reader copies the front: the bytes are exact whoever
+/// copied them, into plain and protected local pages, from plain and protected peer pages.
+#[test]
+fn large_reads_share_their_copy_with_a_polling_peer() {
+    // The peer spins between commands rather than sleeping, so it polls when the reads come.
+    let mut peer = Peer::spawn_env("shared", &[("PV_SOFT_SPIN_US", "5000000")]);
+    let (base, rkey) = peer.region(false);
+    let data = pattern(77, REGION);
+    peer.out.write(0, &data);
+    peer.next_id += 1;
+    let wc = peer.one_sided(SendWr::write(peer.next_id, &[peer.out.sge(0, REGION)], base, rkey));
+    assert_eq!(wc.status, WcStatus::Success);
+    let before = soft::shared_copies();
+    let shapes = [(0, REGION), (3 * 4096 + 100, 65_536 + 77), (5000, 32_768), (12_345, 300_001)];
+    for round in 0..8 {
+        for &(off, len) in &shapes {
+            peer.out.write(REGION, &vec![0u8; len]);
+            read_and_check(&mut peer, &data, REGION, off, len, &format!("round {round}"));
+        }
+    }
+    let after = soft::shared_copies();
+    assert!(after.offered - before.offered >= 32, "{before:?} -> {after:?}");
+    assert!(after.helped > before.helped, "the polling peer never pushed a half: {before:?} -> {after:?}");
+
+    // Into local pages under a no-access hold (an asynchronous receive): both halves land
+    // through /proc/PID/mem.
+    let page = page_size();
+    let at = REGION + (page - (peer.out.addr() as usize + REGION) % page) % page;
+    let len = 16 * page;
+    // SAFETY: whole pages inside our own registered buffer, touched only by the provider until
+    // the hold is dropped.
+    let hold = unsafe { protect::protect(peer.out.addr() as usize + at, len, protect::Protection::None) }.unwrap();
+    peer.next_id += 1;
+    let wc = peer.one_sided(SendWr::read(peer.next_id, &[peer.out.sge(at, len)], base + 4096, rkey));
+    assert_eq!(wc.status, WcStatus::Success);
+    drop(hold);
+    let mut got = vec![0u8; len];
+    peer.out.read(at, &mut got);
+    assert!(got == data[4096..4096 + len], "read into held pages differs");
+
+    // From peer pages it protected: its push bounces through its own /proc/self/mem.
+    let poff = (page - peer.layout.user_addr as usize % page) % page;
+    let call = Command::Protect { offset: poff as u64, len: (16 * page) as u64 };
+    assert_eq!(Reply::decode(&peer.call(&call)), Some(Reply::Ok));
+    read_and_check(&mut peer, &data, REGION, poff, 16 * page, "from protected peer pages");
+    assert_eq!(Reply::decode(&peer.call(&Command::Unprotect)), Some(Reply::Ok));
     peer.finish();
 }
 

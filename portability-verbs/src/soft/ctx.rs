@@ -23,16 +23,25 @@ pub struct SoftConfig {
     pub copy_threshold: usize,
     /// How long a blocking wait may spin before it sleeps on the eventfd.
     pub spin: Duration,
+    /// Pulls by cross-memory attach (RDMA reads of another process's user memory) of at least
+    /// this many bytes offer their back half to the peer's polling thread (0: never).
+    pub assist_min: usize,
 }
 
 impl Default for SoftConfig {
     fn default() -> Self {
-        SoftConfig { ring_bytes: 128 * 1024, copy_threshold: 8 * 1024, spin: Duration::from_micros(50) }
+        SoftConfig {
+            ring_bytes: 128 * 1024,
+            copy_threshold: 8 * 1024,
+            spin: Duration::from_micros(50),
+            assist_min: 32 * 1024,
+        }
     }
 }
 
 impl SoftConfig {
-    /// Reads overrides from `PV_SOFT_RING_BYTES`, `PV_SOFT_COPY_THRESHOLD` and `PV_SOFT_SPIN_US`.
+    /// Reads overrides from `PV_SOFT_RING_BYTES`, `PV_SOFT_COPY_THRESHOLD`, `PV_SOFT_SPIN_US`
+    /// and `PV_SOFT_ASSIST_MIN`.
     pub fn from_env() -> Self {
         let mut c = SoftConfig::default();
         let num = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<u64>().ok());
@@ -44,6 +53,9 @@ impl SoftConfig {
         }
         if let Some(v) = num("PV_SOFT_SPIN_US") {
             c.spin = Duration::from_micros(v);
+        }
+        if let Some(v) = num("PV_SOFT_ASSIST_MIN") {
+            c.assist_min = v as usize;
         }
         c
     }

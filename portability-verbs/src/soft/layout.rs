@@ -135,10 +135,31 @@ pub struct RingConsumer {
     pub taking: AtomicU64,
 }
 
-/// Magic of a queue-pair segment (its low bits change with the ring record format).
-pub const QP_MAGIC: u64 = 0x5056_5150_5347_0002;
+/// Third line of a queue-pair segment: a shared copy the peer offers this side to help with
+/// (see `assist`). Written by the peer (the copier); this side (the helper) takes jobs from it.
+#[repr(C, align(64))]
+#[derive(Default)]
+pub struct AssistLine {
+    /// `job id << 8 | flags`, 0 while no job is open.
+    pub state: AtomicU64,
+    /// Source address, in the helper.
+    pub src: AtomicU64,
+    /// Destination address, in the copier.
+    pub dst: AtomicU64,
+    /// Bytes of the whole copy.
+    pub len: AtomicU64,
+    /// Where the back half (the helper's part) starts.
+    pub split: AtomicU64,
+    /// Key of the helper's registration of the source.
+    pub key: AtomicU32,
+    /// Access rights that registration must grant (access flag bits).
+    pub need: AtomicU32,
+}
+
+/// Magic of a queue-pair segment (its low bits change with the segment's format).
+pub const QP_MAGIC: u64 = 0x5056_5150_5347_0003;
 /// Offset of the inbound ring in a queue-pair segment.
-pub const RING_OFFSET: usize = 2 * LINE;
+pub const RING_OFFSET: usize = 3 * LINE;
 
 /// Typed view of a queue-pair segment.
 pub struct QpSeg<'a>(pub &'a Segment);
@@ -151,6 +172,10 @@ impl<'a> QpSeg<'a> {
     /// Consumer line.
     pub fn consumer(&self) -> &'a RingConsumer {
         self.0.at(LINE)
+    }
+    /// Shared-copy line.
+    pub fn assist(&self) -> &'a AssistLine {
+        self.0.at(2 * LINE)
     }
     /// Base of the ring.
     pub fn ring(&self) -> *mut u8 {
@@ -181,5 +206,6 @@ mod tests {
         assert_eq!(std::mem::size_of::<RqCounters>(), 64);
         assert_eq!(std::mem::size_of::<Bell>(), 64);
         assert_eq!(std::mem::size_of::<QpHeader>(), 64);
+        assert_eq!(std::mem::size_of::<AssistLine>(), 64);
     }
 }

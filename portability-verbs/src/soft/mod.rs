@@ -8,10 +8,13 @@
 //! - One-sided operations are carried out by the requester on the responder's memory, checked
 //!   against the responder's published keys: plain loads and stores for provider-allocated
 //!   segments and same-process memory, cross-memory attach for other user memory, and
-//!   `/proc/PID/mem` where a page is protected.
+//!   `/proc/PID/mem` where a page is protected. A large pull by cross-memory attach offers its
+//!   back half to the peer, whose polling thread pushes it meanwhile (`assist`): the copy a NIC
+//!   would make without either CPU is then shared by both instead of made by one.
 //! - Waiting: busy polling needs no syscalls; a sleeper arms its queue's doorbell and producers
 //!   signal its eventfd only then.
 
+mod assist;
 mod backstop;
 mod cq;
 mod ctx;
@@ -23,6 +26,7 @@ mod spin;
 pub(crate) mod sys;
 pub mod wire;
 
+pub use assist::{counts as shared_copies, SharedCopies};
 pub(crate) use cq::CqInner;
 #[allow(unused_imports)]
 pub(crate) use ctx::unique_id;

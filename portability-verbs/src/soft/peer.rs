@@ -198,6 +198,29 @@ impl PeerCtx {
         }
     }
 
+    /// Copies `len` local bytes at `src` to address `to` in the peer process, by cross-memory
+    /// attach, or through `/proc/PID/mem` where the peer protected the pages (as DMA would
+    /// reach them) or this process may not read `src` (a receive hold). The caller has
+    /// validated both ranges; no key is checked here.
+    ///
+    /// # Safety
+    /// `src` must be valid for `len` bytes (a checked registration or provider memory).
+    pub unsafe fn push(&self, to: u64, src: *const u8, len: usize) -> Result<(), WcStatus> {
+        let mem = self.mem.as_ref().ok_or(WcStatus::GeneralErr)?;
+        let direct = !crate::protect::read_blocked(src as usize, len) && {
+            // SAFETY: the caller vouches that `src` is valid for `len` bytes; only the
+            // kernel reads it (EFAULT, not a fault, if it is not readable).
+            let bytes = unsafe { std::slice::from_raw_parts(src, len) };
+            mem.write(to, bytes).is_ok()
+        };
+        // A source this process may not read (under a receive hold): through /proc/self/mem,
+        // which ignores protection as DMA does.
+        if !direct && !bounce(len, |at, tmp| sys::read_self_mem(src as u64 + at, tmp).and(mem.write(to + at, tmp))) {
+            return Err(WcStatus::RemAccessErr);
+        }
+        Ok(())
+    }
+
     /// Runs `f` holding the peer's atomic lock, so atomics from every initiator on that peer's
     /// memory are atomic with respect to each other (the verbs `IBV_ATOMIC_HCA` guarantee).
     pub fn with_atomic_lock<R>(&self, f: impl FnOnce() -> R) -> Result<R, WcStatus> {
@@ -280,25 +303,19 @@ impl RemoteAccess<'_> {
                     return Err(WcStatus::RemAccessErr);
                 }
             }
-            Reach::Remote(addr) => {
-                let mem = self.peer.mem.as_ref().ok_or(WcStatus::GeneralErr)?;
-                let to = addr + off as u64;
-                let direct = !crate::protect::read_blocked(src as usize, len) && {
-                    // SAFETY: the caller vouches that `src` is valid for `len` bytes; only the
-                    // kernel reads it (EFAULT, not a fault, if it is not readable).
-                    let bytes = unsafe { std::slice::from_raw_parts(src, len) };
-                    mem.write(to, bytes).is_ok()
-                };
-                // A source this process may not read (under a receive hold): through
-                // /proc/self/mem, which ignores protection as DMA does.
-                if !direct
-                    && !bounce(len, |at, tmp| sys::read_self_mem(src as u64 + at, tmp).and(mem.write(to + at, tmp)))
-                {
-                    return Err(WcStatus::RemAccessErr);
-                }
-            }
+            // SAFETY: the caller vouches for the source; the range was validated.
+            Reach::Remote(addr) => unsafe { self.peer.push(addr + off as u64, src, len)? },
         }
         Ok(())
+    }
+
+    /// The range's address in the peer when it is reached by cross-memory attach (None when
+    /// this process reaches it with plain loads and stores).
+    pub fn cross_process_addr(&self) -> Option<u64> {
+        match self.reach {
+            Reach::Remote(addr) => Some(addr),
+            Reach::Direct(_) => None,
+        }
     }
 
     /// Copies `len` remote bytes at byte offset `off` into local memory at `dst`.

@@ -5,7 +5,8 @@
 //! completion queue is polled or a receive is posted. One-sided operations (RDMA write, read,
 //! atomics, and the data of large writes-with-immediate) are carried out by the requester itself
 //! on the responder's registered memory, after checking the responder's published keys: the
-//! responder's CPU takes no part, as with a NIC.
+//! responder's CPU takes no part, as with a NIC, except that a polling responder may push the
+//! back half of a large read (`assist`).
 //!
 //! Ordering: requests of one queue pair run in posting order. A one-sided request waits until
 //! every earlier ring record has been consumed, so the responder sees effects in order, as an RC
@@ -16,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::assist::{self, Back, Stuck};
 use super::cq::CqInner;
 use super::ctx::{local_copy, CtxInner};
 use super::layout::{qp_state_code, QpSeg, QP_DESTROYED, QP_MAGIC, RING_OFFSET};
@@ -187,6 +189,11 @@ pub struct QpInner {
     idle: AtomicU32,
     /// Registered with the backstop, which starts waiting requests when we do not.
     backstop_watched: AtomicBool,
+    /// The connected peer, for helping with its shared copies without the queue pair's lock
+    /// (a thread of ours may hold that lock waiting for the peer's help in turn).
+    helper_peer: Mutex<Option<Arc<PeerCtx>>>,
+    /// Shared copies offered so far (their job ids).
+    assist_jobs: AtomicU64,
 }
 
 type LocalQps = Mutex<std::collections::HashMap<(u64, u32), std::sync::Weak<QpInner>>>;
@@ -205,6 +212,9 @@ fn local_qp(ctx_id: u64, qpn: u32) -> Option<std::sync::Weak<QpInner>> {
 pub(crate) type Out = smallvec::SmallVec<[(bool, WorkCompletion); 8]>;
 
 const LIVENESS_EVERY: Duration = Duration::from_millis(10);
+
+/// How long a shared copy waits for a live peer that took its back half (a stopped peer).
+const ASSIST_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A periodic pass (nothing signaled or waiting) reaps unsignaled requests only every this
 /// many passes, or when the send queue is half full.
@@ -307,6 +317,8 @@ impl QpInner {
             sq_busy: AtomicBool::new(false),
             idle: AtomicU32::new(0),
             backstop_watched: AtomicBool::new(false),
+            helper_peer: Mutex::new(None),
+            assist_jobs: AtomicU64::new(0),
         });
         send_cq.attach(&qp);
         recv_cq.attach(&qp);
@@ -378,6 +390,7 @@ impl QpInner {
                 self.header().min_rnr_timer.store(core.min_rnr_timer as u32, Ordering::Relaxed);
                 self.send_cq.watch(remote.peer.pidfd());
                 self.recv_cq.watch(remote.peer.pidfd());
+                *self.helper_peer.lock().expect("helper peer lock") = Some(remote.peer.clone());
                 core.remote = Some(remote);
                 self.set_state(&mut core, QpState::ReadyToReceive);
             }
@@ -426,6 +439,8 @@ impl QpInner {
     }
 
     fn reset(&self, core: &mut QpCore) {
+        *self.helper_peer.lock().expect("helper peer lock") = None;
+        QpSeg(&self.seg).assist().state.store(0, Ordering::Release);
         if let Some(r) = core.remote.take() {
             self.send_cq.unwatch(r.peer.pidfd());
             self.recv_cq.unwatch(r.peer.pidfd());
@@ -921,10 +936,18 @@ impl QpInner {
                     access.write_from(off, addr as *const u8, len)
                 }),
             },
-            // SAFETY: the pieces are checked local registrations with LOCAL_WRITE.
             WrOpcode::RdmaRead => {
-                self.each_local_piece(&wr.sg_list, Some(AccessFlags::LOCAL_WRITE), |off, addr, len| unsafe {
-                    access.read_into(off, addr as *mut u8, len)
+                let one_piece = wr.sg_list.len() == 1;
+                self.each_local_piece(&wr.sg_list, Some(AccessFlags::LOCAL_WRITE), |off, addr, len| {
+                    let dst = addr as *mut u8;
+                    match access.cross_process_addr() {
+                        // SAFETY: the piece is a checked local registration with LOCAL_WRITE.
+                        Some(src) if one_piece && self.worth_sharing(len) => unsafe {
+                            self.pull_shared(r, &access, src, dst, len, wr.rkey, need_remote)
+                        },
+                        // SAFETY: as above.
+                        _ => unsafe { access.read_into(off, dst, len) },
+                    }
                 })
             }
             WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
@@ -960,6 +983,68 @@ impl QpInner {
             Ok(()) => WcStatus::Success,
             Err(st) => st,
         })
+    }
+
+    /// True if a pull of `len` bytes by cross-memory attach is worth sharing with the peer.
+    fn worth_sharing(&self, len: usize) -> bool {
+        let min = self.ctx.config.assist_min;
+        min > 0 && len >= min
+    }
+
+    /// Pulls the whole range of `access` (at `src` in the peer, registered there under `key`
+    /// with `need`) into `dst`, offering its back half to the peer (see `assist`): the peer's
+    /// polling thread pushes it while we copy the front half, or we copy it too.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes (a checked local registration).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pull_shared(
+        &self,
+        r: &Remote,
+        access: &super::peer::RemoteAccess<'_>,
+        src: u64,
+        dst: *mut u8,
+        len: usize,
+        key: u32,
+        need: AccessFlags,
+    ) -> Result<(), WcStatus> {
+        let split = assist::split_point(len as u64);
+        let job = assist::Job { src, dst: dst as u64, len: len as u64, split, key, need: need.bits() };
+        let id = self.assist_jobs.fetch_add(1, Ordering::Relaxed) + 1;
+        let offer = assist::open(r.seg().assist(), id, &job);
+        let split = split as usize;
+        // SAFETY: the front half of the caller's range.
+        let front = unsafe { access.read_into(0, dst, split) };
+        // Settled whatever the front's outcome: no helper write may land after we return.
+        let back = offer.settle(ASSIST_TIMEOUT, || r.peer.alive());
+        front?;
+        match back {
+            Ok(Back::Helper) => Ok(()),
+            // SAFETY: the back half of the caller's range.
+            Ok(Back::Copier | Back::HelperFailed) => unsafe { access.read_into(split, dst.add(split), len - split) },
+            Err(Stuck::HelperGone | Stuck::TimedOut) => Err(WcStatus::RetryExcErr),
+            Err(Stuck::Corrupt) => Err(WcStatus::RemOpErr),
+        }
+    }
+
+    /// Pushes the back half of a copy our peer offered (see `assist`), if it names memory we
+    /// registered for it; reports the outcome on the line either way.
+    fn help(&self, taken: assist::Taken<'_>) {
+        let peer = self.helper_peer.lock().expect("helper peer lock").clone();
+        let job = taken.job;
+        let (off, len) = job.back();
+        let ok = peer.is_some_and(|p| {
+            let keys = self.ctx.local_keys();
+            let need = AccessFlags::from_bits_truncate(job.need);
+            let src = job.src.checked_add(off);
+            let fits = src.is_some_and(|src| keys.check(job.key, src, len, need, self.pd));
+            // SAFETY: the source range was checked against our registration of it, which the
+            // key table's read lock keeps registered until the copy is done.
+            fits && !p.same_process
+                && unsafe { p.push(job.dst.wrapping_add(off), (job.src + off) as usize as *const u8, len as usize) }
+                    .is_ok()
+        });
+        taken.finish(ok);
     }
 
     /// Reports finished requests in order: errors always, successes when signaled.
@@ -1314,6 +1399,9 @@ impl QpInner {
     /// One progress pass for the queue `cq`; its completions go to `sink` (the poller hands them
     /// straight to its caller), others to their queues.
     pub(crate) fn progress(&self, cq: &CqInner, sink: &mut Out) {
+        if let Some(taken) = assist::try_take(QpSeg(&self.seg).assist()) {
+            self.help(taken);
+        }
         let recv_side = std::ptr::eq(cq, &*self.recv_cq);
         let send_side = std::ptr::eq(cq, &*self.send_cq);
         let inbound = recv_side && {
@@ -1503,6 +1591,7 @@ impl QpInner {
 
     /// Marks the QP destroyed for its peer and detaches it from its queues.
     pub fn destroy(&self) {
+        *self.helper_peer.lock().expect("helper peer lock") = None;
         let mut core = self.core.lock();
         self.header().state.store(QP_DESTROYED, Ordering::Release);
         if let Some(r) = core.remote.take() {
