@@ -205,11 +205,12 @@ fn read_and_check(peer: &mut Peer, data: &[u8], at: usize, off: usize, len: usiz
     assert!(got == data[off..off + len], "{what}: read {len} at {off} differs");
 }
 
-/// Large reads of another process's user memory offer their back half to that process, whose
-/// polling thread pushes it while the reader copies the front: the bytes are exact whoever
-/// copied them, into plain and protected local pages, from plain and protected peer pages.
+/// Large pulls from another process's user memory (reads, and the data of large sends) offer
+/// their back half to that process, whose polling thread pushes it while the puller copies the
+/// front: the bytes are exact whoever copied them, into plain and protected local pages, from
+/// plain and protected peer pages.
 #[test]
-fn large_reads_share_their_copy_with_a_polling_peer() {
+fn large_pulls_share_their_copy_with_a_polling_peer() {
     // The peer spins between commands rather than sleeping, so it polls when the reads come.
     let mut peer = Peer::spawn_env("shared", &[("PV_SOFT_SPIN_US", "5000000")]);
     let (base, rkey) = peer.region(false);
@@ -229,6 +230,16 @@ fn large_reads_share_their_copy_with_a_polling_peer() {
     let after = soft::shared_copies();
     assert!(after.offered - before.offered >= 32, "{before:?} -> {after:?}");
     assert!(after.helped > before.helped, "the polling peer never pushed a half: {before:?} -> {after:?}");
+
+    // Large sends: each side pulls the other's message, the sender waiting for its completion
+    // pushes the back half. Our polling for the echo helps the peer's pull of the command.
+    for (i, len) in [32_768usize, 33_001, 60_000].into_iter().cycle().take(12).enumerate() {
+        let echo = pattern(1000 + i as u64, len);
+        assert!(peer.call(&Command::Echo(echo.clone())) == echo, "echo of {len} bytes differs");
+    }
+    let last = soft::shared_copies();
+    assert!(last.offered - after.offered >= 12, "{after:?} -> {last:?}");
+    assert!(last.helped > after.helped && last.pushed > after.pushed, "{after:?} -> {last:?}");
 
     // Into local pages under a no-access hold (an asynchronous receive): both halves land
     // through /proc/PID/mem.

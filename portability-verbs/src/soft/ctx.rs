@@ -23,8 +23,9 @@ pub struct SoftConfig {
     pub copy_threshold: usize,
     /// How long a blocking wait may spin before it sleeps on the eventfd.
     pub spin: Duration,
-    /// Pulls by cross-memory attach (RDMA reads of another process's user memory) of at least
-    /// this many bytes offer their back half to the peer's polling thread (0: never).
+    /// Pulls by cross-memory attach (RDMA reads of another process's user memory, the data of
+    /// large sends from it) of at least this many bytes offer their back half to the peer's
+    /// polling thread (0: never).
     pub assist_min: usize,
 }
 
@@ -277,6 +278,12 @@ impl CtxInner {
     /// Read-locks the key table for a batch of local accesses.
     pub fn local_keys(&self) -> LocalKeys<'_> {
         LocalKeys(self.mrs.read().expect("mr table lock"))
+    }
+
+    /// The key table read-locked if that needs no wait (a registration change is not under
+    /// way), for work that must never block on one.
+    pub fn try_local_keys(&self) -> Option<LocalKeys<'_>> {
+        self.mrs.try_read().ok().map(LocalKeys)
     }
 
     /// The peer context for an endpoint, mapped once and shared by every QP connected to it.

@@ -985,7 +985,8 @@ impl QpInner {
         })
     }
 
-    /// True if a pull of `len` bytes by cross-memory attach is worth sharing with the peer.
+    /// True if a pull of `len` bytes by cross-memory attach (a read, or a large send's data) is
+    /// worth sharing with the peer.
     fn worth_sharing(&self, len: usize) -> bool {
         let min = self.ctx.config.assist_min;
         min > 0 && len >= min
@@ -1033,8 +1034,10 @@ impl QpInner {
         let peer = self.helper_peer.lock().expect("helper peer lock").clone();
         let job = taken.job;
         let (off, len) = job.back();
-        let ok = peer.is_some_and(|p| {
-            let keys = self.ctx.local_keys();
+        // Never waits for our key table: a deregistration holding it may itself wait for the
+        // copier's access to end, which waits for us. The copier then copies the half itself.
+        let keys = self.ctx.try_local_keys();
+        let ok = peer.zip(keys).is_some_and(|(p, keys)| {
             let need = AccessFlags::from_bits_truncate(job.need);
             let src = job.src.checked_add(off);
             let fits = src.is_some_and(|src| keys.check(job.key, src, len, need, self.pd));
@@ -1325,6 +1328,13 @@ impl QpInner {
             accesses.push(a);
         }
         self.scatter(recv, total, |dst, _off, mut n| {
+            if let ([d], [a]) = (descs, &accesses[..]) {
+                if let Some(src) = a.cross_process_addr().filter(|_| n == total && self.worth_sharing(n)) {
+                    // SAFETY: `dst` is a checked receive SGE with room for the whole message.
+                    return unsafe { self.pull_shared(r, a, src, dst, n, d.key, AccessFlags::NONE) }
+                        .map_err(|_| status::REM_OP);
+                }
+            }
             let mut dst = dst;
             while n > 0 {
                 let a = &accesses[si];
