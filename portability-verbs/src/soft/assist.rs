@@ -218,8 +218,8 @@ impl Taken<'_> {
     /// if the copier gave up on this job meanwhile (the line may hold a newer one).
     pub fn finish(self, ok: bool) {
         let flags = HELPER_DONE | if ok { 0 } else { HELPER_FAILED };
-        PUSHED.fetch_add(ok as u64, Ordering::Relaxed);
-        let _ = self.line.state.compare_exchange(self.word, self.word | flags, Ordering::Release, Ordering::Relaxed);
+        let told = self.line.state.compare_exchange(self.word, self.word | flags, Ordering::Release, Ordering::Relaxed);
+        PUSHED.fetch_add((ok && told.is_ok()) as u64, Ordering::Relaxed);
     }
 }
 

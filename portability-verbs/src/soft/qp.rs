@@ -940,14 +940,11 @@ impl QpInner {
                 let one_piece = wr.sg_list.len() == 1;
                 self.each_local_piece(&wr.sg_list, Some(AccessFlags::LOCAL_WRITE), |off, addr, len| {
                     let dst = addr as *mut u8;
-                    match access.cross_process_addr() {
-                        // SAFETY: the piece is a checked local registration with LOCAL_WRITE.
-                        Some(src) if one_piece && self.worth_sharing(len) => unsafe {
-                            self.pull_shared(r, &access, src, dst, len, wr.rkey, need_remote)
-                        },
-                        // SAFETY: as above.
-                        _ => unsafe { access.read_into(off, dst, len) },
-                    }
+                    // SAFETY (both): the piece is a checked local registration with LOCAL_WRITE.
+                    let shared = one_piece
+                        .then(|| unsafe { self.pull_shared(r, &access, dst, len, wr.rkey, need_remote) })
+                        .flatten();
+                    shared.unwrap_or_else(|| unsafe { access.read_into(off, dst, len) })
                 })
             }
             WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
@@ -992,23 +989,23 @@ impl QpInner {
         min > 0 && len >= min
     }
 
-    /// Pulls the whole range of `access` (at `src` in the peer, registered there under `key`
-    /// with `need`) into `dst`, offering its back half to the peer (see `assist`): the peer's
-    /// polling thread pushes it while we copy the front half, or we copy it too.
+    /// Pulls the whole `len` bytes of `access` (registered in the peer under `key` with `need`)
+    /// into `dst`, offering the back half to the peer (see `assist`): the peer's polling thread
+    /// pushes it while we copy the front half, or we copy it too. None (nothing copied) if the
+    /// range is not in another process's user memory or too short to be worth sharing.
     ///
     /// # Safety
     /// `dst` must be valid for writes of `len` bytes (a checked local registration).
-    #[allow(clippy::too_many_arguments)]
     unsafe fn pull_shared(
         &self,
         r: &Remote,
         access: &super::peer::RemoteAccess<'_>,
-        src: u64,
         dst: *mut u8,
         len: usize,
         key: u32,
         need: AccessFlags,
-    ) -> Result<(), WcStatus> {
+    ) -> Option<Result<(), WcStatus>> {
+        let src = access.cross_process_addr().filter(|_| self.worth_sharing(len) && len == access.len())?;
         let split = assist::split_point(len as u64);
         let job = assist::Job { src, dst: dst as u64, len: len as u64, split, key, need: need.bits() };
         let id = self.assist_jobs.fetch_add(1, Ordering::Relaxed) + 1;
@@ -1018,14 +1015,13 @@ impl QpInner {
         let front = unsafe { access.read_into(0, dst, split) };
         // Settled whatever the front's outcome: no helper write may land after we return.
         let back = offer.settle(ASSIST_TIMEOUT, || r.peer.alive());
-        front?;
-        match back {
+        Some(front.and_then(|()| match back {
             Ok(Back::Helper) => Ok(()),
             // SAFETY: the back half of the caller's range.
             Ok(Back::Copier | Back::HelperFailed) => unsafe { access.read_into(split, dst.add(split), len - split) },
             Err(Stuck::HelperGone | Stuck::TimedOut) => Err(WcStatus::RetryExcErr),
             Err(Stuck::Corrupt) => Err(WcStatus::RemOpErr),
-        }
+        }))
     }
 
     /// Pushes the back half of a copy our peer offered (see `assist`), if it names memory we
@@ -1043,9 +1039,8 @@ impl QpInner {
             let fits = src.is_some_and(|src| keys.check(job.key, src, len, need, self.pd));
             // SAFETY: the source range was checked against our registration of it, which the
             // key table's read lock keeps registered until the copy is done.
-            fits && !p.same_process
-                && unsafe { p.push(job.dst.wrapping_add(off), (job.src + off) as usize as *const u8, len as usize) }
-                    .is_ok()
+            fits && unsafe { p.push(job.dst.wrapping_add(off), (job.src + off) as usize as *const u8, len as usize) }
+                .is_ok()
         });
         taken.finish(ok);
     }
@@ -1329,10 +1324,10 @@ impl QpInner {
         }
         self.scatter(recv, total, |dst, _off, mut n| {
             if let ([d], [a]) = (descs, &accesses[..]) {
-                if let Some(src) = a.cross_process_addr().filter(|_| n == total && self.worth_sharing(n)) {
-                    // SAFETY: `dst` is a checked receive SGE with room for the whole message.
-                    return unsafe { self.pull_shared(r, a, src, dst, n, d.key, AccessFlags::NONE) }
-                        .map_err(|_| status::REM_OP);
+                // SAFETY: `dst` is a checked receive SGE with room for `n` bytes (all of `a`'s
+                // range, or `pull_shared` declines).
+                if let Some(done) = unsafe { self.pull_shared(r, a, dst, n, d.key, AccessFlags::NONE) } {
+                    return done.map_err(|_| status::REM_OP);
                 }
             }
             let mut dst = dst;
