@@ -1,10 +1,10 @@
 //! Madeleine's CPU cost per small message over the message pipe it runs on: one thread plays
 //! a ping-pong between two sessions of the same process (packs a message on one, unpacks it
-//! on the other, and back), then the same through a bare pipe pair (header and payload of the
-//! same size), so no cross-core transfer or wait is measured, only instructions, locks and
-//! cache-resident copies. What this adds to the
-//! pipe is what Madeleine adds to a ping-pong's one-way latency on both sides of the wire
-//! together (`stack_bench` measures that latency between processes).
+//! on the other, and back), and the same through a bare pipe pair (header and payload of the
+//! same size), in alternated rounds, so no cross-core transfer or wait is measured, only
+//! instructions, locks and cache-resident copies, and both see the same phases of a noisy host.
+//! What this adds to the pipe is what Madeleine adds to a ping-pong's one-way latency on both
+//! sides of the wire together (`stack_bench` measures that latency between processes).
 
 use std::time::{Duration, Instant};
 
@@ -23,7 +23,8 @@ struct Args {
     /// Messages per round.
     #[arg(long, default_value_t = 500_000)]
     messages: u64,
-    /// Rounds per layer; the best is reported (this machine is noisy).
+    /// Rounds per layer, alternated between the layers; the best and the median are reported
+    /// (this machine is noisy).
     #[arg(long, default_value_t = 7)]
     rounds: u32,
     /// Measure Madeleine only (for a profiler).
@@ -47,110 +48,165 @@ fn mad_headers(size: usize) -> usize {
     }
 }
 
-/// Best time per message of `rounds` rounds of `messages` messages, sent by `one(true)`
-/// (there) and `one(false)` (back) in turn.
-fn best_of(rounds: u32, messages: u64, mut one: impl FnMut(bool) -> Result<(), String>) -> Result<f64, String> {
-    let mut best = f64::MAX;
-    for _ in 0..rounds {
-        let t = Instant::now();
-        for i in 0..messages {
-            one(i % 2 == 0)?;
-        }
-        best = best.min(t.elapsed().as_nanos() as f64 / messages as f64);
-    }
-    Ok(best)
+/// One side of the comparison: a pair of ends that one thread drives in turn.
+trait Pair {
+    /// Sends one message `there` (or back) and receives it at the other end.
+    fn one(&mut self, there: bool) -> Result<(), String>;
 }
 
-fn madeleine_cost(args: &Args) -> Result<f64, String> {
-    let dir = std::env::temp_dir().join(format!("mad-overhead-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let cfg = |rank| {
-        let mut c = SessionConfig::new(rank, 2, &dir);
-        c.timeout = T;
-        c
-    };
-    // Each rank's set-up runs while the other's does (ours first, then the join), as the
-    // rendezvous may need both.
-    let (s0, s1) = std::thread::scope(|sc| {
-        let h = sc.spawn(|| Session::new(cfg(1)));
-        let s0 = Session::new(cfg(0));
-        (s0, h.join().expect("session thread"))
-    });
-    let (s0, s1) = (s0.map_err(|e| e.to_string())?, s1.map_err(|e| e.to_string())?);
-    let (c0, c1) = std::thread::scope(|sc| {
-        let h = sc.spawn(|| s1.channel());
-        (s0.channel(), h.join().expect("channel thread"))
-    });
-    let (c0, c1) = (c0.map_err(|e| e.to_string())?, c1.map_err(|e| e.to_string())?);
-    let _ = std::fs::remove_dir_all(&dir);
-    let buf = vec![7u8; args.size];
-    let mut rbuf = vec![0u8; args.size];
-    let e = |e: madeleine::MadError| e.to_string();
-    best_of(args.rounds, args.messages, |there| {
-        let ((from, from_rank), (to, to_rank)) = if there { ((&c0, 0), (&c1, 1)) } else { ((&c1, 1), (&c0, 0)) };
+/// Time per message of one round of `messages` messages, sent there and back in turn.
+fn round(pair: &mut dyn Pair, messages: u64) -> Result<f64, String> {
+    let t = Instant::now();
+    for i in 0..messages {
+        pair.one(i % 2 == 0)?;
+    }
+    Ok(t.elapsed().as_nanos() as f64 / messages as f64)
+}
+
+/// Two sessions of this process, one channel each.
+struct MadPair {
+    // Channels before sessions: dropped first.
+    c0: madeleine::Channel,
+    c1: madeleine::Channel,
+    _s0: Session,
+    _s1: Session,
+    buf: Vec<u8>,
+    rbuf: Vec<u8>,
+}
+
+impl MadPair {
+    fn new(size: usize) -> Result<MadPair, String> {
+        let dir = std::env::temp_dir().join(format!("mad-overhead-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let cfg = |rank| {
+            let mut c = SessionConfig::new(rank, 2, &dir);
+            c.timeout = T;
+            c
+        };
+        // Each rank's set-up runs while the other's does (ours first, then the join), as the
+        // rendezvous may need both.
+        let (s0, s1) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| Session::new(cfg(1)));
+            let s0 = Session::new(cfg(0));
+            (s0, h.join().expect("session thread"))
+        });
+        let (s0, s1) = (s0.map_err(|e| e.to_string())?, s1.map_err(|e| e.to_string())?);
+        let (c0, c1) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| s1.channel());
+            (s0.channel(), h.join().expect("channel thread"))
+        });
+        let (c0, c1) = (c0.map_err(|e| e.to_string())?, c1.map_err(|e| e.to_string())?);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(MadPair { c0, c1, _s0: s0, _s1: s1, buf: vec![7u8; size], rbuf: vec![0u8; size] })
+    }
+}
+
+impl Pair for MadPair {
+    fn one(&mut self, there: bool) -> Result<(), String> {
+        let e = |e: madeleine::MadError| e.to_string();
+        let ((from, from_rank), (to, to_rank)) =
+            if there { ((&self.c0, 0), (&self.c1, 1)) } else { ((&self.c1, 1), (&self.c0, 0)) };
         let mut p = from.begin_packing(to_rank).map_err(e)?;
-        p.pack(&buf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
+        p.pack(&self.buf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
         p.end_packing().map_err(e)?;
         let mut u = to.begin_unpacking_from(from_rank).map_err(e)?;
-        u.unpack(&mut rbuf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
+        u.unpack(&mut self.rbuf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
         u.end_unpacking().map_err(e)
-    })
+    }
 }
 
-fn pipe_cost(args: &Args) -> Result<f64, String> {
-    let e = |e: VerbsError| e.to_string();
-    let ctx = Context::open(Provider::Software).map_err(e)?;
-    let pd = ctx.alloc_pd().map_err(e)?;
-    let (ca, cb) = (ctx.create_cq(1024).map_err(e)?, ctx.create_cq(1024).map_err(e)?);
-    let a = pd.create_qp(&QpInit::new(&ca)).map_err(e)?;
-    let b = pd.create_qp(&QpInit::new(&cb)).map_err(e)?;
-    a.connect_to(b.endpoint()).map_err(e)?;
-    b.connect_to(a.endpoint()).map_err(e)?;
-    let s = FlowStrategy::WINDOW;
-    let (pa, pb) = std::thread::scope(|sc| {
-        let h = sc.spawn(|| MsgPipe::establish(b, cb, &pd, s, T));
-        (MsgPipe::establish(a, ca, &pd, s, T), h.join().expect("pipe thread"))
-    });
-    let (mut pa, mut pb) = (pa.map_err(e)?, pb.map_err(e)?);
-    let buf = vec![7u8; args.size + mad_headers(args.size)];
-    let mut rbuf = vec![0u8; args.size + mad_headers(args.size)];
-    // Both ends are driven here, so a message is there at once: a retry means something broke.
-    best_of(args.rounds, args.messages, |there| {
-        let (from, to) = if there { (&mut pa, &mut pb) } else { (&mut pb, &mut pa) };
-        if !from.try_send(&buf).map_err(e)? {
+/// Two message pipes of this process, connected to each other.
+struct PipePair {
+    a: MsgPipe,
+    b: MsgPipe,
+    _pd: ProtectionDomain,
+    buf: Vec<u8>,
+    rbuf: Vec<u8>,
+}
+
+impl PipePair {
+    /// Pipes carrying what Madeleine would put in them for a pack of `size` bytes.
+    fn new(size: usize) -> Result<PipePair, String> {
+        let e = |e: VerbsError| e.to_string();
+        let ctx = Context::open(Provider::Software).map_err(e)?;
+        let pd = ctx.alloc_pd().map_err(e)?;
+        let (ca, cb) = (ctx.create_cq(1024).map_err(e)?, ctx.create_cq(1024).map_err(e)?);
+        let a = pd.create_qp(&QpInit::new(&ca)).map_err(e)?;
+        let b = pd.create_qp(&QpInit::new(&cb)).map_err(e)?;
+        a.connect_to(b.endpoint()).map_err(e)?;
+        b.connect_to(a.endpoint()).map_err(e)?;
+        let s = FlowStrategy::WINDOW;
+        let (pa, pb) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| MsgPipe::establish(b, cb, &pd, s, T));
+            (MsgPipe::establish(a, ca, &pd, s, T), h.join().expect("pipe thread"))
+        });
+        let (a, b) = (pa.map_err(e)?, pb.map_err(e)?);
+        let n = size + mad_headers(size);
+        Ok(PipePair { a, b, _pd: pd, buf: vec![7u8; n], rbuf: vec![0u8; n] })
+    }
+}
+
+impl Pair for PipePair {
+    fn one(&mut self, there: bool) -> Result<(), String> {
+        let e = |e: VerbsError| e.to_string();
+        let (from, to) = if there { (&mut self.a, &mut self.b) } else { (&mut self.b, &mut self.a) };
+        // Both ends are driven here, so a message is there at once: a retry means something
+        // broke.
+        if !from.try_send(&self.buf).map_err(e)? {
             from.progress().map_err(e)?;
-            if !from.try_send(&buf).map_err(e)? {
+            if !from.try_send(&self.buf).map_err(e)? {
                 return Err("pipe: no room to send".into());
             }
         }
+        let rbuf = &mut self.rbuf;
         match to.recv_with(|m| rbuf.copy_from_slice(m)).map_err(e)? {
             Some(()) => Ok(()),
             None => Err("pipe: the message did not arrive".into()),
         }
-    })
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn main() {
     env_logger::init();
     let args = Args::parse();
     let run = || -> Result<(), String> {
-        if args.madeleine_only {
-            println!("madeleine  {:7.1} ns per message (send + receive)", madeleine_cost(&args)?);
-            return Ok(());
+        let mut pairs: Vec<(&str, Box<dyn Pair>)> = Vec::new();
+        if !args.madeleine_only {
+            pairs.push(("pipe", Box::new(PipePair::new(args.size)?)));
         }
-        if args.pipe_only {
-            println!("pipe       {:7.1} ns per message (send + receive)", pipe_cost(&args)?);
-            return Ok(());
+        if !args.pipe_only {
+            pairs.push(("madeleine", Box::new(MadPair::new(args.size)?)));
         }
-        let pipe = pipe_cost(&args)?;
-        let mad = madeleine_cost(&args)?;
-        println!("# one thread, both ends, {} B packs: best of {} rounds of {}", args.size, args.rounds, args.messages);
+        // Rounds alternate between the pairs, so both see the same phases of a noisy host.
+        let mut times = vec![Vec::new(); pairs.len()];
+        for _ in 0..args.rounds {
+            for (k, (_, pair)) in pairs.iter_mut().enumerate() {
+                times[k].push(round(pair.as_mut(), args.messages)?);
+            }
+        }
         println!(
-            "pipe       {pipe:7.1} ns per message (send + receive, {} B with headers)",
-            args.size + mad_headers(args.size)
+            "# one thread, both ends, {} B packs: {} alternated rounds of {} messages",
+            args.size, args.rounds, args.messages
         );
-        println!("madeleine  {mad:7.1} ns per message (send + receive)");
-        println!("overhead   {:7.1} ns per message", mad - pipe);
+        let mut best = Vec::new();
+        for ((name, _), t) in pairs.iter().zip(&mut times) {
+            let b = t.iter().copied().fold(f64::MAX, f64::min);
+            println!("{name:<10} {b:7.1} ns per message (best round), {:7.1} (median)", median(t));
+            best.push(b);
+        }
+        if let [pipe, mad] = times.as_slice() {
+            let mut diff: Vec<f64> = mad.iter().zip(pipe).map(|(m, p)| m - p).collect();
+            println!(
+                "overhead   {:7.1} ns per message (best minus best), {:7.1} (median of each round's difference)",
+                best[1] - best[0],
+                median(&mut diff)
+            );
+        }
         Ok(())
     };
     if let Err(e) = run() {
