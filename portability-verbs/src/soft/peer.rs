@@ -23,7 +23,9 @@ use crate::types::{AccessFlags, WcStatus};
 pub struct PeerCtx {
     pub key: PeerKey,
     pub same_process: bool,
-    pidfd: OwnedFd,
+    /// The peer's pidfd; none for this process itself (its descriptors are ours to duplicate,
+    /// and it cannot die while we run).
+    pidfd: Option<OwnedFd>,
     pub ctrl: Segment,
     mem: Option<RemoteMemory>,
     segs: Mutex<HashMap<u64, Arc<Segment>>>,
@@ -51,7 +53,12 @@ pub struct RemoteAccess<'a> {
 impl PeerCtx {
     /// Maps the peer context an endpoint names, checking that the process is the one it claims.
     pub fn attach(ctx: &Arc<CtxInner>, ep: &SoftEndpoint) -> Result<PeerCtx> {
-        let pidfd = sys::pidfd_open(ep.pid).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
+        let same_process = ep.pid == ctx.pid;
+        let pidfd = if same_process {
+            None
+        } else {
+            Some(sys::pidfd_open(ep.pid).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?)
+        };
         // The pidfd pins the process; its start time tells a recycled pid apart.
         let start = sys::process_start_time(ep.pid).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
         if start != ep.start_time {
@@ -60,14 +67,13 @@ impl PeerCtx {
                 ep.pid
             )));
         }
-        let fd = sys::pidfd_getfd(pidfd.as_raw_fd(), ep.ctrl_fd).map_err(|e| {
+        let fd = fetch_fd(pidfd.as_ref(), ep.ctrl_fd).map_err(|e| {
             VerbsError::PeerUnreachable(format!("{e} (cross-process access needs ptrace rights over the peer, e.g. the same user and kernel.yama.ptrace_scope 0 or 1 with a parent/child relation)"))
         })?;
         let ctrl = Segment::map_fetched(fd, &ctrl_name(ep.ctx_id), CTRL_BYTES)?;
         if Ctrl(&ctrl).header().magic.load(Ordering::Acquire) != CTRL_MAGIC {
             return Err(VerbsError::Protocol("peer control segment has a bad magic".into()));
         }
-        let same_process = ep.pid == ctx.pid;
         let mem = if same_process { None } else { Some(RemoteMemory::open(ep.pid)?) };
         Ok(PeerCtx {
             key: (ep.pid, ep.start_time, ep.ctx_id),
@@ -82,9 +88,14 @@ impl PeerCtx {
         })
     }
 
-    /// The peer's pidfd (readable once it exits), for epoll sets.
-    pub fn pidfd(&self) -> i32 {
-        self.pidfd.as_raw_fd()
+    /// The peer's pidfd (readable once it exits), for epoll sets; none for this process.
+    pub fn pidfd(&self) -> Option<i32> {
+        self.pidfd.as_ref().map(|p| p.as_raw_fd())
+    }
+
+    /// A descriptor of the peer's, as a descriptor of ours.
+    pub fn fetch(&self, remote_fd: i32) -> Result<OwnedFd> {
+        fetch_fd(self.pidfd.as_ref(), remote_fd)
     }
 
     /// True while the peer process runs.
@@ -92,7 +103,7 @@ impl PeerCtx {
         if self.dead.load(Ordering::Relaxed) {
             return false;
         }
-        if self.same_process || sys::pidfd_alive(&self.pidfd) {
+        if self.pidfd.as_ref().is_none_or(sys::pidfd_alive) {
             true
         } else {
             self.dead.store(true, Ordering::Relaxed);
@@ -170,7 +181,7 @@ impl PeerCtx {
         if let Some(s) = segs.get(&id) {
             return Some(s.clone());
         }
-        let fd = sys::pidfd_getfd(self.pidfd.as_raw_fd(), entry.seg_fd.load(Ordering::Relaxed)).ok()?;
+        let fd = self.fetch(entry.seg_fd.load(Ordering::Relaxed)).ok()?;
         let seg = Arc::new(Segment::map_fetched(fd, &segment_name(self.key.2, id), 1).ok()?);
         segs.insert(id, seg.clone());
         Some(seg)
@@ -190,7 +201,7 @@ impl PeerCtx {
         let mut bells = self.bells.lock().expect("bell cache lock");
         let fresh = !matches!(bells.get(&slot), Some((g, _)) if *g == generation);
         if fresh {
-            let fd = sys::pidfd_getfd(self.pidfd.as_raw_fd(), bell.eventfd.load(Ordering::Acquire)).ok();
+            let fd = self.fetch(bell.eventfd.load(Ordering::Acquire)).ok();
             bells.insert(slot, (generation, fd));
         }
         if let Some((_, Some(fd))) = bells.get(&slot) {
@@ -228,6 +239,14 @@ impl PeerCtx {
     }
 }
 
+/// A descriptor of the process behind `pidfd` (none: this process) as a descriptor of ours.
+fn fetch_fd(pidfd: Option<&OwnedFd>, remote_fd: i32) -> Result<OwnedFd> {
+    match pidfd {
+        Some(p) => sys::pidfd_getfd(p.as_raw_fd(), remote_fd),
+        None => sys::dup_fd(remote_fd),
+    }
+}
+
 /// Runs `f` holding a context's atomic lock (`lock`, in its control segment), taken with `tag`
 /// (pid in the high half): the lock every atomic on that context's memory takes, whichever
 /// process runs it. A holder that died is detected and the lock taken over; a live holder that
@@ -245,7 +264,8 @@ pub fn with_atomic_lock<R>(lock: &AtomicU64, tag: u64, f: impl FnOnce() -> R) ->
             if start.elapsed() > Duration::from_millis(100) {
                 // A holder that died keeps the lock for ever: take it over.
                 let holder = (cur >> 32) as u32;
-                let holder_alive = holder != 0 && sys::pidfd_open(holder).is_ok_and(|fd| sys::pidfd_alive(&fd));
+                let holder_alive = holder != 0
+                    && (holder == std::process::id() || sys::pidfd_open(holder).is_ok_and(|fd| sys::pidfd_alive(&fd)));
                 if !holder_alive && lock.compare_exchange(cur, tag, Ordering::Acquire, Ordering::Relaxed).is_ok() {
                     break;
                 }

@@ -388,8 +388,10 @@ impl QpInner {
                 let remote = self.connect(&info)?;
                 core.min_rnr_timer = attr.min_rnr_timer & 31;
                 self.header().min_rnr_timer.store(core.min_rnr_timer as u32, Ordering::Relaxed);
-                self.send_cq.watch(remote.peer.pidfd());
-                self.recv_cq.watch(remote.peer.pidfd());
+                if let Some(pidfd) = remote.peer.pidfd() {
+                    self.send_cq.watch(pidfd);
+                    self.recv_cq.watch(pidfd);
+                }
                 *self.helper_peer.lock().expect("helper peer lock") = Some(remote.peer.clone());
                 core.remote = Some(remote);
                 self.set_state(&mut core, QpState::ReadyToReceive);
@@ -426,7 +428,7 @@ impl QpInner {
         {
             return Err(VerbsError::Protocol("peer endpoint names slots out of range".into()));
         }
-        let fd = sys::pidfd_getfd(peer.pidfd(), info.qp_fd).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
+        let fd = peer.fetch(info.qp_fd).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
         let ring_bytes = info.ring_bytes as usize;
         let seg = Segment::map_fetched(fd, &qp_name(info.ctx_id, info.qpn), RING_OFFSET + ring_bytes)?;
         let local = if peer.same_process { local_qp(info.ctx_id, info.qpn) } else { None };
@@ -442,8 +444,10 @@ impl QpInner {
         *self.helper_peer.lock().expect("helper peer lock") = None;
         QpSeg(&self.seg).assist().state.store(0, Ordering::Release);
         if let Some(r) = core.remote.take() {
-            self.send_cq.unwatch(r.peer.pidfd());
-            self.recv_cq.unwatch(r.peer.pidfd());
+            if let Some(pidfd) = r.peer.pidfd() {
+                self.send_cq.unwatch(pidfd);
+                self.recv_cq.unwatch(pidfd);
+            }
         }
         core.sq.clear();
         core.exec_next = 0;
@@ -1600,8 +1604,10 @@ impl QpInner {
         let mut core = self.core.lock();
         self.header().state.store(QP_DESTROYED, Ordering::Release);
         if let Some(r) = core.remote.take() {
-            self.send_cq.unwatch(r.peer.pidfd());
-            self.recv_cq.unwatch(r.peer.pidfd());
+            if let Some(pidfd) = r.peer.pidfd() {
+                self.send_cq.unwatch(pidfd);
+                self.recv_cq.unwatch(pidfd);
+            }
         }
         core.state = QpState::Error;
         self.send_cq.detach(self);

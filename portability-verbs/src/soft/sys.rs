@@ -134,6 +134,18 @@ pub fn pidfd_getfd(pidfd: RawFd, target_fd: i32) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// A duplicate of one of this process's descriptors (what `pidfd_getfd` on ourselves gives,
+/// without needing a pidfd).
+pub fn dup_fd(fd: i32) -> Result<OwnedFd> {
+    // SAFETY: plain fcntl with integer arguments; a bad descriptor is reported as EBADF.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if new < 0 {
+        return Err(VerbsError::last_os(format!("duplicating fd {fd}")));
+    }
+    // SAFETY: fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}
+
 /// True while the process behind `pidfd` runs (a pidfd turns readable at exit).
 pub fn pidfd_alive(pidfd: &OwnedFd) -> bool {
     !matches!(wait_readable(pidfd.as_raw_fd(), Some(Duration::ZERO)), Ok(true))
