@@ -117,6 +117,21 @@ pub fn copy_slice(dst: &mut [u8], src: &[u8]) {
     unsafe { copy_bytes(dst.as_mut_ptr(), src.as_ptr(), src.len()) }
 }
 
+/// `v.extend_from_slice(src)` through [`copy_bytes`] (a small append, such as a message's
+/// payload into the buffer being filled, goes through registers instead of a glibc call).
+#[inline]
+pub fn extend_vec(v: &mut Vec<u8>, src: &[u8]) {
+    v.reserve(src.len());
+    let len = v.len();
+    // SAFETY: `reserve` made room for `src.len()` more bytes after `len`; `src` cannot overlap
+    // the spare capacity of `v` (a shared borrow of it would conflict with `&mut v`). Every
+    // byte up to the new length is initialized by the copy before `set_len`.
+    unsafe {
+        copy_bytes(v.as_mut_ptr().add(len), src.as_ptr(), src.len());
+        v.set_len(len + src.len());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,6 +195,20 @@ mod tests {
             copy_slice(&mut dst[at..at + len], &src);
             prop_assert!(dst[at..at + len] == src[..]);
             prop_assert!(dst[..at].iter().chain(&dst[at + len..]).all(|&b| b == 0));
+        }
+
+        #[test]
+        fn extend_vec_appends_as_extend_from_slice_does(
+            head in proptest::collection::vec(any::<u8>(), 0..100),
+            tail in proptest::collection::vec(any::<u8>(), 0..3000),
+            spare in 0usize..64,
+        ) {
+            let mut v = Vec::with_capacity(head.len() + spare);
+            v.extend_from_slice(&head);
+            extend_vec(&mut v, &tail);
+            let mut want = head.clone();
+            want.extend_from_slice(&tail);
+            prop_assert_eq!(v, want);
         }
     }
 }
