@@ -5,7 +5,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use portability_verbs::copy::copy_slice;
+use portability_verbs::copy::{self, copy_slice};
 use portability_verbs::datapath::{AdaptiveCrossover, FlowStrategy, Lane, MsgPipe, PipeOptions, Registration};
 use portability_verbs::{cm, AccessFlags, CompletionQueue, SendWr, Sge, WcStatus};
 use smallvec::SmallVec;
@@ -96,7 +96,44 @@ struct ConnIo {
     bulk_left: u64,
 }
 
+/// What [`ConnIo::take_one`] found at the head of the connection.
+enum OneMsg {
+    /// A `One` message, taken: its sequence number and modes (its bytes were copied out).
+    Taken(u32, Modes),
+    /// Nothing arrived.
+    Nothing,
+    /// Something else: the general path reads it.
+    Other,
+}
+
 impl ConnIo {
+    /// The path of the commonest message, one small pack (a `One` record, alone in its pipe
+    /// message): if it opens the connection's next pipe message with nothing queued before it,
+    /// copies its bytes into `body` and releases it. Anything else, a malformed `One` included,
+    /// is left for the general path (which reports what is wrong with it).
+    #[inline]
+    fn take_one(&mut self, body: &mut Vec<u8>) -> OneMsg {
+        if !self.incoming.is_empty() || self.failed.is_some() || self.bulk_left != 0 || self.front_at != 0 {
+            return OneMsg::Other;
+        }
+        let (seq, modes, data) = match self.pipe.front() {
+            Ok(Some((Lane::Message, m))) => match wire::decode_one_record(m) {
+                Some(Ok((seq, modes))) => (seq, modes, &m[wire::ONE_HEADER..]),
+                _ => return OneMsg::Other,
+            },
+            Ok(None) => return OneMsg::Nothing,
+            _ => return OneMsg::Other,
+        };
+        body.clear();
+        copy::extend_vec(body, data);
+        // Releasing a message read in place cannot fail; were it to, the general path would
+        // read the message again and report it.
+        if self.pipe.pop_front().is_err() {
+            return OneMsg::Other;
+        }
+        OneMsg::Taken(seq, modes)
+    }
+
     /// If the next record is the message's `End` and already here (queued, or next in the
     /// pipe message being read), takes it and returns its pack count. Never waits or polls.
     fn end_follows(&mut self) -> std::result::Result<Option<u32>, Broken> {
@@ -255,7 +292,16 @@ impl<T> Token<T> {
     }
 
     /// Claims, yielding (coroutines) or spinning then napping (threads) while another holds it.
+    #[inline]
     fn claim(&self, timeout: std::time::Duration) -> Result<Claim<'_, T>> {
+        match self.try_claim() {
+            Some(c) => Ok(c),
+            None => self.claim_slow(timeout),
+        }
+    }
+
+    #[inline(never)]
+    fn claim_slow(&self, timeout: std::time::Duration) -> Result<Claim<'_, T>> {
         let mut w = Waiter::new(timeout, "waiting for a connection held by another sender or receiver");
         loop {
             if let Some(c) = self.try_claim() {
@@ -300,6 +346,17 @@ pub(crate) struct SendSide {
     agg: Vec<u8>,
     /// Copy or zero-copy for large packs, from the probe and the copies timed since.
     crossover: AdaptiveCrossover,
+    // The message being packed (here rather than in the `Packer`, which is returned by value
+    // on every message and so stays a few words).
+    /// Packs so far.
+    packs: u32,
+    /// Part of the message was handed to the network already (it cannot go as one `Whole`).
+    flushed: bool,
+    /// Modes of the last pack appended whole inline (a message of that pack alone goes as
+    /// one `One` record).
+    inline_modes: Modes,
+    /// `end_packing` ran (or the packer was dropped).
+    finished: bool,
 }
 
 /// The receiving direction of a connection, held by an unpacker for a whole message.
@@ -307,7 +364,17 @@ pub(crate) struct RecvSide {
     /// Sequence number of the next message.
     seq: u32,
     /// The records of a message that came whole, taken out of the pipe at once.
-    whole: Vec<u8>,
+    body: Vec<u8>,
+    // The message being unpacked (here rather than in the `Unpacker`, which is returned by
+    // value on every message and so stays a few words).
+    /// Unpacks so far.
+    unpacks: u32,
+    /// The message's `End` (its pack count), once taken.
+    end: Option<u32>,
+    /// The message, if it came whole (its records are in `body`).
+    whole: Option<WholeMsg>,
+    /// `end_unpacking` ran (or the unpacker was dropped).
+    finished: bool,
 }
 
 /// A connection to one peer on one channel.
@@ -341,12 +408,13 @@ impl Conn {
         let options = PipeOptions { bulk_ring, ..PipeOptions::default() };
         let mut pipe = MsgPipe::establish_with(conn.qp, cq.clone(), &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
         let crossover = crate::probe::rendezvous_crossover(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
+        let max_msg = s.cfg.strategy.max_message();
         let threshold = crossover.probed();
         log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
         Ok(Conn {
             peer,
             threshold,
-            max_msg: s.cfg.strategy.max_message(),
+            max_msg,
             bulk_chunk: pipe.bulk_chunk_max(),
             bulk_frame: pipe.bulk_frame_max().min(pipe.bulk_chunk_max() / 2),
             io: Token::new(ConnIo {
@@ -357,8 +425,23 @@ impl Conn {
                 failed: None,
                 bulk_left: 0,
             }),
-            send_side: Token::new(SendSide { seq: 0, agg: Vec::new(), crossover }),
-            recv_side: Token::new(RecvSide { seq: 0, whole: Vec::new() }),
+            send_side: Token::new(SendSide {
+                seq: 0,
+                agg: Vec::with_capacity(max_msg),
+                crossover,
+                packs: 0,
+                flushed: false,
+                inline_modes: Modes { send: SendMode::Safer, recv: RecvMode::Express },
+                finished: true,
+            }),
+            recv_side: Token::new(RecvSide {
+                seq: 0,
+                body: Vec::new(),
+                unpacks: 0,
+                end: None,
+                whole: None,
+                finished: true,
+            }),
             next_rdv: AtomicU32::new(0),
             cq,
         })
@@ -366,6 +449,11 @@ impl Conn {
 
     fn io(&self) -> Claim<'_, ConnIo> {
         self.io.hold()
+    }
+
+    #[cold]
+    fn out_of_sequence(&self, seq: u32, due: u32) -> MadError {
+        MadError::Protocol { rank: self.peer, why: format!("message {seq} where {due} was due") }
     }
 
     fn lost(&self, why: impl std::fmt::Display) -> MadError {
@@ -461,9 +549,33 @@ impl Conn {
     /// Sends one pipe message and sees it handed to the transport (nothing left staged: the
     /// sender may stop progressing this connection afterwards), draining what arrives meanwhile
     /// so two ends sending at once never block each other.
+    #[inline]
     fn send_msg(&self, msg: &[u8], timeout: std::time::Duration) -> Result<()> {
-        let mut w = None;
+        let mut io = self.io();
         let mut accepted = false;
+        if io.failed.is_none() {
+            // The usual case: the pipe takes the message and hands it to the transport at once.
+            accepted = io.pipe.try_send(msg).map_err(|e| self.lost(e))?;
+            if accepted {
+                if io.pipe.staged() == 0 {
+                    // Handed to the transport already (not coalesced behind earlier ones).
+                    return Ok(());
+                }
+                io.pipe.flush().map_err(|e| self.lost(e))?;
+                if io.pipe.staged() == 0 {
+                    return Ok(());
+                }
+            }
+        }
+        drop(io);
+        self.send_msg_waiting(msg, timeout, accepted)
+    }
+
+    /// [`Conn::send_msg`] once the message could not leave at once (`accepted`: the pipe took
+    /// it already).
+    #[inline(never)]
+    fn send_msg_waiting(&self, msg: &[u8], timeout: std::time::Duration, mut accepted: bool) -> Result<()> {
+        let mut w = None;
         loop {
             {
                 let mut io = self.io();
@@ -515,23 +627,31 @@ impl Channel {
         self.session.cfg.size
     }
 
+    #[inline]
     fn conn(&self, rank: usize) -> Result<&Conn> {
-        self.conns.get(rank).and_then(|c| c.as_deref()).ok_or_else(|| {
-            MadError::Invalid(format!("no connection to rank {rank} (size {}, self {})", self.size(), self.rank()))
-        })
+        match self.conns.get(rank) {
+            Some(Some(c)) => Ok(c),
+            _ => Err(self.no_conn(rank)),
+        }
+    }
+
+    #[cold]
+    fn no_conn(&self, rank: usize) -> MadError {
+        MadError::Invalid(format!("no connection to rank {rank} (size {}, self {})", self.size(), self.rank()))
     }
 
     /// Starts a message to `dest`. Other senders to `dest` on this channel wait until
     /// `end_packing`: a message is packed atomically.
+    #[inline]
     pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
         let conn = self.conn(dest)?;
         let mut tx = conn.send_side.claim(self.session.cfg.timeout)?;
-        let SendSide { seq, agg, .. } = &mut *tx;
+        let SendSide { seq, agg, packs, flushed, finished, .. } = &mut *tx;
+        (*packs, *flushed, *finished) = (0, false, false);
         agg.clear();
         agg.reserve(conn.max_msg);
         Record::Begin { seq: *seq }.encode(agg);
-        let inline_modes = Modes { send: SendMode::Safer, recv: RecvMode::Express };
-        Ok(Packer { ch: self, conn, tx, packs: 0, flushed: false, inline_modes, finished: false, more: None })
+        Ok(Packer { ch: self, conn, tx, more: None })
     }
 
     /// Waits until every process of the session reached this call on this channel (an empty
@@ -574,8 +694,8 @@ impl Channel {
                 let Some(mut rx) = conn.recv_side.try_claim() else { continue };
                 // Not holding the claim between rounds: a thread waiting for this source only
                 // may take it.
-                if let Some(whole) = self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
-                    return Ok(self.unpacker(conn, rx, whole));
+                if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
+                    return Ok(Unpacker { ch: self, conn, rx, rdv: None });
                 }
             }
             w.pause_on(&cqs)?;
@@ -583,28 +703,48 @@ impl Channel {
     }
 
     /// Takes the next message from `source`.
+    #[inline]
     pub fn begin_unpacking_from(&self, source: usize) -> Result<Unpacker<'_>> {
         let conn = self.conn(source)?;
-        let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
         // Claimed once for the whole wait: whoever else wants this source's next message
         // would wait behind us anyway.
         let mut rx = conn.recv_side.claim(self.session.cfg.timeout)?;
-        loop {
-            if let Some(whole) = self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
-                return Ok(self.unpacker(conn, rx, whole));
+        if !self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
+            let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
+            loop {
+                w.pause_on(&[&conn.cq])?;
+                if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
+                    break;
+                }
             }
-            w.pause_on(&[&conn.cq])?;
         }
+        Ok(Unpacker { ch: self, conn, rx, rdv: None })
     }
 
-    fn unpacker<'u>(&'u self, conn: &'u Conn, rx: Claim<'u, RecvSide>, whole: Option<WholeMsg>) -> Unpacker<'u> {
-        Unpacker { ch: self, conn, rx, unpacks: 0, rdv: None, end: None, whole, finished: false }
+    /// Takes the start of the connection's next message into `rx` if it has begun arriving
+    /// (`false` if nothing is there yet): its records follow, or it came whole.
+    #[inline]
+    fn try_begin(&self, conn: &Conn, rx: &mut RecvSide) -> Result<bool> {
+        let mut io = conn.io();
+        let (seq, whole) = match io.take_one(&mut rx.body) {
+            OneMsg::Taken(seq, modes) => (seq, WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes) }),
+            OneMsg::Nothing => return Ok(false),
+            OneMsg::Other => {
+                drop(io);
+                return self.try_begin_other(conn, rx);
+            }
+        };
+        drop(io);
+        if seq != rx.seq {
+            return Err(conn.out_of_sequence(seq, rx.seq));
+        }
+        (rx.unpacks, rx.end, rx.whole, rx.finished) = (0, None, Some(whole), false);
+        Ok(true)
     }
 
-    /// Takes the start of the connection's next message if it has begun arriving (`None` if
-    /// nothing is there yet): `Some(None)` for a message whose records follow, `Some(Some(_))`
-    /// for a message that came whole.
-    fn try_begin(&self, conn: &Conn, rx: &mut Claim<'_, RecvSide>) -> Result<Option<Option<WholeMsg>>> {
+    /// [`Channel::try_begin`] for anything but a message of one small pack.
+    #[inline(never)]
+    fn try_begin_other(&self, conn: &Conn, rx: &mut RecvSide) -> Result<bool> {
         /// What the next record says (small and plain: it travels back through the record
         /// reader's results on every message).
         #[derive(Clone, Copy)]
@@ -614,35 +754,44 @@ impl Channel {
             One(u32, Modes),
             Other,
         }
-        let RecvSide { seq: due, whole } = &mut **rx;
-        let got = conn.next_with(&mut conn.io(), Pump::StopAtBulk, |n| match n {
-            Next::Rec(Record::Begin { seq }, _) => Start::Begin(seq),
-            // A small message, taken out of the pipe at once: its unpacks need no lock.
-            Next::Rec(Record::Whole { seq, packs }, body) => {
-                whole.clear();
-                whole.extend_from_slice(body);
-                Start::Whole(seq, packs)
-            }
-            Next::Rec(Record::One { seq, modes }, body) => {
-                whole.clear();
-                whole.extend_from_slice(body);
-                Start::One(seq, modes)
-            }
-            _ => Start::Other,
-        })?;
-        let (seq, whole) = match got {
-            Err(_) => return Ok(None),
-            Ok(Start::Begin(seq)) => (seq, None),
-            Ok(Start::Whole(seq, packs)) => (seq, Some(WholeMsg { at: 0, taken: 0, packs, single: None })),
-            Ok(Start::One(seq, modes)) => (seq, Some(WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes) })),
-            Ok(Start::Other) => {
-                return Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() })
+        let mut io = conn.io();
+        let (seq, whole) = {
+            {
+                let body = &mut rx.body;
+                let got = conn.next_with(&mut io, Pump::StopAtBulk, |n| match n {
+                    Next::Rec(Record::Begin { seq }, _) => Start::Begin(seq),
+                    // A small message, taken out of the pipe at once: its unpacks need no lock.
+                    Next::Rec(Record::Whole { seq, packs }, data) => {
+                        body.clear();
+                        copy::extend_vec(body, data);
+                        Start::Whole(seq, packs)
+                    }
+                    Next::Rec(Record::One { seq, modes }, data) => {
+                        body.clear();
+                        copy::extend_vec(body, data);
+                        Start::One(seq, modes)
+                    }
+                    _ => Start::Other,
+                })?;
+                match got {
+                    Err(_) => return Ok(false),
+                    Ok(Start::Begin(seq)) => (seq, None),
+                    Ok(Start::Whole(seq, packs)) => (seq, Some(WholeMsg { at: 0, taken: 0, packs, single: None })),
+                    Ok(Start::One(seq, modes)) => {
+                        (seq, Some(WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes) }))
+                    }
+                    Ok(Start::Other) => {
+                        return Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() })
+                    }
+                }
             }
         };
-        if seq != *due {
-            return Err(MadError::Protocol { rank: conn.peer, why: format!("message {seq} where {due} was due") });
+        drop(io);
+        if seq != rx.seq {
+            return Err(conn.out_of_sequence(seq, rx.seq));
         }
-        Ok(Some(whole))
+        (rx.unpacks, rx.end, rx.whole, rx.finished) = (0, None, whole, false);
+        Ok(true)
     }
 }
 
@@ -676,15 +825,9 @@ struct Held<'p> {
 pub struct Packer<'p> {
     ch: &'p Channel,
     conn: &'p Conn,
-    /// The connection's sending side, held until the message is complete.
+    /// The connection's sending side, held until the message is complete (with the state of
+    /// the message being packed).
     tx: Claim<'p, SendSide>,
-    packs: u32,
-    /// Part of the message was handed to the network already (it cannot go as one `Whole`).
-    flushed: bool,
-    /// Modes of the last pack appended whole inline (a message of that pack alone goes as
-    /// one `One` record).
-    inline_modes: Modes,
-    finished: bool,
     /// What `Later`, rendezvous and bulk packs need, allocated by the first of them: a
     /// message of small packs never touches it, and the packer stays small enough to move
     /// cheaply (it is returned by value on every message).
@@ -718,14 +861,22 @@ impl<'p> Packer<'p> {
     }
 
     /// Adds `buf` to the message with the given modes.
+    #[inline]
     pub fn pack(&mut self, buf: &'p [u8], send: SendMode, recv: RecvMode) -> Result<()> {
         let modes = Modes { send, recv };
-        self.packs += 1;
+        self.tx.packs += 1;
         if send != SendMode::Later && self.fits_now(buf.len()) {
             // The path of small packs: copied into the message being filled, nothing else.
             self.append_inline(buf, modes);
             return Ok(());
         }
+        self.pack_other(buf, modes)
+    }
+
+    /// Packs what does not go whole into the message being filled now.
+    #[inline(never)]
+    fn pack_other(&mut self, buf: &'p [u8], modes: Modes) -> Result<()> {
+        let send = modes.send;
         if send == SendMode::Later || self.has_deferred() {
             // Read at end_packing; what follows a Later pack waits behind it, in order.
             self.more().deferred.push(match send {
@@ -741,7 +892,7 @@ impl<'p> Packer<'p> {
     /// need not outlive the packer.
     pub fn pack_safer(&mut self, buf: &[u8], recv: RecvMode) -> Result<()> {
         let modes = Modes { send: SendMode::Safer, recv };
-        self.packs += 1;
+        self.tx.packs += 1;
         if self.fits_now(buf.len()) {
             self.append_inline(buf, modes);
             return Ok(());
@@ -832,13 +983,13 @@ impl<'p> Packer<'p> {
         Record::Bulk { modes, total: buf.len() as u64 }.encode(&mut self.tx.agg);
         let mut tail = SmallVec::<[u8; wire::HEADER]>::new();
         if end {
-            tail.extend_from_slice(&Record::End { packs: self.packs }.header());
+            tail.extend_from_slice(&Record::End { packs: self.tx.packs }.header());
         }
         let head = std::mem::take(&mut self.tx.agg);
         let tokens = self.bulk_chunks(&head, buf, &reg, &tail);
         self.tx.agg = head;
         self.tx.agg.clear();
-        self.flushed = true;
+        self.tx.flushed = true;
         match tokens {
             Ok((tokens, copying)) => {
                 self.tx.crossover.on_copy(buf.len(), copying);
@@ -915,8 +1066,8 @@ impl<'p> Packer<'p> {
     fn append_inline(&mut self, buf: &[u8], modes: Modes) {
         let rec = Record::Inline { modes, len: buf.len() as u32, last: true, total: buf.len() as u64 };
         self.tx.agg.extend_from_slice(&rec.header());
-        self.tx.agg.extend_from_slice(buf);
-        self.inline_modes = modes;
+        copy::extend_vec(&mut self.tx.agg, buf);
+        self.tx.inline_modes = modes;
     }
 
     fn inline(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
@@ -979,7 +1130,7 @@ impl<'p> Packer<'p> {
         if self.tx.agg.is_empty() {
             return Ok(());
         }
-        self.flushed = true;
+        self.tx.flushed = true;
         self.conn.send_msg(&self.tx.agg, self.ch.session.cfg.timeout)?;
         self.tx.agg.clear();
         Ok(())
@@ -987,15 +1138,46 @@ impl<'p> Packer<'p> {
 
     /// Completes the message: sends what was deferred, then waits until the receiver has read
     /// every zero-copy pack (after this the buffers are free).
+    #[inline]
     pub fn end_packing(mut self) -> Result<()> {
         self.finish()
     }
 
+    #[inline]
     fn finish(&mut self) -> Result<()> {
-        if self.finished {
+        if self.tx.finished {
             return Ok(());
         }
-        self.finished = true;
+        self.tx.finished = true;
+        if self.more.is_none() && self.tx.packs == 1 && !self.tx.flushed && self.tx.agg.len() <= wire::WHOLE_MAX {
+            // The commonest message: one small pack, all here, nothing else to wait for.
+            self.send_one()?;
+            self.tx.seq = self.tx.seq.wrapping_add(1);
+            return Ok(());
+        }
+        self.finish_other()
+    }
+
+    /// Sends a message of one inline pack, whole: its bytes behind a `One` header written over
+    /// the second half of its `Inline` header.
+    #[inline]
+    fn send_one(&mut self) -> Result<()> {
+        let at = 2 * wire::HEADER - wire::ONE_HEADER;
+        debug_assert!(matches!(
+            wire::decode_one(&self.tx.agg, wire::HEADER),
+            Ok((Record::Inline { last: true, .. }, _, n)) if n == self.tx.agg.len()
+        ));
+        let one = Record::one_header(self.tx.seq, self.tx.inline_modes);
+        self.tx.agg[at..2 * wire::HEADER].copy_from_slice(&one);
+        self.tx.flushed = true;
+        self.conn.send_msg(&self.tx.agg[at..], self.ch.session.cfg.timeout)?;
+        self.tx.agg.clear();
+        Ok(())
+    }
+
+    /// Completes any other message.
+    #[inline(never)]
+    fn finish_other(&mut self) -> Result<()> {
         let deferred = self.more.as_mut().map(|m| std::mem::take(&mut m.deferred)).unwrap_or_default();
         for d in deferred {
             match d {
@@ -1006,32 +1188,21 @@ impl<'p> Packer<'p> {
         if self.more.as_ref().is_some_and(|m| m.pending_bulk.is_some()) {
             // The last pack is bulk: the message ends in its last chunk.
             self.send_pending(true)?;
-        } else if !self.flushed && !self.has_rdv() && self.tx.agg.len() <= wire::WHOLE_MAX {
+        } else if !self.tx.flushed && !self.has_rdv() && self.tx.agg.len() <= wire::WHOLE_MAX {
             // Begin and inline packs only, all here (a pack that did not fit whole would have
             // flushed): the message goes whole.
-            if self.packs == 1 {
-                // One pack: its bytes behind a One header written over the second half of its
-                // Inline header.
-                let at = 2 * wire::HEADER - wire::ONE_HEADER;
-                debug_assert!(matches!(
-                    wire::decode_one(&self.tx.agg, wire::HEADER),
-                    Ok((Record::Inline { last: true, .. }, _, n)) if n == self.tx.agg.len()
-                ));
-                let one = Record::one_header(self.tx.seq, self.inline_modes);
-                self.tx.agg[at..2 * wire::HEADER].copy_from_slice(&one);
-                self.flushed = true;
-                self.conn.send_msg(&self.tx.agg[at..], self.ch.session.cfg.timeout)?;
-                self.tx.agg.clear();
+            if self.tx.packs == 1 {
+                self.send_one()?;
             } else {
                 // One Whole record instead of Begin .. End.
-                let whole = Record::Whole { seq: self.tx.seq, packs: self.packs };
+                let whole = Record::Whole { seq: self.tx.seq, packs: self.tx.packs };
                 whole.write_header((&mut self.tx.agg[..wire::HEADER]).try_into().expect("a Begin header"));
             }
         } else {
             if self.tx.agg.len() + wire::HEADER > self.conn.max_msg {
                 self.flush()?;
             }
-            Record::End { packs: self.packs }.encode(&mut self.tx.agg);
+            Record::End { packs: self.tx.packs }.encode(&mut self.tx.agg);
         }
         self.flush()?;
         if let Some(more) = self.more.as_mut() {
@@ -1068,7 +1239,7 @@ impl<'p> Packer<'p> {
 
 impl Drop for Packer<'_> {
     fn drop(&mut self) {
-        if !self.finished {
+        if !self.tx.finished {
             // A message must not be left half-sent, nor a borrowed buffer released while the
             // receiver may still read it.
             if let Err(e) = self.finish() {
@@ -1102,18 +1273,13 @@ struct PendingRead<'u> {
 pub struct Unpacker<'u> {
     ch: &'u Channel,
     conn: &'u Conn,
-    /// The connection's receiving side, held until the message is complete.
+    /// The connection's receiving side, held until the message is complete (with the state
+    /// of the message being unpacked).
     rx: Claim<'u, RecvSide>,
-    unpacks: u32,
     /// Zero-copy reads in flight and rendezvous to acknowledge, allocated by the first
     /// rendezvous: a message of small packs never touches them, and the unpacker stays small
     /// enough to move cheaply (it is returned by value on every message).
     rdv: Option<Box<UnpackerRdv<'u>>>,
-    /// The message's `End` (its pack count), once taken.
-    end: Option<u32>,
-    /// The message, if it came as one `Whole` record.
-    whole: Option<WholeMsg>,
-    finished: bool,
 }
 
 /// An unpacker's rendezvous state.
@@ -1125,6 +1291,7 @@ struct UnpackerRdv<'u> {
 
 /// A message that came whole (its packs' records are in the receiving side's buffer): how
 /// far they were unpacked.
+#[derive(Clone, Copy)]
 struct WholeMsg {
     at: usize,
     /// Records taken (by unpacks, matching or not).
@@ -1164,7 +1331,7 @@ impl<'u> Unpacker<'u> {
     /// message's `End` is next and already here, takes it too (one trip to the connection
     /// fewer for `end_unpacking`).
     fn take_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<Got> {
-        if let Some(packs) = self.end {
+        if let Some(packs) = self.rx.end {
             return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
         }
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for message data");
@@ -1195,7 +1362,7 @@ impl<'u> Unpacker<'u> {
                     Ok(got) => {
                         let got = got?;
                         if matches!(got, Got::Inline { last: true, .. } | Got::Other(Record::Rdv { .. })) {
-                            self.end = io.end_follows().map_err(|b| conn.fail(&mut io, b))?;
+                            self.rx.end = io.end_follows().map_err(|b| conn.fail(&mut io, b))?;
                         }
                         return Ok(got);
                     }
@@ -1208,25 +1375,26 @@ impl<'u> Unpacker<'u> {
 
     /// Unpacks the next pack of a message that came whole.
     fn take_whole_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<()> {
-        let (w, body) = (self.whole.as_mut().expect("a whole message"), &self.rx.whole);
+        let mut w = self.rx.whole.expect("a whole message");
         if let Some(sent) = w.single {
             if w.taken == 1 {
                 return Err(self.mismatch("the sender packed 1 item, the receiver asked for more".into()));
             }
-            w.taken = 1;
-            self.check(sent, self.rx.whole.len() as u64, asked, buf.len())?;
-            buf.copy_from_slice(&self.rx.whole);
+            self.rx.whole = Some(WholeMsg { taken: 1, ..w });
+            self.check(sent, self.rx.body.len() as u64, asked, buf.len())?;
+            copy_slice(buf, &self.rx.body);
             return Ok(());
         }
-        if w.at == body.len() {
+        if w.at == self.rx.body.len() {
             let packs = w.packs;
             return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
         }
-        let decoded = wire::decode_one(body, w.at);
+        let decoded = wire::decode_one(&self.rx.body, w.at);
         if let Ok((_, _, next)) = decoded {
             // Taken even if the unpack does not match it (as a pack read from the pipe is).
             w.at = next;
             w.taken += 1;
+            self.rx.whole = Some(w);
         }
         let (rec, data, _) = decoded.map_err(|e| self.bad(&e.to_string()))?;
         let Record::Inline { modes, len, last: true, total } = rec else {
@@ -1236,7 +1404,7 @@ impl<'u> Unpacker<'u> {
             return Err(self.bad("a whole message holds complete inline packs only"));
         }
         self.check(modes, total, asked, buf.len())?;
-        buf.copy_from_slice(&self.rx.whole[data]);
+        copy_slice(buf, &self.rx.body[data]);
         Ok(())
     }
 
@@ -1248,7 +1416,7 @@ impl<'u> Unpacker<'u> {
             return Ok(1);
         }
         let mut at = w.at;
-        let body = &self.rx.whole;
+        let body = &self.rx.body;
         while at < body.len() {
             let (rec, _, next) = wire::decode_one(body, at).map_err(|e| self.bad(&e.to_string()))?;
             if !matches!(rec, Record::Inline { last: true, .. }) {
@@ -1337,8 +1505,29 @@ impl<'u> Unpacker<'u> {
 
     /// Extracts the next pack into `buf`; with `RecvMode::Express` the data is there when this
     /// returns, with `RecvMode::Cheaper` after `end_unpacking`.
+    #[inline]
     pub fn unpack(&mut self, buf: &'u mut [u8], send: SendMode, recv: RecvMode) -> Result<()> {
-        self.unpack_into(buf, Modes { send, recv }).map_err(|e| self.conn.poison(e))
+        let modes = Modes { send, recv };
+        if self.take_single(buf, modes) {
+            return Ok(());
+        }
+        self.unpack_into(buf, modes).map_err(|e| self.conn.poison(e))
+    }
+
+    /// The unpack of a message of one small pack that matches it (the commonest message):
+    /// copies it out, or returns `false` for the general path (which also reports mismatches).
+    #[inline]
+    fn take_single(&mut self, buf: &mut [u8], modes: Modes) -> bool {
+        let rx = &mut *self.rx;
+        match rx.whole {
+            Some(w @ WholeMsg { single: Some(sent), taken: 0, .. }) if sent == modes && rx.body.len() == buf.len() => {
+                rx.unpacks += 1;
+                rx.whole = Some(WholeMsg { taken: 1, ..w });
+                copy_slice(buf, &rx.body);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Extracts the next pack (which must have been packed `RecvMode::Express`) into `buf`;
@@ -1346,14 +1535,17 @@ impl<'u> Unpacker<'u> {
     pub fn unpack_express(&mut self, buf: &mut [u8], send: SendMode) -> Result<()> {
         // SAFETY-free: an Express unpack completes before returning, so the borrow may end here.
         let modes = Modes { send, recv: RecvMode::Express };
+        if self.take_single(buf, modes) {
+            return Ok(());
+        }
         self.unpack_now(buf, modes).map_err(|e| self.conn.poison(e))
     }
 
     fn unpack_into(&mut self, buf: &'u mut [u8], modes: Modes) -> Result<()> {
-        if modes.recv == RecvMode::Express || self.whole.is_some() {
+        if modes.recv == RecvMode::Express || self.rx.whole.is_some() {
             return self.unpack_now(buf, modes);
         }
-        self.unpacks += 1;
+        self.rx.unpacks += 1;
         match self.take_pack(buf, modes)? {
             Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
                 let (token, reg) = self.start_read(buf, addr, rkey)?;
@@ -1365,8 +1557,8 @@ impl<'u> Unpacker<'u> {
     }
 
     fn unpack_now(&mut self, buf: &mut [u8], modes: Modes) -> Result<()> {
-        self.unpacks += 1;
-        if self.whole.is_some() {
+        self.rx.unpacks += 1;
+        if self.rx.whole.is_some() {
             return self.take_whole_pack(buf, modes);
         }
         match self.take_pack(buf, modes)? {
@@ -1391,10 +1583,10 @@ impl<'u> Unpacker<'u> {
 
     fn check(&self, sent: Modes, sent_len: u64, asked: Modes, len: usize) -> Result<()> {
         if sent != asked {
-            return Err(self.mismatch(format!("pack {} was sent {:?}, unpacked {:?}", self.unpacks, sent, asked)));
+            return Err(self.mismatch(format!("pack {} was sent {:?}, unpacked {:?}", self.rx.unpacks, sent, asked)));
         }
         if sent_len != len as u64 {
-            return Err(self.mismatch(format!("pack {} has {sent_len} bytes, unpacked into {}", self.unpacks, len)));
+            return Err(self.mismatch(format!("pack {} has {sent_len} bytes, unpacked into {}", self.rx.unpacks, len)));
         }
         Ok(())
     }
@@ -1478,15 +1670,27 @@ impl<'u> Unpacker<'u> {
 
     /// Completes the message: waits for `RecvMode::Cheaper` data, checks that the sender packed
     /// exactly what was unpacked, and tells the sender its zero-copy buffers are free.
+    #[inline]
     pub fn end_unpacking(mut self) -> Result<()> {
+        let rx = &mut *self.rx;
+        if !rx.finished
+            && self.rdv.is_none()
+            && rx.unpacks == 1
+            && matches!(rx.whole, Some(WholeMsg { single: Some(_), taken: 1, .. }))
+        {
+            // A message of one small pack, unpacked: nothing to wait for or check.
+            rx.finished = true;
+            rx.seq = rx.seq.wrapping_add(1);
+            return Ok(());
+        }
         self.finish().map_err(|e| self.conn.poison(e))
     }
 
     fn finish(&mut self) -> Result<()> {
-        if self.finished {
+        if self.rx.finished {
             return Ok(());
         }
-        self.finished = true;
+        self.rx.finished = true;
         let mut result = Ok(());
         let pending = self.rdv.as_mut().map(|r| std::mem::take(&mut r.pending)).unwrap_or_default();
         for p in pending {
@@ -1500,7 +1704,7 @@ impl<'u> Unpacker<'u> {
         // The End record, or what the sender packed beyond our unpacks.
         let mut extra = 0u32;
         let mut unread = Vec::new();
-        let packs = match (&self.whole, self.end) {
+        let packs = match (&self.rx.whole, self.rx.end) {
             (Some(w), _) => self.whole_end(w, &mut extra)?,
             (None, Some(packs)) => packs,
             (None, None) => self.find_end(&mut extra, &mut unread)?,
@@ -1510,9 +1714,9 @@ impl<'u> Unpacker<'u> {
         }
         self.send_fins()?;
         self.rx.seq = self.rx.seq.wrapping_add(1);
-        if packs != self.unpacks || extra > 0 {
+        if packs != self.rx.unpacks || extra > 0 {
             return Err(
-                self.mismatch(format!("the sender packed {packs} items, the receiver unpacked {}", self.unpacks))
+                self.mismatch(format!("the sender packed {packs} items, the receiver unpacked {}", self.rx.unpacks))
             );
         }
         Ok(())
@@ -1567,7 +1771,7 @@ impl<'u> Unpacker<'u> {
 
 impl Drop for Unpacker<'_> {
     fn drop(&mut self) {
-        if !self.finished {
+        if !self.rx.finished {
             if let Err(e) = self.finish().map_err(|e| self.conn.poison(e)) {
                 log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
                 if let Some(rdv) = self.rdv.as_mut() {

@@ -28,6 +28,8 @@ pub(crate) struct Waiter {
     /// Set at the first clock read.
     start: Option<Instant>,
     timeout: Duration,
+    /// The spin phase, looked up at the first clock read (a wait that ends before it never
+    /// pays for the lookup).
     spin: Duration,
     what: &'static str,
     polls: u32,
@@ -49,8 +51,9 @@ fn spin_time() -> Duration {
 }
 
 impl Waiter {
+    #[inline]
     pub fn new(timeout: Duration, what: &'static str) -> Waiter {
-        Waiter { start: None, timeout, spin: spin_time(), what, polls: 0, sleeping: false, in_coroutine: None }
+        Waiter { start: None, timeout, spin: Duration::ZERO, what, polls: 0, sleeping: false, in_coroutine: None }
     }
 
     /// Called when a poll found nothing and no completion will say when to look again:
@@ -67,6 +70,9 @@ impl Waiter {
         let mut left = self.timeout;
         if self.sleeping || self.polls.is_multiple_of(CHECK_EVERY) {
             let now = Instant::now();
+            if self.start.is_none() {
+                self.spin = spin_time();
+            }
             let waited = now - *self.start.get_or_insert(now);
             if waited > self.timeout {
                 return Err(MadError::Timeout(format!("{} ({:?})", self.what, self.timeout)));

@@ -31,6 +31,8 @@ pub const HEADER: usize = 16;
 pub const RDV: usize = 32;
 /// Bytes of a `One` record's header.
 pub const ONE_HEADER: usize = 8;
+/// The first byte of a `One` record.
+const ONE_TAG: u8 = 8;
 /// Largest message a sender sends as one `Whole` or `One` record (header included).
 pub const WHOLE_MAX: usize = 256;
 
@@ -110,6 +112,7 @@ pub struct Modes {
 }
 
 impl Modes {
+    #[inline]
     fn byte(self) -> u8 {
         let s = match self.send {
             SendMode::Safer => 0,
@@ -122,6 +125,7 @@ impl Modes {
         };
         s | r << 2
     }
+    #[inline]
     fn from_byte(b: u8) -> Option<Modes> {
         let send = match b & 3 {
             0 => SendMode::Safer,
@@ -145,6 +149,7 @@ pub struct WireError(pub &'static str);
 impl Record {
     /// Appends the encoding (header, and for `Inline` nothing more: the caller appends the
     /// fragment's bytes; for `Whole`, the message's records; for `One`, the pack's bytes).
+    #[inline]
     pub fn encode(&self, out: &mut Vec<u8>) {
         let (lo, hi) = self.words();
         // Two 8-byte stores straight from registers: a header assembled byte by byte in a
@@ -162,6 +167,7 @@ impl Record {
 
     /// Writes the record's 16-byte header (all of it but a rendezvous record's second half)
     /// over `out`'s first 16 bytes (a header encoded before).
+    #[inline]
     pub fn write_header(&self, out: &mut [u8; HEADER]) {
         let (lo, hi) = self.words();
         out[..8].copy_from_slice(&lo.to_le_bytes());
@@ -169,11 +175,13 @@ impl Record {
     }
 
     /// A `One` record's 8-byte header.
+    #[inline]
     pub fn one_header(seq: u32, modes: Modes) -> [u8; ONE_HEADER] {
         Record::One { seq, modes }.words().0.to_le_bytes()
     }
 
     /// The record's 16-byte header (all of it but a rendezvous record's second half).
+    #[inline]
     pub fn header(&self) -> [u8; HEADER] {
         let mut h = [0u8; HEADER];
         self.write_header(&mut h);
@@ -182,6 +190,7 @@ impl Record {
 
     /// The header as two little-endian words: bytes 0-7 (tag, modes, flag, reserved byte,
     /// a 32-bit field) and bytes 8-15.
+    #[inline]
     fn words(&self) -> (u64, u64) {
         let lo = |tag: u8, modes: u8, flag: u8, field: u32| {
             tag as u64 | (modes as u64) << 8 | (flag as u64) << 16 | (field as u64) << 32
@@ -194,7 +203,7 @@ impl Record {
             Record::End { packs } => (lo(4, 0, 0, packs), 0),
             Record::Fin { id } => (lo(5, 0, 0, id), 0),
             Record::Whole { seq, packs } => (lo(7, 0, 0, seq), packs as u64),
-            Record::One { seq, modes } => (lo(8, modes.byte(), 0, seq), 0),
+            Record::One { seq, modes } => (lo(ONE_TAG, modes.byte(), 0, seq), 0),
         }
     }
 
@@ -241,6 +250,23 @@ pub fn decode_in_chunk(chunk: &[u8], at: usize) -> Result<(Record, std::ops::Ran
     decode_at(chunk, at, true)
 }
 
+/// If a pipe message is a `One` record (the commonest message: what a reader checks first),
+/// its sequence number and modes, checked as [`decode_one`] checks them; its pack's bytes are
+/// the rest of the message, from [`ONE_HEADER`] on. `None` if it is some other record.
+#[inline]
+pub fn decode_one_record(msg: &[u8]) -> Option<Result<(u32, Modes), WireError>> {
+    let h: &[u8; ONE_HEADER] = msg.get(..ONE_HEADER)?.try_into().expect("a header's bytes");
+    if h[0] != ONE_TAG {
+        return None;
+    }
+    Some(match Modes::from_byte(h[1]) {
+        _ if h[3] != 0 => Err(WireError("reserved header byte set")),
+        None => Err(WireError("bad modes")),
+        Some(_) if h[2] != 0 => Err(WireError("reserved one-pack bytes set")),
+        Some(modes) => Ok((u32::from_le_bytes([h[4], h[5], h[6], h[7]]), modes)),
+    })
+}
+
 fn decode_at(msg: &[u8], at: usize, in_chunk: bool) -> Result<(Record, std::ops::Range<usize>, usize), WireError> {
     let u32_at = |b: &[u8], i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
     let u64_at = |b: &[u8], i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
@@ -249,15 +275,12 @@ fn decode_at(msg: &[u8], at: usize, in_chunk: bool) -> Result<(Record, std::ops:
     if h[3] != 0 {
         return Err(WireError("reserved header byte set"));
     }
-    if h[0] == 8 {
+    if h[0] == ONE_TAG {
         if in_chunk {
             return Err(WireError("a whole message in a bulk chunk"));
         }
-        let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
-        if h[2] != 0 {
-            return Err(WireError("reserved one-pack bytes set"));
-        }
-        return Ok((Record::One { seq: u32_at(h, 4), modes }, at + ONE_HEADER..msg.len(), msg.len()));
+        let (seq, modes) = decode_one_record(&msg[at..]).expect("a One tag")?;
+        return Ok((Record::One { seq, modes }, at + ONE_HEADER..msg.len(), msg.len()));
     }
     let h = msg.get(at..at.saturating_add(HEADER)).ok_or(short)?;
     Ok(match h[0] {
