@@ -272,7 +272,16 @@ impl<T> Token<T> {
 
     /// Takes the token for a short critical section (one that never waits inside): spins,
     /// yielding the CPU now and then (the holder may be a preempted thread).
+    #[inline]
     fn hold(&self) -> Claim<'_, T> {
+        match self.try_claim() {
+            Some(c) => c,
+            None => self.hold_contended(),
+        }
+    }
+
+    #[inline(never)]
+    fn hold_contended(&self) -> Claim<'_, T> {
         let mut polls = 0u32;
         loop {
             if let Some(c) = self.try_claim() {
@@ -287,6 +296,7 @@ impl<T> Token<T> {
         }
     }
 
+    #[inline]
     fn try_claim(&self) -> Option<Claim<'_, T>> {
         self.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).ok().map(|_| Claim { t: self })
     }
@@ -447,6 +457,7 @@ impl Conn {
         })
     }
 
+    #[inline]
     fn io(&self) -> Claim<'_, ConnIo> {
         self.io.hold()
     }
@@ -1238,16 +1249,24 @@ impl<'p> Packer<'p> {
 }
 
 impl Drop for Packer<'_> {
+    #[inline]
     fn drop(&mut self) {
         if !self.tx.finished {
-            // A message must not be left half-sent, nor a borrowed buffer released while the
-            // receiver may still read it.
-            if let Err(e) = self.finish() {
-                log::error!("madeleine: completing a dropped message to rank {} failed: {e}", self.conn.peer);
-                if let Some(more) = self.more.as_mut() {
-                    std::mem::forget(std::mem::take(&mut more.rdv));
-                    std::mem::forget(std::mem::take(&mut more.bulk_regs));
-                }
+            self.finish_dropped();
+        }
+    }
+}
+
+impl Packer<'_> {
+    /// A message must not be left half-sent, nor a borrowed buffer released while the
+    /// receiver may still read it.
+    #[cold]
+    fn finish_dropped(&mut self) {
+        if let Err(e) = self.finish() {
+            log::error!("madeleine: completing a dropped message to rank {} failed: {e}", self.conn.peer);
+            if let Some(more) = self.more.as_mut() {
+                std::mem::forget(std::mem::take(&mut more.rdv));
+                std::mem::forget(std::mem::take(&mut more.bulk_regs));
             }
         }
     }
@@ -1770,13 +1789,22 @@ impl<'u> Unpacker<'u> {
 }
 
 impl Drop for Unpacker<'_> {
+    #[inline]
     fn drop(&mut self) {
         if !self.rx.finished {
-            if let Err(e) = self.finish().map_err(|e| self.conn.poison(e)) {
-                log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
-                if let Some(rdv) = self.rdv.as_mut() {
-                    std::mem::forget(std::mem::take(&mut rdv.pending));
-                }
+            self.finish_dropped();
+        }
+    }
+}
+
+impl Unpacker<'_> {
+    /// An unpack must not leave the sender's buffers held or the connection mid-message.
+    #[cold]
+    fn finish_dropped(&mut self) {
+        if let Err(e) = self.finish().map_err(|e| self.conn.poison(e)) {
+            log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
+            if let Some(rdv) = self.rdv.as_mut() {
+                std::mem::forget(std::mem::take(&mut rdv.pending));
             }
         }
     }
