@@ -281,9 +281,9 @@ impl Listener {
         private: &[u8],
         timeout: Duration,
     ) -> Result<Connection> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Deadline::after(timeout);
         let mut stream = self.accept_stream(deadline)?;
-        stream.set_timeout(Some(left(deadline)?)).map_err(io_err("socket timeout"))?;
+        stream.set_timeout(Some(deadline.left()?)).map_err(io_err("socket timeout"))?;
         let mut dec = FrameDecoder::default();
         let (client, peer_private) = match read_frame(&mut stream, &mut dec, deadline)? {
             Frame::Hello { endpoint, private } => (endpoint, private),
@@ -307,13 +307,13 @@ impl Listener {
         Ok(Connection { qp, peer_private, local_addr, peer_addr })
     }
 
-    fn accept_stream(&self, deadline: Instant) -> Result<Stream> {
+    fn accept_stream(&self, deadline: Deadline) -> Result<Stream> {
         let fd = match &self.inner {
             ListenerImpl::Unix(l) => std::os::fd::AsRawFd::as_raw_fd(l),
             ListenerImpl::Tcp(l) => std::os::fd::AsRawFd::as_raw_fd(l),
         };
-        if !crate::soft::sys::wait_readable(fd, Some(left(deadline)?))? {
-            return Err(VerbsError::Timeout(Duration::ZERO));
+        if !crate::soft::sys::wait_readable(fd, Some(deadline.left()?))? {
+            return Err(deadline.expired());
         }
         Ok(match &self.inner {
             ListenerImpl::Unix(l) => Stream::Unix(l.accept().map_err(io_err("accept"))?.0),
@@ -342,17 +342,17 @@ pub fn connect(
     private: &[u8],
     timeout: Duration,
 ) -> Result<Connection> {
-    let deadline = Instant::now() + timeout;
+    let deadline = Deadline::after(timeout);
     let mut stream = loop {
         let attempt = match addr {
             CmAddr::Unix(p) => UnixStream::connect(p).map(Stream::Unix),
-            CmAddr::Tcp(a) => TcpStream::connect_timeout(a, left(deadline)?).map(Stream::Tcp),
+            CmAddr::Tcp(a) => TcpStream::connect_timeout(a, deadline.left()?).map(Stream::Tcp),
         };
         match attempt {
             Ok(s) => break s,
             // The listener may not be up yet: retry until the deadline.
             Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) => {
-                if Instant::now() >= deadline {
+                if deadline.passed() {
                     return Err(VerbsError::PeerUnreachable(format!("no listener at {addr}: {e}")));
                 }
                 std::thread::sleep(Duration::from_millis(5));
@@ -360,7 +360,7 @@ pub fn connect(
             Err(e) => return Err(io_err("connect")(e)),
         }
     };
-    stream.set_timeout(Some(left(deadline)?)).map_err(io_err("socket timeout"))?;
+    stream.set_timeout(Some(deadline.left()?)).map_err(io_err("socket timeout"))?;
     let qp = pd.create_qp(init)?;
     qp.modify(QpTransition::Init { access: AccessFlags::ALL, port: 1 })?;
     write_frame(&mut stream, &Frame::Hello { endpoint: qp.endpoint(), private: private.to_vec() })?;
@@ -377,12 +377,34 @@ pub fn connect(
     Ok(Connection { qp, peer_private, local_addr, peer_addr })
 }
 
-fn left(deadline: Instant) -> Result<Duration> {
-    let d = deadline.saturating_duration_since(Instant::now());
-    if d.is_zero() {
-        Err(VerbsError::Timeout(Duration::ZERO))
-    } else {
-        Ok(d)
+/// When a set-up step gives up, and the timeout it was given (what its error reports).
+#[derive(Clone, Copy)]
+struct Deadline {
+    at: Instant,
+    timeout: Duration,
+}
+
+impl Deadline {
+    fn after(timeout: Duration) -> Deadline {
+        Deadline { at: Instant::now() + timeout, timeout }
+    }
+
+    fn passed(&self) -> bool {
+        Instant::now() >= self.at
+    }
+
+    fn expired(&self) -> VerbsError {
+        VerbsError::Timeout(self.timeout)
+    }
+
+    /// Time left, or the timeout error once none is.
+    fn left(&self) -> Result<Duration> {
+        let d = self.at.saturating_duration_since(Instant::now());
+        if d.is_zero() {
+            Err(self.expired())
+        } else {
+            Ok(d)
+        }
     }
 }
 
@@ -390,13 +412,13 @@ fn write_frame(s: &mut Stream, f: &Frame) -> Result<()> {
     s.io().write_all(&f.encode()).map_err(io_err("sending a bootstrap frame"))
 }
 
-fn read_frame(s: &mut Stream, dec: &mut FrameDecoder, deadline: Instant) -> Result<Frame> {
+fn read_frame(s: &mut Stream, dec: &mut FrameDecoder, deadline: Deadline) -> Result<Frame> {
     let mut buf = [0u8; 512];
     loop {
         if let Some(f) = dec.next_frame()? {
             return Ok(f);
         }
-        s.set_timeout(Some(left(deadline)?)).map_err(io_err("socket timeout"))?;
+        s.set_timeout(Some(deadline.left()?)).map_err(io_err("socket timeout"))?;
         let n = s.io().read(&mut buf).map_err(io_err("reading a bootstrap frame"))?;
         if n == 0 {
             return Err(VerbsError::PeerUnreachable("bootstrap peer closed the connection".into()));
