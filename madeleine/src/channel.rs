@@ -740,10 +740,7 @@ impl Channel {
         let (seq, whole) = match io.take_one(&mut rx.body) {
             OneMsg::Taken(seq, modes) => (seq, WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes) }),
             OneMsg::Nothing => return Ok(false),
-            OneMsg::Other => {
-                drop(io);
-                return self.try_begin_other(conn, rx);
-            }
+            OneMsg::Other => return self.try_begin_other(conn, rx, io),
         };
         drop(io);
         if seq != rx.seq {
@@ -755,7 +752,7 @@ impl Channel {
 
     /// [`Channel::try_begin`] for anything but a message of one small pack.
     #[inline(never)]
-    fn try_begin_other(&self, conn: &Conn, rx: &mut RecvSide) -> Result<bool> {
+    fn try_begin_other(&self, conn: &Conn, rx: &mut RecvSide, mut io: Claim<'_, ConnIo>) -> Result<bool> {
         /// What the next record says (small and plain: it travels back through the record
         /// reader's results on every message).
         #[derive(Clone, Copy)]
@@ -765,36 +762,29 @@ impl Channel {
             One(u32, Modes),
             Other,
         }
-        let mut io = conn.io();
-        let (seq, whole) = {
-            {
-                let body = &mut rx.body;
-                let got = conn.next_with(&mut io, Pump::StopAtBulk, |n| match n {
-                    Next::Rec(Record::Begin { seq }, _) => Start::Begin(seq),
-                    // A small message, taken out of the pipe at once: its unpacks need no lock.
-                    Next::Rec(Record::Whole { seq, packs }, data) => {
-                        body.clear();
-                        copy::extend_vec(body, data);
-                        Start::Whole(seq, packs)
-                    }
-                    Next::Rec(Record::One { seq, modes }, data) => {
-                        body.clear();
-                        copy::extend_vec(body, data);
-                        Start::One(seq, modes)
-                    }
-                    _ => Start::Other,
-                })?;
-                match got {
-                    Err(_) => return Ok(false),
-                    Ok(Start::Begin(seq)) => (seq, None),
-                    Ok(Start::Whole(seq, packs)) => (seq, Some(WholeMsg { at: 0, taken: 0, packs, single: None })),
-                    Ok(Start::One(seq, modes)) => {
-                        (seq, Some(WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes) }))
-                    }
-                    Ok(Start::Other) => {
-                        return Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() })
-                    }
-                }
+        let body = &mut rx.body;
+        let got = conn.next_with(&mut io, Pump::StopAtBulk, |n| match n {
+            Next::Rec(Record::Begin { seq }, _) => Start::Begin(seq),
+            // A small message, taken out of the pipe at once: its unpacks need no lock.
+            Next::Rec(Record::Whole { seq, packs }, data) => {
+                body.clear();
+                copy::extend_vec(body, data);
+                Start::Whole(seq, packs)
+            }
+            Next::Rec(Record::One { seq, modes }, data) => {
+                body.clear();
+                copy::extend_vec(body, data);
+                Start::One(seq, modes)
+            }
+            _ => Start::Other,
+        })?;
+        let (seq, whole) = match got {
+            Err(_) => return Ok(false),
+            Ok(Start::Begin(seq)) => (seq, None),
+            Ok(Start::Whole(seq, packs)) => (seq, Some(WholeMsg { at: 0, taken: 0, packs, single: None })),
+            Ok(Start::One(seq, modes)) => (seq, Some(WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes) })),
+            Ok(Start::Other) => {
+                return Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() })
             }
         };
         drop(io);

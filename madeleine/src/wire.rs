@@ -403,6 +403,26 @@ mod tests {
         }
 
         #[test]
+        fn the_one_check_agrees_with_the_decoder(mut b in proptest::collection::vec(any::<u8>(), 0..24), one in any::<bool>()) {
+            if one && !b.is_empty() {
+                b[0] = ONE_TAG;
+            }
+            match (decode_one_record(&b), decode_one(&b, 0)) {
+                (None, Ok((rec, _, _))) => {
+                    let is_one = matches!(rec, Record::One { .. });
+                    prop_assert!(!is_one);
+                }
+                (None, Err(_)) => prop_assert!(b.len() < ONE_HEADER || b[0] != ONE_TAG),
+                (Some(Ok((seq, modes))), Ok((rec, data, next))) => {
+                    prop_assert_eq!(rec, Record::One { seq, modes });
+                    prop_assert_eq!((data, next), (ONE_HEADER..b.len(), b.len()));
+                }
+                (Some(Err(a)), Err(d)) => prop_assert_eq!(a, d),
+                (a, d) => prop_assert!(false, "one check {:?}, decoder {:?}", a, d),
+            }
+        }
+
+        #[test]
         fn a_header_rewritten_in_place_reads_back(seq in any::<u32>(), packs in any::<u32>(), (r, d) in record()) {
             let mut bytes = Vec::new();
             Record::Begin { seq }.encode(&mut bytes);
