@@ -388,10 +388,7 @@ impl QpInner {
                 let remote = self.connect(&info)?;
                 core.min_rnr_timer = attr.min_rnr_timer & 31;
                 self.header().min_rnr_timer.store(core.min_rnr_timer as u32, Ordering::Relaxed);
-                if let Some(pidfd) = remote.peer.pidfd() {
-                    self.send_cq.watch(pidfd);
-                    self.recv_cq.watch(pidfd);
-                }
+                self.watch_peer(&remote.peer, true);
                 *self.helper_peer.lock().expect("helper peer lock") = Some(remote.peer.clone());
                 core.remote = Some(remote);
                 self.set_state(&mut core, QpState::ReadyToReceive);
@@ -444,10 +441,7 @@ impl QpInner {
         *self.helper_peer.lock().expect("helper peer lock") = None;
         QpSeg(&self.seg).assist().state.store(0, Ordering::Release);
         if let Some(r) = core.remote.take() {
-            if let Some(pidfd) = r.peer.pidfd() {
-                self.send_cq.unwatch(pidfd);
-                self.recv_cq.unwatch(pidfd);
-            }
+            self.watch_peer(&r.peer, false);
         }
         core.sq.clear();
         core.exec_next = 0;
@@ -1598,16 +1592,27 @@ impl QpInner {
         drop(core);
     }
 
+    /// Makes the peer's death wake sleepers of both queues (`on`), or stops it. A peer in this
+    /// process has no pidfd to watch: it cannot die while we run.
+    fn watch_peer(&self, peer: &PeerCtx, on: bool) {
+        if let Some(pidfd) = peer.pidfd() {
+            for cq in [&self.send_cq, &self.recv_cq] {
+                if on {
+                    cq.watch(pidfd)
+                } else {
+                    cq.unwatch(pidfd)
+                }
+            }
+        }
+    }
+
     /// Marks the QP destroyed for its peer and detaches it from its queues.
     pub fn destroy(&self) {
         *self.helper_peer.lock().expect("helper peer lock") = None;
         let mut core = self.core.lock();
         self.header().state.store(QP_DESTROYED, Ordering::Release);
         if let Some(r) = core.remote.take() {
-            if let Some(pidfd) = r.peer.pidfd() {
-                self.send_cq.unwatch(pidfd);
-                self.recv_cq.unwatch(pidfd);
-            }
+            self.watch_peer(&r.peer, false);
         }
         core.state = QpState::Error;
         self.send_cq.detach(self);
