@@ -1152,7 +1152,7 @@ impl QpInner {
         let ring = self.ring();
         let mut consumed_any = false;
         for _ in 0..64 {
-            let off = (core.cons_head % self.ring_bytes as u64) as usize;
+            let off = wire::ring_offset(core.cons_head, self.ring_bytes);
             // `off` is a record boundary: we only ever advance by validated record sizes.
             if ring.publish(off).load(Ordering::Acquire) != wire::publish_word(core.cons_head) {
                 break;
@@ -1408,8 +1408,8 @@ impl QpInner {
         let recv_side = std::ptr::eq(cq, &*self.recv_cq);
         let send_side = std::ptr::eq(cq, &*self.send_cq);
         let inbound = recv_side && {
-            let off = (self.peek_head.load(Ordering::Relaxed) % self.ring_bytes as u64) as usize;
             let head = self.peek_head.load(Ordering::Relaxed);
+            let off = wire::ring_offset(head, self.ring_bytes);
             self.ring().publish(off).load(Ordering::Acquire) == wire::publish_word(head)
         };
         let outbound = send_side && self.sq_busy.load(Ordering::Relaxed);
@@ -1555,7 +1555,7 @@ impl QpInner {
     pub(crate) fn work_pending(&self, cq: &CqInner) -> bool {
         let core = self.core.lock();
         if std::ptr::eq(cq, &*self.recv_cq) && !core.inbound_dead {
-            let off = (core.cons_head % self.ring_bytes as u64) as usize;
+            let off = wire::ring_offset(core.cons_head, self.ring_bytes);
             if self.ring().publish(off).load(Ordering::Acquire) == wire::publish_word(core.cons_head) {
                 return true;
             }
