@@ -59,6 +59,8 @@ impl Incoming {
 enum Broken {
     Protocol(String),
     Lost(String),
+    /// The peer's `Bye`: it closed its end, everything it sent before was read.
+    Closed,
 }
 
 fn lost(e: portability_verbs::VerbsError) -> Broken {
@@ -92,6 +94,8 @@ struct ConnIo {
     front_at: usize,
     fins: HashSet<u32>,
     failed: Option<MadError>,
+    /// The peer said `Bye` and everything before it was read: nothing more comes.
+    closed: bool,
     /// Bytes of an announced bulk pack still in the pipe's bulk lane.
     bulk_left: u64,
 }
@@ -113,7 +117,12 @@ impl ConnIo {
     /// is left for the general path (which reports what is wrong with it).
     #[inline]
     fn take_one(&mut self, body: &mut Vec<u8>) -> OneMsg {
-        if !self.incoming.is_empty() || self.failed.is_some() || self.bulk_left != 0 || self.front_at != 0 {
+        if !self.incoming.is_empty()
+            || self.failed.is_some()
+            || self.closed
+            || self.bulk_left != 0
+            || self.front_at != 0
+        {
             return OneMsg::Other;
         }
         let (seq, modes, data) = match self.pipe.front() {
@@ -228,6 +237,10 @@ impl ConnIo {
                     step_past(pipe, front_at, next, len)?;
                     continue;
                 }
+                Record::Bye => {
+                    step_past(pipe, front_at, next, len)?;
+                    return Err(Broken::Closed);
+                }
                 Record::Bulk { total: 0, .. } => return Err(Broken::Protocol("empty bulk pack".into())),
                 Record::Bulk { total, .. } => *bulk_left = total,
                 _ => {}
@@ -268,6 +281,11 @@ unsafe impl<T: Send> Sync for Token<T> {}
 impl<T> Token<T> {
     fn new(state: T) -> Token<T> {
         Token { busy: std::sync::atomic::AtomicBool::new(false), state: UnsafeCell::new(state) }
+    }
+
+    /// The state, through the only reference there is (no claim needed).
+    fn get_mut(&mut self) -> &mut T {
+        self.state.get_mut()
     }
 
     /// Takes the token for a short critical section (one that never waits inside): spins,
@@ -409,6 +427,27 @@ pub(crate) struct Conn {
     cq: CompletionQueue,
 }
 
+impl Drop for Conn {
+    /// Tells the peer this end is closed (a `Bye` after everything sent before), so that a
+    /// receive of its waiting for more from us fails at once instead of timing out. Best
+    /// effort: nothing is waited for, and a pipe with no room now sends nothing.
+    fn drop(&mut self) {
+        let io = self.io.get_mut();
+        if io.failed.is_some() || io.closed {
+            return;
+        }
+        let mut bye = Vec::with_capacity(wire::HEADER);
+        Record::Bye.encode(&mut bye);
+        let sent = io.pipe.try_send(&bye).and_then(|taken| {
+            io.pipe.flush()?;
+            Ok(taken && io.pipe.staged() == 0)
+        });
+        if !matches!(sent, Ok(true)) {
+            log::debug!("madeleine: could not tell rank {} that this end closed: {sent:?}", self.peer);
+        }
+    }
+}
+
 impl Conn {
     pub(crate) fn establish(s: &SessionInner, peer: usize, conn: cm::Connection, cq: CompletionQueue) -> Result<Conn> {
         let bulk_ring = match s.cfg.strategy {
@@ -433,6 +472,7 @@ impl Conn {
                 front_at: 0,
                 fins: HashSet::new(),
                 failed: None,
+                closed: false,
                 bulk_left: 0,
             }),
             send_side: Token::new(SendSide {
@@ -480,22 +520,36 @@ impl Conn {
         if let Some(inc) = io.incoming.pop_front() {
             return Ok(Ok(f(inc.view())));
         }
-        if let Some(e) = &io.failed {
-            return Err(self.lost(e));
-        }
+        self.check_open(io)?;
         match io.next_in_pipe(how, f) {
             Ok(r) => Ok(r),
             Err(b) => Err(self.fail(io, b)),
         }
     }
 
-    /// Records why the connection broke; returns the error for the caller.
+    /// The error of a connection that failed or that its peer closed, if it did.
+    fn check_open(&self, io: &ConnIo) -> Result<()> {
+        if let Some(e) = &io.failed {
+            return Err(self.lost(e));
+        }
+        if io.closed {
+            return Err(MadError::PeerClosed { rank: self.peer });
+        }
+        Ok(())
+    }
+
+    /// Records why the connection broke (or that its peer closed it); returns the error for
+    /// the caller.
     fn fail(&self, io: &mut ConnIo, b: Broken) -> MadError {
         let make = |b: &Broken| match b {
             Broken::Protocol(why) => MadError::Protocol { rank: self.peer, why: why.clone() },
             Broken::Lost(why) => self.lost(why),
+            Broken::Closed => MadError::PeerClosed { rank: self.peer },
         };
-        io.failed = Some(make(&b));
+        match b {
+            Broken::Closed => io.closed = true,
+            _ => io.failed = Some(make(&b)),
+        }
         make(&b)
     }
 
@@ -515,9 +569,7 @@ impl Conn {
     /// Takes everything the pipe received out of it, into the record queue (bulk data too),
     /// so that the peer's window opens and what lies behind it is seen.
     fn pump(&self, io: &mut ConnIo) -> Result<()> {
-        if let Some(e) = &io.failed {
-            return Err(self.lost(e));
-        }
+        self.check_open(io)?;
         loop {
             match io.next_in_pipe(Pump::Drain, Incoming::owned) {
                 Ok(Ok(inc)) => io.incoming.push_back(inc),
@@ -564,7 +616,7 @@ impl Conn {
     fn send_msg(&self, msg: &[u8], timeout: std::time::Duration) -> Result<()> {
         let mut io = self.io();
         let mut accepted = false;
-        if io.failed.is_none() {
+        if io.failed.is_none() && !io.closed {
             // The usual case: the pipe takes the message and hands it to the transport at once.
             accepted = io.pipe.try_send(msg).map_err(|e| self.lost(e))?;
             if accepted {
@@ -590,9 +642,7 @@ impl Conn {
         loop {
             {
                 let mut io = self.io();
-                if let Some(e) = &io.failed {
-                    return Err(self.lost(e));
-                }
+                self.check_open(&io)?;
                 if !accepted {
                     accepted = io.pipe.try_send(msg).map_err(|e| self.lost(e))?;
                 }
@@ -697,20 +747,43 @@ impl Channel {
     pub fn begin_unpacking(&self) -> Result<Unpacker<'_>> {
         let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
         let cqs: SmallVec<[&CompletionQueue; 8]> = self.conns.iter().flatten().map(|c| &c.cq).collect();
-        let n = self.conns.len();
         loop {
-            let start = self.next_source.fetch_add(1, Ordering::Relaxed);
-            for k in 0..n {
-                let Some(conn) = self.conns[(start + k) % n].as_deref() else { continue };
-                let Some(mut rx) = conn.recv_side.try_claim() else { continue };
-                // Not holding the claim between rounds: a thread waiting for this source only
-                // may take it.
-                if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
-                    return Ok(Unpacker { ch: self, conn, rx, rdv: None });
-                }
+            if let Some(u) = self.try_begin_unpacking()? {
+                return Ok(u);
             }
             w.pause_on(&cqs)?;
         }
+    }
+
+    /// Takes the next message from any sender if one has begun arriving, without waiting:
+    /// `Ok(None)` if none has (or every sender with one is being read by another thread). For
+    /// event loops that poll several channels or do their own work between looks, where
+    /// [`Channel::begin_unpacking`] would block; the sources are looked at in turn from call
+    /// to call, so a busy one does not hide the others.
+    pub fn try_begin_unpacking(&self) -> Result<Option<Unpacker<'_>>> {
+        let n = self.conns.len();
+        let start = self.next_source.fetch_add(1, Ordering::Relaxed);
+        let mut open = false;
+        for k in 0..n {
+            let Some(conn) = self.conns[(start + k) % n].as_deref() else { continue };
+            // Not holding the claim between looks: a thread waiting for this source only may
+            // take it.
+            let Some(mut rx) = conn.recv_side.try_claim() else {
+                open = true;
+                continue;
+            };
+            match self.try_begin(conn, &mut rx) {
+                Ok(true) => return Ok(Some(Unpacker { ch: self, conn, rx, rdv: None })),
+                Ok(false) => open = true,
+                // A sender that closed its end has no more to give; the others may.
+                Err(MadError::PeerClosed { .. }) => {}
+                Err(e) => return Err(conn.poison(e)),
+            }
+        }
+        if !open && n > 1 {
+            return Err(MadError::AllPeersClosed);
+        }
+        Ok(None)
     }
 
     /// Takes the next message from `source`.
@@ -730,6 +803,19 @@ impl Channel {
             }
         }
         Ok(Unpacker { ch: self, conn, rx, rdv: None })
+    }
+
+    /// Takes the next message from `source` if it has begun arriving, without waiting:
+    /// `Ok(None)` if it has not, or if another unpacker (of another thread, or an unfinished
+    /// one of this thread) is reading from `source` now. Errors as
+    /// [`Channel::begin_unpacking_from`]: a bad rank, a failed connection, a dead peer.
+    pub fn try_begin_unpacking_from(&self, source: usize) -> Result<Option<Unpacker<'_>>> {
+        let conn = self.conn(source)?;
+        let Some(mut rx) = conn.recv_side.try_claim() else { return Ok(None) };
+        if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
+            return Ok(Some(Unpacker { ch: self, conn, rx, rdv: None }));
+        }
+        Ok(None)
     }
 
     /// Takes the start of the connection's next message into `rx` if it has begun arriving
@@ -1751,9 +1837,10 @@ impl<'u> Unpacker<'u> {
                     *extra += last as u32;
                     Ok(None)
                 }
-                Next::Rec(Record::Begin { .. } | Record::Whole { .. } | Record::One { .. } | Record::Fin { .. }, _) => {
-                    Err(())
-                }
+                Next::Rec(
+                    Record::Begin { .. } | Record::Whole { .. } | Record::One { .. } | Record::Fin { .. } | Record::Bye,
+                    _,
+                ) => Err(()),
             })?;
             match step {
                 Ok(Some(n)) => return Ok(n),

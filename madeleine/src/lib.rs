@@ -90,6 +90,16 @@ pub enum MadError {
         /// Why.
         why: String,
     },
+    /// The peer closed its end of the channel (dropped it, or its session) after everything
+    /// it sent was read: no more messages come from it, and none can go to it.
+    #[error("rank {rank} closed its end of the channel")]
+    PeerClosed {
+        /// The peer.
+        rank: usize,
+    },
+    /// A receive from any sender, when every other process closed its end of the channel.
+    #[error("every other rank closed its end of the channel: no message can come")]
+    AllPeersClosed,
     /// Bad session configuration or arguments.
     #[error("invalid: {0}")]
     Invalid(String),

@@ -10,6 +10,7 @@
 //! Fin     id                 receiver -> sender: the rendezvous `id` was read
 //! Whole   seq packs          a whole small message: Begin, its `packs` Inline records, no End
 //! One     seq modes          a whole small message of one pack, its bytes after the header
+//! Bye                        the sender closed its end: nothing follows on this connection
 //! ```
 //! A `Bulk` record ends its pipe message: the pack's chunks come next on the pipe's bulk lane.
 //! A bulk chunk that arrives when no pack's bytes are due carries records itself (decoded with
@@ -100,6 +101,9 @@ pub enum Record {
         /// Modes the pack was made with.
         modes: Modes,
     },
+    /// The sender closed its end of the connection (its channel was dropped): the receiver
+    /// reports that to whoever waits for more from it, instead of letting them time out.
+    Bye,
 }
 
 /// The modes of a pack, as sent (so the receiver can check its unpack against them).
@@ -204,6 +208,7 @@ impl Record {
             Record::Fin { id } => (lo(5, 0, 0, id), 0),
             Record::Whole { seq, packs } => (lo(7, 0, 0, seq), packs as u64),
             Record::One { seq, modes } => (lo(ONE_TAG, modes.byte(), 0, seq), 0),
+            Record::Bye => (lo(9, 0, 0, 0), 0),
         }
     }
 
@@ -331,6 +336,16 @@ fn decode_at(msg: &[u8], at: usize, in_chunk: bool) -> Result<(Record, std::ops:
             }
             (Record::Whole { seq: u32_at(h, 4), packs: u32_at(h, 8) }, at + HEADER..msg.len(), msg.len())
         }
+        9 if in_chunk => return Err(WireError("a close in a bulk chunk")),
+        9 => {
+            if h[1..16].iter().any(|&b| b != 0) {
+                return Err(WireError("reserved close bytes set"));
+            }
+            if at + HEADER != msg.len() {
+                return Err(WireError("records after a close"));
+            }
+            (Record::Bye, at..at, at + HEADER)
+        }
         _ => return Err(WireError("unknown record tag")),
     })
 }
@@ -371,6 +386,7 @@ mod tests {
                 .prop_map(|(seq, packs, body)| (Record::Whole { seq, packs }, body)),
             (any::<u32>(), modes(), proptest::collection::vec(any::<u8>(), 0..300))
                 .prop_map(|(seq, modes, body)| (Record::One { seq, modes }, body)),
+            Just((Record::Bye, vec![])),
         ]
     }
 

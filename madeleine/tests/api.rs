@@ -315,6 +315,127 @@ fn any_source_with_per_sender_order() {
     });
 }
 
+/// Polls `f` until it gives a value, failing the test after `secs` seconds (never a hang).
+fn poll_until<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(std::time::Instant::now() < deadline, "nothing within {secs} s");
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn nonblocking_receives_find_nothing_then_the_message() {
+    group(2, SMALL, |rank, ch| {
+        if rank == 0 {
+            // Wait until rank 1 has looked at an empty channel, then send it two messages.
+            let mut u = ch.begin_unpacking_from(1).unwrap();
+            let mut go = [0u8; 1];
+            u.unpack_express(&mut go, SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            for k in [5u8, 6] {
+                let mut p = ch.begin_packing(1).unwrap();
+                p.pack_safer(&[k; 3], RecvMode::Express).unwrap();
+                p.end_packing().unwrap();
+            }
+        } else {
+            assert!(ch.try_begin_unpacking_from(0).unwrap().is_none());
+            assert!(ch.try_begin_unpacking().unwrap().is_none());
+            assert!(matches!(ch.try_begin_unpacking_from(7), Err(MadError::Invalid(_))));
+            let mut p = ch.begin_packing(0).unwrap();
+            p.pack_safer(&[1], RecvMode::Express).unwrap();
+            p.end_packing().unwrap();
+
+            let mut u = poll_until(10, || ch.try_begin_unpacking_from(0).unwrap());
+            assert_eq!(u.source(), 0);
+            // While this message is being read, its source's next one is not handed out.
+            assert!(ch.try_begin_unpacking_from(0).unwrap().is_none());
+            assert!(ch.try_begin_unpacking().unwrap().is_none());
+            let mut b = [0u8; 3];
+            u.unpack_express(&mut b, SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            assert_eq!(b, [5; 3]);
+
+            let mut u = poll_until(10, || ch.try_begin_unpacking().unwrap());
+            assert_eq!(u.source(), 0);
+            u.unpack_express(&mut b, SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            assert_eq!(b, [6; 3]);
+        }
+    });
+}
+
+#[test]
+fn a_nonblocking_receive_from_a_peer_that_closed_is_an_error() {
+    group_with(2, SMALL, false, Duration::from_secs(20), |rank, ch| {
+        if rank == 1 {
+            // Rank 0 returns at once, dropping its channel: polls end in an error, not in
+            // `None` forever.
+            let e = poll_until(10, || match ch.try_begin_unpacking_from(0) {
+                Ok(None) => None,
+                Ok(Some(_)) => panic!("a message from a peer that sent none"),
+                Err(e) => Some(e),
+            });
+            assert!(matches!(e, MadError::PeerClosed { rank: 0 }), "{e}");
+        }
+    });
+}
+
+#[test]
+fn what_was_sent_before_a_close_arrives_then_the_close_is_an_error() {
+    // A long timeout: the close must end the wait, not the timeout.
+    group_with(3, SMALL, false, Duration::from_secs(60), |rank, ch| {
+        if rank == 0 {
+            for k in 0..3u8 {
+                let mut p = ch.begin_packing(2).unwrap();
+                p.pack_safer(&[k; 5], RecvMode::Express).unwrap();
+                p.end_packing().unwrap();
+            }
+            // Dropping the channel (returning) closes this end after them.
+        } else if rank == 2 {
+            let t = std::time::Instant::now();
+            for k in 0..3u8 {
+                let mut u = ch.begin_unpacking_from(0).unwrap();
+                let mut b = [0u8; 5];
+                u.unpack_express(&mut b, SendMode::Safer).unwrap();
+                u.end_unpacking().unwrap();
+                assert_eq!(b, [k; 5]);
+            }
+            let e = ch.begin_unpacking_from(0).err().expect("rank 0 closed");
+            assert!(matches!(e, MadError::PeerClosed { rank: 0 }), "{e}");
+            // Any sender: rank 1 is still there and sends one message when told, then closes.
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack_safer(&[1], RecvMode::Express).unwrap();
+            p.end_packing().unwrap();
+            let mut u = ch.begin_unpacking().unwrap();
+            assert_eq!(u.source(), 1);
+            let mut b = [0u8; 1];
+            u.unpack_express(&mut b, SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            let e = ch.begin_unpacking().err().expect("every sender closed");
+            assert!(matches!(e, MadError::AllPeersClosed), "{e}");
+            assert!(t.elapsed() < Duration::from_secs(30), "waited for the timeout: {:?}", t.elapsed());
+            // Sending to a peer known to have closed fails too.
+            let mut p = ch.begin_packing(0).unwrap();
+            p.pack_safer(&[1], RecvMode::Express).unwrap();
+            let e = p.end_packing().expect_err("rank 0 closed");
+            assert!(matches!(e, MadError::PeerClosed { rank: 0 }), "{e}");
+        } else {
+            // Once rank 2 read what rank 0 sent and saw it close: one message, then a close.
+            let mut u = ch.begin_unpacking_from(2).unwrap();
+            let mut b = [0u8; 1];
+            u.unpack_express(&mut b, SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            let mut p = ch.begin_packing(2).unwrap();
+            p.pack_safer(&[9], RecvMode::Express).unwrap();
+            p.end_packing().unwrap();
+        }
+    });
+}
+
 /// CPU time this thread has used.
 fn thread_cpu() -> Duration {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
