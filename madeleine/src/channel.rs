@@ -1312,9 +1312,14 @@ impl<'p> Packer<'p> {
         while self.has_rdv() {
             {
                 let mut io = self.conn.io();
-                self.conn.pump(&mut io)?;
+                // A receiver may read our packs, answer and close at once: its Fins count even
+                // when its Bye (or a failure) came right behind them.
+                let pumped = self.conn.pump(&mut io);
                 let fins = &mut io.fins;
                 self.more().rdv.retain(|h| !fins.remove(&h.id));
+                if self.has_rdv() {
+                    pumped?;
+                }
             }
             if self.has_rdv() {
                 w.pause()?;

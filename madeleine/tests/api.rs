@@ -436,6 +436,28 @@ fn what_was_sent_before_a_close_arrives_then_the_close_is_an_error() {
     });
 }
 
+#[test]
+fn a_zero_copy_pack_read_by_a_receiver_that_closes_at_once_completes() {
+    // The receiver reads the pack, answers Fin and drops its channel (Bye) right away: the
+    // sender, waiting for the Fin, may find both at once and must end its message all the same.
+    for _ in 0..10 {
+        group_with(2, 1, false, Duration::from_secs(20), |rank, ch| {
+            if rank == 0 {
+                let data = pattern(3, 64);
+                let mut p = ch.begin_packing(1).unwrap();
+                p.pack(&data, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                p.end_packing().unwrap();
+            } else {
+                let mut b = vec![0u8; 64];
+                let mut u = ch.begin_unpacking_from(0).unwrap();
+                u.unpack(&mut b, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                u.end_unpacking().unwrap();
+                assert_eq!(b, pattern(3, 64));
+            }
+        });
+    }
+}
+
 /// CPU time this thread has used.
 fn thread_cpu() -> Duration {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
