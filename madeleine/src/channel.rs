@@ -786,7 +786,8 @@ impl Channel {
         Ok(None)
     }
 
-    /// Takes the next message from `source`.
+    /// Takes the next message from `source`; fails with [`MadError::PeerClosed`] once `source`
+    /// closed its end and what it sent before was read.
     #[inline]
     pub fn begin_unpacking_from(&self, source: usize) -> Result<Unpacker<'_>> {
         let conn = self.conn(source)?;
@@ -808,7 +809,8 @@ impl Channel {
     /// Takes the next message from `source` if it has begun arriving, without waiting:
     /// `Ok(None)` if it has not, or if another unpacker (of another thread, or an unfinished
     /// one of this thread) is reading from `source` now. Errors as
-    /// [`Channel::begin_unpacking_from`]: a bad rank, a failed connection, a dead peer.
+    /// [`Channel::begin_unpacking_from`]: a bad rank, a failed connection, a dead peer, a peer
+    /// that closed its end ([`MadError::PeerClosed`], once what it sent before was read).
     pub fn try_begin_unpacking_from(&self, source: usize) -> Result<Option<Unpacker<'_>>> {
         let conn = self.conn(source)?;
         let Some(mut rx) = conn.recv_side.try_claim() else { return Ok(None) };
