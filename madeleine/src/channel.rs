@@ -436,9 +436,7 @@ impl Drop for Conn {
         if io.failed.is_some() || io.closed {
             return;
         }
-        let mut bye = Vec::with_capacity(wire::HEADER);
-        Record::Bye.encode(&mut bye);
-        let sent = io.pipe.try_send(&bye).and_then(|taken| {
+        let sent = io.pipe.try_send(&Record::Bye.header()).and_then(|taken| {
             io.pipe.flush()?;
             Ok(taken && io.pipe.staged() == 0)
         });
