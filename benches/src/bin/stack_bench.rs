@@ -144,7 +144,12 @@ enum ProviderArg {
     Hardware,
 }
 
+/// How long a measured wait may take before the run fails (a lost message, a dead peer).
 const T: Duration = Duration::from_secs(5);
+/// How long connecting may take: the two processes start together, but one of them may be
+/// slowed by the other's start-up (page faults of the shared segments, the transport probes)
+/// on a loaded two-CPU machine, which a 5 s set-up window did not always cover.
+const SETUP: Duration = Duration::from_secs(30);
 const MAX: usize = 4 << 20;
 
 /// One measured point.
@@ -344,7 +349,7 @@ impl PipeLink {
         let pd = ctx.alloc_pd()?;
         let cq = ctx.create_cq(4096)?;
         let conn = conn_fn(&pd, &QpInit::new(&cq), &[])?;
-        let pipe = datapath::MsgPipe::establish(conn.qp, cq, &pd, datapath::FlowStrategy::WINDOW, T)?;
+        let pipe = datapath::MsgPipe::establish(conn.qp, cq, &pd, datapath::FlowStrategy::WINDOW, SETUP)?;
         Ok(PipeLink { pipe, _pd: pd, wait, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
     }
 
@@ -448,7 +453,8 @@ static MAD_PROBED_THRESHOLD: std::sync::OnceLock<usize> = std::sync::OnceLock::n
 
 fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> {
     let mut cfg = SessionConfig::new(rank, 2, dir);
-    cfg.timeout = T;
+    // The session's one timeout bounds its rendezvous as well as its waits for messages.
+    cfg.timeout = SETUP;
     if let Some(t) = layer.mad_threshold() {
         cfg.rendezvous_threshold = Some(t);
     }
@@ -614,11 +620,16 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
     for &layer in &args.layers {
         let mut link: Box<dyn Link> = match layer {
             Layer::RawSend | Layer::RawWwi => Box::new(
-                RawLink::setup(&ctx, |pd, init, p| listener.accept(pd, init, p, T), layer == Layer::RawWwi, args.wait)
-                    .map_err(|e| e.to_string())?,
+                RawLink::setup(
+                    &ctx,
+                    |pd, init, p| listener.accept(pd, init, p, SETUP),
+                    layer == Layer::RawWwi,
+                    args.wait,
+                )
+                .map_err(|e| e.to_string())?,
             ),
             Layer::Pipe => Box::new(
-                PipeLink::setup(&ctx, |pd, init, p| listener.accept(pd, init, p, T), args.wait)
+                PipeLink::setup(&ctx, |pd, init, p| listener.accept(pd, init, p, SETUP), args.wait)
                     .map_err(|e| e.to_string())?,
             ),
             l if l.is_madeleine() => {
@@ -684,14 +695,14 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
             Layer::RawSend | Layer::RawWwi => Box::new(
                 RawLink::setup(
                     &ctx,
-                    |pd, init, p| cm::connect(&cm_addr, pd, init, p, T),
+                    |pd, init, p| cm::connect(&cm_addr, pd, init, p, SETUP),
                     layer == Layer::RawWwi,
                     args.wait,
                 )
                 .map_err(|e| e.to_string())?,
             ),
             Layer::Pipe => Box::new(
-                PipeLink::setup(&ctx, |pd, init, p| cm::connect(&cm_addr, pd, init, p, T), args.wait)
+                PipeLink::setup(&ctx, |pd, init, p| cm::connect(&cm_addr, pd, init, p, SETUP), args.wait)
                     .map_err(|e| e.to_string())?,
             ),
             l if l.is_madeleine() => {
@@ -699,7 +710,7 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                 Box::new(mad_link(l, 0, dir)?)
             }
             _ => {
-                let deadline = Instant::now() + T;
+                let deadline = Instant::now() + SETUP;
                 let s = loop {
                     match TcpStream::connect(sock) {
                         Ok(s) => break s,
