@@ -618,6 +618,8 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
     let listener = cm::Listener::bind(&cm_addr).map_err(|e| format!("verbs bootstrap on {cm_addr}: {e}"))?;
     let ctx = open_ctx(args).map_err(|e| e.to_string())?;
     for &layer in &args.layers {
+        // Which process and step failed is what tells a slow start from a lost peer.
+        let context = |e: String| format!("server, setting up {}: {e}", layer.name());
         let mut link: Box<dyn Link> = match layer {
             Layer::RawSend | Layer::RawWwi => Box::new(
                 RawLink::setup(
@@ -626,22 +628,22 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
                     layer == Layer::RawWwi,
                     args.wait,
                 )
-                .map_err(|e| e.to_string())?,
+                .map_err(|e| context(e.to_string()))?,
             ),
             Layer::Pipe => Box::new(
                 PipeLink::setup(&ctx, |pd, init, p| listener.accept(pd, init, p, SETUP), args.wait)
-                    .map_err(|e| e.to_string())?,
+                    .map_err(|e| context(e.to_string()))?,
             ),
             l if l.is_madeleine() => {
                 let dir = args.mad_dir.clone().ok_or("madeleine needs the shared directory (same host only)")?;
-                Box::new(mad_link(l, 1, dir)?)
+                Box::new(mad_link(l, 1, dir).map_err(context)?)
             }
             _ => {
-                let (s, _) = tcp.accept().map_err(|e| e.to_string())?;
-                Box::new(TcpLink::new(s, args.wait).map_err(|e| e.to_string())?)
+                let (s, _) = tcp.accept().map_err(|e| context(e.to_string()))?;
+                Box::new(TcpLink::new(s, args.wait).map_err(|e| context(e.to_string()))?)
             }
         };
-        serve(args, link.as_mut())?;
+        serve(args, link.as_mut()).map_err(|e| format!("server, {}: {e}", layer.name()))?;
     }
     Ok(())
 }
@@ -691,6 +693,7 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                 return Err(format!("the server process exited ({st})"));
             }
         }
+        let context = |e: String| format!("client, setting up {}: {e}", layer.name());
         let mut link: Box<dyn Link> = match layer {
             Layer::RawSend | Layer::RawWwi => Box::new(
                 RawLink::setup(
@@ -699,15 +702,15 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                     layer == Layer::RawWwi,
                     args.wait,
                 )
-                .map_err(|e| e.to_string())?,
+                .map_err(|e| context(e.to_string()))?,
             ),
             Layer::Pipe => Box::new(
                 PipeLink::setup(&ctx, |pd, init, p| cm::connect(&cm_addr, pd, init, p, SETUP), args.wait)
-                    .map_err(|e| e.to_string())?,
+                    .map_err(|e| context(e.to_string()))?,
             ),
             l if l.is_madeleine() => {
                 let dir = args.mad_dir.clone().ok_or("madeleine needs a shared directory (same host only)")?;
-                Box::new(mad_link(l, 0, dir)?)
+                Box::new(mad_link(l, 0, dir).map_err(context)?)
             }
             _ => {
                 let deadline = Instant::now() + SETUP;
@@ -718,13 +721,16 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                             let _ = e;
                             std::thread::sleep(Duration::from_millis(5));
                         }
-                        Err(e) => return Err(format!("TCP connect: {e}")),
+                        Err(e) => return Err(context(format!("TCP connect: {e}"))),
                     }
                 };
-                Box::new(TcpLink::new(s, args.wait).map_err(|e| e.to_string())?)
+                Box::new(TcpLink::new(s, args.wait).map_err(|e| context(e.to_string()))?)
             }
         };
-        points.extend(measure(args, layer, link.as_mut(), &sizes, &mut progress)?);
+        points.extend(
+            measure(args, layer, link.as_mut(), &sizes, &mut progress)
+                .map_err(|e| format!("client, {}: {e}", layer.name()))?,
+        );
     }
     if show {
         eprintln!("\r{:70}", "");
