@@ -24,9 +24,17 @@ fn runs_end_to_end_and_writes_complete_results() {
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     assert_eq!(csv.lines().count(), 1 + layers.len() * sizes);
     for line in csv.lines().skip(1) {
+        // layer,size,median_us,p99_us,minus_raw_us,gbps,mb_per_cpu_s
         let f: Vec<&str> = line.split(',').collect();
-        assert_eq!(f.len(), 6, "{line}");
-        for v in &f[1..] {
+        assert_eq!(f.len(), 7, "{line}");
+        for (i, v) in f.iter().enumerate().skip(1) {
+            if i == 4 {
+                // Raw SEND/RECV has no difference to itself; the others' may be negative.
+                let x: Option<f64> = (!v.is_empty()).then(|| v.parse().unwrap());
+                assert_eq!(x.is_none(), f[0] == "raw-send", "{line}");
+                assert!(x.is_none_or(f64::is_finite), "{line}");
+                continue;
+            }
             let x: f64 = v.parse().unwrap_or_else(|_| panic!("not a number in {line}"));
             assert!(x.is_finite() && x >= 0.0, "{line}");
         }
@@ -37,6 +45,7 @@ fn runs_end_to_end_and_writes_complete_results() {
     let json = std::fs::read_to_string(out.join("results.json")).unwrap();
     assert!(json.starts_with("{\"meta\":{") && json.trim_end().ends_with("]}"));
     assert_eq!(json.matches("\"layer\":").count(), layers.len() * sizes);
+    assert_eq!(json.matches("\"minus_raw_us\":null").count(), sizes, "raw-send's own rows only");
     for svg in ["latency.svg", "bandwidth.svg"] {
         let s = std::fs::read_to_string(out.join(svg)).unwrap();
         assert!(s.starts_with("<svg") && s.contains("<polyline") && s.trim_end().ends_with("</svg>"), "{svg}");
@@ -79,4 +88,10 @@ fn bad_arguments_give_a_clear_usage_error() {
         .unwrap();
     assert!(!run.status.success());
     assert!(String::from_utf8_lossy(&run.stderr).contains("sizes must satisfy"));
+    let run = Command::new(env!("CARGO_BIN_EXE_stack_bench")).args(["--layers", "tcp,raw-send,tcp"]).output().unwrap();
+    assert!(!run.status.success());
+    assert!(String::from_utf8_lossy(&run.stderr).contains("layer tcp given twice"));
+    let run = Command::new(env!("CARGO_BIN_EXE_stack_bench")).args(["--rounds", "0"]).output().unwrap();
+    assert!(!run.status.success());
+    assert!(String::from_utf8_lossy(&run.stderr).contains("--rounds"));
 }

@@ -3,8 +3,11 @@
 //! message pipe Madeleine's small messages ride on, Madeleine, and
 //! plain TCP over loopback as the legacy baseline — with one-way ping-pong latency (median,
 //! p99), streaming bandwidth and CPU efficiency (MB per CPU-second, as WSDLite reports it) per
-//! message size. Prints a table with each layer's ratio to TCP and to raw verbs, and writes
-//! JSON, CSV and SVG plots to a results folder.
+//! message size. The layers take turns: each size is measured in rounds, every layer running a
+//! block of its round trips and of its stream per round, so that the phases of a noisy machine
+//! fall on all of them alike, and each layer's latency is also given as its difference to raw
+//! SEND/RECV taken round by round. Prints a table with each layer's ratio to TCP and to raw
+//! verbs, and writes JSON, CSV and SVG plots to a results folder.
 //!
 //! With no arguments it starts its own peer process. `--role server --listen ADDR` and
 //! `--role client --connect ADDR` run the two halves on different hosts (raw and TCP layers).
@@ -106,9 +109,15 @@ struct Args {
     /// Bytes streamed per bandwidth point.
     #[arg(long, default_value_t = 64 << 20)]
     stream_bytes: u64,
-    /// Stop a layer's remaining sizes after this many seconds.
+    /// Stop a layer's remaining sizes once its measurements took this many seconds.
     #[arg(long, default_value_t = 20)]
     duration_cap: u64,
+    /// Rounds per size: each layer's round trips and stream are split into this many blocks,
+    /// run in turn with the other layers' (layer A, B, C, A, B, C, ...), so a phase of this
+    /// noisy machine falls on every layer alike and the `-raw` column compares each layer with
+    /// raw SEND/RECV round by round. 1 runs each layer's point in one piece.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    rounds: u64,
     /// Provider for the verbs-based layers.
     #[arg(long, value_enum, default_value_t = ProviderArg::Software)]
     provider: ProviderArg,
@@ -161,6 +170,9 @@ struct Point {
     p99_us: f64,
     gbps: f64,
     mb_per_cpu_s: f64,
+    /// Median over the rounds of this layer's median latency minus raw SEND/RECV's in the
+    /// same round (when raw SEND/RECV ran at this size).
+    minus_raw_us: Option<f64>,
 }
 
 fn lat_iters(args: &Args, size: usize) -> u64 {
@@ -171,16 +183,29 @@ fn stream_count(args: &Args, size: usize) -> u64 {
     (args.stream_bytes / size as u64).clamp(20, 200_000)
 }
 
+/// Bytes of a control message (a block's announcement, a stream's acknowledgement).
+const CONTROL: usize = 16;
+
+fn put_words(b: &mut [u8], w: [u64; 2]) {
+    b[..8].copy_from_slice(&w[0].to_le_bytes());
+    b[8..CONTROL].copy_from_slice(&w[1].to_le_bytes());
+}
+
+fn words(b: &[u8]) -> [u64; 2] {
+    let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    [word(0), word(8)]
+}
+
 /// A connected transport of one layer, from one side.
 trait Link {
     /// Sends `len` bytes of the buffer.
     fn send(&mut self, len: usize) -> Result<(), String>;
     /// Receives one message of `len` bytes.
     fn recv(&mut self, len: usize) -> Result<(), String>;
-    /// Writes `v` at the start of the send buffer.
-    fn put(&mut self, v: u64);
-    /// Reads the value at the start of the last received message.
-    fn get(&self) -> u64;
+    /// Writes a control message (two words) at the start of the send buffer.
+    fn put(&mut self, w: [u64; 2]);
+    /// Reads the control message at the start of the last received message.
+    fn get(&self) -> [u64; 2];
 }
 
 // ---------------------------------------------------------------- raw verbs
@@ -301,12 +326,14 @@ impl Link for RawLink {
         self.post_recv().map_err(|e| e.to_string())
     }
 
-    fn put(&mut self, v: u64) {
-        self.send_buf.write(0, &v.to_le_bytes());
+    fn put(&mut self, w: [u64; 2]) {
+        let mut b = [0u8; CONTROL];
+        put_words(&mut b, w);
+        self.send_buf.write(0, &b);
     }
 
-    fn get(&self) -> u64 {
-        self.recv_buf.read_u64(0)
+    fn get(&self) -> [u64; 2] {
+        [self.recv_buf.read_u64(0), self.recv_buf.read_u64(8)]
     }
 }
 
@@ -410,12 +437,12 @@ impl Link for PipeLink {
         }
     }
 
-    fn put(&mut self, v: u64) {
-        self.buf[..8].copy_from_slice(&v.to_le_bytes());
+    fn put(&mut self, w: [u64; 2]) {
+        put_words(&mut self.buf, w);
     }
 
-    fn get(&self) -> u64 {
-        u64::from_le_bytes(self.rbuf[..8].try_into().expect("8 bytes"))
+    fn get(&self) -> [u64; 2] {
+        words(&self.rbuf)
     }
 }
 
@@ -440,11 +467,11 @@ impl Link for MadLink {
         u.unpack(&mut self.rbuf[..len], SendMode::Cheaper, RecvMode::Cheaper).map_err(|e| e.to_string())?;
         u.end_unpacking().map_err(|e| e.to_string())
     }
-    fn put(&mut self, v: u64) {
-        self.buf[..8].copy_from_slice(&v.to_le_bytes());
+    fn put(&mut self, w: [u64; 2]) {
+        put_words(&mut self.buf, w);
     }
-    fn get(&self) -> u64 {
-        u64::from_le_bytes(self.rbuf[..8].try_into().expect("8 bytes"))
+    fn get(&self) -> [u64; 2] {
+        words(&self.rbuf)
     }
 }
 
@@ -499,102 +526,223 @@ impl Link for TcpLink {
         let (s, buf) = (&mut self.s, &mut self.buf);
         benches::io_whole(len, T, |off| s.read(&mut buf[off..len])).map_err(|e| format!("TCP receive: {e}"))
     }
-    fn put(&mut self, v: u64) {
-        self.buf[..8].copy_from_slice(&v.to_le_bytes());
+    fn put(&mut self, w: [u64; 2]) {
+        put_words(&mut self.buf, w);
     }
-    fn get(&self) -> u64 {
-        u64::from_le_bytes(self.buf[..8].try_into().expect("8 bytes"))
+    fn get(&self) -> [u64; 2] {
+        words(&self.buf)
     }
 }
 
-// ---------------------------------------------------------------- driving a link
+// ---------------------------------------------------------------- driving the links
 
-/// The client half of one layer: latency and bandwidth per size.
+/// What the client asks the server to serve next: a 16-byte message on the first layer's link,
+/// outside the measurements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Block {
+    /// `round_trips` ping-pongs of `size` bytes on link `link`.
+    Latency { link: usize, size: usize, round_trips: u64 },
+    /// `messages` of `size` bytes streamed on link `link`, then the server's acknowledgement
+    /// carrying the CPU nanoseconds it spent.
+    Stream { link: usize, size: usize, messages: u64 },
+    /// The run is over.
+    Done,
+}
+
+impl Block {
+    fn encode(self) -> [u64; 2] {
+        let head = |kind: u64, link: usize, size: usize| kind | (link as u64) << 8 | (size as u64) << 16;
+        match self {
+            Block::Latency { link, size, round_trips } => [head(1, link, size), round_trips],
+            Block::Stream { link, size, messages } => [head(2, link, size), messages],
+            Block::Done => [0, 0],
+        }
+    }
+
+    /// Checks what the client sent against the links and sizes there are.
+    fn decode(w: [u64; 2], links: usize) -> Result<Block, String> {
+        let (kind, link, size) = (w[0] & 0xff, (w[0] >> 8 & 0xff) as usize, (w[0] >> 16) as usize);
+        let block = match kind {
+            0 => return Ok(Block::Done),
+            1 => Block::Latency { link, size, round_trips: w[1] },
+            2 => Block::Stream { link, size, messages: w[1] },
+            k => return Err(format!("the client sent an unknown block kind {k}")),
+        };
+        if link >= links || size == 0 || size > MAX {
+            return Err(format!("the client asked for link {link} of {links} with {size}-byte messages"));
+        }
+        Ok(block)
+    }
+
+    /// One message, so that a link whose `get` sees only the latest arrival reads it whole.
+    fn announce(self, control: &mut dyn Link) -> Result<(), String> {
+        control.put(self.encode());
+        control.send(CONTROL)
+    }
+}
+
+/// The `r`th of `parts` near-equal shares of `total`.
+fn share(total: u64, parts: u64, r: u64) -> u64 {
+    total / parts + u64::from(r < total % parts)
+}
+
+/// The median of a block's samples (reordered).
+fn median(v: &mut [u64]) -> u64 {
+    let mid = v.len() / 2;
+    *v.select_nth_unstable(mid).1
+}
+
+/// One layer's measurements at one size, summed over the rounds.
+struct Tally {
+    hist: Histogram<u64>,
+    /// Each round's median one-way latency (ns).
+    round_medians: Vec<u64>,
+    bytes: f64,
+    secs: f64,
+    cpu: f64,
+}
+
+/// Runs `warm` unrecorded round trips, then `n` recorded ones; returns their one-way times (ns).
+fn latency_block(link: &mut dyn Link, size: usize, warm: u64, n: u64) -> Result<Vec<u64>, String> {
+    let mut samples = Vec::with_capacity(n as usize);
+    // One clock read per round trip, as ucx_perftest takes it: each round trip ends where
+    // the next begins, so the loop's own work is counted once and the timer once.
+    let mut last = Instant::now();
+    for i in 0..warm + n {
+        link.send(size)?;
+        link.recv(size)?;
+        let now = Instant::now();
+        if i >= warm {
+            samples.push(((now - last).as_nanos() as u64 / 2).max(1));
+        }
+        last = now;
+    }
+    Ok(samples)
+}
+
+/// The client's side of the whole run: for each size, rounds of latency and stream blocks,
+/// every layer in turn within a round; then `Done` for the server.
 fn measure(
     args: &Args,
-    layer: Layer,
-    link: &mut dyn Link,
+    layers: &[Layer],
+    links: &mut [Box<dyn Link>],
     sizes: &[usize],
     progress: &mut dyn FnMut(Layer, usize),
 ) -> Result<Vec<Point>, String> {
     let mut out = Vec::new();
-    let started = Instant::now();
+    let cap = Duration::from_secs(args.duration_cap);
+    let mut spent = vec![Duration::ZERO; layers.len()];
+    let mut capped = vec![false; layers.len()];
     for &size in sizes {
-        if started.elapsed() > Duration::from_secs(args.duration_cap) {
-            eprintln!("\n{}: duration cap reached, sizes from {} skipped", layer.name(), fmt_size(size));
+        for (i, layer) in layers.iter().enumerate() {
+            if !capped[i] && spent[i] > cap {
+                capped[i] = true;
+                eprintln!("\n{}: duration cap reached, sizes from {} skipped", layer.name(), fmt_size(size));
+            }
+        }
+        let active: Vec<usize> = (0..layers.len()).filter(|&i| !capped[i]).collect();
+        if active.is_empty() {
             break;
         }
-        announce(link, size as u64)?;
-        progress(layer, size);
-        let mut h = Histogram::<u64>::new(3).expect("histogram");
         let iters = lat_iters(args, size);
-        // One clock read per round trip, as ucx_perftest takes it: each round trip ends where
-        // the next begins, so the loop's own work is counted once and the timer once.
-        let mut last = Instant::now();
-        for i in 0..iters + args.warmup.min(iters) {
-            link.send(size)?;
-            link.recv(size)?;
-            let now = Instant::now();
-            if i >= args.warmup.min(iters) {
-                h.record(((now - last).as_nanos() as u64 / 2).max(1)).ok();
-            }
-            last = now;
-        }
+        let warmup = args.warmup.min(iters);
         let count = stream_count(args, size);
-        let cpu0 = benches::cpu_seconds(false);
-        let t = Instant::now();
-        for _ in 0..count {
-            link.send(size)?;
+        let (lat_rounds, stream_rounds) = (args.rounds.min(iters), args.rounds.min(count));
+        let mut tallies: Vec<Tally> = active
+            .iter()
+            .map(|_| Tally {
+                hist: Histogram::new(3).expect("histogram"),
+                round_medians: Vec::new(),
+                bytes: 0.0,
+                secs: 0.0,
+                cpu: 0.0,
+            })
+            .collect();
+        for r in 0..lat_rounds.max(stream_rounds) {
+            for (t, &i) in tallies.iter_mut().zip(&active) {
+                if r == 0 {
+                    progress(layers[i], size);
+                }
+                let started = Instant::now();
+                let fail = |e: String| format!("client, {}: {e}", layers[i].name());
+                if r < lat_rounds {
+                    // Every block warms up again: the other layers ran in between.
+                    let warm = warmup.div_ceil(lat_rounds);
+                    let n = share(iters, lat_rounds, r);
+                    Block::Latency { link: i, size, round_trips: warm + n }
+                        .announce(links[0].as_mut())
+                        .map_err(fail)?;
+                    let mut samples = latency_block(links[i].as_mut(), size, warm, n).map_err(fail)?;
+                    for &s in &samples {
+                        t.hist.record(s).ok();
+                    }
+                    t.round_medians.push(median(&mut samples));
+                }
+                if r < stream_rounds {
+                    let messages = share(count, stream_rounds, r);
+                    Block::Stream { link: i, size, messages }.announce(links[0].as_mut()).map_err(fail)?;
+                    let link = links[i].as_mut();
+                    let cpu0 = benches::cpu_seconds(false);
+                    let clock = Instant::now();
+                    for _ in 0..messages {
+                        link.send(size).map_err(fail)?;
+                    }
+                    link.recv(CONTROL).map_err(fail)?; // the server's acknowledgement, with its CPU time
+                    t.secs += clock.elapsed().as_secs_f64();
+                    t.cpu += benches::cpu_seconds(false) - cpu0 + link.get()[0] as f64 * 1e-9;
+                    t.bytes += (messages * size as u64) as f64;
+                }
+                spent[i] += started.elapsed();
+            }
         }
-        link.recv(8)?; // the server's acknowledgement of the whole stream, with its CPU time
-        let secs = t.elapsed().as_secs_f64();
-        let cpu = benches::cpu_seconds(false) - cpu0 + link.get() as f64 * 1e-9;
-        let bytes = (count * size as u64) as f64;
-        out.push(Point {
-            layer,
-            size,
-            median_us: h.value_at_quantile(0.5) as f64 / 1e3,
-            p99_us: h.value_at_quantile(0.99) as f64 / 1e3,
-            gbps: bytes / secs / 1e9,
-            // CPU time of both processes during the stream (the server reports its own).
-            mb_per_cpu_s: bytes / 1e6 / cpu.max(1e-9),
-        });
+        let raw = active.iter().position(|&i| layers[i] == Layer::RawSend).map(|k| tallies[k].round_medians.clone());
+        for (t, &i) in tallies.iter_mut().zip(&active) {
+            let minus_raw_us = raw.as_ref().filter(|_| layers[i] != Layer::RawSend).map(|raw| {
+                let mut d: Vec<i64> = t.round_medians.iter().zip(raw).map(|(&a, &b)| a as i64 - b as i64).collect();
+                let mid = d.len() / 2;
+                *d.select_nth_unstable(mid).1 as f64 / 1e3
+            });
+            out.push(Point {
+                layer: layers[i],
+                size,
+                median_us: t.hist.value_at_quantile(0.5) as f64 / 1e3,
+                p99_us: t.hist.value_at_quantile(0.99) as f64 / 1e3,
+                gbps: t.bytes / t.secs.max(1e-9) / 1e9,
+                // CPU time of both processes during the stream (the server reports its own).
+                mb_per_cpu_s: t.bytes / 1e6 / t.cpu.max(1e-9),
+                minus_raw_us,
+            });
+        }
     }
-    // The server stops with us, whether every size ran or the duration cap cut the sweep.
-    announce(link, LAYER_DONE)?;
+    Block::Done.announce(links[0].as_mut()).map_err(|e| format!("client, ending the run: {e}"))?;
     Ok(out)
 }
 
-/// What the client announces once a layer's sweep is over.
-const LAYER_DONE: u64 = u64::MAX;
-
-/// Tells the server which size comes next (or `LAYER_DONE`), in an 8-byte message outside
-/// the measurements.
-fn announce(link: &mut dyn Link, v: u64) -> Result<(), String> {
-    link.put(v);
-    link.send(8)
-}
-
-/// The server half of one layer: serves the sizes the client announces, until it is done.
-fn serve(args: &Args, link: &mut dyn Link) -> Result<(), String> {
+/// The server's side: serves the blocks the client announces, until it is done.
+fn serve(links: &mut [Box<dyn Link>], layers: &[Layer]) -> Result<(), String> {
     loop {
-        link.recv(8)?;
-        let size = match link.get() {
-            LAYER_DONE => return Ok(()),
-            v if v <= MAX as u64 => v as usize,
-            v => return Err(format!("the client announced a size of {v} bytes (at most {MAX})")),
-        };
-        let iters = lat_iters(args, size);
-        for _ in 0..iters + args.warmup.min(iters) {
-            link.recv(size)?;
-            link.send(size)?;
+        links[0].recv(CONTROL).map_err(|e| format!("server, waiting for the next block: {e}"))?;
+        let w = links[0].get();
+        let fail = |link: usize| move |e: String| format!("server, {}: {e}", layers[link].name());
+        match Block::decode(w, links.len()).map_err(|e| format!("server: {e}"))? {
+            Block::Done => return Ok(()),
+            Block::Latency { link, size, round_trips } => {
+                let l = links[link].as_mut();
+                for _ in 0..round_trips {
+                    l.recv(size).map_err(fail(link))?;
+                    l.send(size).map_err(fail(link))?;
+                }
+            }
+            Block::Stream { link, size, messages } => {
+                let l = links[link].as_mut();
+                let cpu0 = benches::cpu_seconds(false);
+                for _ in 0..messages {
+                    l.recv(size).map_err(fail(link))?;
+                }
+                l.put([((benches::cpu_seconds(false) - cpu0) * 1e9) as u64, 0]);
+                l.send(CONTROL).map_err(fail(link))?;
+            }
         }
-        let cpu0 = benches::cpu_seconds(false);
-        for _ in 0..stream_count(args, size) {
-            link.recv(size)?;
-        }
-        link.put(((benches::cpu_seconds(false) - cpu0) * 1e9) as u64);
-        link.send(8)?;
     }
 }
 
@@ -617,10 +765,12 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
     let cm_addr = cm::CmAddr::Tcp(std::net::SocketAddr::new(local.ip(), local.port() + 1));
     let listener = cm::Listener::bind(&cm_addr).map_err(|e| format!("verbs bootstrap on {cm_addr}: {e}"))?;
     let ctx = open_ctx(args).map_err(|e| e.to_string())?;
+    // Every layer's link is set up first (in the client's order): the blocks then alternate.
+    let mut links = Vec::new();
     for &layer in &args.layers {
         // Which process and step failed is what tells a slow start from a lost peer.
         let context = |e: String| format!("server, setting up {}: {e}", layer.name());
-        let mut link: Box<dyn Link> = match layer {
+        let link: Box<dyn Link> = match layer {
             Layer::RawSend | Layer::RawWwi => Box::new(
                 RawLink::setup(
                     &ctx,
@@ -635,17 +785,17 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
                     .map_err(|e| context(e.to_string()))?,
             ),
             l if l.is_madeleine() => {
-                let dir = args.mad_dir.clone().ok_or("madeleine needs the shared directory (same host only)")?;
-                Box::new(mad_link(l, 1, dir).map_err(context)?)
+                let dir = args.mad_dir.as_ref().ok_or("madeleine needs the shared directory (same host only)")?;
+                Box::new(mad_link(l, 1, dir.join(l.name())).map_err(context)?)
             }
             _ => {
                 let (s, _) = tcp.accept().map_err(|e| context(e.to_string()))?;
                 Box::new(TcpLink::new(s, args.wait).map_err(|e| context(e.to_string()))?)
             }
         };
-        serve(args, link.as_mut()).map_err(|e| format!("server, {}: {e}", layer.name()))?;
+        links.push(link);
     }
-    Ok(())
+    serve(&mut links, &args.layers)
 }
 
 /// A port that is free, with the next one free too: the bootstrap's and the verbs connection
@@ -686,7 +836,7 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
             );
         }
     };
-    let mut points = Vec::new();
+    let mut links = Vec::new();
     for &layer in &args.layers {
         if let Some(c) = child.as_mut() {
             if let Ok(Some(st)) = c.try_wait() {
@@ -694,7 +844,7 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
             }
         }
         let context = |e: String| format!("client, setting up {}: {e}", layer.name());
-        let mut link: Box<dyn Link> = match layer {
+        let link: Box<dyn Link> = match layer {
             Layer::RawSend | Layer::RawWwi => Box::new(
                 RawLink::setup(
                     &ctx,
@@ -709,8 +859,8 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                     .map_err(|e| context(e.to_string()))?,
             ),
             l if l.is_madeleine() => {
-                let dir = args.mad_dir.clone().ok_or("madeleine needs a shared directory (same host only)")?;
-                Box::new(mad_link(l, 0, dir).map_err(context)?)
+                let dir = args.mad_dir.as_ref().ok_or("madeleine needs a shared directory (same host only)")?;
+                Box::new(mad_link(l, 0, dir.join(l.name())).map_err(context)?)
             }
             _ => {
                 let deadline = Instant::now() + SETUP;
@@ -727,11 +877,9 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                 Box::new(TcpLink::new(s, args.wait).map_err(|e| context(e.to_string()))?)
             }
         };
-        points.extend(
-            measure(args, layer, link.as_mut(), &sizes, &mut progress)
-                .map_err(|e| format!("client, {}: {e}", layer.name()))?,
-        );
+        links.push(link);
     }
+    let points = measure(args, &args.layers, &mut links, &sizes, &mut progress)?;
     if show {
         eprintln!("\r{:70}", "");
     }
@@ -746,8 +894,8 @@ fn find(points: &[Point], layer: Layer, size: usize) -> Option<&Point> {
 
 fn print_table(points: &[Point], layers: &[Layer]) {
     println!(
-        "{:>10} {:>9} {:>10} {:>9} {:>9} {:>10} {:>9} {:>9}",
-        "layer", "size", "median us", "p99 us", "GB/s", "MB/CPU-s", "lat/tcp", "bw/raw"
+        "{:>10} {:>9} {:>10} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+        "layer", "size", "median us", "p99 us", "-raw us", "GB/s", "MB/CPU-s", "lat/tcp", "bw/raw"
     );
     for &layer in layers {
         for p in points.iter().filter(|p| p.layer == layer) {
@@ -755,11 +903,12 @@ fn print_table(points: &[Point], layers: &[Layer]) {
             let raw = find(points, Layer::RawSend, p.size);
             let r = |a: Option<f64>| a.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
             println!(
-                "{:>10} {:>9} {:>10.3} {:>9.3} {:>9.2} {:>10.0} {:>9} {:>9}",
+                "{:>10} {:>9} {:>10.3} {:>9.3} {:>9} {:>9.2} {:>10.0} {:>9} {:>9}",
                 layer.name(),
                 fmt_size(p.size),
                 p.median_us,
                 p.p99_us,
+                p.minus_raw_us.map(|v| format!("{v:+.3}")).unwrap_or_else(|| "-".into()),
                 p.gbps,
                 p.mb_per_cpu_s,
                 r(tcp.map(|t| p.median_us / t.median_us)),
@@ -771,25 +920,28 @@ fn print_table(points: &[Point], layers: &[Layer]) {
 
 fn write_results(dir: &std::path::Path, points: &[Point], meta: &str) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let mut csv = String::from("layer,size,median_us,p99_us,gbps,mb_per_cpu_s\n");
+    let mut csv = String::from("layer,size,median_us,p99_us,minus_raw_us,gbps,mb_per_cpu_s\n");
     let mut json = format!("{{\"meta\":{meta},\"points\":[");
     for (i, p) in points.iter().enumerate() {
+        let minus_raw = |none: &str| p.minus_raw_us.map(|v| format!("{v:.4}")).unwrap_or_else(|| none.into());
         csv.push_str(&format!(
-            "{},{},{:.4},{:.4},{:.4},{:.1}\n",
+            "{},{},{:.4},{:.4},{},{:.4},{:.1}\n",
             p.layer.name(),
             p.size,
             p.median_us,
             p.p99_us,
+            minus_raw(""),
             p.gbps,
             p.mb_per_cpu_s
         ));
         json.push_str(&format!(
-            "{}{{\"layer\":\"{}\",\"size\":{},\"median_us\":{:.4},\"p99_us\":{:.4},\"gbps\":{:.4},\"mb_per_cpu_s\":{:.1}}}",
+            "{}{{\"layer\":\"{}\",\"size\":{},\"median_us\":{:.4},\"p99_us\":{:.4},\"minus_raw_us\":{},\"gbps\":{:.4},\"mb_per_cpu_s\":{:.1}}}",
             if i > 0 { "," } else { "" },
             p.layer.name(),
             p.size,
             p.median_us,
             p.p99_us,
+            minus_raw("null"),
             p.gbps,
             p.mb_per_cpu_s
         ));
@@ -828,6 +980,9 @@ fn main() {
 fn run(args: &Args) -> Result<(), String> {
     if args.min_size == 0 || args.min_size > args.max_size || args.max_size > MAX {
         return Err(format!("sizes must satisfy 1 <= --min-size <= --max-size <= {MAX}"));
+    }
+    if let Some(l) = args.layers.iter().enumerate().find_map(|(i, l)| args.layers[..i].contains(l).then_some(l)) {
+        return Err(format!("layer {} given twice", l.name()));
     }
     match args.role {
         Role::Server => {
@@ -919,4 +1074,35 @@ fn report(args: &Args, points: &[Point], floor: Option<f64>) -> Result<(), Strin
     write_results(&out, points, &meta).map_err(|e| format!("writing {}: {e}", out.display()))?;
     println!("# results (JSON, CSV, latency.svg, bandwidth.svg) in {}", out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_round_trip_and_bad_ones_are_refused() {
+        for b in [
+            Block::Latency { link: 0, size: 1, round_trips: 7 },
+            Block::Latency { link: 6, size: MAX, round_trips: u64::MAX },
+            Block::Stream { link: 3, size: 4096, messages: 20 },
+            Block::Done,
+        ] {
+            assert_eq!(Block::decode(b.encode(), 7), Ok(b));
+        }
+        let bad = |b: Block, links| Block::decode(b.encode(), links).unwrap_err();
+        assert!(bad(Block::Latency { link: 2, size: 8, round_trips: 1 }, 2).contains("link 2 of 2"));
+        assert!(bad(Block::Stream { link: 0, size: MAX + 1, messages: 1 }, 1).contains("4194305-byte"));
+        assert!(bad(Block::Stream { link: 0, size: 0, messages: 1 }, 1).contains("0-byte"));
+        assert!(Block::decode([9, 0], 1).unwrap_err().contains("unknown block kind 9"));
+    }
+
+    #[test]
+    fn shares_add_up_and_differ_by_at_most_one() {
+        for (total, parts) in [(10, 3), (2000, 8), (7, 7), (20, 8), (1, 1)] {
+            let s: Vec<u64> = (0..parts).map(|r| share(total, parts, r)).collect();
+            assert_eq!(s.iter().sum::<u64>(), total);
+            assert!(s.iter().max().unwrap() - s.iter().min().unwrap() <= 1);
+        }
+    }
 }
