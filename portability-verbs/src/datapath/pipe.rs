@@ -116,6 +116,15 @@ impl FlowStrategy {
         }
     }
 
+    /// Sends that may go straight to the transport while earlier ones are outstanding (the
+    /// window strategy also stops at the peer's receive buffers; later messages coalesce).
+    fn straight_sends(&self) -> usize {
+        match *self {
+            FlowStrategy::Window { buffers, .. } => (buffers as usize).min(self.send_slots()),
+            _ => self.send_slots(),
+        }
+    }
+
     /// Bytes of one staging buffer.
     fn send_slot_bytes(&self) -> usize {
         match *self {
@@ -623,15 +632,12 @@ impl MsgPipe {
                     true
                 }
             }
-            FlowStrategy::Window { window, buffers } => {
+            FlowStrategy::Window { window, .. } => {
                 let rec = Record { kind: RecordKind::Data, credits: 0, len: msg.len() as u32, ack: 0 };
                 // The first N/W segments go straight to the transport; what comes while they are
                 // outstanding is coalesced and sent as one segment at the next completion.
                 let pool_free = self.send_pool.stats().in_use < self.send_pool.capacity();
-                if pool_free
-                    && self.outstanding < (buffers as usize).min(self.strategy.send_slots())
-                    && self.coalescer.is_empty()
-                {
+                if pool_free && self.outstanding < self.strategy.straight_sends() && self.coalescer.is_empty() {
                     self.send_record(rec, msg)?;
                     true
                 } else {
@@ -679,7 +685,7 @@ impl MsgPipe {
             ];
             let sges = if payload.is_empty() { &sges[..1] } else { &sges[..] };
             let covers = self.unsignaled + 1;
-            let signaled = covers >= SIGNAL_EVERY || self.outstanding + 1 >= self.strategy.send_slots();
+            let signaled = covers >= SIGNAL_EVERY || self.outstanding + 1 >= self.strategy.straight_sends();
             let wr = SendWr::send(wr_id(TAG_INLINE_SEND, covers as u64), sges).inline(true).signaled(signaled);
             self.qp.post_send(&[wr])?;
             self.unsignaled = if signaled { 0 } else { covers };
@@ -1373,7 +1379,8 @@ mod tests {
     /// the last few once the sender went quiet. Meanwhile nothing is lost or reordered.
     #[test]
     fn unsignaled_sends_are_all_accounted_for() {
-        for s in [FlowStrategy::WINDOW, FlowStrategy::CREDIT, FlowStrategy::RDMA] {
+        let few_buffers = FlowStrategy::Window { window: 512, buffers: 4 };
+        for s in [FlowStrategy::WINDOW, few_buffers, FlowStrategy::CREDIT, FlowStrategy::RDMA] {
             for n in [1usize, SIGNAL_EVERY - 1, SIGNAL_EVERY, 3 * SIGNAL_EVERY + 2, 200] {
                 let (mut a, mut b) = pair(s);
                 stream(&mut a, &mut b, &vec![24; n]);
