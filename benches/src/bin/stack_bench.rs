@@ -586,8 +586,8 @@ fn share(total: u64, parts: u64, r: u64) -> u64 {
     total / parts + u64::from(r < total % parts)
 }
 
-/// The median of a block's samples (reordered).
-fn median(v: &mut [u64]) -> u64 {
+/// The median of a block's samples or of the rounds' differences (reordered).
+fn median<T: Ord + Copy>(v: &mut [T]) -> T {
     let mid = v.len() / 2;
     *v.select_nth_unstable(mid).1
 }
@@ -699,8 +699,7 @@ fn measure(
         for (t, &i) in tallies.iter_mut().zip(&active) {
             let minus_raw_us = raw.as_ref().filter(|_| layers[i] != Layer::RawSend).map(|raw| {
                 let mut d: Vec<i64> = t.round_medians.iter().zip(raw).map(|(&a, &b)| a as i64 - b as i64).collect();
-                let mid = d.len() / 2;
-                *d.select_nth_unstable(mid).1 as f64 / 1e3
+                median(&mut d) as f64 / 1e3
             });
             out.push(Point {
                 layer: layers[i],
