@@ -34,8 +34,6 @@ pub const RDV: usize = 32;
 pub const ONE_HEADER: usize = 8;
 /// The first byte of a `One` record.
 const ONE_TAG: u8 = 8;
-/// Largest message a sender sends as one `Whole` or `One` record (header included).
-pub const WHOLE_MAX: usize = 256;
 
 /// A record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

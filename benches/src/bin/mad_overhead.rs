@@ -38,10 +38,11 @@ struct Args {
 const T: Duration = Duration::from_secs(30);
 
 /// Bytes Madeleine puts around a message of one pack of `size` bytes (a `One` header when it
-/// goes whole, else `Begin`, `Inline` and `End`), for the pipe to carry the same.
-fn mad_headers(size: usize) -> usize {
-    use madeleine::wire::{HEADER, ONE_HEADER, WHOLE_MAX};
-    if size + ONE_HEADER <= WHOLE_MAX {
+/// fits one pipe message of `max_msg` bytes with room for the `Begin` and `Inline` headers it
+/// is packed behind, else `Begin`, `Inline` and `End`), for the pipe to carry the same.
+fn mad_headers(size: usize, max_msg: usize) -> usize {
+    use madeleine::wire::{HEADER, ONE_HEADER};
+    if 2 * HEADER + size <= max_msg {
         ONE_HEADER
     } else {
         3 * HEADER
@@ -141,7 +142,7 @@ impl PipePair {
             (MsgPipe::establish(a, ca, &pd, s, T), h.join().expect("pipe thread"))
         });
         let (a, b) = (pa.map_err(e)?, pb.map_err(e)?);
-        let n = size + mad_headers(size);
+        let n = size + mad_headers(size, s.max_message());
         Ok(PipePair { a, b, _pd: pd, buf: vec![7u8; n], rbuf: vec![0u8; n] })
     }
 }
