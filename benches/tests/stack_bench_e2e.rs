@@ -54,6 +54,27 @@ fn runs_end_to_end_and_writes_complete_results() {
 }
 
 #[test]
+fn layers_outside_the_default_run_too_with_messages_over_several_pipe_messages() {
+    // The pipe layer splits 32 KiB over 2 KiB pipe messages: the last of a reply is coalesced
+    // behind the ones in flight, and must still leave while the server serves another link.
+    let out = std::env::temp_dir().join(format!("stack-bench-layers-{}", std::process::id()));
+    let run = Command::new(env!("CARGO_BIN_EXE_stack_bench"))
+        .args(["--layers", "raw-send,pipe,madeleine", "--min-size", "32768", "--max-size", "32768"])
+        .args(["--iters", "40", "--warmup", "5", "--stream-bytes", "400000", "--rounds", "3", "--no-pin"])
+        .args(["--duration-cap", "300", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "stack_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
+    for l in ["raw-send", "pipe", "madeleine"] {
+        let rows = stdout.lines().filter(|line| line.split_whitespace().next() == Some(l)).count();
+        assert_eq!(rows, 1, "{l} rows in:\n{stdout}");
+    }
+    let _ = std::fs::remove_dir_all(out);
+}
+
+#[test]
 fn a_duration_cap_cuts_every_sweep_and_the_run_still_ends_cleanly() {
     let out = std::env::temp_dir().join(format!("stack-bench-cap-{}", std::process::id()));
     let run = Command::new(env!("CARGO_BIN_EXE_stack_bench"))
