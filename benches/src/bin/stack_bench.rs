@@ -415,7 +415,10 @@ impl Link for PipeLink {
                 }
             }
             self.pipe.progress().map_err(|e| e.to_string())?;
-            self.pause(&mut patience, if off == len { "message not handed to the transport" } else { "no room to send" })?;
+            self.pause(
+                &mut patience,
+                if off == len { "message not handed to the transport" } else { "no room to send" },
+            )?;
         }
     }
 
