@@ -1,18 +1,22 @@
 //! Runs the main benchmark end to end with tiny sizes, so it cannot silently rot: its output
 //! must be complete and well formed, and bad arguments must give a clear usage error.
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// Runs the benchmark with `args`, without pinning, its results in `out`.
+fn stack_bench(args: &[&str], out: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_stack_bench")).args(args).arg("--no-pin").arg("--out").arg(out).output().unwrap()
+}
 
 #[test]
 fn runs_end_to_end_and_writes_complete_results() {
     let out = std::env::temp_dir().join(format!("stack-bench-e2e-{}", std::process::id()));
-    let run = Command::new(env!("CARGO_BIN_EXE_stack_bench"))
-        // A generous duration cap: a loaded machine slows the debug build's sweeps a lot.
-        .args(["--max-size", "4096", "--iters", "40", "--warmup", "5", "--stream-bytes", "200000", "--no-pin"])
-        .args(["--duration-cap", "300", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap();
+    // A generous duration cap: a loaded machine slows the debug build's sweeps a lot.
+    let run = stack_bench(
+        &["--max-size", "4096", "--iters", "40", "--warmup", "5", "--stream-bytes", "200000", "--duration-cap", "300"],
+        &out,
+    );
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(run.status.success(), "stack_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
     let layers = ["raw-send", "raw-wwi", "mad-copy", "mad-zcopy", "tcp"];
@@ -58,13 +62,27 @@ fn layers_outside_the_default_run_too_with_messages_over_several_pipe_messages()
     // The pipe layer splits 32 KiB over 2 KiB pipe messages: the last of a reply is coalesced
     // behind the ones in flight, and must still leave while the server serves another link.
     let out = std::env::temp_dir().join(format!("stack-bench-layers-{}", std::process::id()));
-    let run = Command::new(env!("CARGO_BIN_EXE_stack_bench"))
-        .args(["--layers", "raw-send,pipe,madeleine", "--min-size", "32768", "--max-size", "32768"])
-        .args(["--iters", "40", "--warmup", "5", "--stream-bytes", "400000", "--rounds", "3", "--no-pin"])
-        .args(["--duration-cap", "300", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap();
+    let run = stack_bench(
+        &[
+            "--layers",
+            "raw-send,pipe,madeleine",
+            "--min-size",
+            "32768",
+            "--max-size",
+            "32768",
+            "--iters",
+            "40",
+            "--warmup",
+            "5",
+            "--stream-bytes",
+            "400000",
+            "--rounds",
+            "3",
+            "--duration-cap",
+            "300",
+        ],
+        &out,
+    );
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(run.status.success(), "stack_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
     for l in ["raw-send", "pipe", "madeleine"] {
@@ -77,20 +95,7 @@ fn layers_outside_the_default_run_too_with_messages_over_several_pipe_messages()
 #[test]
 fn a_duration_cap_cuts_every_sweep_and_the_run_still_ends_cleanly() {
     let out = std::env::temp_dir().join(format!("stack-bench-cap-{}", std::process::id()));
-    let run = Command::new(env!("CARGO_BIN_EXE_stack_bench"))
-        .args([
-            "--layers",
-            "raw-send,pipe,mad-copy,tcp",
-            "--max-size",
-            "64",
-            "--duration-cap",
-            "0",
-            "--no-pin",
-            "--out",
-        ])
-        .arg(&out)
-        .output()
-        .unwrap();
+    let run = stack_bench(&["--layers", "raw-send,pipe,mad-copy,tcp", "--max-size", "64", "--duration-cap", "0"], &out);
     let stderr = String::from_utf8_lossy(&run.stderr);
     // The server learns that each layer ended early, instead of waiting for sizes that never come.
     assert!(run.status.success(), "stack_bench failed: {stderr}");

@@ -399,26 +399,26 @@ impl Link for PipeLink {
         let mut off = 0;
         loop {
             let end = (off + max).min(len);
-            if off < len && self.pipe.try_send(&self.buf[off..end]).map_err(|e| e.to_string())? {
+            if self.pipe.try_send(&self.buf[off..end]).map_err(|e| e.to_string())? {
                 off = end;
-                if off < len {
-                    continue;
+                if off == len {
+                    break;
                 }
-            }
-            if off == len {
-                // Accepted is not sent: what the pipe coalesced behind outstanding sends leaves
-                // at a later completion, and the peer must not wait for it while this side
-                // serves another layer's link (as Madeleine's send does).
-                self.pipe.flush().map_err(|e| e.to_string())?;
-                if self.pipe.staged() == 0 {
-                    return Ok(());
-                }
+                continue;
             }
             self.pipe.progress().map_err(|e| e.to_string())?;
-            self.pause(
-                &mut patience,
-                if off == len { "message not handed to the transport" } else { "no room to send" },
-            )?;
+            self.pause(&mut patience, "no room to send")?;
+        }
+        // Accepted is not sent: what the pipe coalesced behind outstanding sends leaves at a
+        // later completion, and the peer must not wait for it while this side serves another
+        // layer's link (as Madeleine's send does).
+        loop {
+            self.pipe.flush().map_err(|e| e.to_string())?;
+            if self.pipe.staged() == 0 {
+                return Ok(());
+            }
+            self.pipe.progress().map_err(|e| e.to_string())?;
+            self.pause(&mut patience, "message not handed to the transport")?;
         }
     }
 
