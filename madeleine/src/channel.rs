@@ -1279,7 +1279,7 @@ impl<'p> Packer<'p> {
             // Begin and inline packs only, all in one pipe message (a pack that did not fit
             // whole would have flushed): the message goes whole, whatever its size. The
             // receiver then copies it twice (out of the pipe, then into the unpacks' buffers),
-            // which still costs less than taking its records one by one from the pipe: 0.2-0.3
+            // which still costs less than taking its records one by one from the pipe: 0.1-0.3
             // us less one way from 256 B to 4 KiB (stack_bench, window and rdma strategies).
             if self.tx.packs == 1 {
                 self.send_one()?;
