@@ -4,11 +4,12 @@
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::ctx::CtxInner;
 use super::qp::{Out, QpInner};
+use super::spin::SpinLock;
 use super::sys;
 use crate::error::{Result, VerbsError};
 use crate::types::WorkCompletion;
@@ -25,7 +26,10 @@ pub struct CqInner {
     /// Completions queued (a hint read without the lock).
     queued: AtomicUsize,
     overrun: AtomicBool,
-    qps: RwLock<Vec<Weak<QpInner>>>,
+    /// The queue pairs reporting here, held strongly until `QpInner::destroy` detaches them
+    /// (the public queue pair's drop does). A poll drives them under one compare-and-swap:
+    /// no reader count, no reference counts (each a locked instruction on every poll).
+    qps: SpinLock<Vec<Arc<QpInner>>>,
     pub bell_slot: u32,
     eventfd: OwnedFd,
     epoll: OwnedFd,
@@ -51,7 +55,7 @@ impl CqInner {
             state: Mutex::new(CqState { queue: VecDeque::with_capacity(capacity.min(4096)) }),
             queued: AtomicUsize::new(0),
             overrun: AtomicBool::new(false),
-            qps: RwLock::new(Vec::new()),
+            qps: SpinLock::new(Vec::new()),
             bell_slot,
             eventfd,
             epoll,
@@ -64,14 +68,21 @@ impl CqInner {
     }
 
     pub(crate) fn attach(&self, qp: &Arc<QpInner>) {
-        let mut qps = self.qps.write().expect("cq qp list lock");
-        if !qps.iter().any(|w| w.as_ptr() == Arc::as_ptr(qp)) {
-            qps.push(Arc::downgrade(qp));
+        let mut qps = self.qps.lock();
+        if !qps.iter().any(|q| Arc::ptr_eq(q, qp)) {
+            qps.push(qp.clone());
         }
     }
 
+    /// Forgets a queue pair. The caller holds a reference, so its last one never drops here.
     pub(crate) fn detach(&self, qp: *const QpInner) {
-        self.qps.write().expect("cq qp list lock").retain(|w| w.as_ptr() != qp && w.strong_count() > 0);
+        self.qps.lock().retain(|q| Arc::as_ptr(q) != qp);
+    }
+
+    /// The attached queue pairs, for work that may block (taking a queue pair's lock under
+    /// the list's would deadlock with `QpInner::destroy`, which detaches under its own).
+    fn attached(&self) -> Vec<Arc<QpInner>> {
+        self.qps.lock().clone()
     }
 
     /// Makes a peer's death wake sleepers of this queue (its pidfd joins the epoll set).
@@ -133,21 +144,20 @@ impl CqInner {
         }
     }
 
-    /// Drives every attached queue pair once.
     /// Drives every attached queue pair once; completions for this queue are added to `sink`.
+    /// If another thread is driving them, leaves it to that thread.
     pub(crate) fn progress(&self, sink: &mut Out) {
-        let qps = self.qps.read().expect("cq qp list lock");
-        for w in qps.iter() {
-            if let Some(qp) = w.upgrade() {
-                qp.progress(self, sink);
-            }
+        let Some(qps) = self.qps.try_lock() else {
+            return;
+        };
+        for qp in qps.iter() {
+            qp.progress(self, sink);
         }
     }
 
     /// Checks every attached queue pair's peer at once.
     pub(crate) fn check_peers(&self) {
-        let qps: Vec<_> = self.qps.read().expect("cq qp list lock").iter().filter_map(Weak::upgrade).collect();
-        for qp in qps {
+        for qp in self.attached() {
             qp.check_peer_now();
         }
     }
@@ -157,8 +167,7 @@ impl CqInner {
         if self.queued.load(Ordering::SeqCst) != 0 {
             return true;
         }
-        let qps = self.qps.read().expect("cq qp list lock");
-        qps.iter().filter_map(Weak::upgrade).any(|qp| qp.work_pending(self))
+        self.attached().iter().any(|qp| qp.work_pending(self))
     }
 
     /// Polls up to `out.len()` completions without blocking.

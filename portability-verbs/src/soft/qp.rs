@@ -455,7 +455,7 @@ impl QpInner {
         let dropped = core.rq.len() as u64;
         core.rq.clear();
         if self.srq.is_none() {
-            self.rq_counters().consumed.fetch_add(dropped, Ordering::Release);
+            self.count_consumed(dropped);
         }
         core.cons_head = 0;
         core.inbound_dead = false;
@@ -469,6 +469,19 @@ impl QpInner {
 
     fn rq_counters(&self) -> &super::layout::RqCounters {
         self.ctx.ctrl().rq(self.rq_slot as usize).expect("slot in range")
+    }
+
+    /// Counts `n` more receives consumed (the peer compares the counters to tell
+    /// receiver-not-ready). A queue pair's own counters change only under its lock, so a plain
+    /// store does, without a locked instruction per message; a shared receive queue's are
+    /// counted by every queue pair taking from it.
+    fn count_consumed(&self, n: u64) {
+        let c = &self.rq_counters().consumed;
+        if self.srq.is_some() {
+            c.fetch_add(n, Ordering::Release);
+        } else {
+            c.store(c.load(Ordering::Relaxed) + n, Ordering::Release);
+        }
     }
 
     /// Moves to the error state: every outstanding request completes with a flush error and
@@ -501,7 +514,7 @@ impl QpInner {
             out.push((false, self.recv_wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0, None, 0)));
         }
         if flushed > 0 {
-            self.rq_counters().consumed.fetch_add(flushed, Ordering::Release);
+            self.count_consumed(flushed);
         }
     }
 
@@ -554,7 +567,9 @@ impl QpInner {
                     return Err(VerbsError::Exhausted("receive queue is full".into()));
                 }
                 core.rq.push_back(RecvWr { wr_id: wr.wr_id, sg_list: SgList::from_slice(&wr.sg_list) });
-                self.rq_counters().posted.fetch_add(1, Ordering::Release);
+                // Under our lock, the only writer (see `count_consumed`).
+                let posted = &self.rq_counters().posted;
+                posted.store(posted.load(Ordering::Relaxed) + 1, Ordering::Release);
             }
             Ok(())
         })();
@@ -1210,7 +1225,7 @@ impl QpInner {
                 self.return_receive(core, recv);
                 continue;
             }
-            self.rq_counters().consumed.fetch_add(1, Ordering::Release);
+            self.count_consumed(1);
             out.push((false, self.recv_wc(recv.wr_id, local_status, opcode, h.len, imm, src_qp)));
             if code != status::OK {
                 QpSeg(&self.seg).consumer().consumed.store(core.cons_head, Ordering::Release);
@@ -1606,7 +1621,8 @@ impl QpInner {
         }
     }
 
-    /// Marks the QP destroyed for its peer and detaches it from its queues.
+    /// Marks the QP destroyed for its peer and detaches it from its queues, which hold it until
+    /// then (the public queue pair calls this when its last clone drops).
     pub fn destroy(&self) {
         *self.helper_peer.lock().expect("helper peer lock") = None;
         let mut core = self.core.lock();
