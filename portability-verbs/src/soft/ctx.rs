@@ -327,7 +327,22 @@ impl LocalKeys<'_> {
 /// Both ranges must be valid mapped memory of this process that the caller has checked against a
 /// registration (or provider-owned memory), except that held ranges may have been unmapped.
 #[must_use]
+#[inline]
 pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
+    if !crate::protect::any_active() {
+        // No hold anywhere (the usual case): a plain copy, inlined into every provider path.
+        // SAFETY: the caller guarantees both ranges are valid.
+        unsafe { crate::copy::copy_bytes(dst, src, len) };
+        return true;
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { local_copy_held(dst, src, len) }
+}
+
+/// [`local_copy`] while some range of this process is held.
+#[cold]
+#[inline(never)]
+unsafe fn local_copy_held(dst: *mut u8, src: *const u8, len: usize) -> bool {
     if len == 0 {
         return true;
     }

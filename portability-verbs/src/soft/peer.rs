@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::ctx::{key_slot, local_copy, CtxInner, PeerKey};
-use super::layout::{Ctrl, MrEntry, CTRL_BYTES, CTRL_MAGIC};
+use super::layout::{Bell, Ctrl, MrEntry, CTRL_BYTES, CTRL_MAGIC};
 use super::segment::{ctrl_name, segment_name, Segment};
 use super::sys::{self, RemoteMemory};
 use crate::endpoint::SoftEndpoint;
@@ -187,14 +187,25 @@ impl PeerCtx {
         Some(seg)
     }
 
-    /// Wakes the owner of doorbell `slot` if it armed it (sleeps or is about to).
+    /// Wakes the owner of doorbell `slot` if it armed it (sleeps or is about to). Inlined into
+    /// every send and receive: the usual answer (not armed) is one load.
+    #[inline]
     pub fn ring_bell(&self, slot: u32) {
         let Some(bell) = self.ctrl().bell(slot as usize) else {
             return;
         };
         // Dekker with the owner's arm-then-check (see `sys::sleeper_barrier`).
         sys::producer_barrier();
-        if bell.armed.load(Ordering::Relaxed) == 0 || bell.armed.swap(0, Ordering::AcqRel) == 0 {
+        if bell.armed.load(Ordering::Relaxed) != 0 {
+            self.wake(bell, slot);
+        }
+    }
+
+    /// [`PeerCtx::ring_bell`] found the doorbell armed: disarms it and signals its eventfd.
+    #[cold]
+    #[inline(never)]
+    fn wake(&self, bell: &Bell, slot: u32) {
+        if bell.armed.swap(0, Ordering::AcqRel) == 0 {
             return;
         }
         let generation = bell.generation.load(Ordering::Acquire);
