@@ -67,6 +67,20 @@ pub struct Sge {
 /// A scatter/gather list; up to four elements live inline without allocation.
 pub type SgList = SmallVec<[Sge; 4]>;
 
+/// An [`SgList`] holding a copy of `sges`. One SGE (nearly every request) is stored directly:
+/// `SmallVec::from_slice` calls `memcpy` for any length, which costs more than the copy.
+#[inline]
+pub fn sg_list_of(sges: &[Sge]) -> SgList {
+    match sges {
+        [one] => {
+            let mut l = SgList::new();
+            l.push(*one);
+            l
+        }
+        _ => SgList::from_slice(sges),
+    }
+}
+
 /// Operation of a send-queue work request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WrOpcode {
@@ -147,7 +161,7 @@ impl SendWr {
         SendWr {
             wr_id,
             opcode,
-            sg_list: SgList::from_slice(sg_list),
+            sg_list: sg_list_of(sg_list),
             flags: SendFlags { signaled: true, ..SendFlags::default() },
             imm: 0,
             remote_addr: 0,
@@ -223,7 +237,7 @@ pub struct RecvWr {
 impl RecvWr {
     /// A receive into the given SGEs.
     pub fn new(wr_id: u64, sg_list: &[Sge]) -> Self {
-        RecvWr { wr_id, sg_list: SgList::from_slice(sg_list) }
+        RecvWr { wr_id, sg_list: sg_list_of(sg_list) }
     }
     /// Total capacity in bytes.
     pub fn capacity(&self) -> u64 {

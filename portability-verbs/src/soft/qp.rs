@@ -65,7 +65,7 @@ impl SrqInner {
             if q.len() >= self.max_wr as usize {
                 return Err(VerbsError::Exhausted("shared receive queue is full".into()));
             }
-            q.push_back(RecvWr { wr_id: wr.wr_id, sg_list: SgList::from_slice(&wr.sg_list) });
+            q.push_back(RecvWr { wr_id: wr.wr_id, sg_list: crate::types::sg_list_of(&wr.sg_list) });
             self.ctx.ctrl().rq(self.rq_slot as usize).expect("slot").posted.fetch_add(1, Ordering::Release);
         }
         Ok(())
@@ -566,7 +566,7 @@ impl QpInner {
                 if core.rq.len() >= self.caps.max_recv_wr as usize {
                     return Err(VerbsError::Exhausted("receive queue is full".into()));
                 }
-                core.rq.push_back(RecvWr { wr_id: wr.wr_id, sg_list: SgList::from_slice(&wr.sg_list) });
+                core.rq.push_back(RecvWr { wr_id: wr.wr_id, sg_list: crate::types::sg_list_of(&wr.sg_list) });
                 // Under our lock, the only writer (see `count_consumed`).
                 let posted = &self.rq_counters().posted;
                 posted.store(posted.load(Ordering::Relaxed) + 1, Ordering::Release);
