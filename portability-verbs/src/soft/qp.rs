@@ -480,7 +480,7 @@ impl QpInner {
         if self.srq.is_some() {
             c.fetch_add(n, Ordering::Release);
         } else {
-            c.store(c.load(Ordering::Relaxed) + n, Ordering::Release);
+            add_as_only_writer(c, n);
         }
     }
 
@@ -568,8 +568,7 @@ impl QpInner {
                 }
                 core.rq.push_back(RecvWr { wr_id: wr.wr_id, sg_list: crate::types::sg_list_of(&wr.sg_list) });
                 // Under our lock, the only writer (see `count_consumed`).
-                let posted = &self.rq_counters().posted;
-                posted.store(posted.load(Ordering::Relaxed) + 1, Ordering::Release);
+                add_as_only_writer(&self.rq_counters().posted, 1);
             }
             Ok(())
         })();
@@ -1643,6 +1642,12 @@ impl Drop for QpInner {
             self.ctx.rq_slots.lock().expect("slot lock").give(self.rq_slot);
         }
     }
+}
+
+/// Adds `n` to a shared counter that only the caller writes (others only read it): a load and
+/// a release store, where `fetch_add` would be a locked instruction.
+fn add_as_only_writer(c: &AtomicU64, n: u64) {
+    c.store(c.load(Ordering::Relaxed) + n, Ordering::Release);
 }
 
 /// Cancel handshake, rare half: cancels the peer's records from ring position `pos` on.
