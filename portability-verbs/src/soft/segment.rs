@@ -31,7 +31,12 @@ pub fn qp_name(ctx_id: u64, qpn: u32) -> String {
 
 /// A shared segment mapped in this process.
 pub struct Segment {
-    map: MmapRaw,
+    /// Owns the mapping (unmapped on drop); reached through `base` and `len`.
+    _map: MmapRaw,
+    /// The mapping's base (page-aligned) and length, kept as plain fields: `at` runs several
+    /// times per message and reaching them through the mapping object cost more than its checks.
+    base: *mut u8,
+    len: usize,
     file: File,
     id: u64,
 }
@@ -56,7 +61,13 @@ impl Segment {
             .populate()
             .map_raw(&file)
             .map_err(|e| VerbsError::os("mapping a shared segment", e))?;
-        Ok(Segment { map, file, id })
+        Ok(Segment::from_parts(map, file, id))
+    }
+
+    fn from_parts(map: MmapRaw, file: File, id: u64) -> Segment {
+        let (base, len) = (map.as_mut_ptr(), map.len());
+        debug_assert_eq!(base as usize % page_size(), 0, "mappings are page-aligned");
+        Segment { _map: map, base, len, file, id }
     }
 
     /// Maps a segment whose descriptor was fetched from its owner, after checking that the
@@ -81,16 +92,16 @@ impl Segment {
             .populate()
             .map_raw(&file)
             .map_err(|e| VerbsError::os("mapping a peer segment", e))?;
-        Ok(Segment { map, file, id: 0 })
+        Ok(Segment::from_parts(map, file, 0))
     }
 
     /// Base address of the mapping.
     pub fn ptr(&self) -> *mut u8 {
-        self.map.as_mut_ptr()
+        self.base
     }
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.len
     }
     /// Descriptor number in this process (what peers fetch).
     pub fn fd(&self) -> i32 {
@@ -104,14 +115,16 @@ impl Segment {
     ///
     /// Panics if the object does not fit or is misaligned: offsets are computed by this crate's
     /// layout code, never taken from a peer.
+    #[inline]
     pub fn at<T>(&self, off: usize) -> &T {
-        assert!(off + std::mem::size_of::<T>() <= self.len(), "segment layout overflow");
-        let p = self.ptr().wrapping_add(off);
-        assert_eq!(p as usize % std::mem::align_of::<T>(), 0, "segment layout misaligned");
-        // SAFETY: in bounds and aligned (checked above); the mapping lives as long as `self`; the
-        // types placed in segments are atomics or plain integers, valid for any bit pattern and
-        // safe to share between threads and processes.
-        unsafe { &*(p as *const T) }
+        // The base is page-aligned, so the offset's alignment is the object's (for the
+        // constant offsets of the layout code this check folds away).
+        assert!(off.is_multiple_of(std::mem::align_of::<T>()), "segment layout misaligned");
+        assert!(off + std::mem::size_of::<T>() <= self.len, "segment layout overflow");
+        // SAFETY: in bounds and aligned (checked above; alignments are far below a page); the
+        // mapping lives as long as `self`; the types placed in segments are atomics or plain
+        // integers, valid for any bit pattern and safe to share between threads and processes.
+        unsafe { &*(self.base.add(off) as *const T) }
     }
 }
 

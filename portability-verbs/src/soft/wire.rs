@@ -224,6 +224,7 @@ impl RecordHeader {
 
     /// Decodes a header found at `offset` in a ring of `ring` bytes, validating everything that
     /// can be validated without the payload.
+    #[inline]
     pub fn decode(b: &[u8; FIELDS_BYTES], offset: usize, ring: usize) -> Result<RecordHeader, RecordError> {
         let kind = RecordKind::from_code(b[0]).ok_or(RecordError::UnknownKind(b[0]))?;
         let (raddr, rkey) = if kind.addresses_memory() {
