@@ -28,10 +28,11 @@ fn runs_end_to_end_and_writes_complete_results() {
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
     assert_eq!(csv.lines().count(), 1 + layers.len() * sizes);
     for line in csv.lines().skip(1) {
-        // layer,size,median_us,p99_us,minus_raw_us,gbps,mb_per_cpu_s
+        // layer,size,median_us,p99_us,minus_raw_us,gbps,mb_per_cpu_s,minus_ucx_us
         let f: Vec<&str> = line.split(',').collect();
-        assert_eq!(f.len(), 7, "{line}");
-        for (i, v) in f.iter().enumerate().skip(1) {
+        assert_eq!(f.len(), 8, "{line}");
+        assert_eq!(f[7], "", "no ucx layer ran: {line}");
+        for (i, v) in f.iter().enumerate().skip(1).take(6) {
             if i == 4 {
                 // Raw SEND/RECV has no difference to itself; the others' may be negative.
                 let x: Option<f64> = (!v.is_empty()).then(|| v.parse().unwrap());
@@ -88,6 +89,40 @@ fn layers_outside_the_default_run_too_with_messages_over_several_pipe_messages()
     for l in ["raw-send", "pipe", "madeleine"] {
         let rows = stdout.lines().filter(|line| line.split_whitespace().next() == Some(l)).count();
         assert_eq!(rows, 1, "{l} rows in:\n{stdout}");
+    }
+    let _ = std::fs::remove_dir_all(out);
+}
+
+/// UCX's ucx_perftest runs as a layer in the same rounds as ours (CI installs it); without
+/// it, asking for the layer is a clear error.
+#[test]
+fn the_ucx_layer_runs_in_the_same_rounds_as_ours() {
+    let out = std::env::temp_dir().join(format!("stack-bench-ucx-{}", std::process::id()));
+    let args = ["--layers", "raw-send,madeleine,ucx", "--min-size", "8", "--max-size", "64", "--iters", "200"];
+    let run = stack_bench(&[&args[..], &["--rounds", "2", "--stream-bytes", "200000"]].concat(), &out);
+    let (stdout, stderr) = (String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    let found = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("ucx_perftest").is_file()));
+    if !found {
+        assert!(!run.status.success() && stderr.contains("needs ucx_perftest"), "{stderr}");
+        return;
+    }
+    assert!(run.status.success(), "stack_bench failed: {stderr}\n{stdout}");
+    assert!(stdout.contains("-ucx us"), "{stdout}");
+    let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    let sizes = 4; // 8 .. 64 B
+    assert_eq!(csv.lines().count(), 1 + 3 * sizes, "{csv}");
+    for line in csv.lines().skip(1) {
+        let f: Vec<&str> = line.split(',').collect();
+        let num = |i: usize| -> Option<f64> { (!f[i].is_empty()).then(|| f[i].parse().unwrap()) };
+        assert!(num(2).is_some_and(|l| l > 0.0) && num(5).is_some_and(|b| b > 0.0), "{line}");
+        if f[0] == "ucx" {
+            // ucx_perftest reports neither a p99 nor CPU time; UCX has no difference to itself.
+            assert_eq!((num(3), num(6), num(7)), (None, None, None), "{line}");
+            assert!(num(4).is_some_and(f64::is_finite), "{line}");
+        } else {
+            assert!(num(3).is_some() && num(6).is_some() && num(7).is_some_and(f64::is_finite), "{line}");
+        }
     }
     let _ = std::fs::remove_dir_all(out);
 }

@@ -7,7 +7,9 @@
 //! block of its round trips and of its stream per round, so that the phases of a noisy machine
 //! fall on all of them alike, and each layer's latency is also given as its difference to raw
 //! SEND/RECV taken round by round. Prints a table with each layer's ratio to TCP and to raw
-//! verbs, and writes JSON, CSV and SVG plots to a results folder.
+//! verbs, and writes JSON, CSV and SVG plots to a results folder. With the `ucx` layer, UCX's
+//! `ucx_perftest` takes its turn in the same rounds (while our processes sleep), and every
+//! layer is also compared with it round by round (`-ucx us`, `bw/ucx`).
 //!
 //! With no arguments it starts its own peer process. `--role server --listen ADDR` and
 //! `--role client --connect ADDR` run the two halves on different hosts (raw and TCP layers).
@@ -43,6 +45,12 @@ enum Layer {
     MadZcopy,
     /// std::net TCP over loopback.
     Tcp,
+    /// UCX, the peer the targets name: `ucx_perftest`'s tag-matching ping-pong (`tag_lat`) and
+    /// stream (`tag_bw`) over shared memory (`UCX_TLS=posix,cma,self` unless set), in a pair
+    /// of processes of its own started for each of this layer's blocks, pinned as ours are,
+    /// while ours sleep. Same host only; needs `ucx_perftest` (Debian: `ucx-utils`). Its
+    /// latency is the 50th percentile ucx_perftest reports; it reports no p99 and no CPU time.
+    Ucx,
 }
 
 impl Layer {
@@ -68,6 +76,7 @@ impl Layer {
             Layer::MadCopy => "mad-copy",
             Layer::MadZcopy => "mad-zcopy",
             Layer::Tcp => "tcp",
+            Layer::Ucx => "ucx",
         }
     }
 }
@@ -167,12 +176,15 @@ struct Point {
     layer: Layer,
     size: usize,
     median_us: f64,
-    p99_us: f64,
+    /// None where the layer's tool does not report it (UCX).
+    p99_us: Option<f64>,
     gbps: f64,
-    mb_per_cpu_s: f64,
+    mb_per_cpu_s: Option<f64>,
     /// Median over the rounds of this layer's median latency minus raw SEND/RECV's in the
     /// same round (when raw SEND/RECV ran at this size).
     minus_raw_us: Option<f64>,
+    /// The same, minus UCX's (when the UCX layer ran at this size).
+    minus_ucx_us: Option<f64>,
 }
 
 fn lat_iters(args: &Args, size: usize) -> u64 {
@@ -514,28 +526,40 @@ fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> 
 struct TcpLink {
     s: TcpStream,
     buf: Vec<u8>,
+    /// How long one message may take.
+    limit: Duration,
 }
 
 impl TcpLink {
     /// Busy waiting: a nonblocking socket polled in a loop; interrupt waiting: blocking calls
     /// (with timeouts, so a dead peer cannot hang the run).
     fn new(s: TcpStream, wait: Wait) -> std::io::Result<TcpLink> {
+        Self::with_limit(s, wait, T)
+    }
+
+    fn with_limit(s: TcpStream, wait: Wait, limit: Duration) -> std::io::Result<TcpLink> {
         s.set_nodelay(true)?;
         s.set_nonblocking(wait == Wait::Busy)?;
-        s.set_read_timeout(Some(T))?;
-        s.set_write_timeout(Some(T))?;
-        Ok(TcpLink { s, buf: vec![0x5a; MAX] })
+        s.set_read_timeout(Some(limit))?;
+        s.set_write_timeout(Some(limit))?;
+        Ok(TcpLink { s, buf: vec![0x5a; MAX], limit })
+    }
+
+    /// The UCX layer's link: blocking, so the server sleeps in a read while UCX's processes
+    /// run, until the client's message says they are done.
+    fn sleeper(s: TcpStream) -> std::io::Result<TcpLink> {
+        Self::with_limit(s, Wait::Interrupt, UCX_LIMIT + Duration::from_secs(30))
     }
 }
 
 impl Link for TcpLink {
     fn send(&mut self, len: usize) -> Result<(), String> {
         let (s, buf) = (&mut self.s, &self.buf);
-        benches::io_whole(len, T, |off| s.write(&buf[off..len])).map_err(|e| format!("TCP send: {e}"))
+        benches::io_whole(len, self.limit, |off| s.write(&buf[off..len])).map_err(|e| format!("TCP send: {e}"))
     }
     fn recv(&mut self, len: usize) -> Result<(), String> {
         let (s, buf) = (&mut self.s, &mut self.buf);
-        benches::io_whole(len, T, |off| s.read(&mut buf[off..len])).map_err(|e| format!("TCP receive: {e}"))
+        benches::io_whole(len, self.limit, |off| s.read(&mut buf[off..len])).map_err(|e| format!("TCP receive: {e}"))
     }
     fn put(&mut self, w: [u64; 2]) {
         put_words(&mut self.buf, w);
@@ -543,6 +567,131 @@ impl Link for TcpLink {
     fn get(&self) -> [u64; 2] {
         words(&self.buf)
     }
+}
+
+// ---------------------------------------------------------------- UCX, the peer
+
+/// How long one ucx_perftest run may take before the run fails.
+const UCX_LIMIT: Duration = Duration::from_secs(120);
+
+/// What one ucx_perftest run reported.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct UcxResult {
+    /// Median one-way latency (its `50.0_percentile_lat`, us).
+    p50_us: f64,
+    /// Overall bandwidth (its `overall_bw`, in MiB/s there), GB/s.
+    gbps: f64,
+}
+
+/// Reads ucx_perftest's `-v` output: a CSV header line starting with `iterations,` and the
+/// values on the line after it, found by column name.
+fn parse_ucx_csv(out: &str) -> Result<UcxResult, String> {
+    let lines: Vec<&str> = out.lines().map(str::trim).collect();
+    let at = lines.iter().rposition(|l| l.starts_with("iterations,")).ok_or("no CSV header in its output")?;
+    let values = lines.get(at + 1).ok_or("no CSV values after its header")?;
+    let (names, values): (Vec<&str>, Vec<&str>) = (lines[at].split(',').collect(), values.split(',').collect());
+    if names.len() != values.len() {
+        return Err(format!("{} CSV columns but {} values", names.len(), values.len()));
+    }
+    let column = |name: &str| -> Result<f64, String> {
+        let i = names.iter().position(|n| *n == name).ok_or_else(|| format!("no {name} column"))?;
+        let v: f64 = values[i].parse().map_err(|_| format!("{name} is not a number: {:?}", values[i]))?;
+        if v.is_finite() && v >= 0.0 {
+            Ok(v)
+        } else {
+            Err(format!("{name} out of range: {v}"))
+        }
+    };
+    Ok(UcxResult { p50_us: column("50.0_percentile_lat")?, gbps: column("overall_bw")? * 1_048_576.0 / 1e9 })
+}
+
+/// Whether `ucx_perftest` is on the PATH.
+fn ucx_perftest_found() -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("ucx_perftest").is_file()))
+}
+
+/// A `ucx_perftest` command, pinned to `cpu` (with taskset) if given, over shared memory
+/// unless `UCX_TLS` says otherwise.
+fn ucx_command(cpu: Option<usize>) -> Command {
+    let mut c = match cpu {
+        Some(cpu) => {
+            let mut c = Command::new("taskset");
+            c.args(["-c", &cpu.to_string(), "ucx_perftest"]);
+            c
+        }
+        None => Command::new("ucx_perftest"),
+    };
+    if std::env::var_os("UCX_TLS").is_none() {
+        c.env("UCX_TLS", "posix,cma,self");
+    }
+    c
+}
+
+/// Runs one ucx_perftest `test` of `n` iterations (after `warm` unrecorded ones) between a
+/// server and a client process, pinned to the server's and the client's CPUs of `cpus`
+/// (client, server) if given. The client is retried while the server is still coming up.
+fn run_ucx(test: &str, size: usize, n: u64, warm: u64, cpus: Option<(usize, usize)>) -> Result<UcxResult, String> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("finding a free port: {e}"))?
+        .port()
+        .to_string();
+    let log = std::env::temp_dir().join(format!("stack-bench-ucx-{}-{port}", std::process::id()));
+    let mut server = ucx_command(cpus.map(|c| c.1))
+        .args(["-p", &port])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("starting ucx_perftest: {e}"))?;
+    let started = Instant::now();
+    let result = loop {
+        let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let mut client = ucx_command(cpus.map(|c| c.0))
+            .args(["127.0.0.1", "-p", &port, "-t", test, "-s", &size.to_string()])
+            .args(["-n", &n.max(1).to_string(), "-w", &warm.to_string(), "-v"])
+            .stdout(file.try_clone().map_err(|e| e.to_string())?)
+            .stderr(file)
+            .spawn()
+            .map_err(|e| format!("starting ucx_perftest: {e}"))?;
+        let status = wait_child(&mut client, UCX_LIMIT);
+        let out = std::fs::read_to_string(&log).unwrap_or_default();
+        match status {
+            Some(st) if st.success() => break parse_ucx_csv(&out).map_err(|e| format!("ucx_perftest {test}: {e}")),
+            // Not listening yet: the client gives up at once; try again for a while.
+            Some(_) if matches!(server.try_wait(), Ok(None)) && started.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Some(st) => {
+                let tail: Vec<&str> = out.lines().rev().take(3).collect();
+                break Err(format!("ucx_perftest {test} failed ({st}): {}", tail.join(" / ")));
+            }
+            None => break Err(format!("ucx_perftest {test} took over {UCX_LIMIT:?}")),
+        }
+    };
+    if wait_child(&mut server, Duration::from_secs(10)).is_none() {
+        log::warn!("the ucx_perftest server did not end; killed");
+    }
+    let _ = std::fs::remove_file(&log);
+    result
+}
+
+/// One of the UCX layer's blocks: tells the server to sleep on the layer's link, runs UCX
+/// (`run`), then wakes the server.
+fn ucx_block(
+    block: Block,
+    links: &mut [Box<dyn Link>],
+    run: impl FnOnce() -> Result<UcxResult, String>,
+) -> Result<UcxResult, String> {
+    let (Block::Latency { link, .. } | Block::Stream { link, .. }) = block else {
+        return Err("not a measuring block".into());
+    };
+    block.announce(links[0].as_mut())?;
+    let got = run();
+    // Woken either way, so that a failure ends the run cleanly on both sides.
+    links[link].put([0, 0]);
+    links[link].send(CONTROL)?;
+    got
 }
 
 // ---------------------------------------------------------------- driving the links
@@ -676,6 +825,28 @@ fn measure(
                 }
                 let started = Instant::now();
                 let fail = |e: String| format!("client, {}: {e}", layers[i].name());
+                if layers[i] == Layer::Ucx {
+                    let cpus = (!args.no_pin).then(|| (args.cpus[0], args.cpus.get(1).copied().unwrap_or(0)));
+                    if r < lat_rounds {
+                        let (warm, n) = (warmup.div_ceil(lat_rounds), share(iters, lat_rounds, r));
+                        let block = Block::Latency { link: i, size, round_trips: 0 };
+                        let got = ucx_block(block, links, || run_ucx("tag_lat", size, n, warm, cpus)).map_err(fail)?;
+                        let p50 = (got.p50_us * 1e3).round().max(1.0) as u64;
+                        t.hist.record_n(p50, n).ok();
+                        t.round_medians.push(p50);
+                    }
+                    if r < stream_rounds {
+                        let messages = share(count, stream_rounds, r);
+                        let block = Block::Stream { link: i, size, messages };
+                        let got = ucx_block(block, links, || run_ucx("tag_bw", size, messages, messages / 10, cpus))
+                            .map_err(fail)?;
+                        let bytes = (messages * size as u64) as f64;
+                        t.bytes += bytes;
+                        t.secs += bytes / (got.gbps * 1e9).max(1.0);
+                    }
+                    spent[i] += started.elapsed();
+                    continue;
+                }
                 if r < lat_rounds {
                     // Every block warms up again: the other layers ran in between.
                     let warm = warmup.div_ceil(lat_rounds);
@@ -706,21 +877,30 @@ fn measure(
                 spent[i] += started.elapsed();
             }
         }
-        let raw = active.iter().position(|&i| layers[i] == Layer::RawSend).map(|k| tallies[k].round_medians.clone());
+        let rounds_of =
+            |layer: Layer| active.iter().position(|&i| layers[i] == layer).map(|k| tallies[k].round_medians.clone());
+        let (raw, ucx) = (rounds_of(Layer::RawSend), rounds_of(Layer::Ucx));
         for (t, &i) in tallies.iter_mut().zip(&active) {
-            let minus_raw_us = raw.as_ref().filter(|_| layers[i] != Layer::RawSend).map(|raw| {
-                let mut d: Vec<i64> = t.round_medians.iter().zip(raw).map(|(&a, &b)| a as i64 - b as i64).collect();
-                median(&mut d) as f64 / 1e3
-            });
+            // Median over the rounds of this layer's round median minus the reference's.
+            let minus = |reference: &Option<Vec<u64>>, layer: Layer| {
+                reference.as_ref().filter(|_| layers[i] != layer).map(|reference| {
+                    let mut d: Vec<i64> =
+                        t.round_medians.iter().zip(reference).map(|(&a, &b)| a as i64 - b as i64).collect();
+                    median(&mut d) as f64 / 1e3
+                })
+            };
+            let (minus_raw_us, minus_ucx_us) = (minus(&raw, Layer::RawSend), minus(&ucx, Layer::Ucx));
+            let ours = layers[i] != Layer::Ucx;
             out.push(Point {
                 layer: layers[i],
                 size,
                 median_us: t.hist.value_at_quantile(0.5) as f64 / 1e3,
-                p99_us: t.hist.value_at_quantile(0.99) as f64 / 1e3,
+                p99_us: ours.then(|| t.hist.value_at_quantile(0.99) as f64 / 1e3),
                 gbps: t.bytes / t.secs.max(1e-9) / 1e9,
                 // CPU time of both processes during the stream (the server reports its own).
-                mb_per_cpu_s: t.bytes / 1e6 / t.cpu.max(1e-9),
+                mb_per_cpu_s: ours.then(|| t.bytes / 1e6 / t.cpu.max(1e-9)),
                 minus_raw_us,
+                minus_ucx_us,
             });
         }
     }
@@ -734,7 +914,15 @@ fn serve(links: &mut [Box<dyn Link>], layers: &[Layer]) -> Result<(), String> {
         links[0].recv(CONTROL).map_err(|e| format!("server, waiting for the next block: {e}"))?;
         let w = links[0].get();
         let fail = |link: usize| move |e: String| format!("server, {}: {e}", layers[link].name());
-        match Block::decode(w, links.len()).map_err(|e| format!("server: {e}"))? {
+        let block = Block::decode(w, links.len()).map_err(|e| format!("server: {e}"))?;
+        if let Block::Latency { link, .. } | Block::Stream { link, .. } = block {
+            if layers[link] == Layer::Ucx {
+                // UCX's own processes run now: sleep until the client says they are done.
+                links[link].recv(CONTROL).map_err(fail(link))?;
+                continue;
+            }
+        }
+        match block {
             Block::Done => return Ok(()),
             Block::Latency { link, size, round_trips } => {
                 let l = links[link].as_mut();
@@ -800,7 +988,8 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
             }
             _ => {
                 let (s, _) = tcp.accept().map_err(|e| context(e.to_string()))?;
-                Box::new(TcpLink::new(s, args.wait).map_err(|e| context(e.to_string()))?)
+                let link = if layer == Layer::Ucx { TcpLink::sleeper(s) } else { TcpLink::new(s, args.wait) };
+                Box::new(link.map_err(|e| context(e.to_string()))?)
             }
         };
         links.push(link);
@@ -884,7 +1073,8 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                         Err(e) => return Err(context(format!("TCP connect: {e}"))),
                     }
                 };
-                Box::new(TcpLink::new(s, args.wait).map_err(|e| context(e.to_string()))?)
+                let link = if layer == Layer::Ucx { TcpLink::sleeper(s) } else { TcpLink::new(s, args.wait) };
+                Box::new(link.map_err(|e| context(e.to_string()))?)
             }
         };
         links.push(link);
@@ -903,26 +1093,43 @@ fn find(points: &[Point], layer: Layer, size: usize) -> Option<&Point> {
 }
 
 fn print_table(points: &[Point], layers: &[Layer]) {
+    let with_ucx = layers.contains(&Layer::Ucx);
     println!(
-        "{:>10} {:>9} {:>10} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
-        "layer", "size", "median us", "p99 us", "-raw us", "GB/s", "MB/CPU-s", "lat/tcp", "bw/raw"
+        "{:>10} {:>9} {:>10} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}{}",
+        "layer",
+        "size",
+        "median us",
+        "p99 us",
+        "-raw us",
+        "GB/s",
+        "MB/CPU-s",
+        "lat/tcp",
+        "bw/raw",
+        if with_ucx { format!(" {:>9} {:>9}", "-ucx us", "bw/ucx") } else { String::new() }
     );
     for &layer in layers {
         for p in points.iter().filter(|p| p.layer == layer) {
             let tcp = find(points, Layer::Tcp, p.size);
             let raw = find(points, Layer::RawSend, p.size);
+            let ucx = find(points, Layer::Ucx, p.size);
             let r = |a: Option<f64>| a.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
+            let us = |a: Option<f64>| a.map(|v| format!("{v:+.3}")).unwrap_or_else(|| "-".into());
             println!(
-                "{:>10} {:>9} {:>10.3} {:>9.3} {:>9} {:>9.2} {:>10.0} {:>9} {:>9}",
+                "{:>10} {:>9} {:>10.3} {:>9} {:>9} {:>9.2} {:>10} {:>9} {:>9}{}",
                 layer.name(),
                 fmt_size(p.size),
                 p.median_us,
-                p.p99_us,
-                p.minus_raw_us.map(|v| format!("{v:+.3}")).unwrap_or_else(|| "-".into()),
+                p.p99_us.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into()),
+                us(p.minus_raw_us),
                 p.gbps,
-                p.mb_per_cpu_s,
+                p.mb_per_cpu_s.map(|v| format!("{v:.0}")).unwrap_or_else(|| "-".into()),
                 r(tcp.map(|t| p.median_us / t.median_us)),
                 r(raw.map(|t| p.gbps / t.gbps)),
+                if with_ucx {
+                    format!(" {:>9} {:>9}", us(p.minus_ucx_us), r(ucx.map(|t| p.gbps / t.gbps)))
+                } else {
+                    String::new()
+                }
             );
         }
     }
@@ -930,30 +1137,35 @@ fn print_table(points: &[Point], layers: &[Layer]) {
 
 fn write_results(dir: &std::path::Path, points: &[Point], meta: &str) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let mut csv = String::from("layer,size,median_us,p99_us,minus_raw_us,gbps,mb_per_cpu_s\n");
+    let mut csv = String::from("layer,size,median_us,p99_us,minus_raw_us,gbps,mb_per_cpu_s,minus_ucx_us\n");
     let mut json = format!("{{\"meta\":{meta},\"points\":[");
     for (i, p) in points.iter().enumerate() {
-        let minus_raw = |none: &str| p.minus_raw_us.map(|v| format!("{v:.4}")).unwrap_or_else(|| none.into());
+        // Absent values: empty in the CSV, null in the JSON.
+        let opt = |v: Option<f64>, digits: usize, none: &str| {
+            v.map(|v| format!("{v:.digits$}")).unwrap_or_else(|| none.into())
+        };
         csv.push_str(&format!(
-            "{},{},{:.4},{:.4},{},{:.4},{:.1}\n",
+            "{},{},{:.4},{},{},{:.4},{},{}\n",
             p.layer.name(),
             p.size,
             p.median_us,
-            p.p99_us,
-            minus_raw(""),
+            opt(p.p99_us, 4, ""),
+            opt(p.minus_raw_us, 4, ""),
             p.gbps,
-            p.mb_per_cpu_s
+            opt(p.mb_per_cpu_s, 1, ""),
+            opt(p.minus_ucx_us, 4, "")
         ));
         json.push_str(&format!(
-            "{}{{\"layer\":\"{}\",\"size\":{},\"median_us\":{:.4},\"p99_us\":{:.4},\"minus_raw_us\":{},\"gbps\":{:.4},\"mb_per_cpu_s\":{:.1}}}",
+            "{}{{\"layer\":\"{}\",\"size\":{},\"median_us\":{:.4},\"p99_us\":{},\"minus_raw_us\":{},\"gbps\":{:.4},\"mb_per_cpu_s\":{},\"minus_ucx_us\":{}}}",
             if i > 0 { "," } else { "" },
             p.layer.name(),
             p.size,
             p.median_us,
-            p.p99_us,
-            minus_raw("null"),
+            opt(p.p99_us, 4, "null"),
+            opt(p.minus_raw_us, 4, "null"),
             p.gbps,
-            p.mb_per_cpu_s
+            opt(p.mb_per_cpu_s, 1, "null"),
+            opt(p.minus_ucx_us, 4, "null")
         ));
     }
     json.push_str("]}\n");
@@ -993,6 +1205,15 @@ fn run(args: &Args) -> Result<(), String> {
     }
     if let Some(l) = args.layers.iter().enumerate().find_map(|(i, l)| args.layers[..i].contains(l).then_some(l)) {
         return Err(format!("layer {} given twice", l.name()));
+    }
+    if args.layers.contains(&Layer::Ucx) {
+        // (A plain run's own server process is started with `--role server`; it only sleeps.)
+        if args.role == Role::Client {
+            return Err("the ucx layer runs on one host only, started by a plain run (drop it with --layers)".into());
+        }
+        if args.role == Role::Both && !ucx_perftest_found() {
+            return Err("the ucx layer needs ucx_perftest on the PATH (Debian: apt-get install ucx-utils)".into());
+        }
     }
     match args.role {
         Role::Server => {
@@ -1105,6 +1326,25 @@ mod tests {
         assert!(bad(Block::Stream { link: 0, size: MAX + 1, messages: 1 }, 1).contains("4194305-byte"));
         assert!(bad(Block::Stream { link: 0, size: 0, messages: 1 }, 1).contains("0-byte"));
         assert!(Block::decode([9, 0], 1).unwrap_err().contains("unknown block kind 9"));
+    }
+
+    #[test]
+    fn ucx_perftest_output_is_read_by_column_name_and_bad_output_refused() {
+        let out =
+            "some banner\niterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr\n\
+                   100000,0.180,0.183,0.183,41.69,1000.0,5464179,5464179\n";
+        let got = parse_ucx_csv(out).unwrap();
+        assert_eq!(got.p50_us, 0.18);
+        assert!((got.gbps - 1.048576).abs() < 1e-9, "MiB/s to GB/s: {got:?}");
+        assert!(parse_ucx_csv("connect() failed\n").unwrap_err().contains("no CSV header"));
+        assert!(parse_ucx_csv("iterations,overall_bw\n").unwrap_err().contains("no CSV values"));
+        assert!(parse_ucx_csv("iterations,overall_bw\n1,2,3\n").unwrap_err().contains("2 CSV columns but 3"));
+        let no_p50 = "iterations,overall_bw\n1,2\n";
+        assert!(parse_ucx_csv(no_p50).unwrap_err().contains("no 50.0_percentile_lat column"));
+        let nan = "iterations,50.0_percentile_lat,overall_bw\n1,x,2\n";
+        assert!(parse_ucx_csv(nan).unwrap_err().contains("not a number"));
+        let negative = "iterations,50.0_percentile_lat,overall_bw\n1,-1,2\n";
+        assert!(parse_ucx_csv(negative).unwrap_err().contains("out of range"));
     }
 
     #[test]
