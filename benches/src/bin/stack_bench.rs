@@ -688,10 +688,12 @@ fn ucx_block(
     };
     block.announce(links[0].as_mut())?;
     let got = run();
-    // Woken either way, so that a failure ends the run cleanly on both sides.
+    // Woken either way, so that a failure ends the run cleanly on both sides; UCX's own
+    // failure is the one reported.
     links[link].put([0, 0]);
-    links[link].send(CONTROL)?;
-    got
+    let woken = links[link].send(CONTROL);
+    let got = got?;
+    woken.map(|()| got)
 }
 
 // ---------------------------------------------------------------- driving the links
@@ -1112,17 +1114,19 @@ fn print_table(points: &[Point], layers: &[Layer]) {
             let tcp = find(points, Layer::Tcp, p.size);
             let raw = find(points, Layer::RawSend, p.size);
             let ucx = find(points, Layer::Ucx, p.size);
-            let r = |a: Option<f64>| a.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
-            let us = |a: Option<f64>| a.map(|v| format!("{v:+.3}")).unwrap_or_else(|| "-".into());
+            // An absent value prints as a dash.
+            let dash = |a: Option<String>| a.unwrap_or_else(|| "-".into());
+            let r = |a: Option<f64>| dash(a.map(|v| format!("{v:.2}")));
+            let us = |a: Option<f64>| dash(a.map(|v| format!("{v:+.3}")));
             println!(
                 "{:>10} {:>9} {:>10.3} {:>9} {:>9} {:>9.2} {:>10} {:>9} {:>9}{}",
                 layer.name(),
                 fmt_size(p.size),
                 p.median_us,
-                p.p99_us.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into()),
+                dash(p.p99_us.map(|v| format!("{v:.3}"))),
                 us(p.minus_raw_us),
                 p.gbps,
-                p.mb_per_cpu_s.map(|v| format!("{v:.0}")).unwrap_or_else(|| "-".into()),
+                dash(p.mb_per_cpu_s.map(|v| format!("{v:.0}"))),
                 r(tcp.map(|t| p.median_us / t.median_us)),
                 r(raw.map(|t| p.gbps / t.gbps)),
                 if with_ucx {
