@@ -205,6 +205,17 @@ fn read_and_check(peer: &mut Peer, data: &[u8], at: usize, off: usize, len: usiz
     assert!(got == data[off..off + len], "{what}: read {len} at {off} differs");
 }
 
+/// Runs `step(0)`, `step(1)`, ... at least `min` times, then until `done()` or 20 s passed (the
+/// caller's assertions then tell what did not happen).
+fn repeat_until(min: usize, done: impl Fn() -> bool, mut step: impl FnMut(usize)) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut i = 0;
+    while i < min || (!done() && Instant::now() < deadline) {
+        step(i);
+        i += 1;
+    }
+}
+
 /// Large pulls from another process's user memory (reads, and the data of large sends) offer
 /// their back half to that process, whose polling thread pushes it while the puller copies the
 /// front: the bytes are exact whoever copied them, into plain and protected local pages, from
@@ -223,35 +234,34 @@ fn large_pulls_share_their_copy_with_a_polling_peer() {
     let shapes = [(0, REGION), (3 * 4096 + 100, 65_536 + 77), (5000, 32_768), (12_345, 300_001)];
     // Whether the peer helps depends on it being scheduled during a copy of a few hundred
     // microseconds; with other tests busy on both CPUs that may take more than a few rounds, so
-    // keep reading (every read still checked) until it has helped once, within a deadline.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut round = 0;
-    while round < 8 || (soft::shared_copies().helped == before.helped && Instant::now() < deadline) {
-        for &(off, len) in &shapes {
-            peer.out.write(REGION, &vec![0u8; len]);
-            read_and_check(&mut peer, &data, REGION, off, len, &format!("round {round}"));
-        }
-        round += 1;
-    }
+    // keep reading (every read still checked) until it has helped once.
+    repeat_until(
+        8,
+        || soft::shared_copies().helped != before.helped,
+        |round| {
+            for &(off, len) in &shapes {
+                peer.out.write(REGION, &vec![0u8; len]);
+                read_and_check(&mut peer, &data, REGION, off, len, &format!("round {round}"));
+            }
+        },
+    );
     let after = soft::shared_copies();
     assert!(after.offered - before.offered >= 32, "{before:?} -> {after:?}");
     assert!(after.helped > before.helped, "the polling peer never pushed a half: {before:?} -> {after:?}");
 
     // Large sends: each side pulls the other's message, the sender waiting for its completion
     // pushes the back half. Our polling for the echo helps the peer's pull of the command.
-    // As above, keep going past 12 echoes until both sides have pushed once, within a deadline.
-    let deadline = Instant::now() + Duration::from_secs(20);
+    // As above, keep going past 12 echoes until both sides have pushed once.
     let lens = [32_768usize, 33_001, 60_000];
-    let mut i = 0;
-    while i < 12 || {
+    let pushed_both = || {
         let now = soft::shared_copies();
-        (now.helped == after.helped || now.pushed == after.pushed) && Instant::now() < deadline
-    } {
+        now.helped != after.helped && now.pushed != after.pushed
+    };
+    repeat_until(12, pushed_both, |i| {
         let len = lens[i % lens.len()];
         let echo = pattern(1000 + i as u64, len);
         assert!(peer.call(&Command::Echo(echo.clone())) == echo, "echo of {len} bytes differs");
-        i += 1;
-    }
+    });
     let last = soft::shared_copies();
     assert!(last.offered - after.offered >= 12, "{after:?} -> {last:?}");
     assert!(last.helped > after.helped && last.pushed > after.pushed, "{after:?} -> {last:?}");
