@@ -256,6 +256,52 @@ fn remote_access_violations_complete_with_remote_access_error_and_move_the_qp_to
     });
 }
 
+/// A zero-byte read or write names no memory, so the responder validates neither key nor
+/// address (IBA C9-88): the usual keep-alive, or a fence whose completion covers earlier
+/// unsignaled requests. The QP's own remote-access rights still apply.
+#[test]
+fn zero_byte_reads_and_writes_ignore_the_key_and_address() {
+    each(|ctx| {
+        let p = pair(ctx, 4096);
+        let (bogus_addr, bogus_key) = (0xdead_0000u64, p.mr_b.rkey() ^ 0x7700);
+        p.b.post_recv(&[RecvWr::new(40, &[])]).unwrap();
+        p.a.post_send(&[
+            SendWr::write(1, &[], bogus_addr, bogus_key),
+            SendWr::read(2, &[], bogus_addr, bogus_key),
+            SendWr::write_with_imm(3, &[], bogus_addr, bogus_key, 77),
+        ])
+        .unwrap();
+        let wcs = wait_n(&p.cq_a, 3);
+        let got: Vec<_> = wcs.iter().map(|w| (w.wr_id, w.status, w.byte_len)).collect();
+        assert_eq!(got, [(1, WcStatus::Success, 0), (2, WcStatus::Success, 0), (3, WcStatus::Success, 0)]);
+        let r = wait_one(&p.cq_b);
+        assert_eq!(
+            (r.wr_id, r.status, r.opcode, r.byte_len, r.imm),
+            (40, WcStatus::Success, WcOpcode::RecvRdmaWithImm, 0, Some(77))
+        );
+        assert_eq!(p.a.state(), QpState::ReadyToSend);
+    });
+}
+
+/// A responder queue pair in error answers nothing, whatever the request: one-sided requests
+/// run out of retries as sends do, even where the memory is still registered.
+#[test]
+fn one_sided_requests_to_a_queue_pair_in_error_fail_with_retries_exceeded() {
+    each(|ctx| {
+        for (i, zero_byte) in [false, true].into_iter().enumerate() {
+            let p = pair(ctx, 4096);
+            p.b.modify(QpTransition::Error).unwrap();
+            let sge: &[Sge] = if zero_byte { &[] } else { &[p.mr_a.sge(0, 8)] };
+            p.mr_a.write(0, &[9u8; 8]);
+            p.a.post_send(&[SendWr::write(i as u64, sge, p.mr_b.addr(), p.mr_b.rkey())]).unwrap();
+            let wc = wait_one(&p.cq_a);
+            assert_eq!((wc.wr_id, wc.status), (i as u64, WcStatus::RetryExcErr), "zero-byte: {zero_byte}");
+            assert_eq!(p.mr_b.read_u64(0), 0, "nothing written");
+            assert_eq!(p.a.state(), QpState::Error);
+        }
+    });
+}
+
 #[test]
 fn bad_lkey_is_a_local_protection_error() {
     each(|ctx| {

@@ -185,6 +185,11 @@ fn one_sided_operations_reach_user_memory_and_shared_segments() {
             assert_eq!(Reply::decode(&peer.take_reply(wc)), Some(Reply::Imm(imm, len as u32)));
             assert_eq!(peer.checksum(segment, 64, len), fnv(&data));
         }
+        // A zero-byte one names no memory, so any key and address will do (IBA C9-88).
+        peer.next_id += 1;
+        peer.qp.post_send(&[SendWr::write_with_imm(peer.next_id, &[], 0xdead_0000, rkey ^ 0x7700, 9)]).unwrap();
+        let wc = peer.next_recv();
+        assert_eq!(Reply::decode(&peer.take_reply(wc)), Some(Reply::Imm(9, 0)));
         // Bounds are checked at the target.
         peer.next_id += 1;
         let wc = peer.one_sided(SendWr::write(peer.next_id, &[peer.out.sge(0, 16)], base + REGION as u64 - 8, rkey));

@@ -127,6 +127,12 @@ impl Remote {
     fn ring(&self) -> RingView {
         RingView { base: self.seg().ring(), bytes: self.ring_bytes }
     }
+    /// True once the peer queue pair is in error or destroyed: as a responder it answers
+    /// nothing more.
+    fn peer_qp_gone(&self) -> bool {
+        let state = self.seg().header().state.load(Ordering::Acquire);
+        state == qp_state_code(QpState::Error) || state == QP_DESTROYED
+    }
 }
 
 struct RnrTrack {
@@ -915,6 +921,10 @@ impl QpInner {
         let Some(r) = &core.remote else {
             return SqStage::Done(WcStatus::RetryExcErr);
         };
+        if r.peer_qp_gone() {
+            // No answer comes: the requester's retries run out.
+            return SqStage::Done(WcStatus::RetryExcErr);
+        }
         let peer_qp_access = AccessFlags::from_bits_truncate(r.seg().header().access.load(Ordering::Relaxed));
         let (need_remote, need_local) = match wr.opcode {
             WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => (AccessFlags::REMOTE_WRITE, AccessFlags::NONE),
@@ -930,6 +940,11 @@ impl QpInner {
         let len = wr.byte_len();
         if wr.opcode.is_atomic() && !wr.remote_addr.is_multiple_of(8) {
             return SqStage::Done(WcStatus::RemInvReqErr);
+        }
+        if len == 0 && !wr.opcode.is_atomic() {
+            // A zero-byte read or write names no memory: the responder checks neither key nor
+            // address (IBA C9-88), which makes it a keep-alive or a completion fence.
+            return SqStage::Done(WcStatus::Success);
         }
         let access = match r.peer.access(wr.rkey, wr.remote_addr, len, need_remote, r.info.pd) {
             Ok(a) => a,
@@ -1304,9 +1319,13 @@ impl QpInner {
                 }
             }
             RecordKind::WriteImmInline => {
-                let ok = core.access.contains(AccessFlags::REMOTE_WRITE)
-                    && self.ctx.local_keys().remote(h.rkey, h.raddr, h.len as u64, AccessFlags::REMOTE_WRITE, self.pd);
-                if !ok {
+                if !core.access.contains(AccessFlags::REMOTE_WRITE) {
+                    return (Err(status::REM_ACCESS), false);
+                }
+                if h.len == 0 {
+                    return (Ok(()), false); // names no memory: no key to check (IBA C9-88)
+                }
+                if !self.ctx.local_keys().remote(h.rkey, h.raddr, h.len as u64, AccessFlags::REMOTE_WRITE, self.pd) {
                     return (Err(status::REM_ACCESS), false);
                 }
                 let placed =
@@ -1387,8 +1406,7 @@ impl QpInner {
     /// Checks peer liveness and the peer QP's state; fails the connection if it is gone.
     fn check_peer(&self, core: &mut QpCore, out: &mut Out) {
         let Some(r) = &core.remote else { return };
-        let peer_state = r.seg().header().state.load(Ordering::Acquire);
-        let peer_qp_gone = peer_state == qp_state_code(QpState::Error) || peer_state == QP_DESTROYED;
+        let peer_qp_gone = r.peer_qp_gone();
         let peer_alive = r.peer.alive();
         let peer_qpn = r.info.qpn;
         if peer_qp_gone || !peer_alive {
