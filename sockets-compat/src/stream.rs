@@ -385,6 +385,11 @@ struct Conn {
     peer: SocketAddr,
     /// Why the socket failed, if it did.
     failed: Option<(io::ErrorKind, String)>,
+    /// The transport failed only after the peer's Close, with nothing of ours needing the
+    /// peer any more: the peer tore its queue pair down, as a closed peer may. The
+    /// connection ended rather than failed: reads see EOF, flush has nothing to wait for,
+    /// writes fail as after any Close.
+    ended_by_peer: bool,
     read_shut: bool,
     write_shut: bool,
     /// Our lock table (a word per SrcAvail of the peer's, taken by us with local atomics before
@@ -476,6 +481,7 @@ impl SdpStream {
             local,
             peer,
             failed: None,
+            ended_by_peer: false,
             read_shut: false,
             write_shut: false,
             locks,
@@ -1115,6 +1121,15 @@ impl Conn {
         self.reads.clear();
     }
 
+    /// The peer closed (it reads and sends nothing more) and nothing of ours waits for it: no
+    /// SrcAvail of ours unanswered, no read of its memory in flight or still to start.
+    fn nothing_needs_the_peer(&self) -> bool {
+        self.proto.peer_closed()
+            && self.proto.sends().is_empty()
+            && self.reads.is_empty()
+            && self.proto.rx().iter().all(|item| matches!(item, RxItem::Bytes(..)))
+    }
+
     fn check_ok(&self) -> io::Result<()> {
         match &self.failed {
             Some((kind, why)) => Err(io::Error::new(*kind, why.clone())),
@@ -1146,6 +1161,10 @@ impl Conn {
     }
 
     fn fail_verbs(&mut self, e: VerbsError) -> io::Error {
+        if self.failed.is_none() && matches!(e, VerbsError::PeerUnreachable(_)) && self.nothing_needs_the_peer() {
+            self.ended_by_peer = true;
+            return self.fail(io::ErrorKind::BrokenPipe, format!("the peer closed the connection (then: {e})"));
+        }
         let kind = match &e {
             VerbsError::Timeout(_) => io::ErrorKind::TimedOut,
             _ => io::ErrorKind::ConnectionReset,
@@ -1604,7 +1623,9 @@ impl Conn {
                 Ok(ReadStep::Got(head + middle))
             }
             None => {
-                pumped?;
+                if !self.ended_by_peer {
+                    pumped?;
+                }
                 Ok(if self.proto.eof() { ReadStep::Got(0) } else { ReadStep::Nothing })
             }
         }
@@ -1856,8 +1877,11 @@ impl Write for &SdpStream {
         loop {
             {
                 let mut c = self.lock();
-                c.flush_pipe()?;
-                c.pump()?;
+                let driven = c.flush_pipe().and_then(|()| c.pump());
+                if c.ended_by_peer {
+                    return Ok(()); // nothing of ours was left for the peer to read
+                }
+                driven?;
                 if c.proto.sends().is_empty() {
                     c.open_all_lazy();
                     return Ok(());

@@ -247,6 +247,32 @@ fn a_closed_peer_is_eof_then_writing_to_it_is_a_broken_pipe() {
     assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "EOF stays EOF");
 }
 
+/// A peer that closed may tear its queue pair down at once; our transport then fails the next
+/// time it needs the peer (here, settling the completion of our last, already delivered,
+/// write). With the Close taken and nothing of ours waiting for the peer, that is the end of
+/// the connection, not a lost one: flush has nothing to wait for and reads stay at EOF.
+#[test]
+fn after_the_peer_closed_and_went_away_flush_succeeds_and_reads_stay_at_eof() {
+    for design in [Design::Bsdp, Design::Zsdp, Design::AzSdp] {
+        let cfg = SdpConfig { design, ..SdpConfig::default() };
+        let (mut c, mut s) = pair(cfg, cfg);
+        s.write_all(b"last words").unwrap();
+        let mut got = [0u8; 10];
+        c.read_exact(&mut got).unwrap();
+        let closer = thread::spawn(move || drop(c));
+        assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "{design:?}: the Close is EOF");
+        closer.join().unwrap();
+        // Each call drives the transport once; a few hundred reach its periodic settling of
+        // our unsignaled write, which meets the peer's queue pair gone.
+        for i in 0..1000 {
+            s.flush().unwrap_or_else(|e| panic!("{design:?}: flush {i} after the peer closed: {e}"));
+            assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "{design:?}: EOF stays EOF");
+        }
+        let err = s.write(b"anyone there?").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::BrokenPipe, "{design:?}: {err}");
+    }
+}
+
 #[test]
 fn a_peer_that_shut_down_writing_then_closes_is_a_broken_pipe_only_after_the_close() {
     let (mut c, mut s) = pair(SdpConfig::default(), SdpConfig::default());
