@@ -302,6 +302,27 @@ fn one_sided_requests_to_a_queue_pair_in_error_fail_with_retries_exceeded() {
     });
 }
 
+/// What the peer sent before one of our requests failed had arrived already: it completes
+/// as received, not flushed, and the peer's send succeeds.
+#[test]
+fn a_failing_request_still_lets_what_arrived_before_it_complete() {
+    each(|ctx| {
+        let p = pair(ctx, 4096);
+        p.b.post_recv(&[RecvWr::new(70, &[p.mr_b.sge(0, 64)])]).unwrap();
+        p.mr_a.write(0, b"arrived first");
+        p.a.post_send(&[SendWr::send(1, &[p.mr_a.sge(0, 13)])]).unwrap();
+        p.b.post_send(&[SendWr::write(2, &[p.mr_b.sge(64, 8)], p.mr_a.addr(), p.mr_a.rkey() ^ 0x5500)]).unwrap();
+        // (Completions of different work queues sharing a queue come in no set order.)
+        let mut got: Vec<_> = wait_n(&p.cq_b, 2).iter().map(|w| (w.wr_id, w.status)).collect();
+        got.sort_by_key(|&(id, _)| id);
+        assert_eq!(got, [(2, WcStatus::RemAccessErr), (70, WcStatus::Success)]);
+        let mut b = [0u8; 13];
+        p.mr_b.read(0, &mut b);
+        assert_eq!(&b, b"arrived first");
+        assert_eq!(wait_one(&p.cq_a).status, WcStatus::Success);
+    });
+}
+
 #[test]
 fn bad_lkey_is_a_local_protection_error() {
     each(|ctx| {

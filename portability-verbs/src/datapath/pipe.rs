@@ -776,9 +776,17 @@ impl MsgPipe {
             }
         }
         let n = self.cq.poll(&mut self.wcs)?;
+        let mut failure = None;
         for i in 0..n {
             let wc = self.wcs[i];
-            self.handle_completion(wc)?;
+            // A failure keeps what the rest of the batch brought: messages that arrived before
+            // it stay readable (`front`).
+            if let Err(e) = self.handle_completion(wc) {
+                failure.get_or_insert(e);
+            }
+        }
+        if let Some(e) = failure {
+            return Err(e);
         }
         if let FlowStrategy::Rdma { .. } = self.strategy {
             let acked = self.ack_mr.read_u64(ACK_RING);

@@ -490,6 +490,14 @@ impl QpInner {
         }
     }
 
+    /// A request of ours failed: the queue pair goes to error, but what the peer placed in our
+    /// ring before that is delivered first, as a NIC would have taken it on arrival (the peer
+    /// may have closed after its last message, which makes our next request fail).
+    fn fail_sending(&self, core: &mut QpCore, out: &mut Out) {
+        self.progress_inbound(core, out);
+        self.enter_error(core, out);
+    }
+
     /// Moves to the error state: every outstanding request completes with a flush error and
     /// records still waiting in the peer's ring are cancelled.
     fn enter_error(&self, core: &mut QpCore, out: &mut Out) {
@@ -729,7 +737,7 @@ impl QpInner {
                 core.in_ring += 1;
                 core.in_ring_data += target_placed as usize;
             }
-            SqStage::Done(st) if !st.is_success() => self.enter_error(core, out),
+            SqStage::Done(st) if !st.is_success() => self.fail_sending(core, out),
             _ => {}
         }
     }
@@ -1166,7 +1174,7 @@ impl QpInner {
                 }
             }
             if error.is_some() {
-                self.enter_error(core, out);
+                self.fail_sending(core, out);
                 return false;
             }
         }
