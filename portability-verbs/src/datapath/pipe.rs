@@ -253,6 +253,7 @@ fn staged_wr_id(index: u32, covers: usize) -> u64 {
 }
 
 /// Where received messages live until the application reads them.
+#[derive(Clone, Copy)]
 enum ChunkStore {
     /// A receive buffer (its index in the pool, and where it lies), reposted when all its
     /// messages are read.
@@ -261,11 +262,14 @@ enum ChunkStore {
     Ring { base: *const u8, end_pos: u64, lane: Lane },
 }
 
+/// A received chunk whose messages are not all read. Their ranges wait in the pipe's one
+/// queue of messages (`MsgPipe::msgs`), in order: a chunk is small to queue and to take off,
+/// and needs no list of its own (nearly every chunk holds one message).
+#[derive(Clone, Copy)]
 struct Chunk {
     store: ChunkStore,
-    /// (offset, len) of each message, in order; those before `next` are read.
-    msgs: smallvec::SmallVec<[(usize, usize); 4]>,
-    next: usize,
+    /// Its messages not yet released.
+    left: u32,
 }
 
 struct PeerRing {
@@ -307,6 +311,8 @@ pub struct MsgPipe {
     ring_rx: RingReceiver,
     coalescer: Coalescer,
     inbox: VecDeque<Chunk>,
+    /// (offset from its chunk's base, length) of every message of `inbox`'s chunks, in order.
+    msgs: VecDeque<(usize, usize)>,
     /// Sends posted whose completion is not known yet (their own, or that of a later
     /// signaled send).
     outstanding: usize,
@@ -423,6 +429,7 @@ impl MsgPipe {
             ring_rx: RingReceiver::new(ring_n),
             coalescer: Coalescer::default(),
             inbox: VecDeque::new(),
+            msgs: VecDeque::new(),
             outstanding: 0,
             unsignaled: 0,
             unsettled_passes: 0,
@@ -925,13 +932,9 @@ impl MsgPipe {
         }
         self.stats.buffer_bytes += self.bulk_rx.received() - before;
         let end_pos = self.bulk_rx.received();
-        let mut msgs = smallvec::SmallVec::new();
-        msgs.push((off as usize, len as usize));
-        self.inbox.push_back(Chunk {
-            store: ChunkStore::Ring { base: ring.as_ptr(), end_pos, lane: Lane::Bulk },
-            msgs,
-            next: 0,
-        });
+        self.msgs.push_back((off as usize, len as usize));
+        self.inbox
+            .push_back(Chunk { store: ChunkStore::Ring { base: ring.as_ptr(), end_pos, lane: Lane::Bulk }, left: 1 });
         Ok(())
     }
 
@@ -1054,7 +1057,7 @@ impl MsgPipe {
         // validated ranges, never re-reading a header.
         let bytes = unsafe { std::slice::from_raw_parts(base, len) };
         let credit = matches!(self.strategy, FlowStrategy::Credit { .. });
-        let mut msgs = smallvec::SmallVec::new();
+        let mut left = 0u32;
         let mut grant = None;
         for r in fc::records(bytes) {
             let (rec, range) = r.map_err(fc_err)?;
@@ -1065,7 +1068,10 @@ impl MsgPipe {
                 }
             }
             match rec.kind {
-                RecordKind::Data => msgs.push((range.start, range.len())),
+                RecordKind::Data => {
+                    self.msgs.push_back((range.start, range.len()));
+                    left += 1;
+                }
                 RecordKind::Credit => {}
                 RecordKind::Setup => return Err(VerbsError::Protocol("setup record after setup".into())),
             }
@@ -1076,11 +1082,11 @@ impl MsgPipe {
             self.credits.on_receive(grant).map_err(fc_err)?;
         }
         self.stats.buffer_bytes += buf_size as u64;
-        if msgs.is_empty() {
+        if left == 0 {
             // A credit message: its buffer is free at once.
             self.repost(index)?;
         } else {
-            self.inbox.push_back(Chunk { store: ChunkStore::Buf { index, base }, msgs, next: 0 });
+            self.inbox.push_back(Chunk { store: ChunkStore::Buf { index, base }, left });
         }
         Ok(())
     }
@@ -1108,7 +1114,7 @@ impl MsgPipe {
         // space the sender may not reuse until we acknowledge it. Parsing keeps only validated
         // ranges, never re-reading a header.
         let bytes = unsafe { std::slice::from_raw_parts(ring.as_ptr().add(off as usize) as *const u8, len as usize) };
-        let mut msgs = smallvec::SmallVec::new();
+        let mut left = 0u32;
         for r in fc::records(bytes) {
             let (rec, range) = r.map_err(fc_err)?;
             if rec.kind != RecordKind::Data {
@@ -1117,15 +1123,16 @@ impl MsgPipe {
             if rec.ack != 0 {
                 self.ring_tx.on_ack(rec.ack).map_err(fc_err)?;
             }
-            msgs.push((off as usize + range.start, range.len()));
+            self.msgs.push_back((off as usize + range.start, range.len()));
+            left += 1;
         }
         self.stats.buffer_bytes += self.ring_rx.received() - before;
         let end_pos = self.ring_rx.received();
-        if msgs.is_empty() {
+        if left == 0 {
             self.ring_rx.consume_to(end_pos);
         } else {
             let store = ChunkStore::Ring { base: ring.as_ptr(), end_pos, lane: Lane::Message };
-            self.inbox.push_back(Chunk { store, msgs, next: 0 });
+            self.inbox.push_back(Chunk { store, left });
         }
         Ok(())
     }
@@ -1167,11 +1174,10 @@ impl MsgPipe {
                 }
             }
         }
-        let Some(chunk) = self.inbox.front() else {
+        let (Some(chunk), Some(&(off, len))) = (self.inbox.front(), self.msgs.front()) else {
             self.check_failed()?;
             return Ok(None);
         };
-        let (off, len) = chunk.msgs[chunk.next];
         let (base, lane) = match &chunk.store {
             ChunkStore::Buf { base, .. } => (*base, Lane::Message),
             ChunkStore::Ring { base, lane, .. } => (*base, *lane),
@@ -1186,10 +1192,9 @@ impl MsgPipe {
     /// returns the rest from then on, and [`MsgPipe::pop_front`] still releases it (a stream
     /// reader takes a large message or bulk chunk in as many pieces as its reads ask for).
     pub fn consume_front(&mut self, n: usize) -> Result<()> {
-        let Some(chunk) = self.inbox.front_mut() else {
+        let Some((off, len)) = self.msgs.front_mut() else {
             return Err(VerbsError::invalid("consume_front with no message there"));
         };
-        let (off, len) = &mut chunk.msgs[chunk.next];
         if n > *len {
             return Err(VerbsError::invalid(format!("consume_front of {n} bytes of a {len}-byte message")));
         }
@@ -1203,14 +1208,14 @@ impl MsgPipe {
     /// read, acknowledges its ring space, or hands its receive buffer back to the transport
     /// (at the next progress). Does nothing if nothing is there.
     pub fn pop_front(&mut self) -> Result<()> {
-        let Some(chunk) = self.inbox.front_mut() else { return Ok(()) };
-        let (_, len) = chunk.msgs[chunk.next];
-        chunk.next += 1;
+        let (Some(chunk), Some((_, len))) = (self.inbox.front_mut(), self.msgs.pop_front()) else { return Ok(()) };
+        chunk.left -= 1;
         self.stats.received += 1;
         self.stats.received_bytes += len as u64;
-        if chunk.next == chunk.msgs.len() {
-            let chunk = self.inbox.pop_front().expect("front exists");
-            match chunk.store {
+        if chunk.left == 0 {
+            let store = chunk.store;
+            self.inbox.pop_front();
+            match store {
                 // Posted again by the next progress: off the path from a message's arrival to
                 // its reader's reply.
                 ChunkStore::Buf { index, .. } => self.freed.push(index),

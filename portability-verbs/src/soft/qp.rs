@@ -1532,18 +1532,24 @@ impl QpInner {
         false
     }
 
-    /// Publishes the lock-free hints from the locked state.
+    /// Publishes the lock-free hints from the locked state. On every post and progress pass:
+    /// inlined, with the rare hand-over to the backstop out of line.
     fn publish_peek(&self, core: &QpCore) {
         self.peek_head.store(core.cons_head, Ordering::Relaxed);
         // Unsignaled requests in flight alone do not make polls reap: they are retired on the
         // periodic slow pass, when ring space or queue slots are needed, or by a later signaled one.
         let waiting = core.exec_next < core.sq.len();
         self.sq_busy.store(core.signaled_outstanding > 0 || waiting, Ordering::Relaxed);
-        if waiting
-            && core.state == QpState::ReadyToSend
-            && !self.backstop_watched.load(Ordering::Relaxed)
-            && !self.backstop_watched.swap(true, Ordering::Relaxed)
-        {
+        if waiting && core.state == QpState::ReadyToSend && !self.backstop_watched.load(Ordering::Relaxed) {
+            self.hand_to_backstop();
+        }
+    }
+
+    /// Has the backstop watch this queue pair's waiting requests (once until it lets go).
+    #[cold]
+    #[inline(never)]
+    fn hand_to_backstop(&self) {
+        if !self.backstop_watched.swap(true, Ordering::Relaxed) {
             match local_qp(self.ctx.id, self.qpn) {
                 Some(me) => super::backstop::watch(me),
                 None => self.backstop_watched.store(false, Ordering::Relaxed),
