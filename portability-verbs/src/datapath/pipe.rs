@@ -1208,7 +1208,9 @@ impl MsgPipe {
     /// read, acknowledges its ring space, or hands its receive buffer back to the transport
     /// (at the next progress). Does nothing if nothing is there.
     pub fn pop_front(&mut self) -> Result<()> {
-        let (Some(chunk), Some((_, len))) = (self.inbox.front_mut(), self.msgs.pop_front()) else { return Ok(()) };
+        // (`msgs` holds a range for every message left in `inbox`'s chunks.)
+        let Some(chunk) = self.inbox.front_mut() else { return Ok(()) };
+        let Some((_, len)) = self.msgs.pop_front() else { return Ok(()) };
         chunk.left -= 1;
         self.stats.received += 1;
         self.stats.received_bytes += len as u64;
