@@ -2,7 +2,7 @@
 //! the copy engine that reaches registered memory (own or a peer's).
 
 use std::collections::HashMap;
-use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -75,21 +75,10 @@ impl SoftConfig {
     }
 }
 
-/// A registered region as its owner knows it (the authoritative private copy).
-#[derive(Clone, Debug)]
-pub struct MrInfo {
-    pub key: u32,
-    pub addr: u64,
-    pub len: u64,
-    pub access: AccessFlags,
-    pub pd: u32,
-}
-
-impl MrInfo {
-    /// True when `[addr, addr+len)` lies inside the region.
-    pub fn covers(&self, addr: u64, len: u64) -> bool {
-        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
-    }
+/// True when `[addr, addr+len)` lies inside the region `[start, start+size)`.
+#[inline]
+fn covers(start: u64, size: u64, addr: u64, len: u64) -> bool {
+    addr >= start && addr.checked_add(len).is_some_and(|end| end <= start + size)
 }
 
 /// Key layout: `(slot + 1) << 8 | generation`, generation never 0, so 0 is never a valid key
@@ -99,10 +88,37 @@ pub fn key_slot(key: u32) -> Option<usize> {
     ((1..=MR_SLOTS).contains(&s) && key & 0xff != 0).then(|| s - 1)
 }
 
-struct MrSlots {
-    entries: Vec<Option<MrInfo>>,
+/// One registration as local checks read it (the authoritative private copy; peers read the
+/// one in the control segment). `register` stores the fields, then the key
+/// (release); `deregister` clears the key first. Readers holding a queue pair's lock of this
+/// context read it with plain loads (see [`LocalKeys`]).
+#[derive(Default)]
+struct KeyEntry {
+    key: AtomicU32,
+    pd: AtomicU32,
+    access: AtomicU32,
+    addr: AtomicU64,
+    len: AtomicU64,
+}
+
+impl KeyEntry {
+    /// True when this entry holds `key` with `pd`, rights `need` and `[addr, addr+len)` inside.
+    /// Its fields are stable while the key matches: a slot is refilled only after every reader
+    /// that could have seen the old key is done (see [`CtxInner::deregister`]).
+    #[inline]
+    fn grants(&self, key: u32, addr: u64, len: u64, need: AccessFlags, pd: u32) -> bool {
+        self.key.load(Ordering::Acquire) == key
+            && self.pd.load(Ordering::Relaxed) == pd
+            && AccessFlags::from_bits_truncate(self.access.load(Ordering::Relaxed)).contains(need)
+            && covers(self.addr.load(Ordering::Relaxed), self.len.load(Ordering::Relaxed), addr, len)
+    }
+}
+
+/// Slot bookkeeping for registration changes (changes only; checks read [`KeyEntry`]s).
+struct KeySlots {
     generation: Vec<u8>,
     free: Vec<usize>,
+    used: usize,
 }
 
 /// Hands out small integer slots (receive counters, doorbells, memory regions).
@@ -132,7 +148,13 @@ pub struct CtxInner {
     pub start_time: u64,
     pub config: SoftConfig,
     pub ctrl: Segment,
-    mrs: RwLock<MrSlots>,
+    /// The local key table, one entry per memory-region slot (fixed, so lock-free readers never
+    /// see it move).
+    keys: Box<[KeyEntry]>,
+    slots: Mutex<KeySlots>,
+    /// Held shared by key-table readers that hold no queue-pair lock, exclusively by a
+    /// deregistration.
+    changing: RwLock<()>,
     pub rq_slots: Mutex<SlotAllocator>,
     pub bell_slots: Mutex<SlotAllocator>,
     pub next_qpn: AtomicU32,
@@ -159,7 +181,9 @@ impl CtxInner {
             start_time,
             config,
             ctrl,
-            mrs: RwLock::new(MrSlots { entries: Vec::new(), generation: Vec::new(), free: Vec::new() }),
+            keys: (0..MR_SLOTS).map(|_| KeyEntry::default()).collect(),
+            slots: Mutex::new(KeySlots { generation: vec![0; MR_SLOTS], free: Vec::new(), used: 0 }),
+            changing: RwLock::new(()),
             rq_slots: Mutex::new(SlotAllocator::new(super::layout::RQ_SLOTS)),
             bell_slots: Mutex::new(SlotAllocator::new(super::layout::BELL_SLOTS)),
             next_qpn: AtomicU32::new(1),
@@ -183,13 +207,12 @@ impl CtxInner {
         {
             return Err(VerbsError::invalid("remote write or atomic access needs LOCAL_WRITE (as in verbs)"));
         }
-        let mut t = self.mrs.write().expect("mr table lock");
+        let mut t = self.slots.lock().expect("key slot lock");
         let slot = match t.free.pop() {
             Some(s) => s,
-            None if t.entries.len() < MR_SLOTS => {
-                t.entries.push(None);
-                t.generation.push(0);
-                t.entries.len() - 1
+            None if t.used < MR_SLOTS => {
+                t.used += 1;
+                t.used - 1
             }
             None => return Err(VerbsError::Exhausted(format!("all {MR_SLOTS} memory-region keys are in use"))),
         };
@@ -214,21 +237,36 @@ impl CtxInner {
             }
         }
         e.key.store(key, Ordering::Release);
-        t.entries[slot] = Some(MrInfo { key, addr, len, access, pd });
+        let local = &self.keys[slot];
+        local.pd.store(pd, Ordering::Relaxed);
+        local.access.store(access.bits(), Ordering::Relaxed);
+        local.addr.store(addr, Ordering::Relaxed);
+        local.len.store(len, Ordering::Relaxed);
+        local.key.store(key, Ordering::Release);
         Ok(key)
     }
 
-    /// Deregisters `key`: unpublishes it, then waits until no peer access is in progress. Returns
-    /// false if a peer kept an access open past the grace period (the memory must then be leaked,
-    /// not freed, since a dead or stuck peer might still copy into it).
+    /// Deregisters `key`: unpublishes it, then waits until no access is in progress: a peer's,
+    /// a key-table reader's without a queue-pair lock (through [`CtxInner::changing`]), and
+    /// every queue pair of this context (whose lock holders read the table without a lock).
+    /// Returns false if a peer kept an access open past the grace period (the memory must then
+    /// be leaked, not freed, since a dead or stuck peer might still copy into it).
+    ///
+    /// Must not be called while holding a queue pair's lock (it waits for every one).
     pub fn deregister(&self, key: u32) -> bool {
         let Some(slot) = key_slot(key) else {
             return true;
         };
-        let mut t = self.mrs.write().expect("mr table lock");
-        if t.entries.get(slot).and_then(|e| e.as_ref()).map(|e| e.key) != Some(key) {
+        // First, so that a reader holding no queue-pair lock (`try_local_keys`), helping a peer
+        // that holds an access to this region, backs off rather than keep that peer, and so
+        // us, waiting.
+        let changing = self.changing.write().expect("key table lock");
+        let mut t = self.slots.lock().expect("key slot lock");
+        let local = &self.keys[slot];
+        if local.key.load(Ordering::Relaxed) != key {
             return true;
         }
+        local.key.store(0, Ordering::SeqCst);
         let e = self.ctrl().mr(slot).expect("slot in range");
         e.key.store(0, Ordering::SeqCst);
         let deadline = Instant::now() + Duration::from_secs(2);
@@ -242,48 +280,27 @@ impl CtxInner {
             }
             std::thread::yield_now();
         }
-        t.entries[slot] = None;
+        // Any queue-pair lock holder that saw the key before it was cleared still holds that lock.
+        super::qp::wait_for_lock_holders(self.id);
         t.free.push(slot);
+        drop(changing);
         clean
     }
 
-    /// Runs `f` on a local region after checking `key`, bounds, rights and protection domain.
-    /// The table stays read-locked during `f`, so a concurrent deregistration waits for it.
-    pub fn with_local<R>(
-        &self,
-        key: u32,
-        addr: u64,
-        len: u64,
-        need: AccessFlags,
-        pd: u32,
-        f: impl FnOnce() -> R,
-    ) -> Option<R> {
-        let t = self.mrs.read().expect("mr table lock");
-        let info = t.entries.get(key_slot(key)?)?.as_ref()?;
-        (info.key == key && info.pd == pd && info.access.contains(need) && info.covers(addr, len)).then(f)
+    /// The key table for checks by a holder of a queue pair's lock of this context.
+    ///
+    /// # Safety
+    /// The caller must hold the lock of a queue pair of this context (one that
+    /// [`super::qp::wait_for_lock_holders`] finds) for as long as the view lives: a
+    /// deregistration waits for that lock, so no region the view grants can be freed meanwhile.
+    pub unsafe fn keys_under_qp_lock(&self) -> LocalKeys<'_> {
+        LocalKeys { keys: &self.keys, _changing: None }
     }
 
-    /// Checks a whole local SGE list at once (for operations whose data moves later, or to
-    /// report a protection error before anything moved).
-    pub fn check_local(&self, sges: &[crate::Sge], need: AccessFlags, pd: u32) -> bool {
-        let t = self.mrs.read().expect("mr table lock");
-        sges.iter().all(|s| {
-            s.length == 0
-                || key_slot(s.lkey).and_then(|i| t.entries.get(i)).and_then(|e| e.as_ref()).is_some_and(|i| {
-                    i.key == s.lkey && i.pd == pd && i.access.contains(need) && i.covers(s.addr, s.length as u64)
-                })
-        })
-    }
-
-    /// Read-locks the key table for a batch of local accesses.
-    pub fn local_keys(&self) -> LocalKeys<'_> {
-        LocalKeys(self.mrs.read().expect("mr table lock"))
-    }
-
-    /// The key table read-locked if that needs no wait (a registration change is not under
-    /// way), for work that must never block on one.
+    /// The key table for a reader without a queue-pair lock, if no deregistration is under way
+    /// (for work that must never wait for one); it holds deregistrations off while it lives.
     pub fn try_local_keys(&self) -> Option<LocalKeys<'_>> {
-        self.mrs.try_read().ok().map(LocalKeys)
+        self.changing.try_read().ok().map(|g| LocalKeys { keys: &self.keys, _changing: Some(g) })
     }
 
     /// The peer context for an endpoint, mapped once and shared by every QP connected to it.
@@ -300,18 +317,25 @@ impl CtxInner {
     }
 }
 
-/// A read-locked view of the local key table.
-pub struct LocalKeys<'a>(std::sync::RwLockReadGuard<'a, MrSlots>);
+/// A view of the local key table: while it lives, no region it grants is deregistered.
+pub struct LocalKeys<'a> {
+    keys: &'a [KeyEntry],
+    _changing: Option<std::sync::RwLockReadGuard<'a, ()>>,
+}
 
 impl LocalKeys<'_> {
     /// Validates one local access.
+    #[inline]
     pub fn check(&self, key: u32, addr: u64, len: u64, need: AccessFlags, pd: u32) -> bool {
-        len == 0
-            || key_slot(key)
-                .and_then(|i| self.0.entries.get(i))
-                .and_then(|e| e.as_ref())
-                .is_some_and(|i| i.key == key && i.pd == pd && i.access.contains(need) && i.covers(addr, len))
+        len == 0 || key_slot(key).is_some_and(|i| self.keys[i].grants(key, addr, len, need, pd))
     }
+
+    /// Validates a whole local SGE list (for operations whose data moves later, or to report a
+    /// protection error before anything moved).
+    pub fn check_all(&self, sges: &[crate::Sge], need: AccessFlags, pd: u32) -> bool {
+        sges.iter().all(|s| self.check(s.lkey, s.addr, s.length as u64, need, pd))
+    }
+
     /// Looks up a key for an access coming from a peer through this QP (rkey check at target).
     pub fn remote(&self, key: u32, addr: u64, len: u64, need: AccessFlags, pd: u32) -> bool {
         self.check(key, addr, len, need, pd) && key != 0

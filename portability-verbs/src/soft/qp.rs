@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use super::assist::{self, Back, Stuck};
 use super::cq::CqInner;
-use super::ctx::{local_copy, CtxInner};
+use super::ctx::{local_copy, CtxInner, LocalKeys};
 use super::layout::{qp_state_code, QpSeg, QP_DESTROYED, QP_MAGIC, RING_OFFSET};
 use super::peer::PeerCtx;
 use super::segment::{qp_name, Segment};
@@ -212,6 +212,22 @@ fn local_qps() -> &'static LocalQps {
 
 fn local_qp(ctx_id: u64, qpn: u32) -> Option<std::sync::Weak<QpInner>> {
     local_qps().lock().expect("local qp registry").get(&(ctx_id, qpn)).cloned()
+}
+
+/// Waits until every thread that held the lock of a queue pair of context `ctx_id` when this
+/// was called has let it go: the grace period of a deregistration, since lock holders read
+/// the key table without a lock. Must not be called while holding such a lock.
+pub(crate) fn wait_for_lock_holders(ctx_id: u64) {
+    let qps: Vec<_> = local_qps()
+        .lock()
+        .expect("local qp registry")
+        .iter()
+        .filter(|(k, _)| k.0 == ctx_id)
+        .map(|(_, w)| w.clone())
+        .collect();
+    for qp in qps.iter().filter_map(std::sync::Weak::upgrade) {
+        drop(qp.core.lock());
+    }
 }
 
 /// Completions produced by one pass, `true` for send-queue ones; inline up to 8 (no allocation).
@@ -471,6 +487,17 @@ impl QpInner {
         QpSeg(&self.seg).consumer().taking.store(0, Ordering::Release);
         self.header().cancel_from.store(0, Ordering::Release);
         self.set_state(core, QpState::Reset);
+    }
+
+    /// Our context's key table, read without a lock: `held` proves our lock is held, and a
+    /// deregistration waits for that lock ([`wait_for_lock_holders`]). Use the view only while
+    /// the guard that `held` came from lives.
+    #[inline]
+    fn keys(&self, held: &QpCore) -> LocalKeys<'_> {
+        let _ = held;
+        // SAFETY: we are a queue pair of `self.ctx` (registered in `local_qps` until dropped),
+        // and the caller holds our lock (it lent us `held` from the guard) while it uses the view.
+        unsafe { self.ctx.keys_under_qp_lock() }
     }
 
     fn rq_counters(&self) -> &super::layout::RqCounters {
@@ -826,11 +853,12 @@ impl QpInner {
         let mut h =
             RecordHeader { kind: RecordKind::SendInline, flags, sge_count: 0, len, imm: wr.imm, rkey: 0, raddr: 0 };
         let is_inline = !matches!(inline, Inline::No);
-        if !is_inline && !self.ctx.check_local(&wr.sg_list, AccessFlags::NONE, self.pd) {
+        let keys = self.keys(core);
+        if !is_inline && !keys.check_all(&wr.sg_list, AccessFlags::NONE, self.pd) {
             return Some(SqStage::Done(WcStatus::LocProtErr));
         }
         if is_inline || len as usize <= self.ctx.config.copy_threshold {
-            return self.place_record(core, h, |dst| self.gather_into(dst, inline, &wr.sg_list));
+            return self.place_record(core, h, |dst| self.gather_into(&keys, dst, inline, &wr.sg_list));
         }
         let count = wr.sg_list.iter().filter(|s| s.length > 0).count();
         if count > wire::MAX_DESC {
@@ -849,7 +877,7 @@ impl QpInner {
     }
 
     /// Copies a request's data (inline bytes, or its checked local SGEs) to `dst`.
-    fn gather_into(&self, dst: *mut u8, inline: &Inline, sges: &[Sge]) -> Result<(), WcStatus> {
+    fn gather_into(&self, keys: &LocalKeys, dst: *mut u8, inline: &Inline, sges: &[Sge]) -> Result<(), WcStatus> {
         let need = match inline {
             Inline::Owned(data) => {
                 // SAFETY: `dst` has room for the whole message (the record was sized by its length).
@@ -859,7 +887,7 @@ impl QpInner {
             Inline::Borrowed => None,
             Inline::No => Some(AccessFlags::NONE),
         };
-        self.each_local_piece(sges, need, |off, addr, len| {
+        self.each_local_piece(keys, sges, need, |off, addr, len| {
             // SAFETY: the piece is a checked local registration, or inline caller memory valid
             // during post_send; `dst` has room for the sum of the SGE lengths.
             if unsafe { local_copy(dst.add(off), addr as *const u8, len) } {
@@ -871,19 +899,18 @@ impl QpInner {
     }
 
     /// Walks a local SGE list, calling `f(message_offset, address, length)` for each piece.
-    /// With `need`, each piece is first checked against the key table (held read-locked
-    /// throughout, so a concurrent deregistration waits); without, the SGEs are inline caller
-    /// memory and are not looked up.
+    /// With `need`, each piece is first checked against `keys` (which keeps it registered
+    /// throughout); without, the SGEs are inline caller memory and are not looked up.
     fn each_local_piece(
         &self,
+        keys: &LocalKeys,
         sges: &[Sge],
         need: Option<AccessFlags>,
         mut f: impl FnMut(usize, usize, usize) -> Result<(), WcStatus>,
     ) -> Result<(), WcStatus> {
-        let keys = need.map(|_| self.ctx.local_keys());
         let mut off = 0usize;
         for s in sges {
-            if let (Some(keys), Some(need)) = (&keys, need) {
+            if let Some(need) = need {
                 if !keys.check(s.lkey, s.addr, s.length as u64, need, self.pd) {
                     return Err(WcStatus::LocProtErr);
                 }
@@ -896,7 +923,8 @@ impl QpInner {
 
     fn start_write_imm(&self, core: &mut QpCore, wr: &SendWr, inline: &Inline) -> Option<SqStage> {
         let len = wr.byte_len() as u32;
-        if matches!(inline, Inline::No) && !self.ctx.check_local(&wr.sg_list, AccessFlags::NONE, self.pd) {
+        let keys = self.keys(core);
+        if matches!(inline, Inline::No) && !keys.check_all(&wr.sg_list, AccessFlags::NONE, self.pd) {
             return Some(SqStage::Done(WcStatus::LocProtErr));
         }
         let header = |kind| RecordHeader {
@@ -910,7 +938,7 @@ impl QpInner {
         };
         if self.wwi_is_ring_inline(core, wr) {
             let h = header(RecordKind::WriteImmInline);
-            return self.place_record(core, h, |dst| self.gather_into(dst, inline, &wr.sg_list));
+            return self.place_record(core, h, |dst| self.gather_into(&keys, dst, inline, &wr.sg_list));
         }
         // Room for the notification first, so the data is written exactly once.
         let r = core.remote.as_ref()?;
@@ -942,7 +970,8 @@ impl QpInner {
         if !peer_qp_access.contains(need_remote) {
             return SqStage::Done(WcStatus::RemInvReqErr);
         }
-        if matches!(inline, Inline::No) && !self.ctx.check_local(&wr.sg_list, need_local, self.pd) {
+        let keys = self.keys(core);
+        if matches!(inline, Inline::No) && !keys.check_all(&wr.sg_list, need_local, self.pd) {
             return SqStage::Done(WcStatus::LocProtErr);
         }
         let len = wr.byte_len();
@@ -964,16 +993,18 @@ impl QpInner {
                 Inline::Owned(d) => unsafe { access.write_from(0, d.as_ptr(), d.len()) },
                 // SAFETY (both arms): the pieces are checked local registrations, or inline SGEs
                 // naming caller memory valid during post_send.
-                Inline::Borrowed => self.each_local_piece(&wr.sg_list, None, |off, addr, len| unsafe {
+                Inline::Borrowed => self.each_local_piece(&keys, &wr.sg_list, None, |off, addr, len| unsafe {
                     access.write_from(off, addr as *const u8, len)
                 }),
-                Inline::No => self.each_local_piece(&wr.sg_list, Some(AccessFlags::NONE), |off, addr, len| unsafe {
-                    access.write_from(off, addr as *const u8, len)
-                }),
+                Inline::No => {
+                    self.each_local_piece(&keys, &wr.sg_list, Some(AccessFlags::NONE), |off, addr, len| unsafe {
+                        access.write_from(off, addr as *const u8, len)
+                    })
+                }
             },
             WrOpcode::RdmaRead => {
                 let one_piece = wr.sg_list.len() == 1;
-                self.each_local_piece(&wr.sg_list, Some(AccessFlags::LOCAL_WRITE), |off, addr, len| {
+                self.each_local_piece(&keys, &wr.sg_list, Some(AccessFlags::LOCAL_WRITE), |off, addr, len| {
                     let dst = addr as *mut u8;
                     // SAFETY (both): the piece is a checked local registration with LOCAL_WRITE.
                     let shared = one_piece
@@ -999,14 +1030,10 @@ impl QpInner {
                     .and_then(|old| {
                         let s = wr.sg_list[0];
                         let bytes = old.to_ne_bytes();
-                        self.ctx
-                            .with_local(s.lkey, s.addr, 8, AccessFlags::LOCAL_WRITE, self.pd, || {
-                                // SAFETY: checked local registration of 8 writable bytes.
-                                unsafe { local_copy(s.addr as usize as *mut u8, bytes.as_ptr(), 8) }
-                            })
-                            .filter(|&copied| copied)
-                            .map(|_| ())
-                            .ok_or(WcStatus::LocProtErr)
+                        let writable = keys.check(s.lkey, s.addr, 8, AccessFlags::LOCAL_WRITE, self.pd);
+                        // SAFETY: checked local registration of 8 writable bytes.
+                        let copied = writable && unsafe { local_copy(s.addr as usize as *mut u8, bytes.as_ptr(), 8) };
+                        copied.then_some(()).ok_or(WcStatus::LocProtErr)
                     })
             }
             _ => Err(WcStatus::GeneralErr),
@@ -1065,15 +1092,16 @@ impl QpInner {
         let peer = self.helper_peer.lock().expect("helper peer lock").clone();
         let job = taken.job;
         let (off, len) = job.back();
-        // Never waits for our key table: a deregistration holding it may itself wait for the
-        // copier's access to end, which waits for us. The copier then copies the half itself.
+        // Never waits for a deregistration (we hold no queue-pair lock here): it may itself wait
+        // for the copier's access to end, which waits for us. The copier then copies the half
+        // itself.
         let keys = self.ctx.try_local_keys();
         let ok = peer.zip(keys).is_some_and(|(p, keys)| {
             let need = AccessFlags::from_bits_truncate(job.need);
             let src = job.src.checked_add(off);
             let fits = src.is_some_and(|src| keys.check(job.key, src, len, need, self.pd));
-            // SAFETY: the source range was checked against our registration of it, which the
-            // key table's read lock keeps registered until the copy is done.
+            // SAFETY: the source range was checked against our registration of it, which `keys`
+            // keeps registered until the copy is done.
             fits && unsafe { p.push(job.dst.wrapping_add(off), (job.src + off) as usize as *const u8, len as usize) }
                 .is_ok()
         });
@@ -1286,13 +1314,14 @@ impl QpInner {
         payload: *const u8,
         recv: &RecvWr,
     ) -> (Result<(), u32>, bool) {
+        let keys = self.keys(core);
         match h.kind {
             RecordKind::SendInline => {
                 if h.len as u64 > recv.capacity() {
                     return (Err(status::REM_INV_REQ), false);
                 }
                 (
-                    self.scatter(recv, h.len as usize, |dst, off, n| {
+                    self.scatter(&keys, recv, h.len as usize, |dst, off, n| {
                         // SAFETY: `off + n <= len` and the payload holds `len` bytes inside the ring.
                         if unsafe { local_copy(dst, payload.add(off), n) } {
                             Ok(())
@@ -1318,7 +1347,7 @@ impl QpInner {
                 let Some(r) = &core.remote else {
                     return (Err(status::REM_OP), true);
                 };
-                let res = self.pull_descriptors(r, &descs, recv);
+                let res = self.pull_descriptors(&keys, r, &descs, recv);
                 match res {
                     Ok(()) => (Ok(()), false),
                     // The requester's own memory failed it: its local protection error; our
@@ -1333,16 +1362,13 @@ impl QpInner {
                 if h.len == 0 {
                     return (Ok(()), false); // names no memory: no key to check (IBA C9-88)
                 }
-                if !self.ctx.local_keys().remote(h.rkey, h.raddr, h.len as u64, AccessFlags::REMOTE_WRITE, self.pd) {
+                if !keys.remote(h.rkey, h.raddr, h.len as u64, AccessFlags::REMOTE_WRITE, self.pd) {
                     return (Err(status::REM_ACCESS), false);
                 }
-                let placed =
-                    self.ctx.with_local(h.rkey, h.raddr, h.len as u64, AccessFlags::REMOTE_WRITE, self.pd, || {
-                        // SAFETY: the destination is a live registration with remote write (checked under
-                        // the table lock); the payload holds `len` bytes inside the ring.
-                        unsafe { local_copy(h.raddr as usize as *mut u8, payload, h.len as usize) }
-                    });
-                (placed.filter(|&copied| copied).map(|_| ()).ok_or(status::REM_ACCESS), false)
+                // SAFETY: the destination is a live registration with remote write (checked
+                // against `keys`); the payload holds `len` bytes inside the ring.
+                let placed = unsafe { local_copy(h.raddr as usize as *mut u8, payload, h.len as usize) };
+                (placed.then_some(()).ok_or(status::REM_ACCESS), false)
             }
             RecordKind::WriteImmNotify => (Ok(()), false),
             RecordKind::Pad => (Ok(()), true),
@@ -1350,7 +1376,7 @@ impl QpInner {
     }
 
     /// Copies the requester's descriptors into our receive SGEs, one copy.
-    fn pull_descriptors(&self, r: &Remote, descs: &[Descriptor], recv: &RecvWr) -> Result<(), u32> {
+    fn pull_descriptors(&self, keys: &LocalKeys, r: &Remote, descs: &[Descriptor], recv: &RecvWr) -> Result<(), u32> {
         let total: usize = descs.iter().map(|d| d.len as usize).sum();
         // Walk source and destination lists together.
         let mut si = 0usize;
@@ -1361,7 +1387,7 @@ impl QpInner {
                 r.peer.access(d.key, d.addr, d.len as u64, AccessFlags::NONE, r.info.pd).map_err(|_| status::REM_OP)?;
             accesses.push(a);
         }
-        self.scatter(recv, total, |dst, _off, mut n| {
+        self.scatter(keys, recv, total, |dst, _off, mut n| {
             if let ([d], [a]) = (descs, &accesses[..]) {
                 // SAFETY: `dst` is a checked receive SGE with room for `n` bytes (all of `a`'s
                 // range, or `pull_shared` declines).
@@ -1391,11 +1417,11 @@ impl QpInner {
     /// Scatters `len` bytes into a receive's SGEs: `copy(dst, message_offset, n)` fills each piece.
     fn scatter(
         &self,
+        keys: &LocalKeys,
         recv: &RecvWr,
         len: usize,
         mut copy: impl FnMut(*mut u8, usize, usize) -> Result<(), u32>,
     ) -> Result<(), u32> {
-        let keys = self.ctx.local_keys();
         let mut off = 0usize;
         for s in &recv.sg_list {
             if off == len {
@@ -1859,5 +1885,34 @@ mod tests {
         // The requester's fault: it gets an error; our receive stays posted.
         assert_eq!(b.ring().status(0).load(Ordering::Acquire), status::REM_OP);
         assert_eq!(b.core.lock().rq.len(), 1);
+    }
+
+    #[test]
+    fn deregistration_waits_for_queue_pair_lock_holders_reading_keys_without_a_lock() {
+        let (_cq, a, b) = connected();
+        let buf = [0u8; 64];
+        let addr = buf.as_ptr() as u64;
+        let key = a.ctx.register(addr, 64, AccessFlags::ALL, a.pd, None).unwrap();
+        let held = a.core.lock();
+        assert!(a.keys(&held).check(key, addr, 64, AccessFlags::LOCAL_WRITE, a.pd));
+        let done = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                a.ctx.deregister(key);
+                done.store(true, Ordering::Release);
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            // The holder checked the key before it was cleared and may still be copying into
+            // the region: the deregistration (and the freeing after it) waits.
+            assert!(!done.load(Ordering::Acquire), "deregistration did not wait for the lock holder");
+            drop(held);
+        });
+        assert!(done.load(Ordering::Acquire));
+        assert!(!a.keys(&a.core.lock()).check(key, addr, 64, AccessFlags::LOCAL_WRITE, a.pd));
+        // A new registration reusing the slot gets a fresh key; the old one stays refused.
+        let again = b.ctx.register(addr, 64, AccessFlags::ALL, a.pd, None).unwrap();
+        assert_ne!(again, key);
+        assert!(!b.keys(&b.core.lock()).check(key, addr, 64, AccessFlags::NONE, a.pd));
+        assert!(b.keys(&b.core.lock()).check(again, addr, 64, AccessFlags::NONE, a.pd));
     }
 }
