@@ -89,18 +89,22 @@ pub struct Ctrl<'a>(pub &'a Segment);
 
 impl<'a> Ctrl<'a> {
     /// The header line.
+    #[inline]
     pub fn header(&self) -> &'a CtrlHeader {
         self.0.at(0)
     }
     /// Memory-region entry `i`, or None when out of range.
+    #[inline]
     pub fn mr(&self, i: usize) -> Option<&'a MrEntry> {
         (i < MR_SLOTS).then(|| self.0.at(MR_TABLE + i * LINE))
     }
     /// Receive-queue counters `i`, or None when out of range.
+    #[inline]
     pub fn rq(&self, i: usize) -> Option<&'a RqCounters> {
         (i < RQ_SLOTS).then(|| self.0.at(RQ_TABLE + i * LINE))
     }
     /// Doorbell `i`, or None when out of range.
+    #[inline]
     pub fn bell(&self, i: usize) -> Option<&'a Bell> {
         (i < BELL_SLOTS).then(|| self.0.at(BELL_TABLE + i * LINE))
     }
@@ -166,18 +170,22 @@ pub struct QpSeg<'a>(pub &'a Segment);
 
 impl<'a> QpSeg<'a> {
     /// Header line.
+    #[inline]
     pub fn header(&self) -> &'a QpHeader {
         self.0.at(0)
     }
     /// Consumer line.
+    #[inline]
     pub fn consumer(&self) -> &'a RingConsumer {
         self.0.at(LINE)
     }
     /// Shared-copy line.
+    #[inline]
     pub fn assist(&self) -> &'a AssistLine {
         self.0.at(2 * LINE)
     }
     /// Base of the ring.
+    #[inline]
     pub fn ring(&self) -> *mut u8 {
         self.0.ptr().wrapping_add(RING_OFFSET)
     }

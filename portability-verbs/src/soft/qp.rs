@@ -1236,7 +1236,17 @@ impl QpInner {
                 consumed_any = true;
                 continue;
             }
-            let Some(recv) = self.take_receive(core) else {
+            // The receive to fill: looked at in place (it leaves the queue only once used); one
+            // of a shared receive queue is taken out, and put back if unused.
+            let from_srq;
+            let recv = match &self.srq {
+                None => core.rq.front(),
+                Some(s) => {
+                    from_srq = s.queue.lock().expect("srq lock").pop_front();
+                    from_srq.as_ref()
+                }
+            };
+            let Some(recv) = recv else {
                 break; // receiver not ready
             };
             // Cancel handshake, hot half: announce the take, then look for a cancel. The
@@ -1248,13 +1258,13 @@ impl QpInner {
             let cancel = self.header().cancel_from.load(Ordering::Acquire);
             if cancel != 0 && cancel - 1 <= core.cons_head {
                 consumer.taking.store(core.cons_head, Ordering::Relaxed);
-                self.return_receive(core, recv);
+                self.put_back_receive(recv);
                 core.inbound_dead = true;
                 break;
             }
             // The decoder checked that the record lies inside the ring.
             let payload = ring.payload(off, &h);
-            let (result, keep_receive) = self.deliver_record(core, &h, payload, &recv);
+            let (result, keep_receive) = self.deliver_record(core, &h, payload, recv);
             let src_qp = core.remote.as_ref().map(|r| r.info.qpn).unwrap_or(0);
             let imm = (h.flags & wire::FLAG_IMM != 0).then_some(h.imm);
             let opcode = if matches!(h.kind, RecordKind::WriteImmInline | RecordKind::WriteImmNotify) {
@@ -1269,14 +1279,21 @@ impl QpInner {
                     (code, if code == status::REM_INV_REQ { WcStatus::LocLenErr } else { WcStatus::LocProtErr })
                 }
             };
+            if keep_receive {
+                self.put_back_receive(recv);
+            } else {
+                let wr_id = recv.wr_id;
+                if self.srq.is_none() {
+                    core.rq.pop_front();
+                }
+                self.count_consumed(1);
+                out.push((false, self.recv_wc(wr_id, local_status, opcode, h.len, imm, src_qp)));
+            }
             core.cons_head += h.record_size() as u64;
             consumed_any = true;
             if keep_receive {
-                self.return_receive(core, recv);
                 continue;
             }
-            self.count_consumed(1);
-            out.push((false, self.recv_wc(recv.wr_id, local_status, opcode, h.len, imm, src_qp)));
             if code != status::OK {
                 QpSeg(&self.seg).consumer().consumed.store(core.cons_head, Ordering::Release);
                 self.enter_error(core, out);
@@ -1291,17 +1308,11 @@ impl QpInner {
         }
     }
 
-    fn take_receive(&self, core: &mut QpCore) -> Option<RecvWr> {
-        match &self.srq {
-            Some(s) => s.queue.lock().expect("srq lock").pop_front(),
-            None => core.rq.pop_front(),
-        }
-    }
-
-    fn return_receive(&self, core: &mut QpCore, wr: RecvWr) {
-        match &self.srq {
-            Some(s) => s.queue.lock().expect("srq lock").push_front(wr),
-            None => core.rq.push_front(wr),
+    /// Leaves an unused receive at the head of its queue: where it is (our own queue), or
+    /// back at the front of the shared one it was taken from.
+    fn put_back_receive(&self, recv: &RecvWr) {
+        if let Some(s) = &self.srq {
+            s.queue.lock().expect("srq lock").push_front(recv.clone());
         }
     }
 
@@ -1787,10 +1798,16 @@ mod tests {
     use super::*;
 
     fn connected() -> (Arc<CqInner>, Arc<QpInner>, Arc<QpInner>) {
+        connected_with_srq(false)
+    }
+
+    /// A connected pair; `b` takes its receives from a shared receive queue if `srq`.
+    fn connected_with_srq(srq: bool) -> (Arc<CqInner>, Arc<QpInner>, Arc<QpInner>) {
         let ctx = CtxInner::open(super::super::SoftConfig::default()).unwrap();
         let cq = CqInner::new(&ctx, 64).unwrap();
+        let shared = srq.then(|| SrqInner::new(&ctx, 1, 16, 1).unwrap());
         let a = QpInner::new(&ctx, 1, &cq, &cq, None, QpCaps::default()).unwrap();
-        let b = QpInner::new(&ctx, 1, &cq, &cq, None, QpCaps::default()).unwrap();
+        let b = QpInner::new(&ctx, 1, &cq, &cq, shared.as_ref(), QpCaps::default()).unwrap();
         for (q, p) in [(&a, &b), (&b, &a)] {
             q.modify(QpTransition::Init { access: AccessFlags::ALL, port: 1 }).unwrap();
             q.modify(QpTransition::Rtr(RtrAttr::new(EndpointInfo::Soft(p.endpoint())))).unwrap();
@@ -1872,19 +1889,29 @@ mod tests {
 
     #[test]
     fn descriptors_naming_unregistered_memory_are_refused_without_touching_it() {
-        let (cq, _a, b) = connected();
-        let d = Descriptor { addr: 0x1000, len: 64, key: 0x4242 }.encode();
-        let buf = [0u8; 64];
-        let key = b.ctx.register(buf.as_ptr() as u64, 64, AccessFlags::ALL, 1, None).unwrap();
-        b.post_recv(&[RecvWr::new(1, &[Sge { addr: buf.as_ptr() as u64, length: 64, lkey: key }])]).unwrap();
-        scribble(&b, header(RecordKind::SendDescriptors, 64, 1), &d);
-        let mut wc = [WorkCompletion::EMPTY; 8];
-        for _ in 0..10 {
-            let _ = cq.poll(&mut wc);
+        for srq in [false, true] {
+            let (cq, _a, b) = connected_with_srq(srq);
+            let d = Descriptor { addr: 0x1000, len: 64, key: 0x4242 }.encode();
+            let buf = [0u8; 64];
+            let key = b.ctx.register(buf.as_ptr() as u64, 64, AccessFlags::ALL, 1, None).unwrap();
+            let recv = [RecvWr::new(7, &[Sge { addr: buf.as_ptr() as u64, length: 64, lkey: key }])];
+            match &b.srq {
+                Some(s) => s.post_recv(&recv).unwrap(),
+                None => b.post_recv(&recv).unwrap(),
+            }
+            scribble(&b, header(RecordKind::SendDescriptors, 64, 1), &d);
+            let mut wc = [WorkCompletion::EMPTY; 8];
+            for _ in 0..10 {
+                let _ = cq.poll(&mut wc);
+            }
+            // The requester's fault: it gets an error; our receive stays posted, at the head.
+            assert_eq!(b.ring().status(0).load(Ordering::Acquire), status::REM_OP);
+            let waiting: Vec<u64> = match &b.srq {
+                Some(s) => s.queue.lock().unwrap().iter().map(|r| r.wr_id).collect(),
+                None => b.core.lock().rq.iter().map(|r| r.wr_id).collect(),
+            };
+            assert_eq!(waiting, [7], "shared receive queue: {srq}");
         }
-        // The requester's fault: it gets an error; our receive stays posted.
-        assert_eq!(b.ring().status(0).load(Ordering::Acquire), status::REM_OP);
-        assert_eq!(b.core.lock().rq.len(), 1);
     }
 
     #[test]
