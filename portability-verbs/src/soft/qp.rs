@@ -1238,7 +1238,7 @@ impl QpInner {
             }
             // The receive to fill: looked at in place (it leaves the queue only once used); one
             // of a shared receive queue is taken out, and put back if unused.
-            let from_srq;
+            let mut from_srq = None;
             let recv = match &self.srq {
                 None => core.rq.front(),
                 Some(s) => {
@@ -1258,7 +1258,7 @@ impl QpInner {
             let cancel = self.header().cancel_from.load(Ordering::Acquire);
             if cancel != 0 && cancel - 1 <= core.cons_head {
                 consumer.taking.store(core.cons_head, Ordering::Relaxed);
-                self.put_back_receive(recv);
+                self.put_back_receive(from_srq);
                 core.inbound_dead = true;
                 break;
             }
@@ -1280,7 +1280,7 @@ impl QpInner {
                 }
             };
             if keep_receive {
-                self.put_back_receive(recv);
+                self.put_back_receive(from_srq);
             } else {
                 let wr_id = recv.wr_id;
                 if self.srq.is_none() {
@@ -1308,11 +1308,11 @@ impl QpInner {
         }
     }
 
-    /// Leaves an unused receive at the head of its queue: where it is (our own queue), or
-    /// back at the front of the shared one it was taken from.
-    fn put_back_receive(&self, recv: &RecvWr) {
-        if let Some(s) = &self.srq {
-            s.queue.lock().expect("srq lock").push_front(recv.clone());
+    /// Leaves an unused receive at the head of its queue: our own queue's is still there; one
+    /// `taken` from the shared queue goes back to its front.
+    fn put_back_receive(&self, taken: Option<RecvWr>) {
+        if let (Some(s), Some(wr)) = (&self.srq, taken) {
+            s.queue.lock().expect("srq lock").push_front(wr);
         }
     }
 
