@@ -157,6 +157,7 @@ pub struct SendWr {
 }
 
 impl SendWr {
+    #[inline]
     fn new(wr_id: u64, opcode: WrOpcode, sg_list: &[Sge]) -> Self {
         SendWr {
             wr_id,
@@ -170,26 +171,32 @@ impl SendWr {
             swap: 0,
         }
     }
+    #[inline]
     /// A signaled SEND.
     pub fn send(wr_id: u64, sg_list: &[Sge]) -> Self {
         Self::new(wr_id, WrOpcode::Send, sg_list)
     }
+    #[inline]
     /// A signaled SEND_WITH_IMM.
     pub fn send_with_imm(wr_id: u64, sg_list: &[Sge], imm: u32) -> Self {
         SendWr { imm, ..Self::new(wr_id, WrOpcode::SendWithImm, sg_list) }
     }
+    #[inline]
     /// A signaled RDMA_WRITE to `remote_addr` in the peer region of `rkey`.
     pub fn write(wr_id: u64, sg_list: &[Sge], remote_addr: u64, rkey: u32) -> Self {
         SendWr { remote_addr, rkey, ..Self::new(wr_id, WrOpcode::RdmaWrite, sg_list) }
     }
+    #[inline]
     /// A signaled RDMA_WRITE_WITH_IMM.
     pub fn write_with_imm(wr_id: u64, sg_list: &[Sge], remote_addr: u64, rkey: u32, imm: u32) -> Self {
         SendWr { remote_addr, rkey, imm, ..Self::new(wr_id, WrOpcode::RdmaWriteWithImm, sg_list) }
     }
+    #[inline]
     /// A signaled RDMA_READ from `remote_addr` into the local SGEs.
     pub fn read(wr_id: u64, sg_list: &[Sge], remote_addr: u64, rkey: u32) -> Self {
         SendWr { remote_addr, rkey, ..Self::new(wr_id, WrOpcode::RdmaRead, sg_list) }
     }
+    #[inline]
     /// A signaled compare-and-swap; the 8-byte old value lands in `result`.
     pub fn compare_and_swap(wr_id: u64, result: Sge, remote_addr: u64, rkey: u32, compare: u64, swap: u64) -> Self {
         SendWr {
@@ -200,25 +207,30 @@ impl SendWr {
             ..Self::new(wr_id, WrOpcode::AtomicCmpAndSwp, &[result])
         }
     }
+    #[inline]
     /// A signaled fetch-and-add; the 8-byte old value lands in `result`.
     pub fn fetch_and_add(wr_id: u64, result: Sge, remote_addr: u64, rkey: u32, add: u64) -> Self {
         SendWr { remote_addr, rkey, compare_add: add, ..Self::new(wr_id, WrOpcode::AtomicFetchAndAdd, &[result]) }
     }
+    #[inline]
     /// Sets whether a successful completion is generated.
     pub fn signaled(mut self, signaled: bool) -> Self {
         self.flags.signaled = signaled;
         self
     }
+    #[inline]
     /// Sets inline sending (data copied at post time).
     pub fn inline(mut self, inline: bool) -> Self {
         self.flags.inline = inline;
         self
     }
+    #[inline]
     /// Sets the fence flag.
     pub fn fence(mut self, fence: bool) -> Self {
         self.flags.fence = fence;
         self
     }
+    #[inline]
     /// Total bytes named by the SGE list.
     pub fn byte_len(&self) -> u64 {
         self.sg_list.iter().map(|s| s.length as u64).sum()
@@ -236,9 +248,11 @@ pub struct RecvWr {
 
 impl RecvWr {
     /// A receive into the given SGEs.
+    #[inline]
     pub fn new(wr_id: u64, sg_list: &[Sge]) -> Self {
         RecvWr { wr_id, sg_list: sg_list_of(sg_list) }
     }
+    #[inline]
     /// Total capacity in bytes.
     pub fn capacity(&self) -> u64 {
         self.sg_list.iter().map(|s| s.length as u64).sum()

@@ -256,6 +256,7 @@ enum MrImpl {
 pub struct MemoryRegion(MrImpl);
 
 impl MemoryRegion {
+    #[inline]
     /// Start address.
     pub fn addr(&self) -> u64 {
         match &self.0 {
@@ -264,6 +265,7 @@ impl MemoryRegion {
             MrImpl::Hw(m) => m.addr(),
         }
     }
+    #[inline]
     /// Length in bytes.
     pub fn len(&self) -> usize {
         match &self.0 {
@@ -272,10 +274,12 @@ impl MemoryRegion {
             MrImpl::Hw(m) => m.len(),
         }
     }
+    #[inline]
     /// True for an empty region.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    #[inline]
     /// Local key.
     pub fn lkey(&self) -> u32 {
         match &self.0 {
@@ -284,6 +288,7 @@ impl MemoryRegion {
             MrImpl::Hw(m) => m.lkey(),
         }
     }
+    #[inline]
     /// Remote key.
     pub fn rkey(&self) -> u32 {
         match &self.0 {
@@ -300,19 +305,23 @@ impl MemoryRegion {
             MrImpl::Hw(_) => false,
         }
     }
+    #[inline]
     /// Raw pointer to the first byte.
     pub fn as_ptr(&self) -> *mut u8 {
         self.addr() as usize as *mut u8
     }
+    #[inline]
     /// An SGE over `len` bytes at `offset`. Panics if the range is outside the region.
     pub fn sge(&self, offset: usize, len: usize) -> Sge {
         assert!(offset.checked_add(len).is_some_and(|e| e <= self.len()), "SGE outside the region");
         Sge { addr: self.addr() + offset as u64, length: len as u32, lkey: self.lkey() }
     }
+    #[inline]
     /// An SGE over the whole region.
     pub fn sge_all(&self) -> Sge {
         self.sge(0, self.len())
     }
+    #[inline]
     /// Copies bytes out of the region (a snapshot: peers may write concurrently).
     pub fn read(&self, offset: usize, dst: &mut [u8]) {
         assert!(offset.checked_add(dst.len()).is_some_and(|e| e <= self.len()), "read outside the region");
@@ -320,6 +329,7 @@ impl MemoryRegion {
         // concurrent writers (peers) are the verbs contract's business, not Rust references.
         unsafe { crate::copy::copy_bytes(dst.as_mut_ptr(), self.as_ptr().add(offset), dst.len()) };
     }
+    #[inline]
     /// Copies bytes into the region.
     pub fn write(&self, offset: usize, src: &[u8]) {
         assert!(offset.checked_add(src.len()).is_some_and(|e| e <= self.len()), "write outside the region");
@@ -342,6 +352,7 @@ impl MemoryRegion {
             }
         }
     }
+    #[inline]
     /// Reads the native-endian u64 at `offset` (for atomics results).
     pub fn read_u64(&self, offset: usize) -> u64 {
         let mut b = [0u8; 8];
@@ -409,6 +420,7 @@ pub fn wait_any(cqs: &[&CompletionQueue], timeout: Duration) -> Result<bool> {
 }
 
 impl CompletionQueue {
+    #[inline]
     /// Polls up to `out.len()` completions without blocking; returns how many were written.
     /// `Err(CqOverrun)` once completions were lost.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
@@ -545,6 +557,7 @@ impl QueuePair {
         self.modify(QpTransition::Rtr(RtrAttr::new(remote)))?;
         self.modify(QpTransition::Rts(RtsAttr::default()))
     }
+    #[inline]
     /// Posts send-queue requests. A synchronous error (bad argument, full queue, wrong state)
     /// stops at the failing request; the ones before it were posted.
     pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
@@ -554,6 +567,7 @@ impl QueuePair {
             QpImpl::Hw(q) => q.post_send(wrs),
         }
     }
+    #[inline]
     /// Posts receives (not for a QP on a shared receive queue).
     pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
         match &self.0 .0 {
@@ -574,6 +588,7 @@ enum SrqImpl {
 pub struct SharedReceiveQueue(SrqImpl);
 
 impl SharedReceiveQueue {
+    #[inline]
     /// Posts receives.
     pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
         match &self.0 {
