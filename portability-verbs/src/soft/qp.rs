@@ -1797,12 +1797,27 @@ impl RingView {
 mod tests {
     use super::*;
 
-    fn connected() -> (Arc<CqInner>, Arc<QpInner>, Arc<QpInner>) {
+    /// A connected pair on one completion queue. Dropping it destroys both queue pairs, as
+    /// the public `QueuePair` does: the queue holds them until then.
+    struct Pair {
+        cq: Arc<CqInner>,
+        a: Arc<QpInner>,
+        b: Arc<QpInner>,
+    }
+
+    impl Drop for Pair {
+        fn drop(&mut self) {
+            self.a.destroy();
+            self.b.destroy();
+        }
+    }
+
+    fn connected() -> Pair {
         connected_with_srq(false)
     }
 
     /// A connected pair; `b` takes its receives from a shared receive queue if `srq`.
-    fn connected_with_srq(srq: bool) -> (Arc<CqInner>, Arc<QpInner>, Arc<QpInner>) {
+    fn connected_with_srq(srq: bool) -> Pair {
         let ctx = CtxInner::open(super::super::SoftConfig::default()).unwrap();
         let cq = CqInner::new(&ctx, 64).unwrap();
         let shared = srq.then(|| SrqInner::new(&ctx, 1, 16, 1).unwrap());
@@ -1813,7 +1828,18 @@ mod tests {
             q.modify(QpTransition::Rtr(RtrAttr::new(EndpointInfo::Soft(p.endpoint())))).unwrap();
             q.modify(QpTransition::Rts(RtsAttr::default())).unwrap();
         }
-        (cq, a, b)
+        Pair { cq, a, b }
+    }
+
+    #[test]
+    fn destroyed_queue_pairs_are_freed_though_their_completion_queue_lives_on() {
+        let p = connected();
+        let cq = p.cq.clone();
+        let (a, b) = (Arc::downgrade(&p.a), Arc::downgrade(&p.b));
+        drop(p);
+        assert!(a.upgrade().is_none() && b.upgrade().is_none(), "the completion queue kept them");
+        let mut wc = [WorkCompletion::EMPTY; 4];
+        assert_eq!(cq.poll(&mut wc).unwrap(), 0, "the queue still polls without them");
     }
 
     /// Writes a raw record into `qp`'s inbound ring at offset 0 as its peer would, with
@@ -1849,7 +1875,8 @@ mod tests {
 
     #[test]
     fn unknown_record_kind_fails_the_connection() {
-        let (cq, _a, b) = connected();
+        let p = connected();
+        let (cq, b) = (p.cq.clone(), p.b.clone());
         let mut f = [0u8; FIELDS_BYTES];
         f[0] = 0x7f;
         scribble(&b, f, &[]);
@@ -1858,7 +1885,8 @@ mod tests {
 
     #[test]
     fn record_longer_than_the_ring_fails_the_connection() {
-        let (cq, _a, b) = connected();
+        let p = connected();
+        let (cq, b) = (p.cq.clone(), p.b.clone());
         b.post_recv(&[RecvWr::new(1, &[])]).unwrap();
         scribble(&b, header(RecordKind::SendInline, 1 << 30, 0), &[]);
         poll_until_error(&cq, &b);
@@ -1866,7 +1894,8 @@ mod tests {
 
     #[test]
     fn a_record_published_for_another_lap_is_never_consumed() {
-        let (cq, _a, b) = connected();
+        let p = connected();
+        let (cq, b) = (p.cq.clone(), p.b.clone());
         b.post_recv(&[RecvWr::new(1, &[])]).unwrap();
         scribble_at(&b, header(RecordKind::SendInline, 0, 0), b.ring_bytes as u64, &[]);
         let mut wc = [WorkCompletion::EMPTY; 8];
@@ -1878,7 +1907,8 @@ mod tests {
 
     #[test]
     fn descriptors_that_do_not_add_up_are_an_invalid_request() {
-        let (cq, _a, b) = connected();
+        let p = connected();
+        let (cq, b) = (p.cq.clone(), p.b.clone());
         let mut buf = vec![0u8; 64];
         let d = Descriptor { addr: buf.as_mut_ptr() as u64, len: 64, key: 0x101 }.encode();
         b.post_recv(&[RecvWr::new(1, &[])]).unwrap();
@@ -1890,7 +1920,8 @@ mod tests {
     #[test]
     fn descriptors_naming_unregistered_memory_are_refused_without_touching_it() {
         for srq in [false, true] {
-            let (cq, _a, b) = connected_with_srq(srq);
+            let p = connected_with_srq(srq);
+            let (cq, b) = (p.cq.clone(), p.b.clone());
             let d = Descriptor { addr: 0x1000, len: 64, key: 0x4242 }.encode();
             let buf = [0u8; 64];
             let key = b.ctx.register(buf.as_ptr() as u64, 64, AccessFlags::ALL, 1, None).unwrap();
@@ -1916,7 +1947,8 @@ mod tests {
 
     #[test]
     fn deregistration_waits_for_queue_pair_lock_holders_reading_keys_without_a_lock() {
-        let (_cq, a, b) = connected();
+        let p = connected();
+        let (a, b) = (p.a.clone(), p.b.clone());
         let buf = [0u8; 64];
         let addr = buf.as_ptr() as u64;
         let key = a.ctx.register(addr, 64, AccessFlags::ALL, a.pd, None).unwrap();
