@@ -171,33 +171,33 @@ impl SendWr {
             swap: 0,
         }
     }
-    #[inline]
     /// A signaled SEND.
+    #[inline]
     pub fn send(wr_id: u64, sg_list: &[Sge]) -> Self {
         Self::new(wr_id, WrOpcode::Send, sg_list)
     }
-    #[inline]
     /// A signaled SEND_WITH_IMM.
+    #[inline]
     pub fn send_with_imm(wr_id: u64, sg_list: &[Sge], imm: u32) -> Self {
         SendWr { imm, ..Self::new(wr_id, WrOpcode::SendWithImm, sg_list) }
     }
-    #[inline]
     /// A signaled RDMA_WRITE to `remote_addr` in the peer region of `rkey`.
+    #[inline]
     pub fn write(wr_id: u64, sg_list: &[Sge], remote_addr: u64, rkey: u32) -> Self {
         SendWr { remote_addr, rkey, ..Self::new(wr_id, WrOpcode::RdmaWrite, sg_list) }
     }
-    #[inline]
     /// A signaled RDMA_WRITE_WITH_IMM.
+    #[inline]
     pub fn write_with_imm(wr_id: u64, sg_list: &[Sge], remote_addr: u64, rkey: u32, imm: u32) -> Self {
         SendWr { remote_addr, rkey, imm, ..Self::new(wr_id, WrOpcode::RdmaWriteWithImm, sg_list) }
     }
-    #[inline]
     /// A signaled RDMA_READ from `remote_addr` into the local SGEs.
+    #[inline]
     pub fn read(wr_id: u64, sg_list: &[Sge], remote_addr: u64, rkey: u32) -> Self {
         SendWr { remote_addr, rkey, ..Self::new(wr_id, WrOpcode::RdmaRead, sg_list) }
     }
-    #[inline]
     /// A signaled compare-and-swap; the 8-byte old value lands in `result`.
+    #[inline]
     pub fn compare_and_swap(wr_id: u64, result: Sge, remote_addr: u64, rkey: u32, compare: u64, swap: u64) -> Self {
         SendWr {
             remote_addr,
@@ -207,31 +207,31 @@ impl SendWr {
             ..Self::new(wr_id, WrOpcode::AtomicCmpAndSwp, &[result])
         }
     }
-    #[inline]
     /// A signaled fetch-and-add; the 8-byte old value lands in `result`.
+    #[inline]
     pub fn fetch_and_add(wr_id: u64, result: Sge, remote_addr: u64, rkey: u32, add: u64) -> Self {
         SendWr { remote_addr, rkey, compare_add: add, ..Self::new(wr_id, WrOpcode::AtomicFetchAndAdd, &[result]) }
     }
-    #[inline]
     /// Sets whether a successful completion is generated.
+    #[inline]
     pub fn signaled(mut self, signaled: bool) -> Self {
         self.flags.signaled = signaled;
         self
     }
-    #[inline]
     /// Sets inline sending (data copied at post time).
+    #[inline]
     pub fn inline(mut self, inline: bool) -> Self {
         self.flags.inline = inline;
         self
     }
-    #[inline]
     /// Sets the fence flag.
+    #[inline]
     pub fn fence(mut self, fence: bool) -> Self {
         self.flags.fence = fence;
         self
     }
-    #[inline]
     /// Total bytes named by the SGE list.
+    #[inline]
     pub fn byte_len(&self) -> u64 {
         self.sg_list.iter().map(|s| s.length as u64).sum()
     }
@@ -252,8 +252,8 @@ impl RecvWr {
     pub fn new(wr_id: u64, sg_list: &[Sge]) -> Self {
         RecvWr { wr_id, sg_list: sg_list_of(sg_list) }
     }
-    #[inline]
     /// Total capacity in bytes.
+    #[inline]
     pub fn capacity(&self) -> u64 {
         self.sg_list.iter().map(|s| s.length as u64).sum()
     }

@@ -256,8 +256,8 @@ enum MrImpl {
 pub struct MemoryRegion(MrImpl);
 
 impl MemoryRegion {
-    #[inline]
     /// Start address.
+    #[inline]
     pub fn addr(&self) -> u64 {
         match &self.0 {
             MrImpl::Soft(m) => m.addr,
@@ -265,8 +265,8 @@ impl MemoryRegion {
             MrImpl::Hw(m) => m.addr(),
         }
     }
-    #[inline]
     /// Length in bytes.
+    #[inline]
     pub fn len(&self) -> usize {
         match &self.0 {
             MrImpl::Soft(m) => m.len,
@@ -274,13 +274,13 @@ impl MemoryRegion {
             MrImpl::Hw(m) => m.len(),
         }
     }
-    #[inline]
     /// True for an empty region.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    #[inline]
     /// Local key.
+    #[inline]
     pub fn lkey(&self) -> u32 {
         match &self.0 {
             MrImpl::Soft(m) => m.key,
@@ -288,8 +288,8 @@ impl MemoryRegion {
             MrImpl::Hw(m) => m.lkey(),
         }
     }
-    #[inline]
     /// Remote key.
+    #[inline]
     pub fn rkey(&self) -> u32 {
         match &self.0 {
             MrImpl::Soft(m) => m.key,
@@ -305,32 +305,32 @@ impl MemoryRegion {
             MrImpl::Hw(_) => false,
         }
     }
-    #[inline]
     /// Raw pointer to the first byte.
+    #[inline]
     pub fn as_ptr(&self) -> *mut u8 {
         self.addr() as usize as *mut u8
     }
-    #[inline]
     /// An SGE over `len` bytes at `offset`. Panics if the range is outside the region.
+    #[inline]
     pub fn sge(&self, offset: usize, len: usize) -> Sge {
         assert!(offset.checked_add(len).is_some_and(|e| e <= self.len()), "SGE outside the region");
         Sge { addr: self.addr() + offset as u64, length: len as u32, lkey: self.lkey() }
     }
-    #[inline]
     /// An SGE over the whole region.
+    #[inline]
     pub fn sge_all(&self) -> Sge {
         self.sge(0, self.len())
     }
-    #[inline]
     /// Copies bytes out of the region (a snapshot: peers may write concurrently).
+    #[inline]
     pub fn read(&self, offset: usize, dst: &mut [u8]) {
         assert!(offset.checked_add(dst.len()).is_some_and(|e| e <= self.len()), "read outside the region");
         // SAFETY: in bounds of a live registration; volatile-free byte copy of shared memory whose
         // concurrent writers (peers) are the verbs contract's business, not Rust references.
         unsafe { crate::copy::copy_bytes(dst.as_mut_ptr(), self.as_ptr().add(offset), dst.len()) };
     }
-    #[inline]
     /// Copies bytes into the region.
+    #[inline]
     pub fn write(&self, offset: usize, src: &[u8]) {
         assert!(offset.checked_add(src.len()).is_some_and(|e| e <= self.len()), "write outside the region");
         // SAFETY: in bounds of a live registration the caller owns.
@@ -352,8 +352,8 @@ impl MemoryRegion {
             }
         }
     }
-    #[inline]
     /// Reads the native-endian u64 at `offset` (for atomics results).
+    #[inline]
     pub fn read_u64(&self, offset: usize) -> u64 {
         let mut b = [0u8; 8];
         self.read(offset, &mut b);
@@ -420,9 +420,9 @@ pub fn wait_any(cqs: &[&CompletionQueue], timeout: Duration) -> Result<bool> {
 }
 
 impl CompletionQueue {
-    #[inline]
     /// Polls up to `out.len()` completions without blocking; returns how many were written.
     /// `Err(CqOverrun)` once completions were lost.
+    #[inline]
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         match &self.0 {
             CqImpl::Soft(c) => c.poll(out),
@@ -557,9 +557,9 @@ impl QueuePair {
         self.modify(QpTransition::Rtr(RtrAttr::new(remote)))?;
         self.modify(QpTransition::Rts(RtsAttr::default()))
     }
-    #[inline]
     /// Posts send-queue requests. A synchronous error (bad argument, full queue, wrong state)
     /// stops at the failing request; the ones before it were posted.
+    #[inline]
     pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
         match &self.0 .0 {
             QpImpl::Soft(q) => q.post_send(wrs),
@@ -567,8 +567,8 @@ impl QueuePair {
             QpImpl::Hw(q) => q.post_send(wrs),
         }
     }
-    #[inline]
     /// Posts receives (not for a QP on a shared receive queue).
+    #[inline]
     pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
         match &self.0 .0 {
             QpImpl::Soft(q) => q.post_recv(wrs),
@@ -588,8 +588,8 @@ enum SrqImpl {
 pub struct SharedReceiveQueue(SrqImpl);
 
 impl SharedReceiveQueue {
-    #[inline]
     /// Posts receives.
+    #[inline]
     pub fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
         match &self.0 {
             SrqImpl::Soft(s) => s.post_recv(wrs),
