@@ -446,7 +446,7 @@ fn tcp_bootstrap_connects_too() {
 #[test]
 fn flow_controlled_pipes_cross_processes_with_every_strategy() {
     use portability_verbs::datapath::{crossover, FlowStrategy, MsgPipe};
-    for name in ["credit", "rdma", "window"] {
+    for name in ["credit", "rdma", "window", "polled"] {
         let strategy = FlowStrategy::by_name(name).unwrap();
         let path = socket_path(&format!("pipe-{name}"));
         let mut child =

@@ -65,6 +65,40 @@ pub enum RecordKind {
     Credit,
     /// Setup information (strategy parameters, ring address and key).
     Setup,
+    /// A bulk-lane chunk announced in a polled frame (the polled strategy's bulk chunks carry
+    /// no immediate): its payload is a [`BulkNote`].
+    Bulk,
+}
+
+/// The payload of a [`RecordKind::Bulk`] record: where the chunk lies in the bulk ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BulkNote {
+    /// Chunk bytes.
+    pub len: u32,
+    /// True if the chunk starts a new lap of the bulk ring.
+    pub wrapped: bool,
+}
+
+impl BulkNote {
+    /// Bytes of an encoded note.
+    pub const BYTES: usize = 8;
+
+    /// Encodes the note.
+    pub fn encode(&self) -> [u8; BulkNote::BYTES] {
+        let mut b = [0u8; BulkNote::BYTES];
+        b[0..4].copy_from_slice(&self.len.to_le_bytes());
+        b[4] = self.wrapped as u8;
+        b
+    }
+
+    /// Decodes a note (a [`RecordKind::Bulk`] record's payload).
+    pub fn decode(b: &[u8]) -> Result<BulkNote, FcError> {
+        let b: &[u8; BulkNote::BYTES] = b.try_into().map_err(|_| FcError::BadRecord("bulk note of the wrong size"))?;
+        if b[4] > 1 || b[5..8] != [0; 3] {
+            return Err(FcError::BadRecord("bulk note with unknown flags"));
+        }
+        Ok(BulkNote { len: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")), wrapped: b[4] == 1 })
+    }
 }
 
 /// A decoded record header.
@@ -89,6 +123,7 @@ impl Record {
             RecordKind::Data => 1,
             RecordKind::Credit => 2,
             RecordKind::Setup => 3,
+            RecordKind::Bulk => 4,
         };
         b[2..4].copy_from_slice(&self.credits.to_le_bytes());
         b[4..8].copy_from_slice(&self.len.to_le_bytes());
@@ -102,6 +137,7 @@ impl Record {
             1 => RecordKind::Data,
             2 => RecordKind::Credit,
             3 => RecordKind::Setup,
+            4 => RecordKind::Bulk,
             _ => return Err(FcError::BadRecord("unknown kind")),
         };
         if b[1] != 0 {
@@ -115,6 +151,9 @@ impl Record {
         };
         if r.kind == RecordKind::Credit && r.len != 0 {
             return Err(FcError::BadRecord("credit record with a payload"));
+        }
+        if r.kind == RecordKind::Bulk && r.len as usize != BulkNote::BYTES {
+            return Err(FcError::BadRecord("bulk record whose payload is not a note"));
         }
         Ok(r)
     }
@@ -310,6 +349,10 @@ impl RingSender {
     pub fn in_flight(&self) -> u64 {
         self.sent - self.acked
     }
+    /// Ring position after the last reservation.
+    pub fn sent(&self) -> u64 {
+        self.sent
+    }
 }
 
 /// The receiver's view of its own ring (RDMA strategy).
@@ -361,6 +404,15 @@ impl RingReceiver {
         self.acked = self.consumed;
         self.consumed
     }
+    /// The position an acknowledgement would carry now, without taking it (for a record
+    /// that may yet be refused: [`RingReceiver::acked_to`] once it is on its way).
+    pub fn ack_due(&self) -> u64 {
+        self.consumed
+    }
+    /// An acknowledgement of `pos` (from [`RingReceiver::ack_due`]) is on its way.
+    pub fn acked_to(&mut self, pos: u64) {
+        self.acked = self.acked.max(pos);
+    }
 }
 
 /// Coalesces small messages into one chunk up to a threshold (RDMA and NIC-assisted).
@@ -368,12 +420,15 @@ impl RingReceiver {
 pub struct Coalescer {
     staged: Vec<u8>,
     records: usize,
+    /// No record may join the staged chunk (it ends with one that must come last).
+    sealed: bool,
 }
 
 impl Coalescer {
-    /// Appends a record; false if it would make the chunk exceed `max` (flush first).
+    /// Appends a record; false if it would make the chunk exceed `max`, or the chunk is
+    /// sealed (flush first).
     pub fn push(&mut self, rec: Record, payload: &[u8], max: usize) -> bool {
-        if !self.staged.is_empty() && self.staged.len() + RECORD_HEADER + payload.len() > max {
+        if self.sealed || (!self.staged.is_empty() && self.staged.len() + RECORD_HEADER + payload.len() > max) {
             return false;
         }
         self.staged.extend_from_slice(&rec.encode());
@@ -402,7 +457,130 @@ impl Coalescer {
     pub fn clear(&mut self) {
         self.staged.clear();
         self.records = 0;
+        self.sealed = false;
     }
+    /// Closes the staged chunk to further records until it is flushed.
+    pub fn seal(&mut self) {
+        self.sealed = true;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Polled frames (polled strategy)
+// ---------------------------------------------------------------------------------------------
+
+/// Ring alignment of a polled frame: a small message and its framing share one cache line.
+pub const FRAME_ALIGN: u64 = 64;
+/// Framing bytes of a polled frame: the publish word before the body and its copy after it.
+pub const FRAME_OVERHEAD: usize = 16;
+/// Largest polled ring: frame bodies (a quarter of it at most) fit the publish word's length.
+pub const MAX_POLLED_RING: u64 = 64 << 20;
+const FRAME_LEN_BITS: u32 = 24;
+const FRAME_STAMP_BITS: u32 = 39;
+const FRAME_VALID: u64 = 1 << 63;
+
+/// A polled frame is one RDMA write of `[publish word][body, padded to 8][publish word]`
+/// placed at a [`FRAME_ALIGN`]-aligned ring position; the body is records. The publish word
+/// holds the body's length and a stamp of the frame's ring position, so that nothing the ring
+/// held before (earlier laps, bytes of other frames, zeroes) can pass for it. The receiver
+/// polls the word at its next position; once it carries the expected stamp, the length tells
+/// where the closing copy lies, and once that is there too the whole frame is: a write's last
+/// bytes are placed last (how RDMA fast paths poll, and what the software provider
+/// guarantees). No receive is posted and no completion is raised per message.
+///
+/// The publish word of a frame with a `body`-byte body at ring position `pos`.
+pub fn frame_word(pos: u64, body: usize) -> u64 {
+    let stamp = (pos / FRAME_ALIGN) & ((1 << FRAME_STAMP_BITS) - 1);
+    FRAME_VALID | stamp << FRAME_LEN_BITS | body as u64
+}
+
+/// Bytes a frame with a `body`-byte body writes: the body padded to 8 and the two words.
+pub fn frame_written(body: usize) -> usize {
+    FRAME_OVERHEAD + body.next_multiple_of(8)
+}
+
+/// Ring bytes a frame with a `body`-byte body takes (the next frame starts aligned).
+pub fn frame_reserved(body: usize) -> u64 {
+    (frame_written(body) as u64).next_multiple_of(FRAME_ALIGN)
+}
+
+/// Largest frame body in a ring of `ring` bytes (a frame takes at most a quarter of it).
+pub fn frame_body_max(ring: u64) -> usize {
+    (ring / 4) as usize - FRAME_OVERHEAD
+}
+
+/// Frames `body` for ring position `pos` into `out` (at least [`frame_written`] bytes);
+/// returns the bytes to write.
+pub fn encode_frame<'a>(pos: u64, body: &[u8], out: &'a mut [u8]) -> &'a [u8] {
+    let n = frame_written(body.len());
+    let word = frame_word(pos, body.len()).to_le_bytes();
+    out[..8].copy_from_slice(&word);
+    out[8..8 + body.len()].copy_from_slice(body);
+    out[8 + body.len()..n - 8].fill(0);
+    out[n - 8..n].copy_from_slice(&word);
+    &out[..n]
+}
+
+/// Reads 8-byte words of a polled ring (atomically, in the driver; from a byte array in tests).
+pub trait RingWords {
+    /// The word at byte offset `off` (8-aligned, inside the ring).
+    fn word(&self, off: u64) -> u64;
+}
+
+/// A frame found whole in the ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameAt {
+    /// Ring offset of its body.
+    pub body_off: u64,
+    /// Body bytes.
+    pub body_len: usize,
+    /// Ring position after it (what to acknowledge once its records are read).
+    pub end_pos: u64,
+}
+
+/// Finds the next frame of a polled ring if it has arrived whole (None: nothing yet, or still
+/// arriving), checks that it lies in the space the sender was allotted, and accounts for it
+/// in `rx` (the ring's consumption and acknowledgements, as for RDMA chunks). A frame that
+/// would not fit before the ring's end starts the next lap, so near the end both places are
+/// looked at (the stamps tell them apart).
+pub fn poll_frame(rx: &mut RingReceiver, ring: &impl RingWords) -> Result<Option<FrameAt>, FcError> {
+    let size = rx.size;
+    let pos = rx.received();
+    if let Some(f) = frame_at(rx, ring, pos, false)? {
+        return Ok(Some(f));
+    }
+    let left = size - pos % size;
+    if left < size / 4 {
+        return frame_at(rx, ring, pos + left, true);
+    }
+    Ok(None)
+}
+
+fn frame_at(
+    rx: &mut RingReceiver,
+    ring: &impl RingWords,
+    start: u64,
+    wrapped: bool,
+) -> Result<Option<FrameAt>, FcError> {
+    let size = rx.size;
+    let off = start % size;
+    let word = ring.word(off);
+    let body = (word & ((1 << FRAME_LEN_BITS) - 1)) as usize;
+    if word != frame_word(start, body) {
+        return Ok(None);
+    }
+    let (written, reserved) = (frame_written(body) as u64, frame_reserved(body));
+    if reserved > size / 4 || off + reserved > size {
+        return Err(FcError::RingOverrun { len: reserved, at: start, space: size - off });
+    }
+    if ring.word(off + written - 8) != word {
+        return Ok(None);
+    }
+    if wrapped && reserved <= start - rx.received() {
+        return Err(FcError::BadRecord("a frame wrapped though it fitted before the ring's end"));
+    }
+    rx.on_chunk(reserved, wrapped)?;
+    Ok(Some(FrameAt { body_off: off + 8, body_len: body, end_pos: rx.received() }))
 }
 
 #[cfg(test)]
@@ -550,5 +728,130 @@ mod tests {
             let got: Vec<Vec<u8>> = recs.iter().map(|(_, r)| chunk[r.clone()].to_vec()).collect();
             prop_assert_eq!(got, msgs);
         }
+
+        #[test]
+        fn polled_frames_arrive_in_order_only_when_whole(
+            bodies in proptest::collection::vec(0usize..300, 1..300),
+            lag in 0usize..6,
+        ) {
+            const SIZE: u64 = 4096;
+            let mut ring = ByteRing(vec![0xA5; SIZE as usize]);
+            let (mut tx, mut rx) = (RingSender::new(SIZE), RingReceiver::new(SIZE));
+            let mut sent: std::collections::VecDeque<(Vec<u8>, u64)> = Default::default();
+            let mut next = 0usize;
+            let mut buf = vec![0u8; 2048];
+            while next < bodies.len() || !sent.is_empty() {
+                // The receiver reads and consumes what arrived, lagging by up to `lag` frames.
+                while sent.len() > lag || (next == bodies.len() && !sent.is_empty()) {
+                    let f = poll_frame(&mut rx, &ring).unwrap().expect("a whole frame is found");
+                    let (body, _) = sent.pop_front().unwrap();
+                    prop_assert_eq!(&ring.0[f.body_off as usize..f.body_off as usize + f.body_len], &body[..]);
+                    rx.consume_to(f.end_pos);
+                    let ack = rx.take_ack();
+                    tx.on_ack(ack).unwrap();
+                }
+                if next == bodies.len() {
+                    break;
+                }
+                if sent.is_empty() {
+                    prop_assert_eq!(poll_frame(&mut rx, &ring).unwrap(), None, "nothing is found before it is written");
+                }
+                let body: Vec<u8> = (0..bodies[next]).map(|i| (i * 31 + next) as u8).collect();
+                let Some(place) = tx.reserve(frame_reserved(body.len())) else {
+                    prop_assert!(!sent.is_empty(), "an empty ring always has room");
+                    let f = poll_frame(&mut rx, &ring).unwrap().unwrap();
+                    sent.pop_front();
+                    rx.consume_to(f.end_pos);
+                    let ack = rx.take_ack();
+                    tx.on_ack(ack).unwrap();
+                    continue;
+                };
+                let pos = tx.sent() - frame_reserved(body.len());
+                prop_assert_eq!(pos % SIZE, place.offset);
+                let bytes = encode_frame(pos, &body, &mut buf).to_vec();
+                // All but the closing word: not yet a frame.
+                let at = place.offset as usize;
+                let n = bytes.len();
+                ring.0[at..at + n - 8].copy_from_slice(&bytes[..n - 8]);
+                if sent.is_empty() {
+                    prop_assert_eq!(poll_frame(&mut rx, &ring).unwrap(), None, "a frame without its closing word is not whole");
+                }
+                ring.0[at + n - 8..at + n].copy_from_slice(&bytes[n - 8..]);
+                sent.push_back((body, pos));
+                next += 1;
+            }
+        }
+
+        #[test]
+        fn polled_rings_of_arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 4096..=4096), pos in 0u64..1 << 20) {
+            let mut rx = RingReceiver::new(4096);
+            // Start anywhere: consume a run of empty space first.
+            let mut ring = ByteRing(b);
+            let _ = poll_frame(&mut rx, &ring);
+            // A forged frame word with a length past the allotted space is refused, not read.
+            let pos = pos / FRAME_ALIGN * FRAME_ALIGN % 4096;
+            let word = frame_word(pos, 4000);
+            ring.0[pos as usize..pos as usize + 8].copy_from_slice(&word.to_le_bytes());
+            let mut rx = RingReceiver::new(4096);
+            rx.received = pos;
+            rx.consumed = pos;
+            prop_assert!(poll_frame(&mut rx, &ring).is_err());
+        }
+    }
+
+    struct ByteRing(Vec<u8>);
+    impl RingWords for ByteRing {
+        fn word(&self, off: u64) -> u64 {
+            u64::from_le_bytes(self.0[off as usize..off as usize + 8].try_into().unwrap())
+        }
+    }
+
+    #[test]
+    fn frame_words_of_other_positions_and_laps_never_match() {
+        let w = frame_word(4096 + 128, 10);
+        assert_ne!(w, frame_word(128, 10), "the previous lap's frame at the same offset");
+        assert_ne!(w, frame_word(4096 + 192, 10));
+        assert_ne!(w & FRAME_VALID, 0);
+        assert_eq!(frame_reserved(8 + RECORD_HEADER), 64, "an 8-byte message and its framing share a line");
+        assert_eq!(frame_reserved(frame_body_max(4096)), 1024);
+    }
+
+    #[test]
+    fn a_wrapped_frame_is_found_at_the_next_lap_and_a_needless_wrap_is_refused() {
+        const SIZE: u64 = 4096;
+        let mut ring = ByteRing(vec![0; SIZE as usize]);
+        let mut rx = RingReceiver::new(SIZE);
+        // Fill up to 64 bytes before the end with one-line frames.
+        let mut buf = vec![0u8; 1024];
+        let mut pos = 0;
+        while pos < SIZE - 64 {
+            let b = encode_frame(pos, &[7; 8], &mut buf).to_vec();
+            ring.0[pos as usize..pos as usize + b.len()].copy_from_slice(&b);
+            let f = poll_frame(&mut rx, &ring).unwrap().unwrap();
+            rx.consume_to(f.end_pos);
+            pos = f.end_pos;
+        }
+        // A 100-byte body does not fit in the last line: it starts the next lap.
+        let b = encode_frame(SIZE, &[9; 100], &mut buf).to_vec();
+        ring.0[..b.len()].copy_from_slice(&b);
+        let f = poll_frame(&mut rx, &ring).unwrap().unwrap();
+        assert_eq!((f.body_off, f.body_len, f.end_pos), (8, 100, SIZE + 128));
+        // An 8-byte body would have fitted in the last line: wrapping it is a protocol error.
+        let mut rx = RingReceiver::new(SIZE);
+        rx.received = SIZE - 64;
+        rx.consumed = SIZE - 64;
+        let b = encode_frame(SIZE, &[9; 8], &mut buf).to_vec();
+        ring.0[..b.len()].copy_from_slice(&b);
+        assert!(poll_frame(&mut rx, &ring).is_err());
+    }
+
+    #[test]
+    fn bulk_notes_round_trip_and_reject_garbage() {
+        let n = BulkNote { len: 65536, wrapped: true };
+        assert_eq!(BulkNote::decode(&n.encode()), Ok(n));
+        assert!(BulkNote::decode(&[0; 7]).is_err());
+        assert!(BulkNote::decode(&[0, 0, 0, 0, 2, 0, 0, 0]).is_err());
+        let rec = Record { kind: RecordKind::Bulk, credits: 0, len: 9, ack: 0 };
+        assert!(Record::decode(&rec.encode()).is_err(), "a bulk record's payload is exactly a note");
     }
 }
