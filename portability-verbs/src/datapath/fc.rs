@@ -546,23 +546,31 @@ pub struct FrameAt {
 pub fn poll_frame(rx: &mut RingReceiver, ring: &impl RingWords) -> Result<Option<FrameAt>, FcError> {
     let size = rx.size;
     let pos = rx.received();
-    if let Some(f) = frame_at(rx, ring, pos, false)? {
-        return Ok(Some(f));
-    }
     let left = size - pos % size;
-    if left < size / 4 {
-        return frame_at(rx, ring, pos + left, true);
-    }
-    Ok(None)
+    let (start, reserved, body, wrapped) = match whole_frame(size, ring, pos)? {
+        Some((body, reserved)) => (pos, reserved, body, false),
+        None if left < size / 4 => {
+            let Some((body, reserved)) = whole_frame(size, ring, pos + left)? else { return Ok(None) };
+            // Frames are written in order, so a frame at `pos` not yet whole shows its publish
+            // word by now if there is one: then the frame at the next lap's start followed it
+            // without wrapping, and is taken in its turn.
+            if ring.word(pos % size) >> FRAME_LEN_BITS == frame_word(pos, 0) >> FRAME_LEN_BITS {
+                return Ok(None);
+            }
+            if reserved <= left {
+                return Err(FcError::BadRecord("a frame wrapped though it fitted before the ring's end"));
+            }
+            (pos + left, reserved, body, true)
+        }
+        None => return Ok(None),
+    };
+    rx.on_chunk(reserved, wrapped)?;
+    Ok(Some(FrameAt { body_off: start % size + 8, body_len: body, end_pos: rx.received() }))
 }
 
-fn frame_at(
-    rx: &mut RingReceiver,
-    ring: &impl RingWords,
-    start: u64,
-    wrapped: bool,
-) -> Result<Option<FrameAt>, FcError> {
-    let size = rx.size;
+/// The frame at ring position `start` if it is whole: its body length and the ring bytes it
+/// takes.
+fn whole_frame(size: u64, ring: &impl RingWords, start: u64) -> Result<Option<(usize, u64)>, FcError> {
     let off = start % size;
     let word = ring.word(off);
     let body = (word & ((1 << FRAME_LEN_BITS) - 1)) as usize;
@@ -576,11 +584,7 @@ fn frame_at(
     if ring.word(off + written - 8) != word {
         return Ok(None);
     }
-    if wrapped && reserved <= start - rx.received() {
-        return Err(FcError::BadRecord("a frame wrapped though it fitted before the ring's end"));
-    }
-    rx.on_chunk(reserved, wrapped)?;
-    Ok(Some(FrameAt { body_off: off + 8, body_len: body, end_pos: rx.received() }))
+    Ok(Some((body, reserved)))
 }
 
 #[cfg(test)]
@@ -843,6 +847,44 @@ mod tests {
         let b = encode_frame(SIZE, &[9; 8], &mut buf).to_vec();
         ring.0[..b.len()].copy_from_slice(&b);
         assert!(poll_frame(&mut rx, &ring).is_err());
+    }
+
+    /// The receiver finds nothing at its position, then, before it looks at the next lap's
+    /// start, the sender writes the frames up to the lap's end and one at the next lap's start
+    /// (which did not wrap). That frame is not taken for a wrapped one.
+    #[test]
+    fn frames_reaching_the_next_lap_while_the_receiver_looks_are_not_taken_for_a_wrap() {
+        struct Racy {
+            before: ByteRing,
+            after: ByteRing,
+            reads: std::cell::Cell<usize>,
+        }
+        impl RingWords for Racy {
+            fn word(&self, off: u64) -> u64 {
+                let n = self.reads.replace(self.reads.get() + 1);
+                if n == 0 { &self.before } else { &self.after }.word(off)
+            }
+        }
+        const SIZE: u64 = 4096;
+        let mut buf = vec![0u8; 1024];
+        let mut after = ByteRing(vec![0; SIZE as usize]);
+        // Frames of one line from SIZE - 192 to the end, then one at the next lap's start.
+        for pos in [SIZE - 192, SIZE - 128, SIZE - 64, SIZE] {
+            let b = encode_frame(pos, &[pos as u8; 8], &mut buf).to_vec();
+            let at = (pos % SIZE) as usize;
+            after.0[at..at + b.len()].copy_from_slice(&b);
+        }
+        let mut rx = RingReceiver::new(SIZE);
+        rx.received = SIZE - 192;
+        rx.consumed = SIZE - 192;
+        let racy = Racy { before: ByteRing(vec![0; SIZE as usize]), after, reads: 0.into() };
+        assert_eq!(poll_frame(&mut rx, &racy).unwrap(), None);
+        let mut taken = Vec::new();
+        while let Some(f) = poll_frame(&mut rx, &racy).unwrap() {
+            taken.push(f.end_pos);
+            rx.consume_to(f.end_pos);
+        }
+        assert_eq!(taken, [SIZE - 128, SIZE - 64, SIZE, SIZE + 64]);
     }
 
     #[test]
