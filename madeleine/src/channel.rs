@@ -500,6 +500,17 @@ impl Conn {
         self.io.hold()
     }
 
+    /// The completion queue to sleep on.
+    pub(crate) fn cq(&self) -> &CompletionQueue {
+        &self.cq
+    }
+
+    /// Readies the pipe for a sleep on [`Conn::cq`] (see `MsgPipe::prepare_sleep`); false if
+    /// something arrived meanwhile, or the pipe failed (the next poll tells): do not sleep.
+    pub(crate) fn prepare_sleep(&self) -> bool {
+        matches!(self.io().pipe.prepare_sleep(), Ok(true))
+    }
+
     #[cold]
     fn out_of_sequence(&self, seq: u32, due: u32) -> MadError {
         MadError::Protocol { rank: self.peer, why: format!("message {seq} where {due} was due") }
@@ -744,12 +755,12 @@ impl Channel {
     /// of one sender arrive in order).
     pub fn begin_unpacking(&self) -> Result<Unpacker<'_>> {
         let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
-        let cqs: SmallVec<[&CompletionQueue; 8]> = self.conns.iter().flatten().map(|c| &c.cq).collect();
+        let conns: SmallVec<[&Conn; 8]> = self.conns.iter().flatten().map(|c| &**c).collect();
         loop {
             if let Some(u) = self.try_begin_unpacking()? {
                 return Ok(u);
             }
-            w.pause_on(&cqs)?;
+            w.pause_on(&conns)?;
         }
     }
 
@@ -795,7 +806,7 @@ impl Channel {
         if !self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
             let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
             loop {
-                w.pause_on(&[&conn.cq])?;
+                w.pause_on(&[conn])?;
                 if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
                     break;
                 }
@@ -1425,7 +1436,7 @@ impl<'u> Unpacker<'u> {
                 Ok(r) => return Ok(r),
                 Err(back) => f = back,
             }
-            w.pause_on(&[&self.conn.cq])?;
+            w.pause_on(&[self.conn])?;
         }
     }
 
@@ -1472,7 +1483,7 @@ impl<'u> Unpacker<'u> {
                     Err(back) => f = back,
                 }
             }
-            w.pause_on(&[&conn.cq])?;
+            w.pause_on(&[conn])?;
         }
     }
 
@@ -1596,7 +1607,7 @@ impl<'u> Unpacker<'u> {
                 }
             }
             if !progressed {
-                w.pause_on(&[&self.conn.cq])?;
+                w.pause_on(&[self.conn])?;
             }
         }
         Ok(())
@@ -1767,7 +1778,7 @@ impl<'u> Unpacker<'u> {
                     }
                 }
             }
-            w.pause_on(&[&self.conn.cq])?;
+            w.pause_on(&[self.conn])?;
         }
     }
 

@@ -26,8 +26,8 @@ pub struct SessionConfig {
     pub size: usize,
     /// Directory of the rendezvous sockets (shared by the group).
     pub rendezvous_dir: PathBuf,
-    /// Flow control of the eager path (default: the NIC-assisted window, lowest small-message
-    /// latency here; `MAD_FLOW=credit|rdma|window` overrides in `from_env`).
+    /// Flow control of the eager path (default: polled RDMA frames, no completion per
+    /// message; `MAD_FLOW=credit|rdma|window|polled` overrides in `from_env`).
     pub strategy: FlowStrategy,
     /// How long set-up and blocking calls wait for a peer.
     pub timeout: Duration,
@@ -48,7 +48,7 @@ impl SessionConfig {
             rank,
             size,
             rendezvous_dir: rendezvous_dir.into(),
-            strategy: FlowStrategy::WINDOW,
+            strategy: FlowStrategy::POLLED,
             timeout: Duration::from_secs(30),
             rendezvous_threshold: None,
             bulk_ring_bytes: 2 << 20,
@@ -87,7 +87,7 @@ impl SessionConfig {
         }
         if let Some(name) = get("MAD_FLOW") {
             cfg.strategy = FlowStrategy::by_name(&name)
-                .ok_or_else(|| MadError::Invalid(format!("MAD_FLOW={name:?}: credit, rdma or window")))?;
+                .ok_or_else(|| MadError::Invalid(format!("MAD_FLOW={name:?}: credit, rdma, window or polled")))?;
         }
         Ok(cfg)
     }

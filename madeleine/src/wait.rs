@@ -1,7 +1,9 @@
 //! How Madeleine waits: inside a `may` coroutine it yields to the scheduler; on an OS thread it
 //! spins for a while (waking a sleeping process costs tens of microseconds, a polled message a
 //! fraction of one), then sleeps on the completion queues' descriptors where the awaited event
-//! raises a completion (a message, bulk data, a read of ours), else naps briefly.
+//! raises a completion (a message, bulk data, a read of ours), else naps briefly. Before it
+//! sleeps it tells each connection's pipe (a polled pipe's peer then raises a completion for
+//! its next message, which would otherwise raise none).
 //!
 //! The clock is read only every 64 polls while spinning: a wait that ends quickly (the common
 //! case, and the one latency depends on) never pays for it.
@@ -9,7 +11,9 @@
 use std::time::{Duration, Instant};
 
 use portability_verbs::CompletionQueue;
+use smallvec::SmallVec;
 
+use crate::channel::Conn;
 use crate::{MadError, Result};
 
 /// Spin phase before sleeping, unless `MAD_SPIN_US` says otherwise.
@@ -62,10 +66,10 @@ impl Waiter {
         self.pause_on(&[])
     }
 
-    /// Called when a poll found nothing and the awaited event raises a completion on one of
-    /// `cqs`: yields, spins, or (after the spin phase, on an OS thread) sleeps on them; fails
-    /// after the timeout.
-    pub fn pause_on(&mut self, cqs: &[&CompletionQueue]) -> Result<()> {
+    /// Called when a poll found nothing and the awaited event comes by one of `conns`: yields,
+    /// spins, or (after the spin phase, on an OS thread) sleeps on their completion queues;
+    /// fails after the timeout.
+    pub fn pause_on(&mut self, conns: &[&Conn]) -> Result<()> {
         self.polls = self.polls.wrapping_add(1);
         let mut left = self.timeout;
         if self.sleeping || self.polls.is_multiple_of(CHECK_EVERY) {
@@ -97,12 +101,15 @@ impl Waiter {
             if portability_verbs::spin_yields(self.polls) {
                 std::thread::yield_now();
             }
-        } else if cqs.is_empty() {
+        } else if conns.is_empty() {
             std::thread::sleep(NAP);
-        } else if let Err(e) = portability_verbs::wait_any(cqs, left.min(SLEEP_SLICE)) {
-            // The queues cannot be slept on (the caller's next poll reports a broken one).
-            log::debug!("madeleine: cannot sleep on completion queues: {e}");
-            std::thread::sleep(NAP);
+        } else if conns.iter().all(|c| c.prepare_sleep()) {
+            let cqs: SmallVec<[&CompletionQueue; 8]> = conns.iter().map(|c| c.cq()).collect();
+            if let Err(e) = portability_verbs::wait_any(&cqs, left.min(SLEEP_SLICE)) {
+                // The queues cannot be slept on (the caller's next poll reports a broken one).
+                log::debug!("madeleine: cannot sleep on completion queues: {e}");
+                std::thread::sleep(NAP);
+            }
         }
         Ok(())
     }

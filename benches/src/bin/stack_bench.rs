@@ -388,16 +388,17 @@ impl PipeLink {
         let pd = ctx.alloc_pd()?;
         let cq = ctx.create_cq(4096)?;
         let conn = conn_fn(&pd, &QpInit::new(&cq), &[])?;
-        let pipe = datapath::MsgPipe::establish(conn.qp, cq, &pd, datapath::FlowStrategy::WINDOW, SETUP)?;
+        let strategy = flow_strategy().map_err(VerbsError::InvalidArgument)?;
+        let pipe = datapath::MsgPipe::establish(conn.qp, cq, &pd, strategy, SETUP)?;
         Ok(PipeLink { pipe, _pd: pd, wait, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
     }
 
     /// Waits a little for the pipe's next completion (nothing, when busy-polling).
-    fn pause(&self, patience: &mut Patience, what: &str) -> Result<(), String> {
+    fn pause(&mut self, patience: &mut Patience, what: &str) -> Result<(), String> {
         if patience.expired() {
             return Err(format!("pipe: {what} within {T:?}"));
         }
-        if self.wait == Wait::Interrupt {
+        if self.wait == Wait::Interrupt && self.pipe.prepare_sleep().map_err(|e| e.to_string())? {
             wait_any(&[self.pipe.cq()], Duration::from_millis(1)).map_err(|e| e.to_string())?;
         }
         Ok(())
@@ -501,6 +502,15 @@ impl Link for MadLink {
 /// The rendezvous threshold Madeleine's transport probe chose (when the `madeleine` layer ran).
 static MAD_PROBED_THRESHOLD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 
+/// The flow strategy of the pipe and Madeleine layers: Madeleine's default, or `MAD_FLOW`.
+fn flow_strategy() -> Result<datapath::FlowStrategy, String> {
+    match std::env::var("MAD_FLOW") {
+        Ok(name) => datapath::FlowStrategy::by_name(&name)
+            .ok_or_else(|| format!("MAD_FLOW={name:?}: credit, rdma, window or polled")),
+        Err(_) => Ok(SessionConfig::new(0, 1, "").strategy),
+    }
+}
+
 fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> {
     let mut cfg = SessionConfig::new(rank, 2, dir);
     // The session's one timeout bounds its rendezvous as well as its waits for messages.
@@ -508,10 +518,7 @@ fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> 
     if let Some(t) = layer.mad_threshold() {
         cfg.rendezvous_threshold = Some(t);
     }
-    if let Ok(name) = std::env::var("MAD_FLOW") {
-        cfg.strategy = datapath::FlowStrategy::by_name(&name)
-            .ok_or_else(|| format!("MAD_FLOW={name:?}: credit, rdma or window"))?;
-    }
+    cfg.strategy = flow_strategy()?;
     let s = Session::new(cfg).map_err(|e| e.to_string())?;
     let ch = s.channel().map_err(|e| e.to_string())?;
     if layer == Layer::Madeleine && rank == 0 {

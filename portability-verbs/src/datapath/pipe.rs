@@ -773,7 +773,9 @@ impl MsgPipe {
                 Sge { addr: payload.as_ptr() as u64, length: payload.len() as u32, lkey: 0 },
             ];
             let sges = if payload.is_empty() { &sges[..1] } else { &sges[..] };
-            return self.post_inline_counted(SendWr::send(0, sges));
+            self.post_inline_counted(SendWr::send(0, sges))?;
+            self.stats.transfers += 1;
+            return Ok(());
         }
         let mut b = self.send_pool.try_acquire().ok_or_else(|| VerbsError::Exhausted("pipe send pool".into()))?;
         b.push(&rec.encode());
@@ -793,7 +795,6 @@ impl MsgPipe {
         self.unsignaled = if signaled { 0 } else { covers };
         self.unsettled_passes = 0;
         self.outstanding += 1;
-        self.stats.transfers += 1;
         Ok(())
     }
 
@@ -821,6 +822,7 @@ impl MsgPipe {
             self.ring_tx.unreserve();
             return Err(e);
         }
+        self.stats.transfers += 1;
         self.after_frame()?;
         Ok(true)
     }
@@ -882,36 +884,37 @@ impl MsgPipe {
         }
         self.peer_sleep_answered = said;
         let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("a wake-up before setup".into()))?;
-        self.qp.post_send(&[SendWr::write_with_imm(wr_id(TAG_ACK_WRITE, 0), &[], addr, rkey, IMM_WAKE)])?;
+        self.post_inline_counted(SendWr::write_with_imm(0, &[], addr, rkey, IMM_WAKE))?;
         self.stats.control += 1;
         Ok(())
     }
 
-    /// Call before sleeping on [`MsgPipe::cq`]; `Ok(false)`: a message is here, do not sleep.
-    /// Under the polled strategy messages raise no completion: this tells the peer we sleep
-    /// (an RDMA write into its acknowledgement slots) and takes a last look at the ring; the
-    /// peer then raises a completion for any frame we have not seen. A sleeper that skips it
-    /// still wakes at the end of its sleep, but every message then costs a whole sleep.
+    /// Call before sleeping on [`MsgPipe::cq`]; `Ok(false)`: a message arrived meanwhile, do
+    /// not sleep. Under the polled strategy messages raise no completion: this tells the peer
+    /// we sleep (an RDMA write into its acknowledgement slots) and takes a last look at the
+    /// ring; the peer then raises a completion for any frame we have not seen. A sleeper that
+    /// skips it still wakes at the end of its sleep, but every message then costs a whole
+    /// sleep. (What was already received before the call is not looked at.)
     pub fn prepare_sleep(&mut self) -> Result<bool> {
-        if !self.inbox.is_empty() {
-            return Ok(false);
-        }
         if let FlowStrategy::Polled { .. } = self.strategy {
+            let before = self.ring_rx.received();
             self.check_failed()?;
             let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("sleep before setup".into()))?;
             self.sleeps_announced = self.sleeps_announced.wrapping_add(1).max(1);
             let word = (self.sleeps_announced as u64) << 32 | self.ring_rx.received() as u32 as u64;
             self.ack_mr.write(ACK_SLEEP_SRC, &word.to_ne_bytes());
             let sge = self.ack_mr.sge(ACK_SLEEP_SRC, 8);
-            let wr = SendWr::write(wr_id(TAG_ACK_WRITE, 0), &[sge], addr + ACK_SLEEP as u64, rkey).inline(true);
-            if let Err(e) = self.qp.post_send(&[wr]) {
+            // Mostly unsignaled: a completion of our own would end the sleep it announces (and,
+            // raised while the queue is still armed from the last sleep, the next one too).
+            if let Err(e) = self.post_inline_counted(SendWr::write(0, &[sge], addr + ACK_SLEEP as u64, rkey)) {
                 return Err(self.fail(e));
             }
             self.stats.control += 1;
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
             self.progress()?;
+            return Ok(self.ring_rx.received() == before);
         }
-        Ok(self.inbox.is_empty())
+        Ok(true)
     }
 
     fn post_staged(&mut self, b: PoolBuf) -> Result<()> {
