@@ -1168,18 +1168,18 @@ impl MsgPipe {
     }
 
     /// Takes in the frames that arrived whole in our ring (polled strategy), a bounded number
-    /// per pass.
-    fn poll_frames(&mut self) -> Result<()> {
+    /// per pass; returns how many.
+    fn poll_frames(&mut self) -> Result<usize> {
         const FRAMES_PER_PASS: usize = 32;
         let ring = self.ring.as_ref().ok_or_else(|| VerbsError::Protocol("polled pipe without a ring".into()))?;
         let words = RingView { base: ring.as_ptr(), len: ring.len() };
-        for _ in 0..FRAMES_PER_PASS {
+        for n in 0..FRAMES_PER_PASS {
             let before = self.ring_rx.received();
-            let Some(frame) = fc::poll_frame(&mut self.ring_rx, &words).map_err(fc_err)? else { break };
+            let Some(frame) = fc::poll_frame(&mut self.ring_rx, &words).map_err(fc_err)? else { return Ok(n) };
             self.stats.buffer_bytes += self.ring_rx.received() - before;
             self.take_frame(words.base, frame)?;
         }
-        Ok(())
+        Ok(FRAMES_PER_PASS)
     }
 
     /// Queues a frame's messages, or the bulk chunk it announces (alone in its frame).
@@ -1471,7 +1471,7 @@ impl MsgPipe {
     /// Drives progress if nothing is there. `Ok(None)` if nothing arrived. After a failure,
     /// messages received before it are still returned, then the error.
     pub fn front(&mut self) -> Result<Option<(Lane, &[u8])>> {
-        if self.inbox.is_empty() && self.failed.is_none() {
+        if self.inbox.is_empty() && self.failed.is_none() && !self.polled_arrivals()? {
             // A failure found now still leaves earlier messages readable.
             if let Err(e) = self.progress() {
                 if self.inbox.is_empty() {
@@ -1491,6 +1491,20 @@ impl MsgPipe {
         // space the sender may not reuse until we acknowledge it; both happen only in
         // `pop_front`, which needs the `&mut self` this borrow holds.
         Ok(Some((lane, unsafe { std::slice::from_raw_parts(base.add(off), len) })))
+    }
+
+    /// Polled strategy: whether frames arrived, looking at the ring alone (a full progress
+    /// pass, with its completion-queue poll, is for when nothing did: off the path from a
+    /// message's arrival to its reader).
+    #[inline]
+    fn polled_arrivals(&mut self) -> Result<bool> {
+        if !matches!(self.strategy, FlowStrategy::Polled { .. }) {
+            return Ok(false);
+        }
+        match self.poll_frames() {
+            Ok(n) => Ok(n > 0),
+            Err(e) => Err(self.fail(e)),
+        }
     }
 
     /// Marks the first `n` bytes of the message [`MsgPipe::front`] returned as read: `front`
@@ -1526,7 +1540,15 @@ impl MsgPipe {
                 // Posted again by the next progress: off the path from a message's arrival to
                 // its reader's reply.
                 ChunkStore::Buf { index, .. } => self.freed.push(index),
-                ChunkStore::Ring { end_pos, lane: Lane::Message, .. } => self.ring_rx.consume_to(end_pos),
+                ChunkStore::Ring { end_pos, lane: Lane::Message, .. } => {
+                    self.ring_rx.consume_to(end_pos);
+                    if self.ring_rx.needs_ack() && matches!(self.strategy, FlowStrategy::Polled { .. }) {
+                        // A reader that keeps finding frames may not pass through `progress`.
+                        if let Err(e) = self.write_ack(Lane::Message) {
+                            return Err(self.fail(e));
+                        }
+                    }
+                }
                 ChunkStore::Ring { end_pos, lane: Lane::Bulk, frame_end, .. } => {
                     self.bulk_rx.consume_to(end_pos);
                     if frame_end != 0 {
