@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use madeleine::*;
+use portability_verbs::datapath::FlowStrategy;
 
 static GROUP: AtomicUsize = AtomicUsize::new(0);
 
@@ -31,11 +32,24 @@ where
     )
 }
 
+thread_local! {
+    /// The flow strategy of the groups this test thread makes (None: the default).
+    static FLOW: std::cell::Cell<Option<FlowStrategy>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with groups whose pipes use `strategy`.
+fn with_flow(strategy: FlowStrategy, f: impl FnOnce()) {
+    FLOW.set(Some(strategy));
+    f();
+    FLOW.set(None);
+}
+
 /// As [`group`], each rank's configuration set by `set`.
 fn group_cfg<F>(n: usize, barrier: bool, set: impl Fn(&mut SessionConfig) + Sync, f: F)
 where
     F: Fn(usize, &Channel) + Sync,
 {
+    let flow = FLOW.get();
     let dir =
         std::env::temp_dir().join(format!("mad-test-{}-{}", std::process::id(), GROUP.fetch_add(1, Ordering::Relaxed)));
     std::thread::scope(|s| {
@@ -44,6 +58,9 @@ where
                 let (dir, f, set) = (dir.clone(), &f, &set);
                 s.spawn(move || {
                     let mut cfg = SessionConfig::new(rank, n, dir);
+                    if let Some(s) = flow {
+                        cfg.strategy = s;
+                    }
                     set(&mut cfg);
                     let session = Session::new(cfg).unwrap();
                     let ch = session.channel().unwrap();
@@ -468,6 +485,22 @@ fn thread_cpu() -> Duration {
 
 #[test]
 fn a_long_wait_sleeps_on_the_completion_queues() {
+    long_wait();
+}
+
+/// Polled pipes raise no completion per message: every size and protocol goes through them,
+/// and a receiver asleep on its completion queues is woken by the next message.
+#[test]
+fn polled_pipes_carry_every_size_and_wake_sleeping_receivers() {
+    with_flow(FlowStrategy::POLLED, || {
+        for threshold in [SMALL, usize::MAX] {
+            every_size_with(threshold);
+        }
+        long_wait();
+    });
+}
+
+fn long_wait() {
     const QUIET: Duration = Duration::from_millis(400);
     group(3, usize::MAX, |rank, ch| {
         if rank == 0 {
