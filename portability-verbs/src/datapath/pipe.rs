@@ -2242,8 +2242,10 @@ mod tests {
             ("an unknown record kind", |f| f[8] = 9),
             ("a credit record", |f| f[8] = 2),
         ];
-        for (what, forge) in forgeries {
-            let (mut p, qb, _cb, mr) = raw_peer(s);
+        // A frame of one 3-byte message, `forge`d, its closing word copied from the opening one,
+        // written into the pipe's ring by a raw peer.
+        let send = |forge: Forge| {
+            let (p, qb, cb, mr) = raw_peer(s);
             let (addr, rkey) = ring_of(&mr);
             let rec = Record { kind: RecordKind::Data, credits: 0, len: 3, ack: 0 };
             let mut body = rec.encode().to_vec();
@@ -2252,24 +2254,19 @@ mod tests {
             let n = fc::encode_frame(0, &body, &mut frame).len();
             frame.truncate(n);
             forge(&mut frame);
-            let last = frame.len() - 8;
             let word: [u8; 8] = frame[..8].try_into().unwrap();
-            frame[last..].copy_from_slice(&word);
+            frame[n - 8..].copy_from_slice(&word);
             mr.write(0, &frame);
-            qb.post_send(&[SendWr::write(9, &[mr.sge(0, frame.len())], addr, rkey)]).unwrap();
+            qb.post_send(&[SendWr::write(9, &[mr.sge(0, n)], addr, rkey)]).unwrap();
+            (p, qb, cb, mr)
+        };
+        for (what, forge) in forgeries {
+            let (mut p, _qb, _cb, _mr) = send(forge);
             let e = until_error(&mut p);
             assert!(matches!(e, VerbsError::Protocol(_)), "{what}: {e}");
         }
         // The same frame unforged is a message.
-        let (mut p, qb, _cb, mr) = raw_peer(s);
-        let (addr, rkey) = ring_of(&mr);
-        let rec = Record { kind: RecordKind::Data, credits: 0, len: 3, ack: 0 };
-        let mut body = rec.encode().to_vec();
-        body.extend_from_slice(b"abc");
-        let mut frame = vec![0u8; 64];
-        let n = fc::encode_frame(0, &body, &mut frame).len();
-        mr.write(0, &frame[..n]);
-        qb.post_send(&[SendWr::write(9, &[mr.sge(0, n)], addr, rkey)]).unwrap();
+        let (mut p, _qb, _cb, _mr) = send(|_| {});
         assert_eq!(p.recv(T).unwrap(), b"abc");
     }
 
