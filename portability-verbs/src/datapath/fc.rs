@@ -516,14 +516,19 @@ pub fn frame_body_max(ring: u64) -> usize {
     (ring / 4) as usize - FRAME_OVERHEAD
 }
 
-/// Frames `body` for ring position `pos` into `out` (at least [`frame_written`] bytes);
-/// returns the bytes to write.
-pub fn encode_frame<'a>(pos: u64, body: &[u8], out: &'a mut [u8]) -> &'a [u8] {
-    let n = frame_written(body.len());
-    let word = frame_word(pos, body.len()).to_le_bytes();
+/// Frames a body made of `parts` (put end to end) for ring position `pos` into `out` (at
+/// least [`frame_written`] bytes); returns the bytes to write.
+pub fn encode_frame<'a>(pos: u64, parts: &[&[u8]], out: &'a mut [u8]) -> &'a [u8] {
+    let body: usize = parts.iter().map(|p| p.len()).sum();
+    let n = frame_written(body);
+    let word = frame_word(pos, body).to_le_bytes();
     out[..8].copy_from_slice(&word);
-    out[8..8 + body.len()].copy_from_slice(body);
-    out[8 + body.len()..n - 8].fill(0);
+    let mut at = 8;
+    for p in parts {
+        out[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
+    }
+    out[at..n - 8].fill(0);
     out[n - 8..n].copy_from_slice(&word);
     &out[..n]
 }
@@ -779,7 +784,7 @@ mod tests {
                 };
                 let pos = tx.sent() - frame_reserved(body.len());
                 prop_assert_eq!(pos % SIZE, place.offset);
-                let bytes = encode_frame(pos, &body, &mut buf).to_vec();
+                let bytes = encode_frame(pos, &[&body], &mut buf).to_vec();
                 // All but the closing word: not yet a frame.
                 let at = place.offset as usize;
                 let n = bytes.len();
@@ -836,14 +841,14 @@ mod tests {
         let mut buf = vec![0u8; 1024];
         let mut pos = 0;
         while pos < SIZE - 64 {
-            let b = encode_frame(pos, &[7; 8], &mut buf).to_vec();
+            let b = encode_frame(pos, &[&[7; 8]], &mut buf).to_vec();
             ring.0[pos as usize..pos as usize + b.len()].copy_from_slice(&b);
             let f = poll_frame(&mut rx, &ring).unwrap().unwrap();
             rx.consume_to(f.end_pos);
             pos = f.end_pos;
         }
         // A 100-byte body does not fit in the last line: it starts the next lap.
-        let b = encode_frame(SIZE, &[9; 100], &mut buf).to_vec();
+        let b = encode_frame(SIZE, &[&[9; 100]], &mut buf).to_vec();
         ring.0[..b.len()].copy_from_slice(&b);
         let f = poll_frame(&mut rx, &ring).unwrap().unwrap();
         assert_eq!((f.body_off, f.body_len, f.end_pos), (8, 100, SIZE + 128));
@@ -851,7 +856,7 @@ mod tests {
         let mut rx = RingReceiver::new(SIZE);
         rx.received = SIZE - 64;
         rx.consumed = SIZE - 64;
-        let b = encode_frame(SIZE, &[9; 8], &mut buf).to_vec();
+        let b = encode_frame(SIZE, &[&[9; 8]], &mut buf).to_vec();
         ring.0[..b.len()].copy_from_slice(&b);
         assert!(poll_frame(&mut rx, &ring).is_err());
     }
@@ -877,7 +882,7 @@ mod tests {
         let mut after = ByteRing(vec![0; SIZE as usize]);
         // Frames of one line from SIZE - 192 to the end, then one at the next lap's start.
         for pos in [SIZE - 192, SIZE - 128, SIZE - 64, SIZE] {
-            let b = encode_frame(pos, &[pos as u8; 8], &mut buf).to_vec();
+            let b = encode_frame(pos, &[&[pos as u8; 8]], &mut buf).to_vec();
             let at = (pos % SIZE) as usize;
             after.0[at..at + b.len()].copy_from_slice(&b);
         }

@@ -814,14 +814,10 @@ impl MsgPipe {
         }
         let reserved = fc::frame_reserved(body);
         let Some(place) = self.ring_tx.reserve(reserved) else { return Ok(false) };
-        let word = fc::frame_word(self.ring_tx.sent() - reserved, body).to_le_bytes();
         let mut frame = [0u8; INLINE_MAX];
-        frame[..8].copy_from_slice(&word);
-        frame[8..8 + RECORD_HEADER].copy_from_slice(&rec.encode());
-        frame[8 + RECORD_HEADER..8 + body].copy_from_slice(payload);
-        frame[written - 8..written].copy_from_slice(&word);
+        let frame = fc::encode_frame(self.ring_tx.sent() - reserved, &[&rec.encode(), payload], &mut frame);
         let peer = self.peer_ring.as_ref().ok_or_else(|| VerbsError::Protocol("a frame before setup".into()))?;
-        let sge = Sge { addr: frame.as_ptr() as u64, length: written as u32, lkey: 0 };
+        let sge = Sge { addr: frame.as_ptr() as u64, length: frame.len() as u32, lkey: 0 };
         let wr = SendWr::write(0, &[sge], peer.addr + place.offset, peer.rkey);
         if let Err(e) = self.post_inline_counted(wr) {
             self.ring_tx.unreserve();
@@ -909,7 +905,6 @@ impl MsgPipe {
                 return Ok(false);
             }
             let before = self.ring_rx.received();
-            self.check_failed()?;
             let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("sleep before setup".into()))?;
             self.sleeps_announced = self.sleeps_announced.wrapping_add(1).max(1);
             let word = (self.sleeps_announced as u64) << 32 | self.ring_rx.received() as u32 as u64;
@@ -1484,7 +1479,7 @@ impl MsgPipe {
     /// Drives progress if nothing is there. `Ok(None)` if nothing arrived. After a failure,
     /// messages received before it are still returned, then the error.
     pub fn front(&mut self) -> Result<Option<(Lane, &[u8])>> {
-        if self.inbox.is_empty() && self.failed.is_none() && !self.polled_arrivals()? {
+        if self.inbox.is_empty() && self.failed.is_none() && !self.polled_arrivals() {
             // A failure found now still leaves earlier messages readable.
             if let Err(e) = self.progress() {
                 if self.inbox.is_empty() {
@@ -1508,15 +1503,19 @@ impl MsgPipe {
 
     /// Polled strategy: whether frames arrived, looking at the ring alone (a full progress
     /// pass, with its completion-queue poll, is for when nothing did: off the path from a
-    /// message's arrival to its reader).
+    /// message's arrival to its reader). A bad frame fails the pipe; the frames before it
+    /// stay readable, and the caller's progress reports the failure once they are read.
     #[inline]
-    fn polled_arrivals(&mut self) -> Result<bool> {
+    fn polled_arrivals(&mut self) -> bool {
         if !matches!(self.strategy, FlowStrategy::Polled { .. }) || self.reap_wake {
-            return Ok(false);
+            return false;
         }
         match self.poll_frames() {
-            Ok(n) => Ok(n > 0),
-            Err(e) => Err(self.fail(e)),
+            Ok(n) => n > 0,
+            Err(e) => {
+                let _ = self.fail(e);
+                !self.inbox.is_empty()
+            }
         }
     }
 
@@ -2251,7 +2250,7 @@ mod tests {
             let mut body = rec.encode().to_vec();
             body.extend_from_slice(b"abc");
             let mut frame = vec![0u8; 64];
-            let n = fc::encode_frame(0, &body, &mut frame).len();
+            let n = fc::encode_frame(0, &[&body], &mut frame).len();
             frame.truncate(n);
             forge(&mut frame);
             let word: [u8; 8] = frame[..8].try_into().unwrap();
