@@ -895,16 +895,19 @@ impl MsgPipe {
     /// we sleep (an RDMA write into its acknowledgement slots) and takes a last look at the
     /// ring; the peer then raises a completion for any frame we have not seen. A sleeper that
     /// skips it still wakes at the end of its sleep, but every message then costs a whole
-    /// sleep. (What was already received before the call is not looked at.)
+    /// sleep. (What was already received before the call is not looked at: call it after a
+    /// look that found nothing.)
     pub fn prepare_sleep(&mut self) -> Result<bool> {
         if let FlowStrategy::Polled { .. } = self.strategy {
+            // Frames this call takes in count as arrivals, those of its first pass too: the
+            // caller looked before calling and found nothing.
+            let before = self.ring_rx.received();
             self.progress()?;
             if !self.coalescer.is_empty() {
                 // Messages of ours wait for the send window (completions the peer releases by
                 // taking an earlier wake-up): sleeping now could leave both ends asleep.
                 return Ok(false);
             }
-            let before = self.ring_rx.received();
             let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("sleep before setup".into()))?;
             self.sleeps_announced = self.sleeps_announced.wrapping_add(1).max(1);
             let word = (self.sleeps_announced as u64) << 32 | self.ring_rx.received() as u32 as u64;
