@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use madeleine::{RecvMode, SendMode, Session, SessionConfig};
-use portability_verbs::datapath::{FlowStrategy, MsgPipe};
+use portability_verbs::datapath::MsgPipe;
 use portability_verbs::*;
 
 /// Per-message CPU cost of Madeleine and of the bare message pipe, side by side.
@@ -136,7 +136,8 @@ impl PipePair {
         let b = pd.create_qp(&QpInit::new(&cb)).map_err(e)?;
         a.connect_to(b.endpoint()).map_err(e)?;
         b.connect_to(a.endpoint()).map_err(e)?;
-        let s = FlowStrategy::WINDOW;
+        // The strategy Madeleine's sessions run on by default, as the other side measures.
+        let s = SessionConfig::new(0, 2, std::env::temp_dir()).strategy;
         let (pa, pb) = std::thread::scope(|sc| {
             let h = sc.spawn(|| MsgPipe::establish(b, cb, &pd, s, T));
             (MsgPipe::establish(a, ca, &pd, s, T), h.join().expect("pipe thread"))
