@@ -488,16 +488,18 @@ fn a_long_wait_sleeps_on_the_completion_queues() {
     long_wait();
 }
 
-/// Polled pipes raise no completion per message: every size and protocol goes through them,
-/// and a receiver asleep on its completion queues is woken by the next message.
+/// The other tests run on the default strategy (polled); every other one carries every size
+/// and protocol too, and wakes a receiver asleep on its completion queues.
 #[test]
-fn polled_pipes_carry_every_size_and_wake_sleeping_receivers() {
-    with_flow(FlowStrategy::POLLED, || {
-        for threshold in [SMALL, usize::MAX] {
-            every_size_with(threshold);
-        }
-        long_wait();
-    });
+fn every_flow_strategy_carries_every_size_and_wakes_sleeping_receivers() {
+    for strategy in [FlowStrategy::WINDOW, FlowStrategy::RDMA, FlowStrategy::CREDIT] {
+        with_flow(strategy, || {
+            for threshold in [SMALL, usize::MAX] {
+                every_size_with(threshold);
+            }
+            long_wait();
+        });
+    }
 }
 
 fn long_wait() {
