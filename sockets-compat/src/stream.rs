@@ -68,7 +68,7 @@ const LOCK_WORDS: u64 = 256;
 const CAS_RESULT: usize = 8 * LOCK_WORDS as usize;
 
 /// Per-socket settings, by default from the environment: `SDP_DESIGN` (`bsdp`, `zsdp`,
-/// `azsdp`), `SDP_FLOW` (`credit`, `rdma`, `window`: must be the same at both ends),
+/// `azsdp`), `SDP_FLOW` (`credit`, `rdma`, `window`, `polled`: must be the same at both ends),
 /// `SDP_ZCOPY_THRESHOLD` (bytes), `SDP_AZ_OUTSTANDING`, `SDP_AZ_FAULT_LIMIT`, `SDP_AZ_COW`
 /// (`1` or `0`), `SDP_BULK_RING` and `SDP_BULK_MIN` (bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,6 +103,8 @@ impl SdpConfig {
     pub const RDMA: FlowStrategy = FlowStrategy::Rdma { ring_bytes: 128 * 1024, coalesce: 4096 };
     /// Window defaults: 16 receives of 8 KiB.
     pub const WINDOW: FlowStrategy = FlowStrategy::Window { window: 8192, buffers: 16 };
+    /// Polled defaults: a 128 KiB ring, 4 KiB coalescing.
+    pub const POLLED: FlowStrategy = FlowStrategy::Polled { ring_bytes: 128 * 1024, coalesce: 4096 };
 
     /// The settings from the environment (invalid values are an error, not ignored).
     pub fn from_env() -> io::Result<SdpConfig> {
@@ -115,7 +117,8 @@ impl SdpConfig {
                 "credit" => Self::CREDIT,
                 "rdma" => Self::RDMA,
                 "window" => Self::WINDOW,
-                _ => return Err(invalid(format!("SDP_FLOW={v:?}: credit, rdma or window"))),
+                "polled" => Self::POLLED,
+                _ => return Err(invalid(format!("SDP_FLOW={v:?}: credit, rdma, window or polled"))),
             };
         }
         if let Ok(v) = std::env::var("SDP_ZCOPY_THRESHOLD") {
@@ -510,6 +513,11 @@ impl SdpStream {
         Ok(SdpStream { conn: Arc::new(Mutex::new(c)), cq })
     }
 
+    /// The pipe's [`MsgPipe::prepare_sleep`] (false on an error: the next poll reports it).
+    fn prepare_sleep(&self) -> bool {
+        self.lock().pipe.prepare_sleep().unwrap_or(false)
+    }
+
     fn lock(&self) -> MutexGuard<'_, Conn> {
         // A panic while holding the lock cannot leave the protocol half-updated in a way later
         // calls would misread: every path re-checks `failed` first.
@@ -682,7 +690,7 @@ impl SdpStream {
                     ReadStep::Nothing => {
                         drop(c);
                         // Whatever comes next (a message, bulk data, our reads) completes.
-                        pacer.pause_on(deadline, "reading", Some(&self.cq))?;
+                        pacer.pause_on(deadline, "reading", Some(&self.cq), || self.prepare_sleep())?;
                         continue;
                     }
                 }
@@ -906,7 +914,8 @@ impl SdpStream {
                 }
             }
             // RdmaRdCompl arrives as a message.
-            pacer.pause_on(deadline, "waiting for an outstanding SrcAvail to be read", Some(&self.cq))?;
+            let what = "waiting for an outstanding SrcAvail to be read";
+            pacer.pause_on(deadline, what, Some(&self.cq), || self.prepare_sleep())?;
         }
         let (addr, len) = (pages.as_ptr() as usize, pages.len());
         // SAFETY: the pages stay mapped until the receiver answers, by the AZ-SDP contract
@@ -1007,7 +1016,7 @@ impl SdpStream {
                 self.send_control(Message::SrcAvailCancel)?;
                 deadline = Deadline::after(timeout);
             }
-            pacer.pause_on(&Deadline::never(), "waiting for RdmaRdCompl", Some(&self.cq))?;
+            pacer.pause_on(&Deadline::never(), "waiting for RdmaRdCompl", Some(&self.cq), || self.prepare_sleep())?;
         }
     }
 }
@@ -1813,11 +1822,19 @@ const NAP: Duration = Duration::from_micros(20);
 
 impl Pacer {
     fn pause(&mut self, deadline: &Deadline, what: &str) -> io::Result<()> {
-        self.pause_on(deadline, what, None)
+        self.pause_on(deadline, what, None, || true)
     }
 
-    /// [`Pacer::pause`] for an event that raises a completion on `cq`.
-    fn pause_on(&mut self, deadline: &Deadline, what: &str, cq: Option<&CompletionQueue>) -> io::Result<()> {
+    /// [`Pacer::pause`] for an event that raises a completion on `cq`. Before it sleeps there it
+    /// calls `prepare` (the pipe's [`MsgPipe::prepare_sleep`]: a polled pipe's messages raise
+    /// no completion unless the peer is told we sleep); false: something arrived, poll again.
+    fn pause_on(
+        &mut self,
+        deadline: &Deadline,
+        what: &str,
+        cq: Option<&CompletionQueue>,
+        prepare: impl FnOnce() -> bool,
+    ) -> io::Result<()> {
         self.polls += 1;
         let deadline = deadline.get();
         let sleeping = self.polls >= 6000;
@@ -1830,6 +1847,9 @@ impl Pacer {
             // A server thread and its clients may outnumber the CPUs.
             std::thread::yield_now();
         } else if let Some(cq) = cq {
+            if !prepare() {
+                return Ok(());
+            }
             let slice = deadline.map_or(SLEEP_SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLEEP_SLICE));
             if let Err(e) = portability_verbs::wait_any(&[cq], slice) {
                 // The next poll reports a broken queue; until then, nap.
@@ -1924,7 +1944,9 @@ impl Drop for Conn {
             if (close_sent && done) || self.proto.peer_closed() {
                 break;
             }
-            if pacer.pause_on(deadline, "closing", Some(&cq)).is_err() {
+            // An error: the next pass sees the pipe failed.
+            let prepare = || self.pipe.prepare_sleep().unwrap_or(false);
+            if pacer.pause_on(deadline, "closing", Some(&cq), prepare).is_err() {
                 break;
             }
         }
@@ -1949,6 +1971,35 @@ mod tests {
         assert!(!d.passed());
         std::thread::sleep(Duration::from_millis(25));
         assert!(d.passed());
+    }
+
+    /// A polled pipe's messages raise no completion: a reader past its spin phase tells the
+    /// peer it sleeps, and the writer's next message raises one for it (counted as control
+    /// transfers on both ends: the announcement, and the wake-up).
+    #[test]
+    fn a_sleeping_reader_on_a_polled_stream_is_woken_by_the_write() {
+        let config = SdpConfig { design: Design::Bsdp, flow: SdpConfig::POLLED, ..SdpConfig::default() };
+        let listener = SdpListener::bind_with("127.0.0.1:0", config).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let writer = std::thread::spawn(move || {
+            let mut w = SdpStream::connect_with(addr, config).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+            w.write_all(b"wake").unwrap();
+            let mut ack = [0u8; 1];
+            w.read_exact(&mut ack).unwrap();
+            let control = w.lock().pipe.stats().control;
+            control
+        });
+        let (mut r, _) = listener.accept().unwrap();
+        r.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 4];
+        r.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"wake");
+        let announced = r.lock().pipe.stats().control;
+        r.write_all(b"k").unwrap();
+        let answered = writer.join().unwrap();
+        assert!(announced >= 1, "the reader slept without telling the writer");
+        assert!(answered >= 1, "the writer raised no wake-up for the sleeping reader");
     }
 
     #[test]

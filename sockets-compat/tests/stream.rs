@@ -60,7 +60,8 @@ fn random_stream_between(cfg: SdpConfig, reader: SdpConfig, seed: u64) {
 
 #[test]
 fn bsdp_streams_are_byte_exact_under_every_flow_control() {
-    for (i, flow) in [SdpConfig::CREDIT, SdpConfig::RDMA, SdpConfig::WINDOW].into_iter().enumerate() {
+    for (i, flow) in [SdpConfig::CREDIT, SdpConfig::RDMA, SdpConfig::WINDOW, SdpConfig::POLLED].into_iter().enumerate()
+    {
         random_stream(SdpConfig { design: Design::Bsdp, flow, ..SdpConfig::default() }, 11 + i as u64);
     }
 }
@@ -70,7 +71,8 @@ fn bsdp_streams_are_byte_exact_under_every_flow_control() {
 /// and a reader without a bulk ring, to which the same writer sends Data.
 #[test]
 fn bulk_lane_streams_are_byte_exact_under_every_flow_control() {
-    for (i, flow) in [SdpConfig::CREDIT, SdpConfig::RDMA, SdpConfig::WINDOW].into_iter().enumerate() {
+    for (i, flow) in [SdpConfig::CREDIT, SdpConfig::RDMA, SdpConfig::WINDOW, SdpConfig::POLLED].into_iter().enumerate()
+    {
         let cfg =
             SdpConfig { design: Design::Bsdp, flow, bulk_ring: 16 * 1024, bulk_min: 3000, ..SdpConfig::default() };
         random_stream(cfg, 31 + i as u64);
