@@ -256,6 +256,38 @@ fn remote_access_violations_complete_with_remote_access_error_and_move_the_qp_to
     });
 }
 
+/// Unsignaled inline RDMA writes (the polled message path's request, which the software
+/// provider carries out at post when nothing is ahead of it): the bytes are taken at post, a
+/// later signaled request's completion covers them, and a failing one is still reported (an
+/// error completion is never suppressed) and fails the queue pair.
+#[test]
+fn unsignaled_inline_writes_take_their_bytes_at_post_and_still_report_failures() {
+    each(|ctx| {
+        let p = pair(ctx, 4096);
+        for i in 0..40u64 {
+            let mut src = pattern(i, 48);
+            let sge = Sge { addr: src.as_ptr() as u64, length: 48, lkey: 0 };
+            let at = p.mr_b.addr() + 64 * (i % 16);
+            p.a.post_send(&[SendWr::write(i, &[sge], at, p.mr_b.rkey()).inline(true).signaled(false)]).unwrap();
+            src.fill(0xEE); // the caller's bytes may be reused once the post returns
+            p.a.post_send(&[SendWr::write(100 + i, &[], 0, 0)]).unwrap(); // a signaled fence
+            assert_eq!(wait_one(&p.cq_a).wr_id, 100 + i, "only the signaled request reports");
+            let mut got = vec![0u8; 48];
+            p.mr_b.read(64 * (i % 16) as usize, &mut got);
+            assert_eq!(got, pattern(i, 48), "write {i}");
+        }
+        let src = [7u8; 16];
+        let sge = Sge { addr: src.as_ptr() as u64, length: 16, lkey: 0 };
+        let bad = SendWr::write(7, &[sge], p.mr_b.addr(), p.mr_b.rkey() ^ 0x5500).inline(true).signaled(false);
+        p.a.post_send(&[bad]).unwrap();
+        let wc = wait_one(&p.cq_a);
+        assert_eq!((wc.wr_id, wc.status), (7, WcStatus::RemAccessErr));
+        assert_eq!(p.a.state(), QpState::Error);
+        p.a.post_send(&[SendWr::write(8, &[sge], p.mr_b.addr(), p.mr_b.rkey()).inline(true)]).unwrap();
+        assert_eq!(wait_one(&p.cq_a).status, WcStatus::WrFlushErr, "nothing runs after the failure");
+    });
+}
+
 /// A zero-byte read or write names no memory, so the responder validates neither key nor
 /// address (IBA C9-88): the usual keep-alive, or a fence whose completion covers earlier
 /// unsignaled requests. The QP's own remote-access rights still apply.

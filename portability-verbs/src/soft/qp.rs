@@ -624,6 +624,11 @@ impl QpInner {
     /// Posts send-queue requests and starts them at once where the ring and ordering allow.
     pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
         let mut core = self.core.lock();
+        if let [wr] = wrs {
+            if let Some(done) = self.post_write_at_once(&mut core, wr) {
+                return done;
+            }
+        }
         let mut out = Out::new();
         let mut result = Ok(());
         for wr in wrs {
@@ -684,6 +689,45 @@ impl QpInner {
         self.deliver(&out); // under the lock: per-QP completion order across threads
         drop(core);
         result
+    }
+
+    /// The polled message path's request: an unsignaled inline RDMA write with nothing ahead
+    /// of it in the send queue. It is carried out now, and on success leaves no trace (the
+    /// general path would queue it, find it done and retire it at once, reporting nothing).
+    /// None, with nothing done: take the general path.
+    #[inline]
+    fn post_write_at_once(&self, core: &mut QpCore, wr: &SendWr) -> Option<Result<()>> {
+        if wr.opcode != WrOpcode::RdmaWrite
+            || !wr.flags.inline
+            || wr.flags.signaled
+            || !core.sq.is_empty()
+            || core.in_ring_data > 0
+            || core.state != QpState::ReadyToSend
+        {
+            return None;
+        }
+        if let Err(e) = self.check_send(core, wr) {
+            return Some(Err(e));
+        }
+        let stage = self.run_one_sided(core, wr, &Inline::Borrowed);
+        if stage != SqStage::Done(WcStatus::Success) {
+            // A failed write is reported (unsignaled or not) and fails the queue pair: the
+            // general path's bookkeeping, with the outcome already known.
+            let mut out = Out::new();
+            core.sq.push_back(SqEntry {
+                wr_id: wr.wr_id,
+                opcode: wr.opcode,
+                signaled: false,
+                byte_len: wr.byte_len() as u32,
+                stage,
+                waiting: None,
+            });
+            self.account_started(core, stage, &mut out);
+            self.retire(core, &mut out);
+            self.publish_peek(core);
+            self.deliver(&out);
+        }
+        Some(Ok(()))
     }
 
     fn check_send(&self, core: &QpCore, wr: &SendWr) -> Result<()> {
