@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::ctx::{key_slot, local_copy, CtxInner, PeerKey};
@@ -29,10 +29,17 @@ pub struct PeerCtx {
     pub ctrl: Segment,
     mem: Option<RemoteMemory>,
     segs: Mutex<HashMap<u64, Arc<Segment>>>,
+    /// The first [`FAST_SEGS`] of `segs`, found without its lock (every RDMA write into a
+    /// provider segment looks its segment up): a slot's id, once published, names the same
+    /// mapping for the context's life (a peer never reuses a segment id).
+    fast_segs: [(AtomicU64, OnceLock<Arc<Segment>>); FAST_SEGS],
     bells: Mutex<HashMap<u32, (u32, Option<OwnedFd>)>>,
     dead: AtomicBool,
     lock_tag: u64,
 }
+
+/// Segments per peer looked up without a lock.
+const FAST_SEGS: usize = 16;
 
 /// Where a validated remote range is reached.
 enum Reach {
@@ -82,6 +89,7 @@ impl PeerCtx {
             ctrl,
             mem,
             segs: Mutex::new(HashMap::new()),
+            fast_segs: std::array::from_fn(|_| (AtomicU64::new(0), OnceLock::new())),
             bells: Mutex::new(HashMap::new()),
             dead: AtomicBool::new(false),
             lock_tag: ctx.lock_tag,
@@ -145,12 +153,12 @@ impl PeerCtx {
             Reach::Direct(addr as usize as *mut u8)
         } else {
             match self.segment_of(entry) {
-                Some(seg) => {
+                Some((seg_ptr, seg_len)) => {
                     let off = entry.seg_off.load(Ordering::Relaxed) + (addr - base);
-                    if off.checked_add(len).is_none_or(|e| e > seg.len() as u64) {
+                    if off.checked_add(len).is_none_or(|e| e > seg_len as u64) {
                         return Err(WcStatus::RemAccessErr);
                     }
-                    Reach::Direct(seg.ptr().wrapping_add(off as usize))
+                    Reach::Direct(seg_ptr.wrapping_add(off as usize))
                 }
                 None => Reach::Remote(addr),
             }
@@ -170,21 +178,36 @@ impl PeerCtx {
                 .is_some_and(|e| e.key.load(Ordering::Acquire) == rkey && e.seg_id.load(Ordering::Relaxed) != 0)
     }
 
-    /// The mapping of the provider segment holding a region, fetched and mapped on first use.
-    /// None for user memory, or if the segment cannot be had (then cross-memory attach serves).
-    fn segment_of(&self, entry: &MrEntry) -> Option<Arc<Segment>> {
+    /// The mapping (address and length here) of the provider segment holding a region,
+    /// fetched and mapped on first use; it stays mapped while this context lives. None for user
+    /// memory, or if the segment cannot be had (then cross-memory attach serves).
+    fn segment_of(&self, entry: &MrEntry) -> Option<(*mut u8, usize)> {
         let id = entry.seg_id.load(Ordering::Relaxed);
         if id == 0 {
             return None;
         }
+        for (slot_id, seg) in &self.fast_segs {
+            match slot_id.load(Ordering::Acquire) {
+                0 => break,
+                v if v == id => return seg.get().map(|s| (s.ptr(), s.len())),
+                _ => {}
+            }
+        }
         let mut segs = self.segs.lock().expect("segment cache lock");
         if let Some(s) = segs.get(&id) {
-            return Some(s.clone());
+            return Some((s.ptr(), s.len()));
         }
         let fd = self.fetch(entry.seg_fd.load(Ordering::Relaxed)).ok()?;
         let seg = Arc::new(Segment::map_fetched(fd, &segment_name(self.key.2, id), 1).ok()?);
-        segs.insert(id, seg.clone());
-        Some(seg)
+        // Published under the lock: slots fill in order, each once.
+        if let Some((slot_id, slot)) = self.fast_segs.iter().find(|(i, _)| i.load(Ordering::Relaxed) == 0) {
+            if slot.set(seg.clone()).is_ok() {
+                slot_id.store(id, Ordering::Release);
+            }
+        }
+        let mapped = (seg.ptr(), seg.len());
+        segs.insert(id, seg);
+        Some(mapped)
     }
 
     /// Wakes the owner of doorbell `slot` if it armed it (sleeps or is about to). Inlined into
