@@ -513,9 +513,9 @@ impl SdpStream {
         Ok(SdpStream { conn: Arc::new(Mutex::new(c)), cq })
     }
 
-    /// The pipe's [`MsgPipe::prepare_sleep`] (false on an error: the next poll reports it).
+    /// [`Conn::prepare_sleep`], under the lock.
     fn prepare_sleep(&self) -> bool {
-        self.lock().pipe.prepare_sleep().unwrap_or(false)
+        self.lock().prepare_sleep()
     }
 
     fn lock(&self) -> MutexGuard<'_, Conn> {
@@ -1075,6 +1075,11 @@ impl Background for Conn {
 }
 
 impl Conn {
+    /// The pipe's [`MsgPipe::prepare_sleep`] (false on an error: the next poll reports it).
+    fn prepare_sleep(&mut self) -> bool {
+        self.pipe.prepare_sleep().unwrap_or(false)
+    }
+
     fn max_payload(&self) -> usize {
         self.config.flow.max_message() - BSDH_LEN
     }
@@ -1944,9 +1949,7 @@ impl Drop for Conn {
             if (close_sent && done) || self.proto.peer_closed() {
                 break;
             }
-            // An error: the next pass sees the pipe failed.
-            let prepare = || self.pipe.prepare_sleep().unwrap_or(false);
-            if pacer.pause_on(deadline, "closing", Some(&cq), prepare).is_err() {
+            if pacer.pause_on(deadline, "closing", Some(&cq), || self.prepare_sleep()).is_err() {
                 break;
             }
         }

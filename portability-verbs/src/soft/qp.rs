@@ -667,11 +667,7 @@ impl QpInner {
                 None
             };
             match started {
-                Some(stage) => {
-                    entry.stage = stage;
-                    core.sq.push_back(entry);
-                    self.account_started(&mut core, stage, &mut out);
-                }
+                Some(stage) => self.queue_started(&mut core, entry, stage, &mut out),
                 None => {
                     // It must wait: keep a copy, with inline data copied out of the caller's
                     // buffer, which may be reused as soon as we return.
@@ -684,15 +680,27 @@ impl QpInner {
                 }
             }
         }
-        self.retire(&mut core, &mut out);
-        self.publish_peek(&core);
-        self.deliver(&out); // under the lock: per-QP completion order across threads
+        self.end_post(&mut core, &mut out);
         drop(core);
         result
     }
 
+    /// Queues a request that started (or finished) at post.
+    fn queue_started(&self, core: &mut QpCore, mut entry: SqEntry, stage: SqStage, out: &mut Out) {
+        entry.stage = stage;
+        core.sq.push_back(entry);
+        self.account_started(core, stage, out);
+    }
+
+    /// The end of a post: retires what finished, publishes the queue's state, reports.
+    fn end_post(&self, core: &mut QpCore, out: &mut Out) {
+        self.retire(core, out);
+        self.publish_peek(core);
+        self.deliver(out); // under the lock: per-QP completion order across threads
+    }
+
     /// The polled message path's request: an unsignaled inline RDMA write with nothing ahead
-    /// of it in the send queue. It is carried out now, and on success leaves no trace (the
+    /// of it in the send queue (empty, so no ring record of ours waits to be placed first). It is carried out now, and on success leaves no trace (the
     /// general path would queue it, find it done and retire it at once, reporting nothing).
     /// None, with nothing done: take the general path.
     #[inline]
@@ -701,7 +709,6 @@ impl QpInner {
             || !wr.flags.inline
             || wr.flags.signaled
             || !core.sq.is_empty()
-            || core.in_ring_data > 0
             || core.state != QpState::ReadyToSend
         {
             return None;
@@ -714,18 +721,16 @@ impl QpInner {
             // A failed write is reported (unsignaled or not) and fails the queue pair: the
             // general path's bookkeeping, with the outcome already known.
             let mut out = Out::new();
-            core.sq.push_back(SqEntry {
+            let entry = SqEntry {
                 wr_id: wr.wr_id,
                 opcode: wr.opcode,
                 signaled: false,
                 byte_len: wr.byte_len() as u32,
                 stage,
                 waiting: None,
-            });
-            self.account_started(core, stage, &mut out);
-            self.retire(core, &mut out);
-            self.publish_peek(core);
-            self.deliver(&out);
+            };
+            self.queue_started(core, entry, stage, &mut out);
+            self.end_post(core, &mut out);
         }
         Some(Ok(()))
     }
