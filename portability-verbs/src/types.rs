@@ -131,6 +131,11 @@ pub struct SendFlags {
     pub inline: bool,
     /// Wait for earlier RDMA reads and atomics to finish before this request runs.
     pub fence: bool,
+    /// A hint, for RDMA writes: another CPU reads the written data next, not this one. The
+    /// software provider then places what it copies through shared memory with non-temporal
+    /// stores (see [`crate::copy::copy_streaming`] for when that pays); a NIC ignores it. It
+    /// never changes what the request does.
+    pub streaming: bool,
 }
 
 /// A send-queue work request.
@@ -228,6 +233,12 @@ impl SendWr {
     #[inline]
     pub fn fence(mut self, fence: bool) -> Self {
         self.flags.fence = fence;
+        self
+    }
+    /// Sets the streaming hint ([`SendFlags::streaming`]).
+    #[inline]
+    pub fn streaming(mut self, streaming: bool) -> Self {
+        self.flags.streaming = streaming;
         self
     }
     /// Total bytes named by the SGE list.

@@ -719,15 +719,17 @@ fn provider_allocated_memory_is_a_shared_segment_target() {
 
 /// A reader polling the last 8 bytes of an RDMA write (the RDMA fast path of eager protocols)
 /// sees the whole write once they change: the software provider places them last, as a NIC's
-/// in-order DMA does. Into provider memory and into this process's heap (both stored directly);
-/// each write waits for the reader's check, so a stale word the reader sees is a misplacement.
+/// in-order DMA does. Into provider memory and into this process's heap (both stored directly),
+/// with cached stores and with the streaming hint's non-temporal ones (weakly ordered, so the
+/// provider must fence them before the last word); each write waits for the reader's check, so
+/// a stale word the reader sees is a misplacement.
 #[test]
 fn a_polled_write_is_whole_once_its_last_word_changed() {
     let ctx = Context::open(Provider::Software).unwrap();
     let p = pair(&ctx, 8192);
     let seg = p.pd.alloc(4096, AccessFlags::ALL).unwrap();
     let heap = p.pd.register(vec![0u8; 4096].into_boxed_slice(), AccessFlags::ALL).unwrap();
-    for target in [&seg, &heap] {
+    for (target, streaming) in [(&seg, false), (&heap, false), (&seg, true), (&heap, true)] {
         target.write(0, &[0u8; 4096]);
         let checked = std::sync::atomic::AtomicU64::new(0);
         let rounds = 3000u64;
@@ -758,7 +760,8 @@ fn a_polled_write_is_whole_once_its_last_word_changed() {
                     w.copy_from_slice(&n.to_ne_bytes());
                 }
                 p.mr_a.write(0, &buf[..len]);
-                p.a.post_send(&[SendWr::write(n, &[p.mr_a.sge(0, len)], target.addr(), target.rkey())]).unwrap();
+                let wr = SendWr::write(n, &[p.mr_a.sge(0, len)], target.addr(), target.rkey()).streaming(streaming);
+                p.a.post_send(&[wr]).unwrap();
                 assert_eq!(wait_one(&p.cq_a).status, WcStatus::Success);
                 let deadline = std::time::Instant::now() + Duration::from_secs(20);
                 while checked.load(std::sync::atomic::Ordering::Acquire) != n {
@@ -772,6 +775,37 @@ fn a_polled_write_is_whole_once_its_last_word_changed() {
             }
         });
     }
+}
+
+/// The streaming hint changes how the software provider stores, never what lands: writes of
+/// every length around the line size and the hint's threshold, at every alignment of source
+/// and target within a line, into provider memory and the heap, leave exactly their bytes.
+#[test]
+fn streaming_writes_place_exactly_their_bytes() {
+    each(|ctx| {
+        let p = pair(ctx, 1 << 14);
+        let seg = p.pd.alloc(1 << 14, AccessFlags::ALL).unwrap();
+        let heap = p.pd.register(vec![0u8; 1 << 14].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        p.mr_a.write(0, &pattern(9, 1 << 14));
+        let mut n = 0u64;
+        for target in [&seg, &heap] {
+            for len in [1000, 1024, 1025, 1087, 4096, 4159, 8191] {
+                for (from, to) in [(0, 0), (1, 0), (0, 1), (13, 63), (64, 7), (33, 32)] {
+                    let fill = vec![0xA5u8; 1 << 14];
+                    target.write(0, &fill);
+                    n += 1;
+                    let wr = SendWr::write(n, &[p.mr_a.sge(from, len)], target.addr() + to as u64, target.rkey());
+                    p.a.post_send(&[wr.streaming(true)]).unwrap();
+                    assert_eq!(wait_one(&p.cq_a).status, WcStatus::Success);
+                    let mut got = vec![0u8; 1 << 14];
+                    target.read(0, &mut got);
+                    let want = pattern(9, 1 << 14)[from..from + len].to_vec();
+                    assert_eq!(got[to..to + len], want[..], "{len} bytes from {from} to {to}");
+                    assert!(got[..to].iter().chain(&got[to + len..]).all(|&b| b == 0xA5), "{len} bytes to {to}: spill");
+                }
+            }
+        }
+    });
 }
 
 #[test]

@@ -17,6 +17,8 @@ use super::segment::{ctrl_name, segment_name, Segment};
 use super::sys::{self, RemoteMemory};
 use crate::endpoint::SoftEndpoint;
 use crate::error::{Result, VerbsError};
+#[cfg(doc)]
+use crate::types::SendFlags;
 use crate::types::{AccessFlags, WcStatus};
 
 /// A peer context.
@@ -40,6 +42,9 @@ pub struct PeerCtx {
 
 /// Segments per peer looked up without a lock.
 const FAST_SEGS: usize = 16;
+/// Writes hinted [`SendFlags::streaming`] use non-temporal stores from this many bytes on
+/// (shorter ones are mostly a partial line at either end).
+const STREAMING_FROM: usize = 1024;
 
 /// Where a validated remote range is reached.
 enum Reach {
@@ -331,11 +336,13 @@ fn bounce(len: usize, mut step: impl FnMut(u64, &mut [u8]) -> std::io::Result<()
 }
 
 impl RemoteAccess<'_> {
-    /// Copies `len` local bytes at `src` into the remote range at byte offset `off`.
+    /// Copies `len` local bytes at `src` into the remote range at byte offset `off`, with
+    /// non-temporal stores if `streaming` (a write's [`SendFlags::streaming`] hint) and the range
+    /// is reached through shared memory.
     ///
     /// # Safety
     /// `src` must be valid for `len` bytes (a checked local registration or provider memory).
-    pub unsafe fn write_from(&self, off: usize, src: *const u8, len: usize) -> Result<(), WcStatus> {
+    pub unsafe fn write_from(&self, off: usize, src: *const u8, len: usize, streaming: bool) -> Result<(), WcStatus> {
         if off.checked_add(len).is_none_or(|e| e > self.len) {
             return Err(WcStatus::RemAccessErr);
         }
@@ -348,7 +355,14 @@ impl RemoteAccess<'_> {
                 // write. (Pieces come in order, so only the last one is split.)
                 let last = if off + len == self.len { len.min(8) } else { 0 };
                 // SAFETY (both): as above; the two pieces split the checked range.
-                let placed = unsafe { local_copy(p.add(off), src, len - last) } && {
+                let placed = if streaming && len >= STREAMING_FROM && !crate::protect::any_active() {
+                    // SAFETY: as above; no range of this process is held, so a plain copy is
+                    // what `local_copy` would make.
+                    unsafe { crate::copy::copy_streaming(p.add(off), src, len - last) };
+                    true
+                } else {
+                    unsafe { local_copy(p.add(off), src, len - last) }
+                } && {
                     std::sync::atomic::fence(Ordering::Release);
                     // SAFETY: see above.
                     unsafe { local_copy(p.add(off + len - last), src.add(len - last), last) }
@@ -429,7 +443,7 @@ impl RemoteAccess<'_> {
             let old = u64::from_ne_bytes(old);
             let new = op(old).to_ne_bytes();
             // SAFETY: `new` is a valid local 8-byte buffer.
-            unsafe { self.write_from(0, new.as_ptr(), 8)? };
+            unsafe { self.write_from(0, new.as_ptr(), 8, false)? };
             Ok(old)
         })?
     }

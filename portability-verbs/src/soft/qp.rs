@@ -1039,15 +1039,15 @@ impl QpInner {
         let result = match wr.opcode {
             WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => match inline {
                 // SAFETY: inline bytes are ours.
-                Inline::Owned(d) => unsafe { access.write_from(0, d.as_ptr(), d.len()) },
+                Inline::Owned(d) => unsafe { access.write_from(0, d.as_ptr(), d.len(), false) },
                 // SAFETY (both arms): the pieces are checked local registrations, or inline SGEs
                 // naming caller memory valid during post_send.
                 Inline::Borrowed => self.each_local_piece(&keys, &wr.sg_list, None, |off, addr, len| unsafe {
-                    access.write_from(off, addr as *const u8, len)
+                    access.write_from(off, addr as *const u8, len, false)
                 }),
                 Inline::No => {
                     self.each_local_piece(&keys, &wr.sg_list, Some(AccessFlags::NONE), |off, addr, len| unsafe {
-                        access.write_from(off, addr as *const u8, len)
+                        access.write_from(off, addr as *const u8, len, wr.flags.streaming)
                     })
                 }
             },
