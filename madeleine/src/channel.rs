@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use portability_verbs::copy::{self, copy_slice};
-use portability_verbs::datapath::{AdaptiveCrossover, FlowStrategy, Lane, MsgPipe, PipeOptions, Registration};
+use portability_verbs::datapath::{AdaptiveCrossover, FlowStrategy, Lane, MsgPipe, PipeOptions, Registration, Stores};
 use portability_verbs::{cm, AccessFlags, CompletionQueue, SendWr, Sge, WcStatus};
 use smallvec::SmallVec;
 
@@ -1090,7 +1090,7 @@ impl<'p> Packer<'p> {
         self.tx.flushed = true;
         match tokens {
             Ok((tokens, copying)) => {
-                self.tx.crossover.on_copy(buf.len(), copying);
+                self.tx.crossover.on_copy(buf.len(), copying, std::time::Instant::now());
                 Ok((reg, tokens))
             }
             Err(e) => {
@@ -1106,8 +1106,10 @@ impl<'p> Packer<'p> {
     /// Writes `head`, `buf` (registered as `reg`) and `tail` into the peer's bulk ring, chunk
     /// by chunk (`head` in the first, `tail` in the last), waiting for ring space (while
     /// draining what arrives, so two ends sending at once never block each other). Returns
-    /// the chunks' tokens (`buf` is in use until they complete) and the time spent handing
-    /// them over (on the software provider, copying them into the ring).
+    /// the chunks' tokens (`buf` is in use until they complete) and the time the hand-over
+    /// took for a pack the crossover times (zero otherwise): the copies into the ring and the
+    /// waits for room in it, so that while packs follow each other it is the pace at which
+    /// the receiver drains the ring, which the stores chosen also change.
     fn bulk_chunks(
         &self,
         head: &[u8],
@@ -1116,8 +1118,8 @@ impl<'p> Packer<'p> {
         tail: &[u8],
     ) -> Result<(Vec<u64>, std::time::Duration)> {
         let max = self.conn.bulk_chunk;
-        let timed = buf.len() >= AdaptiveCrossover::MIN_PACK;
-        let mut copying = std::time::Duration::ZERO;
+        let started = (buf.len() >= AdaptiveCrossover::MIN_PACK).then(std::time::Instant::now);
+        let streaming = self.tx.crossover.stores() == Stores::Streaming;
         let mut tokens = Vec::with_capacity(buf.len().div_ceil(max) + 1);
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for room in the peer's bulk ring");
         let (mut off, mut head, mut tail_sent) = (0, head, false);
@@ -1130,10 +1132,9 @@ impl<'p> Packer<'p> {
             loop {
                 {
                     let mut io = self.conn.io();
-                    let t0 = timed.then(std::time::Instant::now);
+                    io.pipe.set_bulk_streaming(streaming);
                     let sent = io.pipe.try_send_bulk_framed(head, sge, tail_here).map_err(|e| self.conn.lost(e))?;
                     if let Some(t) = sent {
-                        copying += t0.map_or(std::time::Duration::ZERO, |t0| t0.elapsed());
                         tokens.push(t);
                         break;
                     }
@@ -1146,7 +1147,7 @@ impl<'p> Packer<'p> {
             head = &[];
             tail_sent = last && (tail.is_empty() || !tail_here.is_empty());
         }
-        Ok((tokens, copying))
+        Ok((tokens, started.map_or(std::time::Duration::ZERO, |t| t.elapsed())))
     }
 
     /// Whether a pack of `len` bytes goes inline, whole, into the message being filled, with

@@ -108,42 +108,94 @@ pub fn zero_copy_threshold(
     curve.iter().find(|&&(n, copy)| fixed + per_byte * n as f64 <= (1.0 + slack) * copy).map_or(usize::MAX, |&(n, _)| n)
 }
 
-/// Chooses, pack by pack, between a connection's pipelined copy path (a bulk lane) and
-/// zero-copy, from what its copies take now and not only from the probe at set-up.
+/// How a connection's bulk lane stores its copies into the peer's ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stores {
+    /// Plain stores: the lines stay in the sender's cache until the reader takes them. Fast
+    /// while the two CPUs share a cache.
+    Cached,
+    /// Non-temporal stores ([`crate::types::SendFlags::streaming`]): the lines go to memory.
+    /// Fast while the two CPUs share no cache, where each cached line would wait for a
+    /// transfer between caches.
+    Streaming,
+}
+
+impl Stores {
+    fn index(self) -> usize {
+        self as usize
+    }
+    fn other(self) -> Self {
+        match self {
+            Stores::Cached => Stores::Streaming,
+            Stores::Streaming => Stores::Cached,
+        }
+    }
+}
+
+/// A copy speed measured over one window.
+#[derive(Clone, Copy, Debug)]
+struct Measured {
+    /// Median over the window's packs, bytes per ns (GB/s).
+    rate: f64,
+    /// When, and after how many bytes of large packs ([`AdaptiveCrossover::MIN_PACK`] on).
+    at: Instant,
+    bytes_at: u64,
+}
+
+/// Chooses, pack by pack, how a connection moves large packs: by its pipelined copy path (a
+/// bulk lane) with cached or streaming stores, or zero-copy; from what its copies take now
+/// and not only from the probe at set-up.
 ///
-/// The speed of a copy between two CPUs is not a constant of the machine: on this kind of VM
-/// the bulk lane moves 20-28 GB/s while the host keeps a cache-line transfer near 50 ns and
-/// 2-5 GB/s while it takes 200 ns, where cross-memory attach (what a zero-copy read is between
-/// processes) still moves about 10. So the sender times its copies into the peer's ring
-/// ([`Self::on_copy`]) over windows of [`Self::WINDOW`] bytes and takes the median rate of
-/// each window's packs (a preempted copy does not count). While that runs clearly slower than
-/// the probe's read ([`Self::MARGIN`]: a rendezvous adds a round trip and its control
-/// messages to the read, and a near tie is not worth a switch), large packs go zero-copy;
-/// every [`Self::TRIAL_EVERY`] two windows' worth go by copy again as a trial, so the
-/// connection returns to copying when the host does. The first window of a connection and of a trial only warms the path up:
+/// The speed of a copy between two CPUs is not a constant of the machine. On this kind of VM
+/// (two vCPUs that the host moves between cores that share a cache and cores that do not) the
+/// bulk lane moved 15-28 GB/s with cached stores while a cache-line transfer took 50-170 ns,
+/// and 2-4 GB/s while it took 200-280 ns; streaming stores then moved 9-12 GB/s (and 8-13 in
+/// the fast phases), and cross-memory attach (what a zero-copy read is between processes)
+/// 10-18. So:
+/// - the sender times its copies into the peer's ring ([`Self::on_copy`]) over windows of
+///   [`Self::WINDOW`] bytes and takes the median rate of each window's packs (a preempted
+///   copy does not count);
+/// - it measures both kinds of stores and copies with the faster ([`Self::stores`]); a kind's
+///   figure older than a trial period is measured again (one window);
+/// - while the faster copy runs clearly slower than the probe's read ([`Self::MARGIN`]: a
+///   rendezvous adds a round trip and its control messages to the read, and a near tie is
+///   not worth a switch), large packs go zero-copy; a trial then copies again now and then,
+///   so the connection returns to copying when the host does.
+///
+/// A trial or a remeasure comes at most every [`Self::TRIAL_EVERY`] and after
+/// [`Self::TRIAL_BYTES`] of large packs, so bursts spaced by idle periods do not each start
+/// with one. The first window of a connection and of a trial only warms the path up:
 /// measured here, a connection's first 4 MiB of copies ran at 3-6 GB/s in a phase where the
 /// next ran at 25. Sans-IO: the caller passes the clock.
 #[derive(Clone, Debug)]
 pub struct AdaptiveCrossover {
     /// The threshold the set-up probe (or the configuration) chose.
     probed: usize,
-    /// Whether timings may lower it (not when the threshold was configured).
+    /// Whether timings may lower the threshold (not when it was configured; the stores
+    /// adapt either way).
     adapts: bool,
     /// A zero-copy read: fixed cost (ns) and cost per byte (ns), from the probe.
     read_fixed: f64,
     read_per_byte: f64,
-    /// Bytes per ns of each pack timed in the current window, and the window's bytes.
+    /// Bytes per ns of each slice of the current window, and the window's bytes.
     window: Vec<f64>,
     window_bytes: usize,
+    /// The slice being timed: its bytes and time.
+    slice: (usize, Duration),
     /// The current window warms the copy path up (its figure is not used).
     warming: bool,
-    /// Median copy speed of the last complete window, bytes per ns.
-    copy_rate: Option<f64>,
+    /// The stores copies use now (and the current window measures).
+    stores: Stores,
+    /// The last figure of each kind of stores (indexed by [`Stores::index`]).
+    measured: [Option<Measured>; 2],
     /// While copying is slow: packs from this size on go zero-copy.
     zero_copy_from: Option<usize>,
-    /// A trial window is under way (large packs go by copy until it completes).
+    /// A window of copies is under way that large packs must feed (a trial or a remeasure).
     trial: bool,
-    last_trial: Option<Instant>,
+    /// When the last trial of copying began, or zero-copy was chosen (time, large bytes).
+    last_trial: Option<(Instant, u64)>,
+    /// Bytes of large packs so far.
+    large_bytes: u64,
 }
 
 impl AdaptiveCrossover {
@@ -153,9 +205,17 @@ impl AdaptiveCrossover {
     /// Bytes of copies per decision: twice the default bulk ring, so a window's copies land
     /// in lines the path has been using.
     pub const WINDOW: usize = 4 << 20;
-    /// While zero-copy is chosen, a window of copies goes as a trial at most this often (in
-    /// a slow phase a trial costs about 1% of the time).
+    /// Bytes of packs timed as one figure of a window, whose median the window takes. Packs
+    /// are not timed one by one: while they follow each other the ring's room comes back in
+    /// bursts (as the receiver acknowledges), so some packs wait and the next ones do not,
+    /// and a median of packs would report the ones that did not wait. Four slices a window
+    /// still let the median pass over a preempted one.
+    pub const SLICE: usize = Self::WINDOW / 4;
+    /// A figure is measured again, or a trial of copying made, at most this often...
     pub const TRIAL_EVERY: Duration = Duration::from_millis(200);
+    /// ...and after this many bytes of large packs (so a trial, two windows, costs at most a
+    /// few percent of the traffic however it is spaced out in time).
+    pub const TRIAL_BYTES: u64 = 32 * Self::WINDOW as u64;
     /// Zero-copy is chosen for `n` bytes while the read's cost is at most this fraction of
     /// the copy's.
     pub const MARGIN: f64 = 0.75;
@@ -172,15 +232,19 @@ impl AdaptiveCrossover {
             read_per_byte,
             window: Vec::new(),
             window_bytes: 0,
+            slice: (0, Duration::ZERO),
             warming: true,
-            copy_rate: None,
+            stores: Stores::Cached,
+            measured: [None, None],
             zero_copy_from: None,
             trial: false,
             last_trial: None,
+            large_bytes: 0,
         }
     }
 
-    /// A crossover that stays at `threshold` (a configured one).
+    /// A crossover that stays at `threshold` (a configured one); its copies still choose
+    /// their stores.
     pub fn fixed(threshold: usize) -> Self {
         AdaptiveCrossover { adapts: false, ..AdaptiveCrossover::new(threshold, Duration::ZERO, Duration::ZERO, 1) }
     }
@@ -196,15 +260,44 @@ impl AdaptiveCrossover {
         self.zero_copy_from.map_or(self.probed, |n| n.min(self.probed))
     }
 
-    /// Median copy speed of the last complete window in bytes per nanosecond (GB/s).
-    pub fn copy_rate(&self) -> Option<f64> {
-        self.copy_rate
+    /// The stores the next copy uses.
+    pub fn stores(&self) -> Stores {
+        self.stores
     }
 
-    /// Whether a pack of `len` bytes goes zero-copy, deciding at `now`.
+    /// The copy speed last measured with the stores chosen, in bytes per nanosecond (GB/s).
+    pub fn copy_rate(&self) -> Option<f64> {
+        self.measured[self.chosen_stores().index()].or(self.measured.iter().flatten().next().copied()).map(|m| m.rate)
+    }
+
+    /// The stores that copy faster by the figures so far: streaming stores only once both were
+    /// measured and cached ones ran clearly slower ([`Self::MARGIN`]). The margin also stands
+    /// for what the sender's timing cannot see: streamed lines are read from memory, so the
+    /// receiver's copies out of the ring slow down while the sender's copies in speed up.
+    fn chosen_stores(&self) -> Stores {
+        match self.measured {
+            [Some(cached), Some(streaming)] if cached.rate < Self::MARGIN * streaming.rate => Stores::Streaming,
+            _ => Stores::Cached,
+        }
+    }
+
+    /// Whether a figure taken at `m` is due again at `now`.
+    fn due(&self, m: (Instant, u64), now: Instant) -> bool {
+        now.saturating_duration_since(m.0) >= Self::TRIAL_EVERY
+            && self.large_bytes.saturating_sub(m.1) >= Self::TRIAL_BYTES
+    }
+
+    /// Whether a pack of `len` bytes goes zero-copy, deciding at `now`. Call it for every
+    /// pack of at least `MIN_PACK.min(probed)` bytes (it counts them).
     pub fn zero_copy(&mut self, len: usize, now: Instant) -> bool {
         if len >= self.probed {
             return true;
+        }
+        if len >= Self::MIN_PACK {
+            self.large_bytes += len as u64;
+        }
+        if !self.adapts {
+            return false;
         }
         match self.zero_copy_from {
             Some(from) if len >= from => {
@@ -212,29 +305,39 @@ impl AdaptiveCrossover {
                     return false;
                 }
                 // The first trial comes a period after the switch.
-                let last = *self.last_trial.get_or_insert(now);
-                if now.saturating_duration_since(last) < Self::TRIAL_EVERY {
+                let last = *self.last_trial.get_or_insert((now, self.large_bytes));
+                if !self.due(last, now) {
                     return true;
                 }
-                self.last_trial = Some(now);
+                self.last_trial = Some((now, self.large_bytes));
                 self.trial = true;
                 self.warming = true;
                 self.window.clear();
                 self.window_bytes = 0;
+                self.slice = (0, Duration::ZERO);
                 false
             }
             _ => false,
         }
     }
 
-    /// Records that copying `bytes` of one pack took `took` (the sender's time writing them into
-    /// the peer's ring); at the end of a window, chooses again.
-    pub fn on_copy(&mut self, bytes: usize, took: Duration) {
-        if !self.adapts || bytes < Self::MIN_PACK || took.is_zero() {
+    /// Records that handing `bytes` of one pack to the peer by copy (with [`Self::stores`])
+    /// took `took`: the copies into its ring and the waits for room, so that while packs
+    /// follow each other it is the pace at which the peer drains the ring (which the stores
+    /// change too, as the peer's loads find lines in another cache or in memory). At the end
+    /// of a window, at `now`, chooses again.
+    pub fn on_copy(&mut self, bytes: usize, took: Duration, now: Instant) {
+        if bytes < Self::MIN_PACK || took.is_zero() {
             return;
         }
-        self.window.push(bytes as f64 / took.as_nanos() as f64);
-        self.window_bytes += bytes;
+        self.slice.0 += bytes;
+        self.slice.1 += took;
+        if self.slice.0 < Self::SLICE {
+            return;
+        }
+        let (slice_bytes, slice_took) = std::mem::replace(&mut self.slice, (0, Duration::ZERO));
+        self.window.push(slice_bytes as f64 / slice_took.as_nanos().max(1) as f64);
+        self.window_bytes += slice_bytes;
         if self.window_bytes < Self::WINDOW {
             return;
         }
@@ -246,25 +349,37 @@ impl AdaptiveCrossover {
         self.window.sort_by(|a, b| a.total_cmp(b));
         let rate = self.window[self.window.len() / 2];
         self.window.clear();
-        self.trial = false;
-        self.copy_rate = Some(rate);
-        // Zero-copy pays for `n` bytes once `fixed + n * per_byte <= MARGIN * n / rate`.
-        let gain = Self::MARGIN / rate - self.read_per_byte;
-        let from = (gain > 0.0).then(|| ((self.read_fixed / gain).ceil() as usize).max(Self::MIN_PACK));
-        if from != self.zero_copy_from {
+        self.measured[self.stores.index()] = Some(Measured { rate, at: now, bytes_at: self.large_bytes });
+        // The other kind of stores is measured when it never was or its figure is due; until
+        // then (one window) large packs keep copying.
+        let other = self.stores.other();
+        let remeasure = self.measured[other.index()].is_none_or(|m| self.due((m.at, m.bytes_at), now));
+        let before = (self.stores, self.zero_copy_from);
+        let chosen = self.chosen_stores();
+        self.stores = if remeasure { other } else { chosen };
+        self.trial = remeasure;
+        let best = self.measured[chosen.index()].map_or(rate, |m| m.rate);
+        // Zero-copy pays for `n` bytes once `fixed + n * per_byte <= MARGIN * n / best`.
+        let gain = Self::MARGIN / best - self.read_per_byte;
+        let from = (self.adapts && gain > 0.0).then(|| ((self.read_fixed / gain).ceil() as usize).max(Self::MIN_PACK));
+        if from.is_some() && self.zero_copy_from.is_none() {
+            self.last_trial = None;
+        }
+        self.zero_copy_from = from;
+        if (self.stores, self.zero_copy_from) != before {
             log::info!(
-                "copies run at {rate:.1} GB/s against a read's {:.1}: zero-copy {}",
-                1.0 / self.read_per_byte.max(1e-9),
+                "copies run at {rate:.1} GB/s with {:?} stores (chosen {best:.1}, a read {}): {} with {:?} stores, \
+                 zero-copy {}",
+                before.0,
+                if self.adapts { format!("{:.1}", 1.0 / self.read_per_byte.max(1e-9)) } else { "unused".into() },
+                if remeasure { "measuring" } else { "copying" },
+                self.stores,
                 match from {
                     Some(n) if n < self.probed => format!("from {n} bytes"),
                     _ => "as probed".to_string(),
                 }
             );
-            if self.zero_copy_from.is_none() {
-                self.last_trial = None;
-            }
         }
-        self.zero_copy_from = from;
     }
 }
 
@@ -351,57 +466,120 @@ mod tests {
         assert_eq!(slow, usize::MAX);
     }
 
-    #[test]
-    fn copies_measured_slow_send_large_packs_zero_copy_with_trials_until_they_are_fast_again() {
-        let us = Duration::from_micros;
-        // A read: 1 us fixed, 10 bytes/ns; never pays against copies at 28 bytes/ns.
-        let mut c = AdaptiveCrossover::new(usize::MAX, us(1), Duration::from_nanos(1000 + (1 << 20) / 10), 1 << 20);
-        let mib = 1 << 20;
-        let copy_at = |gbps: f64| Duration::from_nanos((mib as f64 / gbps) as u64);
-        // Copies one window of 1 MiB packs at `gbps` (and `outlier` once), as the packer does.
-        let window = |c: &mut AdaptiveCrossover, now: Instant, gbps: f64, outlier: f64| {
-            for i in 0..AdaptiveCrossover::WINDOW / mib {
-                assert!(!c.zero_copy(mib, now), "pack {i} of a window goes by copy");
-                c.on_copy(mib, copy_at(if i == 1 { outlier } else { gbps }));
+    const MIB: usize = 1 << 20;
+
+    /// Copies one window of 1 MiB packs at `gbps` (`outlier` for its second slice), deciding
+    /// each pack as the packer does; returns how many went zero-copy.
+    fn window(c: &mut AdaptiveCrossover, now: Instant, gbps: f64, outlier: f64) -> usize {
+        let copy_at = |gbps: f64| Duration::from_nanos((MIB as f64 / gbps) as u64);
+        let slice_packs = AdaptiveCrossover::SLICE / MIB;
+        let mut zero = 0;
+        for i in 0..AdaptiveCrossover::WINDOW / MIB {
+            if c.zero_copy(MIB, now) {
+                zero += 1;
+                continue;
             }
-        };
+            c.on_copy(MIB, copy_at(if i / slice_packs == 1 { outlier } else { gbps }), now);
+        }
+        zero
+    }
+
+    /// A read of 1 us fixed cost moving `gbps`.
+    fn read_at(gbps: f64) -> AdaptiveCrossover {
+        let us = Duration::from_micros;
+        AdaptiveCrossover::new(usize::MAX, us(1), Duration::from_nanos(1000 + (MIB as f64 / gbps) as u64), MIB)
+    }
+
+    #[test]
+    fn both_stores_are_measured_and_the_faster_copies_until_its_figure_is_due_again() {
+        // Reads at 10 GB/s never pay against these copies.
+        let mut c = read_at(10.0);
         let t0 = Instant::now();
         // The connection's first window (slow: cold) only warms up.
-        window(&mut c, t0, 3.0, 3.0);
-        assert_eq!((c.copy_rate(), c.current()), (None, usize::MAX));
-        window(&mut c, t0, 28.0, 0.3);
-        assert_eq!(c.copy_rate().map(|r| r.round()), Some(28.0), "the median skips an outlier");
-        assert_eq!(c.current(), usize::MAX);
-        // Copies a little slower than reads are not worth a switch.
+        assert_eq!(window(&mut c, t0, 3.0, 3.0), 0);
+        assert_eq!((c.copy_rate(), c.stores()), (None, Stores::Cached));
+        // Cached stores at 28 (the median skips a preempted slice), then streaming ones once.
+        assert_eq!(window(&mut c, t0, 28.0, 0.3), 0);
+        assert_eq!(c.copy_rate().map(|r| r.round()), Some(28.0));
+        assert_eq!(c.stores(), Stores::Streaming, "the other stores are measured next");
+        assert_eq!(window(&mut c, t0, 12.0, 12.0), 0);
+        assert_eq!((c.stores(), c.current()), (Stores::Cached, usize::MAX));
+        // A little slower than streaming is not worth a switch; much slower is.
+        assert_eq!(window(&mut c, t0, 10.0, 10.0), 0);
+        assert_eq!(c.stores(), Stores::Cached);
+        assert_eq!(window(&mut c, t0, 3.0, 3.0), 0);
+        assert_eq!((c.stores(), c.current()), (Stores::Streaming, usize::MAX));
+        // Streaming figures keep coming; the cached one is measured again only once it is both
+        // a period old and a trial's worth of bytes behind.
+        let t1 = t0 + AdaptiveCrossover::TRIAL_EVERY;
+        let windows = (AdaptiveCrossover::TRIAL_BYTES as usize).div_ceil(AdaptiveCrossover::WINDOW);
+        for i in 0..windows - 2 {
+            window(&mut c, t1, 11.0, 11.0);
+            assert_eq!(c.stores(), Stores::Streaming, "window {i}");
+        }
+        let mut remeasured = false;
+        for _ in 0..3 {
+            window(&mut c, t1, 11.0, 11.0);
+            remeasured |= c.stores() == Stores::Cached;
+            if remeasured {
+                break;
+            }
+        }
+        assert!(remeasured, "the cached figure is due again");
+        // The host recovered: cached stores are fast again and stay.
+        window(&mut c, t1, 25.0, 25.0);
+        assert_eq!((c.stores(), c.copy_rate().map(|r| r.round())), (Stores::Cached, Some(25.0)));
+    }
+
+    #[test]
+    fn copies_measured_slow_send_large_packs_zero_copy_with_trials_until_they_are_fast_again() {
+        // Reads at 20 GB/s: they pay against copies at 5, not at 28.
+        let mut c = read_at(20.0);
+        let t0 = Instant::now();
+        window(&mut c, t0, 28.0, 28.0);
+        window(&mut c, t0, 28.0, 28.0);
         window(&mut c, t0, 12.0, 12.0);
-        assert_eq!(c.current(), usize::MAX);
-        // The host slows down: a window at 5 GB/s sends large packs zero-copy, small ones not.
+        assert_eq!((c.stores(), c.current()), (Stores::Cached, usize::MAX));
+        // The host slows down (both stores): large packs go zero-copy, small ones not.
         window(&mut c, t0, 5.0, 5.0);
-        assert!(c.current() < mib && c.current() >= AdaptiveCrossover::MIN_PACK, "{c:?}");
+        assert!(c.current() < MIB && c.current() >= AdaptiveCrossover::MIN_PACK, "{c:?}");
         assert!(!c.zero_copy(4096, t0));
-        c.on_copy(4096, Duration::from_secs(1)); // small packs are not timed
-        let t1 = t0 + Duration::from_secs(1);
-        assert!(c.zero_copy(mib, t1));
-        assert!(c.zero_copy(mib, t1 + AdaptiveCrossover::TRIAL_EVERY / 2));
-        // A period later, a trial goes by copy: a warm-up window, then the one that counts.
+        c.on_copy(4096, Duration::from_secs(1), t0); // small packs are not timed
+        assert_eq!(window(&mut c, t0, 5.0, 5.0), AdaptiveCrossover::WINDOW / MIB);
+        // A period later but without a trial's worth of bytes (bursts spaced out): no trial.
+        let t1 = t0 + AdaptiveCrossover::TRIAL_EVERY;
+        assert_eq!(window(&mut c, t1, 28.0, 28.0), AdaptiveCrossover::WINDOW / MIB);
+        // Once both are due, a trial copies: a warm-up window, then the one that counts (and
+        // here one more, as the streaming figure is due too).
+        let per = AdaptiveCrossover::WINDOW / MIB;
+        let mut zero_copied = 0;
+        while !c.trial {
+            zero_copied += window(&mut c, t1, 5.0, 5.0);
+            assert!(zero_copied <= 2 * AdaptiveCrossover::TRIAL_BYTES as usize / MIB, "no trial");
+        }
+        // (The two windows sent zero-copy above count too.)
+        assert!(zero_copied * MIB >= AdaptiveCrossover::TRIAL_BYTES as usize - 3 * AdaptiveCrossover::WINDOW);
+        let mut trial_windows = 0;
+        while c.trial {
+            assert_eq!(window(&mut c, t1, 5.0, 5.0), 0, "a trial copies until it is measured");
+            trial_windows += 1;
+        }
+        assert!((1..=3).contains(&trial_windows), "{trial_windows} windows after the first pack ({per} packs each)");
+        assert!(c.zero_copy(MIB, t1), "still slow: zero-copy until the next trial");
+        // The host recovered: the next trial is fast, back to copying.
         let t2 = t1 + AdaptiveCrossover::TRIAL_EVERY;
-        window(&mut c, t2, 28.0, 28.0);
-        assert!(!c.zero_copy(mib, t2), "the trial goes on");
-        window(&mut c, t2, 5.0, 5.0);
-        assert!(c.zero_copy(mib, t2), "still slow: zero-copy until the next trial");
-        // The host recovered: the next trial's window is fast, back to copying.
-        let t3 = t2 + AdaptiveCrossover::TRIAL_EVERY;
-        window(&mut c, t3, 5.0, 5.0);
-        window(&mut c, t3, 28.0, 28.0);
-        assert_eq!(c.current(), usize::MAX);
-        assert!(!c.zero_copy(mib, t3));
+        for _ in 0..AdaptiveCrossover::TRIAL_BYTES as usize / AdaptiveCrossover::WINDOW + 4 {
+            window(&mut c, t2, 28.0, 28.0);
+        }
+        assert_eq!((c.current(), c.stores()), (usize::MAX, Stores::Cached));
+        assert!(!c.zero_copy(MIB, t2));
     }
 
     #[test]
     fn a_configured_threshold_never_adapts() {
         let mut c = AdaptiveCrossover::fixed(usize::MAX);
         for _ in 0..(2 * AdaptiveCrossover::WINDOW) >> 20 {
-            c.on_copy(1 << 20, Duration::from_secs(1));
+            c.on_copy(1 << 20, Duration::from_secs(1), Instant::now());
         }
         assert!(!c.zero_copy(1 << 20, Instant::now()));
         let mut c = AdaptiveCrossover::fixed(1000);

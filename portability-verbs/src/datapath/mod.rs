@@ -8,7 +8,7 @@ pub mod pipe;
 pub mod pool;
 pub mod regcache;
 
-pub use crossover::{AdaptiveCrossover, Crossover, CrossoverSource};
+pub use crossover::{AdaptiveCrossover, Crossover, CrossoverSource, Stores};
 pub use pipe::{FlowStrategy, Lane, MsgPipe, PipeOptions, PipeStats};
 pub use pool::{BufferPool, PoolBuf, PoolStats};
 pub use regcache::{CacheStats, CachedBuffer, Registration, RegistrationCache};

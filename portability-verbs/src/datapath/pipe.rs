@@ -360,6 +360,8 @@ pub struct MsgPipe {
     peer_bulk: Option<PeerRing>,
     bulk_tx: RingSender,
     bulk_rx: RingReceiver,
+    /// Bulk chunks are written with the [`SendFlags::streaming`] hint.
+    bulk_streaming: bool,
     peer_bulk_ack_seen: u64,
     /// The peer's acknowledgement slots (address and key of its `ack_mr`).
     peer_acks: Option<(u64, u32)>,
@@ -487,6 +489,7 @@ impl MsgPipe {
             bulk_ring,
             peer_bulk: None,
             bulk_tx: RingSender::new(1),
+            bulk_streaming: false,
             peer_bulk_ack_seen: 0,
             peer_acks: None,
             credits: Credits::new(credits_n),
@@ -1240,6 +1243,14 @@ impl MsgPipe {
         }
     }
 
+    /// Whether bulk chunks from now on carry the [`SendFlags::streaming`] hint (the software
+    /// provider then writes them into the peer's ring with non-temporal stores). Which is
+    /// faster depends on whether the two CPUs share a cache, so callers measure: see
+    /// [`crate::datapath::AdaptiveCrossover`].
+    pub fn set_bulk_streaming(&mut self, on: bool) {
+        self.bulk_streaming = on;
+    }
+
     /// Largest chunk [`MsgPipe::try_send_bulk`] takes (a quarter of the peer's bulk ring); 0 if
     /// the peer has no bulk ring.
     pub fn bulk_chunk_max(&self) -> usize {
@@ -1333,6 +1344,7 @@ impl MsgPipe {
             let imm = total as u32 | IMM_BULK | if place.wrapped { IMM_WRAPPED } else { 0 };
             SendWr::write_with_imm(0, &sges, peer.addr + place.offset, peer.rkey, imm)
         };
+        let wr = SendWr { flags: SendFlags { streaming: self.bulk_streaming, ..wr.flags }, ..wr };
         match self.post_user(wr) {
             Ok(token) => {
                 if credit {
