@@ -1089,8 +1089,8 @@ impl<'p> Packer<'p> {
         self.tx.agg.clear();
         self.tx.flushed = true;
         match tokens {
-            Ok((tokens, copying)) => {
-                self.tx.crossover.on_copy(buf.len(), copying, std::time::Instant::now());
+            Ok((tokens, took)) => {
+                self.tx.crossover.on_copy(buf.len(), took, std::time::Instant::now());
                 Ok((reg, tokens))
             }
             Err(e) => {

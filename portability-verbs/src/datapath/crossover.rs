@@ -135,7 +135,7 @@ impl Stores {
 /// A copy speed measured over one window.
 #[derive(Clone, Copy, Debug)]
 struct Measured {
-    /// Median over the window's packs, bytes per ns (GB/s).
+    /// Median over the window's slices ([`AdaptiveCrossover::SLICE`]), bytes per ns (GB/s).
     rate: f64,
     /// When, and after how many bytes of large packs ([`AdaptiveCrossover::MIN_PACK`] on).
     at: Instant,
@@ -152,11 +152,11 @@ struct Measured {
 /// and 2-4 GB/s while it took 200-280 ns; streaming stores then moved 9-12 GB/s (and 8-13 in
 /// the fast phases), and cross-memory attach (what a zero-copy read is between processes)
 /// 10-18. So:
-/// - the sender times its copies into the peer's ring ([`Self::on_copy`]) over windows of
-///   [`Self::WINDOW`] bytes and takes the median rate of each window's packs (a preempted
-///   copy does not count);
+/// - the sender times its hand-overs into the peer's ring ([`Self::on_copy`]) over windows of
+///   [`Self::WINDOW`] bytes and takes the median rate of each window's slices (a preempted
+///   slice does not count);
 /// - it measures both kinds of stores and copies with the faster ([`Self::stores`]); a kind's
-///   figure older than a trial period is measured again (one window);
+///   figure is measured again (one window) once it is due (below);
 /// - while the faster copy runs clearly slower than the probe's read ([`Self::MARGIN`]: a
 ///   rendezvous adds a round trip and its control messages to the read, and a near tie is
 ///   not worth a switch), large packs go zero-copy; a trial then copies again now and then,
@@ -267,7 +267,8 @@ impl AdaptiveCrossover {
 
     /// The copy speed last measured with the stores chosen, in bytes per nanosecond (GB/s).
     pub fn copy_rate(&self) -> Option<f64> {
-        self.measured[self.chosen_stores().index()].or(self.measured.iter().flatten().next().copied()).map(|m| m.rate)
+        // Cached stores are measured first, and chosen until both were.
+        self.measured[self.chosen_stores().index()].map(|m| m.rate)
     }
 
     /// What a copy figure is worth against other ways: a streaming one counts for
@@ -293,10 +294,11 @@ impl AdaptiveCrossover {
         }
     }
 
-    /// Whether a figure taken at `m` is due again at `now`.
-    fn due(&self, m: (Instant, u64), now: Instant) -> bool {
-        now.saturating_duration_since(m.0) >= Self::TRIAL_EVERY
-            && self.large_bytes.saturating_sub(m.1) >= Self::TRIAL_BYTES
+    /// Whether a figure (or trial) taken at `at`, after `bytes_at` bytes of large packs, is due
+    /// again at `now`.
+    fn due(&self, at: Instant, bytes_at: u64, now: Instant) -> bool {
+        now.saturating_duration_since(at) >= Self::TRIAL_EVERY
+            && self.large_bytes.saturating_sub(bytes_at) >= Self::TRIAL_BYTES
     }
 
     /// Whether a pack of `len` bytes goes zero-copy, deciding at `now`. Call it for every
@@ -318,7 +320,7 @@ impl AdaptiveCrossover {
                 }
                 // The first trial comes a period after the switch.
                 let last = *self.last_trial.get_or_insert((now, self.large_bytes));
-                if !self.due(last, now) {
+                if !self.due(last.0, last.1, now) {
                     return true;
                 }
                 self.last_trial = Some((now, self.large_bytes));
@@ -365,7 +367,7 @@ impl AdaptiveCrossover {
         // The other kind of stores is measured when it never was or its figure is due; until
         // then (one window) large packs keep copying.
         let other = self.stores.other();
-        let remeasure = self.measured[other.index()].is_none_or(|m| self.due((m.at, m.bytes_at), now));
+        let remeasure = self.measured[other.index()].is_none_or(|m| self.due(m.at, m.bytes_at, now));
         let before = (self.stores, self.zero_copy_from);
         let chosen = self.chosen_stores();
         self.stores = if remeasure { other } else { chosen };
