@@ -363,6 +363,27 @@ pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
     unsafe { local_copy_held(dst, src, len) }
 }
 
+/// [`local_copy`] with non-temporal stores ([`crate::copy::copy_streaming`]) where it would
+/// make a plain copy of disjoint ranges (a write within one process may overlap its source,
+/// which only the plain copy handles).
+///
+/// # Safety
+/// As [`local_copy`].
+pub unsafe fn local_copy_streaming(dst: *mut u8, src: *const u8, len: usize) -> bool {
+    let disjoint = (dst as usize).abs_diff(src as usize) >= len;
+    if !disjoint {
+        // SAFETY: forwarded from the caller.
+        return unsafe { local_copy(dst, src, len) };
+    }
+    if !crate::protect::any_active() {
+        // SAFETY: the caller guarantees both ranges are valid and disjoint.
+        unsafe { crate::copy::copy_streaming(dst, src, len) };
+        return true;
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { local_copy_held(dst, src, len) }
+}
+
 /// [`local_copy`] while some range of this process is held.
 #[cold]
 #[inline(never)]

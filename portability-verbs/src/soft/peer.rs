@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::ctx::{key_slot, local_copy, CtxInner, PeerKey};
+use super::ctx::{key_slot, local_copy, local_copy_streaming, CtxInner, PeerKey};
 use super::layout::{Bell, Ctrl, MrEntry, CTRL_BYTES, CTRL_MAGIC};
 use super::segment::{ctrl_name, segment_name, Segment};
 use super::sys::{self, RemoteMemory};
@@ -355,11 +355,8 @@ impl RemoteAccess<'_> {
                 // write. (Pieces come in order, so only the last one is split.)
                 let last = if off + len == self.len { len.min(8) } else { 0 };
                 // SAFETY (both): as above; the two pieces split the checked range.
-                let placed = if streaming && len >= STREAMING_FROM && !crate::protect::any_active() {
-                    // SAFETY: as above; no range of this process is held, so a plain copy is
-                    // what `local_copy` would make.
-                    unsafe { crate::copy::copy_streaming(p.add(off), src, len - last) };
-                    true
+                let placed = if streaming && len >= STREAMING_FROM {
+                    unsafe { local_copy_streaming(p.add(off), src, len - last) }
                 } else {
                     unsafe { local_copy(p.add(off), src, len - last) }
                 } && {
