@@ -288,6 +288,79 @@ fn unsignaled_inline_writes_take_their_bytes_at_post_and_still_report_failures()
     });
 }
 
+/// An inline write of a list of buffers (`post_write_inline_list`, the polled frames' request)
+/// is `post_send` of the same write: the parts land end to end and may be reused at once, a
+/// signaled one completes like any write, an unsignaled one reports only a failure (which
+/// fails the queue pair), one behind a waiting request keeps its place, and the inline limit
+/// is checked at post.
+#[test]
+fn inline_list_writes_land_their_parts_end_to_end_and_report_as_writes() {
+    each(|ctx| {
+        let p = pair(ctx, 4096);
+        let shapes: [&[usize]; 6] = [&[8], &[8, 8, 24, 0, 8], &[0, 5, 3], &[1, 2, 3, 4, 5, 6, 7], &[100, 3], &[0]];
+        for (i, shape) in shapes.iter().enumerate() {
+            let total: usize = shape.iter().sum();
+            let want = pattern(i as u64, total);
+            let mut bufs: Vec<Vec<u8>> = Vec::new();
+            let mut at = 0;
+            for &n in *shape {
+                bufs.push(want[at..at + n].to_vec());
+                at += n;
+            }
+            let parts: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
+            let (addr, signaled) = (p.mr_b.addr() + 256 * i as u64, i % 2 == 0);
+            p.a.post_write_inline_list(i as u64, &parts, addr, p.mr_b.rkey(), signaled).unwrap();
+            drop(parts);
+            bufs.iter_mut().for_each(|b| b.fill(0xEE)); // reusable once the post returns
+            if signaled {
+                let wc = wait_one(&p.cq_a);
+                assert_eq!(
+                    (wc.wr_id, wc.status, wc.opcode, wc.byte_len),
+                    (i as u64, WcStatus::Success, WcOpcode::RdmaWrite, total as u32)
+                );
+            } else {
+                p.a.post_send(&[SendWr::write(100 + i as u64, &[], 0, 0)]).unwrap(); // a signaled fence
+                assert_eq!(wait_one(&p.cq_a).wr_id, 100 + i as u64, "only the signaled request reports");
+            }
+            let mut got = vec![0u8; total];
+            p.mr_b.read(256 * i, &mut got);
+            assert_eq!(got, want, "shape {shape:?}");
+        }
+        // Over the inline limit: refused at post, nothing done.
+        let big = vec![1u8; p.a.caps().max_inline_data as usize];
+        let err = p.a.post_write_inline_list(9, &[&big, &[1]], p.mr_b.addr(), p.mr_b.rkey(), true).unwrap_err();
+        assert!(matches!(err, VerbsError::InvalidArgument(_)), "{err:?}");
+        assert_quiet(&p.cq_a, Duration::from_millis(10));
+        // Behind a send waiting for its receive: completes after it, in order.
+        p.mr_a.write(0, b"late");
+        p.a.post_send(&[SendWr::send(20, &[p.mr_a.sge(0, 4)])]).unwrap();
+        p.a.post_write_inline_list(21, &[b"behind", b" a send"], p.mr_b.addr() + 2048, p.mr_b.rkey(), true).unwrap();
+        p.a.post_write_inline_list(22, &[b"unsignaled"], p.mr_b.addr() + 2100, p.mr_b.rkey(), false).unwrap();
+        assert_quiet(&p.cq_a, Duration::from_millis(30));
+        p.b.post_recv(&[RecvWr::new(2, &[p.mr_b.sge(0, 64)])]).unwrap();
+        let wcs = wait_n(&p.cq_a, 2);
+        assert_eq!(
+            wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+            [(20, WcStatus::Success), (21, WcStatus::Success)]
+        );
+        p.a.post_send(&[SendWr::write(23, &[], 0, 0)]).unwrap(); // a signaled fence
+        assert_eq!(wait_one(&p.cq_a).wr_id, 23);
+        let mut got = vec![0u8; 13];
+        p.mr_b.read(2048, &mut got);
+        assert_eq!(&got, b"behind a send");
+        let mut got = vec![0u8; 10];
+        p.mr_b.read(2100, &mut got);
+        assert_eq!(&got, b"unsignaled");
+        // A bad key: reported though unsignaled, and the queue pair fails.
+        p.a.post_write_inline_list(30, &[&[7u8; 16]], p.mr_b.addr(), p.mr_b.rkey() ^ 0x5500, false).unwrap();
+        let wc = wait_one(&p.cq_a);
+        assert_eq!((wc.wr_id, wc.status), (30, WcStatus::RemAccessErr));
+        assert_eq!(p.a.state(), QpState::Error);
+        p.a.post_write_inline_list(31, &[&[7u8; 16]], p.mr_b.addr(), p.mr_b.rkey(), false).unwrap();
+        assert_eq!(wait_one(&p.cq_a).status, WcStatus::WrFlushErr, "nothing runs after the failure");
+    });
+}
+
 /// A zero-byte read or write names no memory, so the responder validates neither key nor
 /// address (IBA C9-88): the usual keep-alive, or a fence whose completion covers earlier
 /// unsignaled requests. The QP's own remote-access rights still apply.

@@ -516,21 +516,26 @@ pub fn frame_body_max(ring: u64) -> usize {
     (ring / 4) as usize - FRAME_OVERHEAD
 }
 
+/// What goes around a `body`-byte frame body at ring position `pos`: the publish word (before
+/// the body and again after it) and the zero padding between the body and the closing word.
+/// A frame is written as `[word, body.., padding, word]`, from its parts or from a copy
+/// ([`encode_frame`]).
+pub fn frame_framing(pos: u64, body: usize) -> ([u8; 8], &'static [u8]) {
+    (frame_word(pos, body).to_le_bytes(), &[0; 7][..body.next_multiple_of(8) - body])
+}
+
 /// Frames a body made of `parts` (put end to end) for ring position `pos` into `out` (at
 /// least [`frame_written`] bytes); returns the bytes to write.
 pub fn encode_frame<'a>(pos: u64, parts: &[&[u8]], out: &'a mut [u8]) -> &'a [u8] {
     let body: usize = parts.iter().map(|p| p.len()).sum();
-    let n = frame_written(body);
-    let word = frame_word(pos, body).to_le_bytes();
-    out[..8].copy_from_slice(&word);
-    let mut at = 8;
-    for p in parts {
+    let (word, pad) = frame_framing(pos, body);
+    let mut at = 0;
+    for p in [&word[..]].into_iter().chain(parts.iter().copied()).chain([pad, &word[..]]) {
         out[at..at + p.len()].copy_from_slice(p);
         at += p.len();
     }
-    out[at..n - 8].fill(0);
-    out[n - 8..n].copy_from_slice(&word);
-    &out[..n]
+    debug_assert_eq!(at, frame_written(body));
+    &out[..at]
 }
 
 /// Reads 8-byte words of a polled ring (atomically, in the driver; from a byte array in tests).

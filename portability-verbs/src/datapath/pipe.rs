@@ -803,11 +803,20 @@ impl MsgPipe {
     /// every `SIGNAL_EVERY`, or when it fills the window.
     #[inline]
     fn post_inline_counted(&mut self, wr: SendWr) -> Result<()> {
+        self.post_counted(|qp, wr_id, signaled| {
+            let mut wr = wr.inline(true).signaled(signaled);
+            wr.wr_id = wr_id;
+            qp.post_send(&[wr])
+        })
+    }
+
+    /// Posts one inline send with `post(qp, wr_id, signaled)`, signaled as
+    /// [`MsgPipe::post_inline_counted`] says.
+    #[inline]
+    fn post_counted(&mut self, post: impl FnOnce(&QueuePair, u64, bool) -> Result<()>) -> Result<()> {
         let covers = self.unsignaled + 1;
         let signaled = covers >= SIGNAL_EVERY || self.outstanding + 1 >= self.strategy.straight_sends();
-        let mut wr = wr.inline(true).signaled(signaled);
-        wr.wr_id = wr_id(TAG_INLINE_SEND, covers as u64);
-        self.qp.post_send(&[wr])?;
+        post(&self.qp, wr_id(TAG_INLINE_SEND, covers as u64), signaled)?;
         self.unsignaled = if signaled { 0 } else { covers };
         self.unsettled_passes = 0;
         self.outstanding += 1;
@@ -825,12 +834,17 @@ impl MsgPipe {
         }
         let reserved = fc::frame_reserved(body);
         let Some(place) = self.ring_tx.reserve(reserved) else { return Ok(false) };
-        let mut frame = [0u8; INLINE_MAX];
-        let frame = fc::encode_frame(self.ring_tx.sent() - reserved, &[&rec.encode(), payload], &mut frame);
-        let peer = self.peer_ring.as_ref().ok_or_else(|| VerbsError::Protocol("a frame before setup".into()))?;
-        let sge = Sge { addr: frame.as_ptr() as u64, length: frame.len() as u32, lkey: 0 };
-        let wr = SendWr::write(0, &[sge], peer.addr + place.offset, peer.rkey);
-        if let Err(e) = self.post_inline_counted(wr) {
+        let Some((peer_addr, rkey)) = self.peer_ring.as_ref().map(|p| (p.addr, p.rkey)) else {
+            self.ring_tx.unreserve();
+            return Err(VerbsError::Protocol("a frame before setup".into()));
+        };
+        // Written from its parts, with no staging copy.
+        let (word, pad) = fc::frame_framing(self.ring_tx.sent() - reserved, body);
+        let parts: [&[u8]; 5] = [&word, &rec.encode(), payload, pad, &word];
+        let addr = peer_addr + place.offset;
+        let posted =
+            self.post_counted(|qp, wr_id, signaled| qp.post_write_inline_list(wr_id, &parts, addr, rkey, signaled));
+        if let Err(e) = posted {
             self.ring_tx.unreserve();
             return Err(e);
         }
@@ -854,10 +868,10 @@ impl MsgPipe {
             self.ring_tx.unreserve();
             return Ok(());
         };
-        let word = fc::frame_word(self.ring_tx.sent() - reserved, body).to_le_bytes();
+        let (word, pad) = fc::frame_framing(self.ring_tx.sent() - reserved, body);
         b.push(&word);
         b.push(self.coalescer.bytes());
-        b.push(&[0; 7][..body.next_multiple_of(8) - body]);
+        b.push(pad);
         b.push(&word);
         self.coalescer.clear();
         let peer = self.peer_ring.as_ref().ok_or_else(|| VerbsError::Protocol("a frame before setup".into()))?;

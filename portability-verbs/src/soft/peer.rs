@@ -47,6 +47,7 @@ const FAST_SEGS: usize = 16;
 const STREAMING_FROM: usize = 1024;
 
 /// Where a validated remote range is reached.
+#[derive(Clone, Copy)]
 enum Reach {
     /// Plain loads and stores at this address in our process.
     Direct(*mut u8),
@@ -372,6 +373,48 @@ impl RemoteAccess<'_> {
             Reach::Remote(addr) => unsafe { self.peer.push(addr + off as u64, src, len)? },
         }
         Ok(())
+    }
+
+    /// Copies `parts`, put end to end, into the remote range from its start, as
+    /// [`RemoteAccess::write_from`] would piece by piece: the range's last 8 bytes are placed
+    /// after the rest. While no protection hold is active (the usual case) a range reached
+    /// through shared memory takes plain copies with one check for the whole write, which is
+    /// what makes a small frame of several parts cheap.
+    ///
+    /// # Safety
+    /// Every part must be valid for reads of its length.
+    pub unsafe fn write_parts(&self, parts: &[&[u8]]) -> Result<(), WcStatus> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len > self.len {
+            return Err(WcStatus::RemAccessErr);
+        }
+        match (self.reach, parts.split_last()) {
+            (Reach::Direct(p), Some((last, rest))) if last.len() >= 8 && !crate::protect::any_active() => {
+                let mut off = 0;
+                for part in rest {
+                    // SAFETY: `off + part.len() <= len <= self.len`, inside the checked
+                    // destination (live while this guard is); the caller vouches for the part.
+                    unsafe { crate::copy::copy_bytes(p.add(off), part.as_ptr(), part.len()) };
+                    off += part.len();
+                }
+                let split = last.len() - 8;
+                // SAFETY (both): as above, the last part split in two.
+                unsafe { crate::copy::copy_bytes(p.add(off), last.as_ptr(), split) };
+                std::sync::atomic::fence(Ordering::Release);
+                // SAFETY: see above.
+                unsafe { crate::copy::copy_bytes(p.add(off + split), last.as_ptr().add(split), 8) };
+                Ok(())
+            }
+            _ => {
+                let mut off = 0;
+                parts.iter().try_for_each(|part| {
+                    // SAFETY: forwarded from the caller.
+                    let r = unsafe { self.write_from(off, part.as_ptr(), part.len(), false) };
+                    off += part.len();
+                    r
+                })
+            }
+        }
     }
 
     /// The range's address in the peer when it is reached by cross-memory attach (None when

@@ -699,15 +699,14 @@ impl QpInner {
         self.deliver(out); // under the lock: per-QP completion order across threads
     }
 
-    /// The polled message path's request: an unsignaled inline RDMA write with nothing ahead
-    /// of it in the send queue (empty, so no ring record of ours waits to be placed first). It is carried out now, and on success leaves no trace (the
-    /// general path would queue it, find it done and retire it at once, reporting nothing).
-    /// None, with nothing done: take the general path.
+    /// The polled message path's request: an inline RDMA write with nothing ahead of it in the
+    /// send queue (empty, so no ring record of ours waits to be placed first). It is carried
+    /// out now and reported at once (the general path would queue it, find it done and retire
+    /// it at once). None, with nothing done: take the general path.
     #[inline]
     fn post_write_at_once(&self, core: &mut QpCore, wr: &SendWr) -> Option<Result<()>> {
         if wr.opcode != WrOpcode::RdmaWrite
             || !wr.flags.inline
-            || wr.flags.signaled
             || !core.sq.is_empty()
             || core.state != QpState::ReadyToSend
         {
@@ -717,22 +716,83 @@ impl QpInner {
             return Some(Err(e));
         }
         let stage = self.run_one_sided(core, wr, &Inline::Borrowed);
-        if stage != SqStage::Done(WcStatus::Success) {
-            // A failed write is reported (unsignaled or not) and fails the queue pair: the
-            // general path's bookkeeping, with the outcome already known.
-            let mut out = Out::new();
-            let entry = SqEntry {
-                wr_id: wr.wr_id,
-                opcode: wr.opcode,
-                signaled: false,
-                byte_len: wr.byte_len() as u32,
-                stage,
-                waiting: None,
-            };
-            self.queue_started(core, entry, stage, &mut out);
-            self.end_post(core, &mut out);
-        }
+        self.report_at_once(core, wr.wr_id, wr.byte_len() as u32, wr.flags.signaled, stage);
         Some(Ok(()))
+    }
+
+    /// Reports an RDMA write carried out at post time with an empty send queue, as retiring it
+    /// would: a success only if `signaled` (straight to the completion queue: nothing is
+    /// queued ahead of it); a failure always, and it fails the queue pair.
+    fn report_at_once(&self, core: &mut QpCore, wr_id: u64, byte_len: u32, signaled: bool, stage: SqStage) {
+        if stage != SqStage::Done(WcStatus::Success) {
+            self.fail_at_once(core, wr_id, WrOpcode::RdmaWrite, byte_len, stage);
+        } else if signaled {
+            let opcode = WrOpcode::RdmaWrite.completion_opcode();
+            let wc = WorkCompletion {
+                wr_id,
+                status: WcStatus::Success,
+                opcode,
+                byte_len,
+                imm: None,
+                qp_num: self.qpn,
+                src_qp: 0,
+            };
+            // Under our lock: per-QP completion order across threads.
+            self.send_cq.push(std::iter::once(wc));
+        }
+    }
+
+    /// An RDMA write of `parts` put end to end, inline: what [`QpInner::post_send`] does with
+    /// `SendWr::write(wr_id, sges, remote_addr, rkey).inline(true)` over SGEs naming the parts,
+    /// with no request to build and walk. The polled message path's frames go this way: a
+    /// write with nothing ahead of it is placed at once, through the same checks as
+    /// any one-sided request, and reported at once; anything else takes the general path.
+    pub fn post_write_inline_list(
+        &self,
+        wr_id: u64,
+        parts: &[&[u8]],
+        remote_addr: u64,
+        rkey: u32,
+        signaled: bool,
+    ) -> Result<()> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len > self.caps.max_inline_data as usize {
+            return Err(VerbsError::invalid(format!(
+                "{len} inline bytes over max_inline_data {}",
+                self.caps.max_inline_data
+            )));
+        }
+        let mut core = self.core.lock();
+        if core.sq.is_empty() && core.state == QpState::ReadyToSend {
+            let stage = match self.remote_write_access(&core, rkey, remote_addr, len as u64) {
+                Ok(None) => SqStage::Done(WcStatus::Success),
+                // SAFETY: the parts are caller memory, valid during this call.
+                Ok(Some(access)) => {
+                    SqStage::Done(unsafe { access.write_parts(parts) }.err().unwrap_or(WcStatus::Success))
+                }
+                Err(st) => SqStage::Done(st),
+            };
+            self.report_at_once(&mut core, wr_id, len as u32, signaled, stage);
+            return Ok(());
+        }
+        drop(core);
+        // The general path, from one SGE over a copy of the parts (inline data is copied at
+        // post time anyway).
+        let mut data = smallvec::SmallVec::<[u8; 256]>::with_capacity(len);
+        for p in parts {
+            data.extend_from_slice(p);
+        }
+        let sge = Sge { addr: data.as_ptr() as u64, length: len as u32, lkey: 0 };
+        self.post_send(&[SendWr::write(wr_id, &[sge], remote_addr, rkey).inline(true).signaled(signaled)])
+    }
+
+    /// Reports a request carried out at post time that failed (unsignaled or not) and fails
+    /// the queue pair: the general path's bookkeeping, with the outcome already known.
+    fn fail_at_once(&self, core: &mut QpCore, wr_id: u64, opcode: WrOpcode, byte_len: u32, stage: SqStage) {
+        let mut out = Out::new();
+        let entry = SqEntry { wr_id, opcode, signaled: false, byte_len, stage, waiting: None };
+        self.queue_started(core, entry, stage, &mut out);
+        self.end_post(core, &mut out);
     }
 
     fn check_send(&self, core: &QpCore, wr: &SendWr) -> Result<()> {
@@ -1001,24 +1061,52 @@ impl QpInner {
         self.place_record(core, h, |_| Ok(()))
     }
 
-    /// Carries out a one-sided request on the peer's memory; returns its final stage.
-    fn run_one_sided(&self, core: &QpCore, wr: &SendWr, inline: &Inline) -> SqStage {
+    /// The responder's first checks of a one-sided request: a live peer queue pair that grants
+    /// `need` remote rights. The peer's state and rights are read, not its key table.
+    #[inline]
+    fn peer_grants<'c>(&self, core: &'c QpCore, need: AccessFlags) -> Result<&'c Remote, WcStatus> {
         let Some(r) = &core.remote else {
-            return SqStage::Done(WcStatus::RetryExcErr);
+            return Err(WcStatus::RetryExcErr);
         };
         if r.peer_qp_gone() {
             // No answer comes: the requester's retries run out.
-            return SqStage::Done(WcStatus::RetryExcErr);
+            return Err(WcStatus::RetryExcErr);
         }
         let peer_qp_access = AccessFlags::from_bits_truncate(r.seg().header().access.load(Ordering::Relaxed));
+        if !peer_qp_access.contains(need) {
+            return Err(WcStatus::RemInvReqErr);
+        }
+        Ok(r)
+    }
+
+    /// The checked destination of an RDMA write of `len` bytes from inline data: None for a
+    /// zero-byte write, which names no memory.
+    #[inline]
+    fn remote_write_access<'c>(
+        &self,
+        core: &'c QpCore,
+        rkey: u32,
+        remote_addr: u64,
+        len: u64,
+    ) -> Result<Option<super::peer::RemoteAccess<'c>>, WcStatus> {
+        let r = self.peer_grants(core, AccessFlags::REMOTE_WRITE)?;
+        if len == 0 {
+            return Ok(None);
+        }
+        r.peer.access(rkey, remote_addr, len, AccessFlags::REMOTE_WRITE, r.info.pd).map(Some)
+    }
+
+    /// Carries out a one-sided request on the peer's memory; returns its final stage.
+    fn run_one_sided(&self, core: &QpCore, wr: &SendWr, inline: &Inline) -> SqStage {
         let (need_remote, need_local) = match wr.opcode {
             WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => (AccessFlags::REMOTE_WRITE, AccessFlags::NONE),
             WrOpcode::RdmaRead => (AccessFlags::REMOTE_READ, AccessFlags::LOCAL_WRITE),
             _ => (AccessFlags::REMOTE_ATOMIC, AccessFlags::LOCAL_WRITE),
         };
-        if !peer_qp_access.contains(need_remote) {
-            return SqStage::Done(WcStatus::RemInvReqErr);
-        }
+        let r = match self.peer_grants(core, need_remote) {
+            Ok(r) => r,
+            Err(st) => return SqStage::Done(st),
+        };
         let keys = self.keys(core);
         if matches!(inline, Inline::No) && !keys.check_all(&wr.sg_list, need_local, self.pd) {
             return SqStage::Done(WcStatus::LocProtErr);
