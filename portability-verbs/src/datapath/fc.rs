@@ -560,6 +560,7 @@ pub struct FrameAt {
 /// in `rx` (the ring's consumption and acknowledgements, as for RDMA chunks). A frame that
 /// would not fit before the ring's end starts the next lap, so near the end both places are
 /// looked at (the stamps tell them apart).
+#[inline]
 pub fn poll_frame(rx: &mut RingReceiver, ring: &impl RingWords) -> Result<Option<FrameAt>, FcError> {
     let size = rx.size;
     let pos = rx.received();
@@ -587,6 +588,7 @@ pub fn poll_frame(rx: &mut RingReceiver, ring: &impl RingWords) -> Result<Option
 
 /// The frame at ring position `start` if it is whole: its body length and the ring bytes it
 /// takes.
+#[inline]
 fn whole_frame(size: u64, ring: &impl RingWords, start: u64) -> Result<Option<(usize, u64)>, FcError> {
     let off = start & (size - 1);
     let word = ring.word(off);
