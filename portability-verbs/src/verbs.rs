@@ -571,8 +571,8 @@ impl QueuePair {
     /// returns, so the parts may be reused at once), the way `ibv_wr_set_inline_data_list`
     /// gathers a list of buffers. It is [`QueuePair::post_send`] of `SendWr::write(wr_id, ..,
     /// remote_addr, rkey).inline(true).signaled(signaled)` over the parts, with the same
-    /// errors and completions; the software provider places an unsignaled one with nothing
-    /// queued ahead of it without building or walking a request (the small-message fast path).
+    /// errors and completions; the software provider carries one out at post when nothing is
+    /// queued ahead of it, without building or walking a request (the small-message fast path).
     #[inline]
     pub fn post_write_inline_list(
         &self,
@@ -582,17 +582,31 @@ impl QueuePair {
         rkey: u32,
         signaled: bool,
     ) -> Result<()> {
-        match &self.0 .0 {
-            QpImpl::Soft(q) => q.post_write_inline_list(wr_id, parts, remote_addr, rkey, signaled),
-            #[cfg(feature = "hardware")]
-            QpImpl::Hw(q) => {
-                // One SGE over a copy of the parts, whatever max_send_sge is; an inline SGE needs
-                // no key (the device copies it at post time).
-                let data: smallvec::SmallVec<[u8; 256]> = parts.iter().flat_map(|p| p.iter().copied()).collect();
-                let sge = Sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 };
-                q.post_send(&[SendWr::write(wr_id, &[sge], remote_addr, rkey).inline(true).signaled(signaled)])
+        if let QpImpl::Soft(q) = &self.0 .0 {
+            if let Some(done) = q.write_inline_list_at_once(wr_id, parts, remote_addr, rkey, signaled) {
+                return done;
             }
         }
+        self.post_write_inline_list_as_request(wr_id, parts, remote_addr, rkey, signaled)
+    }
+    /// [`QueuePair::post_write_inline_list`] as a request: one SGE over a copy of the parts,
+    /// whatever max_send_sge is (an inline SGE needs no key, and its bytes are copied at post
+    /// time anyway). Out of line: the fast path above stays small.
+    #[inline(never)]
+    fn post_write_inline_list_as_request(
+        &self,
+        wr_id: u64,
+        parts: &[&[u8]],
+        remote_addr: u64,
+        rkey: u32,
+        signaled: bool,
+    ) -> Result<()> {
+        let mut data = smallvec::SmallVec::<[u8; 256]>::new();
+        for p in parts {
+            data.extend_from_slice(p);
+        }
+        let sge = Sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 };
+        self.post_send(&[SendWr::write(wr_id, &[sge], remote_addr, rkey).inline(true).signaled(signaled)])
     }
     /// Posts receives (not for a QP on a shared receive queue).
     #[inline]

@@ -742,48 +742,39 @@ impl QpInner {
         }
     }
 
-    /// An RDMA write of `parts` put end to end, inline: what [`QpInner::post_send`] does with
-    /// `SendWr::write(wr_id, sges, remote_addr, rkey).inline(true)` over SGEs naming the parts,
-    /// with no request to build and walk. The polled message path's frames go this way: a
-    /// write with nothing ahead of it is placed at once, through the same checks as
-    /// any one-sided request, and reported at once; anything else takes the general path.
-    pub fn post_write_inline_list(
+    /// An RDMA write of `parts` put end to end, inline, carried out now if nothing is queued
+    /// ahead of it: what [`QpInner::post_send`] would do with the same write over SGEs naming
+    /// the parts, with no request to build and walk (the polled message path's frames), through
+    /// the same checks as any one-sided request, and reported at once. None, with nothing done:
+    /// post it as a request.
+    #[inline]
+    pub fn write_inline_list_at_once(
         &self,
         wr_id: u64,
         parts: &[&[u8]],
         remote_addr: u64,
         rkey: u32,
         signaled: bool,
-    ) -> Result<()> {
+    ) -> Option<Result<()>> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         if len > self.caps.max_inline_data as usize {
-            return Err(VerbsError::invalid(format!(
+            return Some(Err(VerbsError::invalid(format!(
                 "{len} inline bytes over max_inline_data {}",
                 self.caps.max_inline_data
-            )));
+            ))));
         }
         let mut core = self.core.lock();
-        if core.sq.is_empty() && core.state == QpState::ReadyToSend {
-            let stage = match self.remote_write_access(&core, rkey, remote_addr, len as u64) {
-                Ok(None) => SqStage::Done(WcStatus::Success),
-                // SAFETY: the parts are caller memory, valid during this call.
-                Ok(Some(access)) => {
-                    SqStage::Done(unsafe { access.write_parts(parts) }.err().unwrap_or(WcStatus::Success))
-                }
-                Err(st) => SqStage::Done(st),
-            };
-            self.report_at_once(&mut core, wr_id, len as u32, signaled, stage);
-            return Ok(());
+        if !core.sq.is_empty() || core.state != QpState::ReadyToSend {
+            return None;
         }
-        drop(core);
-        // The general path, from one SGE over a copy of the parts (inline data is copied at
-        // post time anyway).
-        let mut data = smallvec::SmallVec::<[u8; 256]>::with_capacity(len);
-        for p in parts {
-            data.extend_from_slice(p);
-        }
-        let sge = Sge { addr: data.as_ptr() as u64, length: len as u32, lkey: 0 };
-        self.post_send(&[SendWr::write(wr_id, &[sge], remote_addr, rkey).inline(true).signaled(signaled)])
+        let stage = match self.remote_write_access(&core, rkey, remote_addr, len as u64) {
+            Ok(None) => SqStage::Done(WcStatus::Success),
+            // SAFETY: the parts are caller memory, valid during this call.
+            Ok(Some(access)) => SqStage::Done(unsafe { access.write_parts(parts) }.err().unwrap_or(WcStatus::Success)),
+            Err(st) => SqStage::Done(st),
+        };
+        self.report_at_once(&mut core, wr_id, len as u32, signaled, stage);
+        Some(Ok(()))
     }
 
     /// Reports a request carried out at post time that failed (unsignaled or not) and fails
