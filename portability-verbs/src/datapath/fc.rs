@@ -586,6 +586,22 @@ pub fn poll_frame(rx: &mut RingReceiver, ring: &impl RingWords) -> Result<Option
     Ok(Some(FrameAt { body_off: rx.offset(start) + 8, body_len: body, end_pos: rx.received() }))
 }
 
+/// Whether the next frame of a polled ring has begun arriving: its publish word is at the
+/// ring's next position or, near the ring's end, at the next lap's start. Two loads and
+/// compares at most, for a receiver spinning on an empty ring; [`poll_frame`] makes the
+/// checks (a frame begun may not be whole yet, or may be bad).
+#[inline]
+pub fn frame_begun(rx: &RingReceiver, ring: &impl RingWords) -> bool {
+    let pos = rx.received();
+    let off = rx.offset(pos);
+    let stamp_of = |word: u64| word >> FRAME_LEN_BITS;
+    if stamp_of(ring.word(off)) == stamp_of(frame_word(pos, 0)) {
+        return true;
+    }
+    let left = rx.size - off;
+    left < rx.size / 4 && stamp_of(ring.word(0)) == stamp_of(frame_word(pos + left, 0))
+}
+
 /// The frame at ring position `start` if it is whole: its body length and the ring bytes it
 /// takes.
 #[inline]
@@ -766,6 +782,7 @@ mod tests {
             while next < bodies.len() || !sent.is_empty() {
                 // The receiver reads and consumes what arrived, lagging by up to `lag` frames.
                 while sent.len() > lag || (next == bodies.len() && !sent.is_empty()) {
+                    prop_assert!(frame_begun(&rx, &ring), "a whole frame is seen to have begun");
                     let f = poll_frame(&mut rx, &ring).unwrap().expect("a whole frame is found");
                     let (body, _) = sent.pop_front().unwrap();
                     prop_assert_eq!(&ring.0[f.body_off as usize..f.body_off as usize + f.body_len], &body[..]);
@@ -777,6 +794,7 @@ mod tests {
                     break;
                 }
                 if sent.is_empty() {
+                    prop_assert!(!frame_begun(&rx, &ring), "nothing has begun before it is written");
                     prop_assert_eq!(poll_frame(&mut rx, &ring).unwrap(), None, "nothing is found before it is written");
                 }
                 let body: Vec<u8> = (0..bodies[next]).map(|i| (i * 31 + next) as u8).collect();
@@ -796,6 +814,7 @@ mod tests {
                 let at = place.offset as usize;
                 let n = bytes.len();
                 ring.0[at..at + n - 8].copy_from_slice(&bytes[..n - 8]);
+                prop_assert!(frame_begun(&rx, &ring), "a frame being written has begun");
                 if sent.is_empty() {
                     prop_assert_eq!(poll_frame(&mut rx, &ring).unwrap(), None, "a frame without its closing word is not whole");
                 }

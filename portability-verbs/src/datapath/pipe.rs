@@ -270,6 +270,8 @@ const INLINE_MAX: usize = 256;
 /// behind the peer's work when transfers are quick, on the ping-pong's path when they are
 /// slow (as between sockets, or in this VM's slow phases).
 const SIGNAL_EVERY: usize = 8;
+/// Most frames a progress pass takes in from a polled ring.
+const FRAMES_PER_PASS: usize = 32;
 /// A polled pipe's empty [`MsgPipe::front`] calls per full progress pass.
 const PROGRESS_EVERY: u32 = 8;
 /// Progress passes with unsignaled sends pending and no send since, after which a signaled
@@ -325,7 +327,9 @@ const ACK_SLEEP: usize = 32;
 const ACK_SLEEP_SRC: usize = 40;
 const ACK_BYTES: usize = 48;
 
-/// Reads the words of our polled ring as the peer's writes land in it.
+/// Reads the words of our polled ring as the peer's writes land in it (empty when the pipe
+/// has no ring).
+#[derive(Clone, Copy)]
 struct RingView {
     base: *const u8,
     len: usize,
@@ -353,6 +357,8 @@ pub struct MsgPipe {
     send_pool: Arc<BufferPool>,
     setup_mr: MemoryRegion,
     ring: Option<MemoryRegion>,
+    /// Where `ring` lies, kept at hand for the receiver's polls.
+    ring_words: RingView,
     /// The slots where the peer writes how much of our rings it consumed, and the bytes we
     /// write our acknowledgements from (`ACK_*` offsets).
     ack_mr: MemoryRegion,
@@ -487,6 +493,10 @@ impl MsgPipe {
             recv_pool,
             send_pool,
             setup_mr,
+            ring_words: RingView {
+                base: ring.as_ref().map_or(std::ptr::null(), |r| r.as_ptr()),
+                len: ring.as_ref().map_or(0, |r| r.len()),
+            },
             ring,
             ack_mr,
             peer_ring: None,
@@ -1036,7 +1046,7 @@ impl MsgPipe {
             }
         }
         if let FlowStrategy::Polled { .. } = self.strategy {
-            self.poll_frames()?;
+            self.poll_frames(FRAMES_PER_PASS)?;
         }
         self.poll_completions()?;
         if let FlowStrategy::Rdma { .. } | FlowStrategy::Polled { .. } = self.strategy {
@@ -1212,19 +1222,22 @@ impl MsgPipe {
         Ok(())
     }
 
-    /// Takes in the frames that arrived whole in our ring (polled strategy), a bounded number
-    /// per pass; returns how many.
-    fn poll_frames(&mut self) -> Result<usize> {
-        const FRAMES_PER_PASS: usize = 32;
-        let ring = self.ring.as_ref().ok_or_else(|| VerbsError::Protocol("polled pipe without a ring".into()))?;
-        let words = RingView { base: ring.as_ptr(), len: ring.len() };
-        for n in 0..FRAMES_PER_PASS {
+    /// Takes in the frames that arrived whole in our ring (polled strategy), at most `limit`;
+    /// returns how many. (A reader asks for one: it reads that frame's messages before
+    /// looking at the ring again.)
+    #[inline]
+    fn poll_frames(&mut self, limit: usize) -> Result<usize> {
+        let words = self.ring_words;
+        if words.len == 0 {
+            return Err(VerbsError::Protocol("polled pipe without a ring".into()));
+        }
+        for n in 0..limit {
             let before = self.ring_rx.received();
             let Some(frame) = fc::poll_frame(&mut self.ring_rx, &words).map_err(fc_err)? else { return Ok(n) };
             self.stats.buffer_bytes += self.ring_rx.received() - before;
             self.take_frame(words.base, frame)?;
         }
-        Ok(FRAMES_PER_PASS)
+        Ok(limit)
     }
 
     /// Queues a frame's messages, or the bulk chunk it announces (alone in its frame).
@@ -1553,10 +1566,13 @@ impl MsgPipe {
     /// stay readable, and the caller's progress reports the failure once they are read.
     #[inline]
     fn polled_arrivals(&mut self) -> bool {
-        if !matches!(self.strategy, FlowStrategy::Polled { .. }) || self.reap_wake {
+        if !matches!(self.strategy, FlowStrategy::Polled { .. })
+            || self.reap_wake
+            || !fc::frame_begun(&self.ring_rx, &self.ring_words)
+        {
             return false;
         }
-        match self.poll_frames() {
+        match self.poll_frames(1) {
             Ok(n) => n > 0,
             Err(e) => {
                 let _ = self.fail(e);
