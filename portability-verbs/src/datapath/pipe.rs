@@ -854,9 +854,16 @@ impl MsgPipe {
             self.ring_tx.unreserve();
             return Err(VerbsError::Protocol("a frame before setup".into()));
         };
-        // Written from its parts, with no staging copy.
+        // Written from its parts, with no staging copy: the publish word and the record header
+        // from one small array, the payload from where it lies, the padding and the closing
+        // word from another.
         let (word, pad) = fc::frame_framing(self.ring_tx.sent() - reserved, body);
-        let parts: [&[u8]; 5] = [&word, &rec.encode(), payload, pad, &word];
+        let mut head = [0u8; 8 + RECORD_HEADER];
+        head[..8].copy_from_slice(&word);
+        head[8..].copy_from_slice(&rec.encode());
+        let mut tail = [0u8; 16];
+        tail[pad.len()..pad.len() + 8].copy_from_slice(&word);
+        let parts: [&[u8]; 3] = [&head, payload, &tail[..pad.len() + 8]];
         let addr = peer_addr + place.offset;
         let posted =
             self.post_counted(|qp, wr_id, signaled| qp.post_write_inline_list(wr_id, &parts, addr, rkey, signaled));
