@@ -582,10 +582,14 @@ impl QueuePair {
         rkey: u32,
         signaled: bool,
     ) -> Result<()> {
-        if let QpImpl::Soft(q) = &self.0 .0 {
-            if let Some(done) = q.write_inline_list_at_once(wr_id, parts, remote_addr, rkey, signaled) {
-                return done;
+        match &self.0 .0 {
+            QpImpl::Soft(q) => {
+                if let Some(done) = q.write_inline_list_at_once(wr_id, parts, remote_addr, rkey, signaled) {
+                    return done;
+                }
             }
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(_) => {}
         }
         self.post_write_inline_list_as_request(wr_id, parts, remote_addr, rkey, signaled)
     }
