@@ -593,6 +593,26 @@ impl QueuePair {
         }
         self.post_write_inline_list_as_request(wr_id, parts, remote_addr, rkey, signaled)
     }
+    /// Maps `len` bytes at `remote_addr` of the connected peer's memory region `rkey` into this
+    /// process, for writes with plain stores ([`RemoteWindow::write`]): no request, no
+    /// completion, no queue-pair lock (the way UCX's `rkey_ptr` reaches shared-memory peers).
+    /// The region must grant remote writes, as for an RDMA write.
+    ///
+    /// `Ok(None)` where the provider cannot map it: the hardware provider, and on the software
+    /// provider memory the peer registered from its own heap (reached with cross-memory attach
+    /// only); memory from [`ProtectionDomain::alloc`] maps. Fails if the queue pair is not
+    /// ready to send or the peer refuses the range (key, bounds, rights, protection domain).
+    ///
+    /// A window's writes are not ordered with this queue pair's requests: one may land before
+    /// a request posted earlier has. A caller that needs order sees earlier requests complete
+    /// first.
+    pub fn map_remote_write(&self, remote_addr: u64, len: u64, rkey: u32) -> Result<Option<RemoteWindow>> {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => Ok(q.map_remote_write(remote_addr, len, rkey)?.map(RemoteWindow)),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(_) => Ok(None),
+        }
+    }
     /// [`QueuePair::post_write_inline_list`] as a request: one SGE over a copy of the parts,
     /// whatever max_send_sge is (an inline SGE needs no key, and its bytes are copied at post
     /// time anyway). Out of line: the fast path above stays small.
@@ -620,6 +640,40 @@ impl QueuePair {
             #[cfg(feature = "hardware")]
             QpImpl::Hw(q) => q.post_recv(wrs),
         }
+    }
+}
+
+/// A peer's registered memory mapped for plain stores ([`QueuePair::map_remote_write`]).
+/// It keeps its mapping alive by itself; once the peer deregisters the region or its queue
+/// pair stops answering, writes fail.
+pub struct RemoteWindow(crate::soft::SoftWindow);
+
+impl RemoteWindow {
+    /// Bytes of the window.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True for a window of no bytes (never mapped: kept for the `len`/`is_empty` pair).
+    pub fn is_empty(&self) -> bool {
+        self.0.len() == 0
+    }
+
+    /// Writes `parts` end to end at byte `offset` of the window, with plain stores, their last
+    /// 8 bytes placed last: a reader that sees those sees the rest, as with an RDMA write on
+    /// the software provider. Refused, writing nothing: `RemAccessErr` once the peer
+    /// deregistered the region, `RetryExcErr` once its queue pair is in error or destroyed,
+    /// `LocLenErr` for a range outside the window. `LocProtErr`: a part this process may not
+    /// read (what came before it may be written).
+    #[inline]
+    pub fn write(&self, offset: usize, parts: &[&[u8]]) -> std::result::Result<(), WcStatus> {
+        self.0.write(offset, parts)
+    }
+}
+
+impl std::fmt::Debug for RemoteWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteWindow").field("len", &self.len()).finish_non_exhaustive()
     }
 }
 

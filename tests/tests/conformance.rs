@@ -959,3 +959,69 @@ fn requests_left_waiting_start_without_their_owner_polling() {
         assert_eq!(wait_n(&p.cq_a, n).len(), n);
     });
 }
+
+/// A window onto a peer's provider-allocated memory ([`QueuePair::map_remote_write`]) places
+/// exactly the bytes written, end to end from their parts, where an RDMA write to the same
+/// address would; the hardware provider maps nothing (a NIC has no such window), and memory
+/// the peer registered from its own heap does not map either.
+#[test]
+fn a_window_writes_where_an_rdma_write_would() {
+    each(|ctx| {
+        let p = pair(ctx, 4096);
+        let target = p.pd.alloc(8192, AccessFlags::ALL).unwrap();
+        let Some(w) = p.a.map_remote_write(target.addr() + 4096, 4096, target.rkey()).unwrap() else {
+            assert!(!target.is_shared_segment(), "a provider segment of a peer on this host maps");
+            return;
+        };
+        assert_eq!(w.len(), 4096);
+        let (head, body, tail) = (pattern(1, 3), pattern(2, 100), pattern(3, 13));
+        w.write(64, &[&head, &body, &tail]).unwrap();
+        let mut got = vec![0u8; 8192];
+        target.read(0, &mut got);
+        let mut want = vec![0u8; 8192];
+        want[4096 + 64..4096 + 64 + 116].copy_from_slice(&[head, body, tail].concat());
+        assert_eq!(got, want);
+        // A write ending at the window's last byte is in; one byte further is not, and writes
+        // nothing.
+        w.write(4096 - 8, &[&[7u8; 8]]).unwrap();
+        assert_eq!(w.write(4096 - 8, &[&[9u8; 9]]), Err(WcStatus::LocLenErr));
+        assert_eq!(w.write(usize::MAX, &[&[9u8; 1]]), Err(WcStatus::LocLenErr));
+        assert_eq!(target.read_u64(8192 - 8), u64::from_ne_bytes([7; 8]));
+        let heap = p.pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        assert!(p.a.map_remote_write(heap.addr(), 64, heap.rkey()).unwrap().is_none());
+    });
+}
+
+/// A window is checked as an RDMA write is when it is made (key, bounds, remote-write right,
+/// protection domain, a queue pair ready to send), and at every write afterwards: once the peer
+/// deregisters the region the write fails and the peer's later memory is untouched, and once
+/// the peer's queue pair is destroyed writes fail too.
+#[test]
+fn a_window_is_refused_what_a_write_is_and_fails_once_the_region_or_peer_is_gone() {
+    let ctx = Context::open(Provider::Software).unwrap();
+    let p = pair(&ctx, 4096);
+    let target = p.pd.alloc(4096, AccessFlags::ALL).unwrap();
+    let (addr, key) = (target.addr(), target.rkey());
+    assert!(p.a.map_remote_write(addr, 4096, key ^ 0x100).is_err(), "a wrong key");
+    assert!(p.a.map_remote_write(addr + 1, 4096, key).is_err(), "past the region's end");
+    let read_only = p.pd.alloc(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ).unwrap();
+    assert!(p.a.map_remote_write(read_only.addr(), 64, read_only.rkey()).is_err(), "no remote-write right");
+    let other_pd = ctx.alloc_pd().unwrap();
+    let foreign = other_pd.alloc(4096, AccessFlags::ALL).unwrap();
+    assert!(p.a.map_remote_write(foreign.addr(), 64, foreign.rkey()).is_err(), "another protection domain");
+    let unconnected = p.pd.create_qp(&QpInit::new(&p.cq_a)).unwrap();
+    assert!(matches!(unconnected.map_remote_write(addr, 64, key), Err(VerbsError::InvalidState(_))));
+
+    let w = p.a.map_remote_write(addr, 4096, key).unwrap().expect("a provider segment maps");
+    w.write(0, &[&[1u8; 16]]).unwrap();
+    drop(target);
+    assert_eq!(w.write(0, &[&[2u8; 16]]), Err(WcStatus::RemAccessErr));
+    let later = p.pd.alloc(4096, AccessFlags::ALL).unwrap();
+    assert_eq!(w.write(0, &[&[3u8; 16]]), Err(WcStatus::RemAccessErr));
+    assert_eq!(later.read_u64(0), 0);
+
+    let w = p.a.map_remote_write(later.addr(), 4096, later.rkey()).unwrap().unwrap();
+    drop(p.b);
+    assert_eq!(w.write(0, &[&[4u8; 8]]), Err(WcStatus::RetryExcErr));
+    assert_eq!(later.read_u64(0), 0);
+}

@@ -16,7 +16,7 @@ use super::fc::{self, Coalescer, Credits, FcError, Record, RecordKind, RingRecei
 use super::pool::{BufferPool, PoolBuf};
 use crate::error::{Result, VerbsError};
 use crate::types::*;
-use crate::verbs::{CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair};
+use crate::verbs::{CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RemoteWindow};
 
 /// Which flow control a pipe uses (both ends must agree; the setup exchange checks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -189,6 +189,11 @@ pub struct PipeOptions {
     /// whose message finds the pool empty reports flow control (`try_send` returns false).
     /// Its buffers must hold the strategy's largest transfer.
     pub send_pool: Option<Arc<BufferPool>>,
+    /// Polled strategy: post every frame as an RDMA write, as on a NIC, even where the
+    /// provider maps the peer's ring for plain stores (by default frames are stored through
+    /// such a [`RemoteWindow`] while nothing posted is in flight: no request, no completion,
+    /// no queue-pair lock). For tests and measurements of the posted path.
+    pub posted_frames: bool,
 }
 
 /// Counters of a pipe end.
@@ -363,6 +368,12 @@ pub struct MsgPipe {
     /// write our acknowledgements from (`ACK_*` offsets).
     ack_mr: MemoryRegion,
     peer_ring: Option<PeerRing>,
+    /// Polled strategy: the peer's ring mapped for plain stores, where the provider can
+    /// ([`QueuePair::map_remote_write`]). Frames go through it while nothing posted on the
+    /// queue pair is in flight (a window's writes are not ordered with posted requests).
+    ring_window: Option<RemoteWindow>,
+    /// Whether frames may go through `ring_window` (not [`PipeOptions::posted_frames`]).
+    direct_frames: bool,
     /// Our inbound bulk ring, and the peer's (None: that direction has no bulk lane).
     bulk_ring: Option<MemoryRegion>,
     peer_bulk: Option<PeerRing>,
@@ -412,6 +423,8 @@ pub struct MsgPipe {
     /// Staging buffers of framed bulk chunks in flight, by token.
     bulk_staging: smallvec::SmallVec<[(u64, u32); 4]>,
     next_user: u64,
+    /// Requests posted through `post_user` whose completion has not come.
+    user_in_flight: usize,
 }
 
 // SAFETY: the raw pointers in `ChunkStore` point into `ring`, `bulk_ring` or the receive
@@ -500,6 +513,8 @@ impl MsgPipe {
             ring,
             ack_mr,
             peer_ring: None,
+            ring_window: None,
+            direct_frames: !options.posted_frames,
             bulk_rx: RingReceiver::new(options.bulk_ring as u64),
             bulk_ring,
             peer_bulk: None,
@@ -527,6 +542,7 @@ impl MsgPipe {
             wcs: vec![WorkCompletion::EMPTY; 32],
             freed: smallvec::SmallVec::new(),
             user_done: std::collections::HashMap::new(),
+            user_in_flight: 0,
             bulk_staging: smallvec::SmallVec::new(),
             next_user: 0,
         };
@@ -632,6 +648,9 @@ impl MsgPipe {
         self.peer_acks = Some((v(4), v(5) as u32));
         if code == 2 || code == 4 {
             self.peer_ring = Some(PeerRing { addr: v(2), rkey: v(3) as u32 });
+            if code == 4 && self.direct_frames {
+                self.map_peer_ring()?;
+            }
         }
         let bulk_len = v(8);
         if bulk_len > 0 {
@@ -845,7 +864,8 @@ impl MsgPipe {
     fn write_frame_inline(&mut self, rec: Record, payload: &[u8]) -> Result<bool> {
         let body = RECORD_HEADER + payload.len();
         let written = fc::frame_written(body);
-        if written > self.inline_max || self.outstanding >= self.strategy.send_slots() {
+        let direct = self.direct_now();
+        if !direct && (written > self.inline_max || self.outstanding >= self.strategy.send_slots()) {
             return Ok(false);
         }
         let reserved = fc::frame_reserved(body);
@@ -864,6 +884,14 @@ impl MsgPipe {
         let mut tail = [0u8; 16];
         tail[pad.len()..pad.len() + 8].copy_from_slice(&word);
         let parts: [&[u8]; 3] = [&head, payload, &tail[..pad.len() + 8]];
+        if direct {
+            let window = self.ring_window.as_ref().expect("direct_now checked");
+            let written = window.write(place.offset as usize, &parts);
+            self.direct_written(written)?;
+            self.stats.transfers += 1;
+            self.after_frame()?;
+            return Ok(true);
+        }
         let addr = peer_addr + place.offset;
         let posted =
             self.post_counted(|qp, wr_id, signaled| qp.post_write_inline_list(wr_id, &parts, addr, rkey, signaled));
@@ -879,7 +907,8 @@ impl MsgPipe {
     /// Writes what is coalesced as one frame from a staging buffer (polled strategy), if the
     /// ring, the send window and the staging pool have room.
     fn flush_frames(&mut self) -> Result<()> {
-        if self.coalescer.is_empty() || self.outstanding >= self.strategy.send_slots() {
+        let direct = self.direct_now();
+        if self.coalescer.is_empty() || (!direct && self.outstanding >= self.strategy.send_slots()) {
             return Ok(());
         }
         let body = self.coalescer.len();
@@ -887,6 +916,15 @@ impl MsgPipe {
         let Some(place) = self.ring_tx.reserve(reserved) else {
             return Ok(()); // no ring space until the peer acknowledges
         };
+        if direct {
+            let (word, pad) = fc::frame_framing(self.ring_tx.sent() - reserved, body);
+            let window = self.ring_window.as_ref().expect("direct_now checked");
+            let written = window.write(place.offset as usize, &[&word, self.coalescer.bytes(), pad, &word]);
+            self.direct_written(written)?;
+            self.coalescer.clear();
+            self.stats.transfers += 1;
+            return self.after_frame();
+        }
         let Some(mut b) = self.send_pool.try_acquire() else {
             self.ring_tx.unreserve();
             return Ok(());
@@ -917,6 +955,49 @@ impl MsgPipe {
     fn after_frame(&mut self) -> Result<()> {
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         self.answer_peer_sleep()
+    }
+
+    /// Whether the next frame goes through the window onto the peer's ring: there is one, and
+    /// nothing posted on the queue pair is in flight (a frame stored now could overtake it: a
+    /// bulk chunk, say, that the frame announces).
+    #[inline]
+    fn direct_now(&self) -> bool {
+        self.ring_window.is_some() && self.outstanding == 0 && self.user_in_flight == 0
+    }
+
+    /// After a frame's store through the window: a refusal (the peer deregistered its ring,
+    /// or its queue pair stopped answering) fails the pipe, as a failed write's completion
+    /// would.
+    #[inline]
+    fn direct_written(&mut self, written: std::result::Result<(), WcStatus>) -> Result<()> {
+        if let Err(st) = written {
+            self.ring_tx.unreserve();
+            return Err(self.fail(VerbsError::PeerUnreachable(format!("pipe frame write failed: {st:?}"))));
+        }
+        Ok(())
+    }
+
+    /// Maps the peer's ring for frames written with plain stores, if the provider can. A
+    /// refusal only leaves frames posted: what the peer named is checked again by each write,
+    /// whose failure then fails the pipe.
+    fn map_peer_ring(&mut self) -> Result<()> {
+        let Some(peer) = &self.peer_ring else { return Ok(()) };
+        let ring = self.ring_tx.max_chunk() * 4;
+        self.ring_window = match self.qp.map_remote_write(peer.addr, ring, peer.rkey) {
+            Ok(w) => w,
+            Err(e) => {
+                log::debug!("pipe: frames go as posted writes, the peer's ring does not map: {e}");
+                None
+            }
+        };
+        Ok(())
+    }
+
+    /// True if frames go into the peer's ring with plain stores while nothing posted is in
+    /// flight (polled strategy, a provider that maps the peer's ring, and
+    /// [`PipeOptions::posted_frames`] not set).
+    pub fn direct_frames(&self) -> bool {
+        self.ring_window.is_some()
     }
 
     /// If the peer said it sleeps waiting at a ring position we have written past, raises a
@@ -1105,6 +1186,7 @@ impl MsgPipe {
                 let (_, index) = self.bulk_staging.swap_remove(i);
                 self.send_pool.release_index(index)?;
             }
+            self.user_in_flight = self.user_in_flight.saturating_sub(1);
             self.user_done.insert(token, wc.status);
             if wc.status != WcStatus::Success {
                 return Err(VerbsError::PeerUnreachable(format!("transfer failed: {:?} ({:?})", wc.status, wc.opcode)));
@@ -1683,6 +1765,7 @@ impl MsgPipe {
         wr.wr_id = wr_id(TAG_USER, token);
         wr.flags.signaled = true;
         self.qp.post_send(&[wr])?;
+        self.user_in_flight += 1;
         Ok(token)
     }
 
@@ -1826,9 +1909,10 @@ mod tests {
     #[test]
     fn unsignaled_sends_are_all_accounted_for() {
         let few_buffers = FlowStrategy::Window { window: 512, buffers: 4 };
-        for s in [FlowStrategy::WINDOW, few_buffers, FlowStrategy::CREDIT, FlowStrategy::RDMA, FlowStrategy::POLLED] {
+        let all = [FlowStrategy::WINDOW, few_buffers, FlowStrategy::CREDIT, FlowStrategy::RDMA, FlowStrategy::POLLED];
+        for (s, posted_frames) in all.map(|s| (s, false)).into_iter().chain([(FlowStrategy::POLLED, true)]) {
             for n in [1usize, SIGNAL_EVERY - 1, SIGNAL_EVERY, 3 * SIGNAL_EVERY + 2, 200] {
-                let (mut a, mut b) = pair(s);
+                let (_pd, mut a, mut b) = pair_with(s, PipeOptions { posted_frames, ..PipeOptions::default() });
                 stream(&mut a, &mut b, &vec![24; n]);
                 assert!(a.unsignaled < SIGNAL_EVERY, "{s:?} {n}: {} unsignaled", a.unsignaled);
                 let deadline = Instant::now() + T;
@@ -1879,13 +1963,16 @@ mod tests {
     /// the bulk ring wrapping many times and the sender held back while it is full.
     #[test]
     fn bulk_chunks_interleave_with_messages_in_order() {
-        for s in [
-            FlowStrategy::Rdma { ring_bytes: 4096, coalesce: 700 },
-            FlowStrategy::Window { window: 512, buffers: 4 },
-            FlowStrategy::Credit { buffers: 4, buf_size: 512 },
-            FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 },
+        let polled = FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 };
+        for (s, posted_frames) in [
+            (FlowStrategy::Rdma { ring_bytes: 4096, coalesce: 700 }, false),
+            (FlowStrategy::Window { window: 512, buffers: 4 }, false),
+            (FlowStrategy::Credit { buffers: 4, buf_size: 512 }, false),
+            (polled, false),
+            (polled, true),
         ] {
-            let (pd, mut a, mut b) = pair_with(s, PipeOptions { bulk_ring: 16 * 1024, ..PipeOptions::default() });
+            let o = PipeOptions { bulk_ring: 16 * 1024, posted_frames, ..PipeOptions::default() };
+            let (pd, mut a, mut b) = pair_with(s, o);
             assert_eq!(a.bulk_chunk_max(), 4096);
             let src: Vec<u8> = (0..4096u32).map(|i| (i * 13 % 251) as u8).collect();
             let reg = pd.register(src.clone().into_boxed_slice(), AccessFlags::NONE).unwrap();
@@ -2108,8 +2195,8 @@ mod tests {
 
     #[test]
     fn every_strategy_delivers_in_order_both_ways() {
-        for s in strategies() {
-            let (mut a, mut b) = pair(s);
+        for (s, posted_frames) in strategies().map(|s| (s, false)).into_iter().chain([(strategies()[3], true)]) {
+            let (_pd, mut a, mut b) = pair_with(s, PipeOptions { posted_frames, ..PipeOptions::default() });
             let sizes: Vec<usize> = (0..300).map(|i| (i * 37) % (s.max_message() + 1)).collect();
             assert!(sizes.iter().all(|&n| n <= s.max_message()));
             stream(&mut a, &mut b, &sizes);
@@ -2386,18 +2473,64 @@ mod tests {
         assert_eq!(p.recv(T).unwrap(), b"abc");
     }
 
+    /// On the software provider a polled pipe stores its frames into the peer's ring through a
+    /// window, posting nothing; a frame that follows a posted bulk chunk (which it may announce)
+    /// is posted behind it until the chunk completes, then frames go through the window again.
+    /// With `posted_frames` every frame is posted.
+    #[test]
+    fn polled_frames_are_stored_directly_unless_something_posted_is_in_flight() {
+        let s = FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 };
+        let o = PipeOptions { bulk_ring: 16 * 1024, ..PipeOptions::default() };
+        let (pd, mut a, mut b) = pair_with(s, o.clone());
+        assert!(a.direct_frames() && b.direct_frames());
+        stream(&mut a, &mut b, &[8, 300, 900, 24]);
+        assert_eq!((a.outstanding, a.stats().transfers), (0, 4), "four frames, nothing posted");
+        let reg = pd.register(vec![5u8; 4096].into_boxed_slice(), AccessFlags::NONE).unwrap();
+        let token = a.try_send_bulk(reg.sge(0, 4096)).unwrap().expect("room for a chunk");
+        assert!(a.try_send(&msg(1, 40)).unwrap());
+        assert!(a.outstanding > 0, "the message after a chunk in flight is posted behind it");
+        let deadline = Instant::now() + T;
+        let mut got = Vec::new();
+        while got.len() < 2 || a.take_user_completion(token).is_none() {
+            assert!(Instant::now() < deadline, "stalled");
+            a.progress().unwrap();
+            while let Some(m) = b.recv_lane(|l, m| (l, m.to_vec())).unwrap() {
+                got.push(m);
+            }
+            b.progress().unwrap();
+        }
+        assert_eq!(got, [(Lane::Bulk, vec![5u8; 4096]), (Lane::Message, msg(1, 40))]);
+        while !a.idle() {
+            assert!(Instant::now() < deadline, "never idle");
+            a.progress().unwrap();
+            b.progress().unwrap();
+        }
+        let posted = a.stats().transfers;
+        stream(&mut a, &mut b, &[8, 8]);
+        assert_eq!((a.outstanding, a.stats().transfers), (0, posted + 2), "direct again");
+
+        let (_pd, mut a, mut b) = pair_with(s, PipeOptions { posted_frames: true, ..o });
+        assert!(!a.direct_frames());
+        assert!(a.try_send(&msg(0, 8)).unwrap());
+        assert_eq!(a.outstanding, 1, "a posted frame");
+        while b.recv_with(|m| assert_eq!(m, msg(0, 8))).unwrap().is_none() {
+            assert!(Instant::now() < deadline, "stalled");
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 12, .. ProptestConfig::default() })]
         /// Random message sizes and random interleavings of the two ends' progress.
         #[test]
         fn random_traffic_is_never_lost_duplicated_or_reordered(
-            which in 0usize..4,
+            which in 0usize..5,
             sizes in proptest::collection::vec(0usize..500, 1..150),
             steps in proptest::collection::vec(0u8..4, 50..400),
         ) {
-            let s = strategies()[which];
+            // 4: the polled strategy with every frame posted.
+            let s = strategies()[which.min(3)];
             let sizes: Vec<usize> = sizes.iter().map(|&n| n.min(s.max_message())).collect();
-            let (mut a, mut b) = pair(s);
+            let (_pd, mut a, mut b) = pair_with(s, PipeOptions { posted_frames: which == 4, ..PipeOptions::default() });
             let mut next = 0usize;
             let mut got = 0usize;
             let deadline = Instant::now() + T;

@@ -32,6 +32,7 @@ pub(crate) use cq::CqInner;
 pub(crate) use ctx::unique_id;
 pub(crate) use ctx::CtxInner;
 pub use ctx::SoftConfig;
+pub use peer::SoftWindow;
 pub(crate) use qp::{QpInner, SrqInner};
 pub use segment::page_size;
 

@@ -199,9 +199,15 @@ impl PeerCtx {
                 _ => {}
             }
         }
+        self.map_segment(entry, id).map(|s| (s.ptr(), s.len()))
+    }
+
+    /// [`PeerCtx::segment_of`]'s mapping itself, mapped on first use (the lookup under the lock).
+    #[inline(never)]
+    fn map_segment(&self, entry: &MrEntry, id: u64) -> Option<Arc<Segment>> {
         let mut segs = self.segs.lock().expect("segment cache lock");
         if let Some(s) = segs.get(&id) {
-            return Some((s.ptr(), s.len()));
+            return Some(s.clone());
         }
         let fd = self.fetch(entry.seg_fd.load(Ordering::Relaxed)).ok()?;
         let seg = Arc::new(Segment::map_fetched(fd, &segment_name(self.key.2, id), 1).ok()?);
@@ -211,9 +217,48 @@ impl PeerCtx {
                 slot_id.store(id, Ordering::Release);
             }
         }
-        let mapped = (seg.ptr(), seg.len());
-        segs.insert(id, seg);
-        Some(mapped)
+        segs.insert(id, seg.clone());
+        Some(seg)
+    }
+
+    /// A window onto `len` bytes at `addr` of the peer's region `rkey` (checked as
+    /// [`PeerCtx::access`] checks a write), through this process's own mapping of the provider
+    /// segment holding it. None if the region is not in a provider segment (the peer's heap is
+    /// reached with cross-memory attach only), or the segment cannot be mapped.
+    pub fn window(
+        self: &Arc<Self>,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        pd: u32,
+        peer_qp: Arc<Segment>,
+    ) -> Result<Option<SoftWindow>, WcStatus> {
+        let access = self.access(rkey, addr, len, AccessFlags::REMOTE_WRITE, pd)?;
+        let entry = access.entry;
+        let id = entry.seg_id.load(Ordering::Relaxed);
+        if id == 0 || len == 0 {
+            return Ok(None);
+        }
+        let Some(seg) = self.map_segment(entry, id) else { return Ok(None) };
+        let off = entry.seg_off.load(Ordering::Relaxed) + (addr - entry.addr.load(Ordering::Relaxed));
+        if off.checked_add(len).is_none_or(|e| e > seg.len() as u64) {
+            return Err(WcStatus::RemAccessErr);
+        }
+        let slot = key_slot(rkey).ok_or(WcStatus::RemAccessErr)?;
+        // Checked again now that the mapping exists: a region deregistered meanwhile is refused.
+        if entry.key.load(Ordering::Acquire) != rkey {
+            return Err(WcStatus::RemAccessErr);
+        }
+        Ok(Some(SoftWindow {
+            base: seg.ptr().wrapping_add(off as usize),
+            len: len as usize,
+            rkey,
+            seg_id: id,
+            slot,
+            peer: self.clone(),
+            peer_qp,
+            _seg: seg,
+        }))
     }
 
     /// Wakes the owner of doorbell `slot` if it armed it (sleeps or is about to). Inlined into
@@ -486,6 +531,93 @@ impl RemoteAccess<'_> {
             unsafe { self.write_from(0, new.as_ptr(), 8, false)? };
             Ok(old)
         })?
+    }
+}
+
+/// A peer's registered memory written with plain stores, without a queue pair: the software
+/// provider's remote-key pointer (what UCX calls `rkey_ptr`), for a sender that writes small
+/// frames into a peer's ring many times a microsecond.
+///
+/// Why this is safe against the peer: the stores go to this process's own mapping of the
+/// provider segment holding the region. A segment id is never reused, and a segment's pages
+/// live for as long as any mapping of them does. So a store that races with the peer's
+/// deregistration lands in pages no live region of the peer uses (as if it had landed just
+/// before), and every write after the deregistration is seen to fail: [`SoftWindow::write`]
+/// checks the key and the segment before storing, one shared cache line.
+pub struct SoftWindow {
+    base: *mut u8,
+    len: usize,
+    rkey: u32,
+    seg_id: u64,
+    slot: usize,
+    /// Keeps the peer's control segment (the key table read on every write) mapped.
+    peer: Arc<PeerCtx>,
+    /// The segment of the peer queue pair: its state says when the peer stops answering.
+    peer_qp: Arc<Segment>,
+    /// Keeps `base` mapped.
+    _seg: Arc<Segment>,
+}
+
+// SAFETY: `base` points into `_seg`, a shared mapping owned by the window; writes through it
+// are plain stores any thread may make (the caller orders its own writes).
+unsafe impl Send for SoftWindow {}
+// SAFETY: as above; `write` takes `&self` and touches only the mapping and atomics.
+unsafe impl Sync for SoftWindow {}
+
+impl SoftWindow {
+    /// Bytes of the window.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty window (never made: a window maps at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Writes `parts` end to end at `offset`, their last 8 bytes placed last (a reader polling
+    /// the last word of a frame sees the rest once it sees that word). Refused, writing
+    /// nothing, once the peer deregistered the region (`RemAccessErr`) or its queue pair is in
+    /// error or destroyed (`RetryExcErr`), or if the range leaves the window (`LocLenErr`);
+    /// `LocProtErr` if a part may not be read (a protection hold), the parts before it written.
+    #[inline]
+    pub fn write(&self, offset: usize, parts: &[&[u8]]) -> Result<(), WcStatus> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(WcStatus::LocLenErr);
+        }
+        if super::qp::qp_seg_gone(&self.peer_qp) {
+            return Err(WcStatus::RetryExcErr);
+        }
+        let entry = self.peer.ctrl().mr(self.slot).ok_or(WcStatus::RemAccessErr)?;
+        if entry.key.load(Ordering::Acquire) != self.rkey || entry.seg_id.load(Ordering::Relaxed) != self.seg_id {
+            return Err(WcStatus::RemAccessErr);
+        }
+        // SAFETY: `offset + len <= self.len`: inside our own live mapping of the region's
+        // segment (held by `_seg`).
+        let dst = unsafe { self.base.add(offset) };
+        let mut off = 0;
+        // SAFETY: every call below copies a part, or a piece of one, to where it goes in
+        // `[dst, dst + len)`, checked above; the parts are the caller's live slices, and
+        // `local_copy` turns a source under a protection hold into `false`, not a fault.
+        let copy = |at: usize, src: *const u8, n: usize| unsafe { local_copy(dst.add(at), src, n) };
+        let Some((last, rest)) = parts.split_last() else { return Ok(()) };
+        for part in rest {
+            if !copy(off, part.as_ptr(), part.len()) {
+                return Err(WcStatus::LocProtErr);
+            }
+            off += part.len();
+        }
+        let split = last.len().saturating_sub(8);
+        let ok = copy(off, last.as_ptr(), split) && {
+            std::sync::atomic::fence(Ordering::Release);
+            copy(off + split, last.as_ptr().wrapping_add(split), last.len() - split)
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(WcStatus::LocProtErr)
+        }
     }
 }
 

@@ -113,7 +113,8 @@ struct SqEntry {
 struct Remote {
     info: SoftEndpoint,
     peer: Arc<PeerCtx>,
-    seg: Segment,
+    /// Shared with the windows onto the peer's memory (they read its state).
+    seg: Arc<Segment>,
     ring_bytes: usize,
     /// The peer queue pair itself when it lives in this process: a requester waiting for its
     /// records to be consumed can run the responder's side itself.
@@ -130,9 +131,15 @@ impl Remote {
     /// True once the peer queue pair is in error or destroyed: as a responder it answers
     /// nothing more.
     fn peer_qp_gone(&self) -> bool {
-        let state = self.seg().header().state.load(Ordering::Acquire);
-        state == qp_state_code(QpState::Error) || state == QP_DESTROYED
+        qp_seg_gone(&self.seg)
     }
+}
+
+/// True once the queue pair whose segment `seg` is went into error or was destroyed.
+#[inline]
+pub(crate) fn qp_seg_gone(seg: &Segment) -> bool {
+    let state = QpSeg(seg).header().state.load(Ordering::Acquire);
+    state == qp_state_code(QpState::Error) || state == QP_DESTROYED
 }
 
 struct RnrTrack {
@@ -449,7 +456,7 @@ impl QpInner {
         }
         let fd = peer.fetch(info.qp_fd).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
         let ring_bytes = info.ring_bytes as usize;
-        let seg = Segment::map_fetched(fd, &qp_name(info.ctx_id, info.qpn), RING_OFFSET + ring_bytes)?;
+        let seg = Arc::new(Segment::map_fetched(fd, &qp_name(info.ctx_id, info.qpn), RING_OFFSET + ring_bytes)?);
         let local = if peer.same_process { local_qp(info.ctx_id, info.qpn) } else { None };
         let remote = Remote { info: *info, peer, seg, ring_bytes, local };
         let h = remote.seg().header();
@@ -775,6 +782,23 @@ impl QpInner {
         };
         self.report_at_once(&mut core, wr_id, len as u32, signaled, stage);
         Some(Ok(()))
+    }
+
+    /// A window onto `len` bytes at `remote_addr` of the connected peer's region `rkey`, for
+    /// writes with plain stores (see [`super::peer::SoftWindow`]); None where the region is
+    /// not in a provider segment. Checked as an RDMA write is: a refusal is an error.
+    pub fn map_remote_write(&self, remote_addr: u64, len: u64, rkey: u32) -> Result<Option<super::peer::SoftWindow>> {
+        let core = self.core.lock();
+        if !matches!(core.state, QpState::ReadyToSend) {
+            return Err(VerbsError::InvalidState(format!("mapping a peer's memory in {:?} (needs RTS)", core.state)));
+        }
+        let refused = |st: WcStatus| {
+            VerbsError::invalid(format!(
+                "peer refused a window of {len} bytes at {remote_addr:#x} key {rkey:#x}: {st:?}"
+            ))
+        };
+        let r = self.peer_grants(&core, AccessFlags::REMOTE_WRITE).map_err(refused)?;
+        r.peer.window(rkey, remote_addr, len, r.info.pd, r.seg.clone()).map_err(refused)
     }
 
     /// Reports a request carried out at post time that failed (unsignaled or not) and fails
