@@ -434,20 +434,15 @@ impl RemoteAccess<'_> {
             return Err(WcStatus::RemAccessErr);
         }
         match (self.reach, parts.split_last()) {
-            (Reach::Direct(p), Some((last, rest))) if last.len() >= 8 && !crate::protect::any_active() => {
-                let mut off = 0;
-                for part in rest {
-                    // SAFETY: `off + part.len() <= len <= self.len`, inside the checked
-                    // destination (live while this guard is); the caller vouches for the part.
-                    unsafe { crate::copy::copy_bytes(p.add(off), part.as_ptr(), part.len()) };
-                    off += part.len();
-                }
-                let split = last.len() - 8;
-                // SAFETY (both): as above, the last part split in two.
-                unsafe { crate::copy::copy_bytes(p.add(off), last.as_ptr(), split) };
-                std::sync::atomic::fence(Ordering::Release);
-                // SAFETY: see above.
-                unsafe { crate::copy::copy_bytes(p.add(off + split), last.as_ptr().add(split), 8) };
+            (Reach::Direct(p), Some(_)) if !crate::protect::any_active() => {
+                // SAFETY: `len <= self.len`: the parts go inside the checked destination (live
+                // while this guard is); the caller vouches for the parts.
+                unsafe {
+                    store_parts(p, parts, |d, s, n| {
+                        crate::copy::copy_bytes(d, s, n);
+                        true
+                    })
+                };
                 Ok(())
             }
             _ => {
@@ -593,31 +588,41 @@ impl SoftWindow {
         if entry.key.load(Ordering::Acquire) != self.rkey || entry.seg_id.load(Ordering::Relaxed) != self.seg_id {
             return Err(WcStatus::RemAccessErr);
         }
-        // SAFETY: `offset + len <= self.len`: inside our own live mapping of the region's
-        // segment (held by `_seg`).
-        let dst = unsafe { self.base.add(offset) };
-        let mut off = 0;
-        // SAFETY: every call below copies a part, or a piece of one, to where it goes in
-        // `[dst, dst + len)`, checked above; the parts are the caller's live slices, and
+        // SAFETY: `offset + len <= self.len`: the parts go inside our own live mapping of the
+        // region's segment (held by `_seg`); they are the caller's live slices, and
         // `local_copy` turns a source under a protection hold into `false`, not a fault.
-        let copy = |at: usize, src: *const u8, n: usize| unsafe { local_copy(dst.add(at), src, n) };
-        let Some((last, rest)) = parts.split_last() else { return Ok(()) };
-        for part in rest {
-            if !copy(off, part.as_ptr(), part.len()) {
-                return Err(WcStatus::LocProtErr);
-            }
-            off += part.len();
-        }
-        let split = last.len().saturating_sub(8);
-        let ok = copy(off, last.as_ptr(), split) && {
-            std::sync::atomic::fence(Ordering::Release);
-            copy(off + split, last.as_ptr().wrapping_add(split), last.len() - split)
-        };
-        if ok {
+        let stored = unsafe { store_parts(self.base.add(offset), parts, |d, s, n| local_copy(d, s, n)) };
+        if stored {
             Ok(())
         } else {
             Err(WcStatus::LocProtErr)
         }
+    }
+}
+
+/// Copies `parts` end to end to `dst` with `copy`, their last 8 bytes last, behind a release
+/// fence: a reader polling the last word of a write sees the rest once it sees that word (one
+/// copy of many bytes may place them in any order). False as soon as a `copy` fails.
+///
+/// # Safety
+/// `dst` must be valid for writes of the parts' total length, and `copy(dst, src, n)` safe to
+/// call for each piece of a part at its place there.
+#[inline]
+unsafe fn store_parts(dst: *mut u8, parts: &[&[u8]], copy: impl Fn(*mut u8, *const u8, usize) -> bool) -> bool {
+    let Some((last, rest)) = parts.split_last() else { return true };
+    let mut off = 0;
+    for part in rest {
+        // SAFETY: `off + part.len()` is within the total (the caller's promise).
+        if !copy(unsafe { dst.add(off) }, part.as_ptr(), part.len()) {
+            return false;
+        }
+        off += part.len();
+    }
+    let split = last.len().saturating_sub(8);
+    // SAFETY (both): as above, the last part in two pieces.
+    copy(unsafe { dst.add(off) }, last.as_ptr(), split) && {
+        std::sync::atomic::fence(Ordering::Release);
+        copy(unsafe { dst.add(off + split) }, last.as_ptr().wrapping_add(split), last.len() - split)
     }
 }
 
