@@ -886,10 +886,8 @@ impl MsgPipe {
         let parts: [&[u8]; 3] = [&head, payload, &tail[..pad.len() + 8]];
         if direct {
             let window = self.ring_window.as_ref().expect("direct_now checked");
-            let written = window.write(place.offset as usize, &parts);
-            self.direct_written(written)?;
-            self.stats.transfers += 1;
-            self.after_frame()?;
+            let stored = window.write(place.offset as usize, &parts);
+            self.frame_stored(stored)?;
             return Ok(true);
         }
         let addr = peer_addr + place.offset;
@@ -919,11 +917,9 @@ impl MsgPipe {
         if direct {
             let (word, pad) = fc::frame_framing(self.ring_tx.sent() - reserved, body);
             let window = self.ring_window.as_ref().expect("direct_now checked");
-            let written = window.write(place.offset as usize, &[&word, self.coalescer.bytes(), pad, &word]);
-            self.direct_written(written)?;
+            let stored = window.write(place.offset as usize, &[&word, self.coalescer.bytes(), pad, &word]);
             self.coalescer.clear();
-            self.stats.transfers += 1;
-            return self.after_frame();
+            return self.frame_stored(stored);
         }
         let Some(mut b) = self.send_pool.try_acquire() else {
             self.ring_tx.unreserve();
@@ -965,16 +961,17 @@ impl MsgPipe {
         self.ring_window.is_some() && self.outstanding == 0 && self.user_in_flight == 0
     }
 
-    /// After a frame's store through the window: a refusal (the peer deregistered its ring,
-    /// or its queue pair stopped answering) fails the pipe, as a failed write's completion
-    /// would.
+    /// After a frame's store through the window: counts it and does what follows every frame
+    /// ([`MsgPipe::after_frame`]). A refusal (the peer deregistered its ring, or its queue
+    /// pair stopped answering) fails the pipe, as a failed write's completion would.
     #[inline]
-    fn direct_written(&mut self, written: std::result::Result<(), WcStatus>) -> Result<()> {
-        if let Err(st) = written {
+    fn frame_stored(&mut self, stored: std::result::Result<(), WcStatus>) -> Result<()> {
+        if let Err(st) = stored {
             self.ring_tx.unreserve();
             return Err(self.fail(VerbsError::PeerUnreachable(format!("pipe frame write failed: {st:?}"))));
         }
-        Ok(())
+        self.stats.transfers += 1;
+        self.after_frame()
     }
 
     /// Maps the peer's ring for frames written with plain stores, if the provider can. A
@@ -1207,9 +1204,6 @@ impl MsgPipe {
             }
             TAG_INLINE_SEND => self.sends_done(low as usize)?,
             TAG_ACK_WRITE | TAG_SETUP_SEND => {}
-            TAG_USER => {
-                self.user_done.insert(low, wc.status);
-            }
             TAG_DATA_RECV if wc.opcode == WcOpcode::RecvRdmaWithImm => {
                 // A bulk chunk's notification consumed a message buffer without filling it
                 // (under credits, one the sender paid for: owed back like a read message's).
