@@ -6,7 +6,8 @@
 //! threads of one process a read is a `memcpy`, between processes of one host it goes through
 //! cross-memory attach (several times slower than `memcpy` here), on a network it runs at the
 //! link's speed. So each end measures it: both register an ordinary (heap) buffer, exchange
-//! its key, and time RDMA reads of a few bytes and of [`PROBE_BYTES`] from the peer's; the
+//! its key, and in turn time RDMA reads of a few bytes and of [`PROBE_BYTES`] from the peer's
+//! (the other end polling meanwhile, as the sender of a rendezvous does); the
 //! crossover tuner turns that and this process's copy curve into the threshold, and the
 //! connection's [`AdaptiveCrossover`] keeps the read's figures to lower it while the sender's
 //! copies run slower than at set-up.
@@ -23,6 +24,8 @@ use crate::{MadError, Result};
 pub const PROBE_BYTES: usize = 256 * 1024;
 const OFFER: &[u8; 8] = b"MADPROBE";
 const DONE: &[u8; 8] = b"MADPDONE";
+/// The lower rank's reads are over: the other end reads now.
+const TURN: &[u8; 8] = b"MADPTURN";
 /// A near tie goes to zero-copy (it saves the second copy's CPU time and memory traffic).
 const SLACK: f64 = 0.25;
 
@@ -57,7 +60,7 @@ pub(crate) fn rendezvous_crossover(
         return Err(bad(format!("a {len}-byte probe buffer")));
     }
     // Fastest of a few reads: the first pays for faults and first lookups.
-    let mut time_read = |n: usize| -> Result<Duration> {
+    let time_read = |pipe: &mut MsgPipe, n: usize| -> Result<Duration> {
         let mut best = Duration::MAX;
         for _ in 0..4 {
             let t = Instant::now();
@@ -78,17 +81,36 @@ pub(crate) fn rendezvous_crossover(
         }
         Ok(best)
     };
-    let measured = match configured {
-        Some(_) => None,
-        None => Some((time_read(8)?, time_read(PROBE_BYTES)?)),
+    let measure = |pipe: &mut MsgPipe| -> Result<Option<(Duration, Duration)>> {
+        Ok(match configured {
+            Some(_) => None,
+            None => Some((time_read(pipe, 8)?, time_read(pipe, PROBE_BYTES)?)),
+        })
     };
-    // The peer may be reading our buffer until it says it is done.
-    pipe.send(DONE, timeout)?;
-    pipe.flush()?;
-    let done = pipe.recv(timeout)?;
-    if done != DONE {
-        return Err(bad("expected the end of the probe".into()));
-    }
+    let expect = |pipe: &mut MsgPipe, what: &[u8; 8], why: &str| -> Result<()> {
+        if pipe.recv(timeout)? != what {
+            return Err(bad(format!("expected {why}")));
+        }
+        Ok(())
+    };
+    // The ends read in turn, the lower rank first, while the other waits on the pipe: a
+    // waiting end polls, so it copies its share of the read (the back half) as the sender of
+    // a live rendezvous does while it waits for the `Fin`. Reading at once, each end copied
+    // alone: 256 KiB reads took 13-30 us here, against 11.0-11.2 in turn.
+    let measured = if s.cfg.rank < peer {
+        let measured = measure(pipe)?;
+        // Our reads are over: the peer's turn. Our buffer stays until it is done.
+        pipe.send(TURN, timeout)?;
+        pipe.flush()?;
+        expect(pipe, DONE, "the end of the probe")?;
+        measured
+    } else {
+        expect(pipe, TURN, "the peer's turn to read")?;
+        let measured = measure(pipe)?;
+        pipe.send(DONE, timeout)?;
+        pipe.flush()?;
+        measured
+    };
     let Some((small, big)) = measured else {
         return Ok(AdaptiveCrossover::fixed(configured.map_or(usize::MAX, |t| t.max(1))));
     };
