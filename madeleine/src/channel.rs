@@ -1765,18 +1765,21 @@ impl<'u> Unpacker<'u> {
 
     fn wait_read(&self, token: u64) -> Result<()> {
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for a zero-copy read");
+        let mut polls = 0u32;
         loop {
+            polls = polls.wrapping_add(1);
             {
                 let mut io = self.conn.io();
-                let _ = io.pipe.progress();
-                match io.pipe.take_user_completion(token) {
-                    Some(WcStatus::Success) => return Ok(()),
-                    Some(st) => return Err(self.conn.lost(format!("zero-copy read failed: {st:?}"))),
-                    None => {
-                        if let Some(f) = io.pipe.failure() {
-                            return Err(self.conn.lost(f));
-                        }
-                    }
+                // Mostly a look at the completion queue; now and then a whole pass, so that a
+                // long read does not hold the pipe's flow control up.
+                if polls.is_multiple_of(16) {
+                    let _ = io.pipe.progress();
+                }
+                match io.pipe.poll_user_completion(token) {
+                    Ok(Some(WcStatus::Success)) => return Ok(()),
+                    Ok(Some(st)) => return Err(self.conn.lost(format!("zero-copy read failed: {st:?}"))),
+                    Ok(None) => {}
+                    Err(e) => return Err(self.conn.lost(e)),
                 }
             }
             w.pause_on(&[self.conn])?;
