@@ -1242,8 +1242,28 @@ impl<'p> Packer<'p> {
         self.finish()
     }
 
+    /// Completes the message like [`Packer::end_packing`], but returns without waiting for
+    /// the receiver to read the packs that went zero-copy: the returned [`PendingSend`] keeps
+    /// their buffers borrowed until it completes ([`PendingSend::wait`], or dropping it).
+    /// The connection is free for the next message at once, so a sender can keep several
+    /// zero-copy messages in flight (as `MPI_Isend` does) instead of paying a round trip per
+    /// message. Everything else (copied packs, `Later` packs) is handed over before this
+    /// returns, exactly as `end_packing` does.
+    pub fn end_packing_nowait(mut self) -> Result<PendingSend<'p>> {
+        self.finish_with(false)?;
+        let rdv = self.more.as_mut().map(|m| std::mem::take(&mut m.rdv)).unwrap_or_default();
+        Ok(PendingSend { ch: self.ch, conn: self.conn, rdv })
+    }
+
     #[inline]
     fn finish(&mut self) -> Result<()> {
+        self.finish_with(true)
+    }
+
+    /// Completes the message; with `wait_reads`, also waits for the receiver to read its
+    /// zero-copy packs.
+    #[inline]
+    fn finish_with(&mut self, wait_reads: bool) -> Result<()> {
         if self.tx.finished {
             return Ok(());
         }
@@ -1254,7 +1274,7 @@ impl<'p> Packer<'p> {
             self.tx.seq = self.tx.seq.wrapping_add(1);
             return Ok(());
         }
-        self.finish_other()
+        self.finish_other(wait_reads)
     }
 
     /// Sends a message of one inline pack, whole: its bytes behind a `One` header written over
@@ -1276,7 +1296,7 @@ impl<'p> Packer<'p> {
 
     /// Completes any other message.
     #[inline(never)]
-    fn finish_other(&mut self) -> Result<()> {
+    fn finish_other(&mut self, wait_reads: bool) -> Result<()> {
         let deferred = self.more.as_mut().map(|m| std::mem::take(&mut m.deferred)).unwrap_or_default();
         for d in deferred {
             match d {
@@ -1314,33 +1334,127 @@ impl<'p> Packer<'p> {
             }
             more.bulk_regs.clear();
         }
-        if self.has_rdv() {
-            self.wait_fins()?;
+        if wait_reads && self.has_rdv() {
+            let (conn, timeout) = (self.conn, self.ch.session.cfg.timeout);
+            conn.wait_fins(&mut self.more().rdv, timeout)?;
         }
         self.tx.seq = self.tx.seq.wrapping_add(1);
         Ok(())
     }
+}
 
-    /// Waits until the receiver has read every zero-copy pack.
-    fn wait_fins(&mut self) -> Result<()> {
-        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for the receiver to read zero-copy packs");
-        while self.has_rdv() {
-            {
-                let mut io = self.conn.io();
-                // A receiver may read our packs, answer and close at once: its Fins count even
-                // when its Bye (or a failure) came right behind them.
-                let pumped = self.conn.pump(&mut io);
-                let fins = &mut io.fins;
-                self.more().rdv.retain(|h| !fins.remove(&h.id));
-                if self.has_rdv() {
-                    pumped?;
-                }
-            }
-            if self.has_rdv() {
-                w.pause()?;
-            }
+impl Conn {
+    /// Drops from `rdv` the zero-copy packs whose `Fin` (the receiver read them) came, after
+    /// one pass over what arrived.
+    fn take_fins(&self, rdv: &mut Vec<Held<'_>>) -> Result<()> {
+        let mut io = self.io();
+        // A receiver may read our packs, answer and close at once: its Fins count even when
+        // its Bye (or a failure) came right behind them.
+        let pumped = self.pump(&mut io);
+        let fins = &mut io.fins;
+        rdv.retain(|h| !fins.remove(&h.id));
+        if rdv.is_empty() {
+            Ok(())
+        } else {
+            pumped
         }
-        Ok(())
+    }
+
+    /// Waits until the receiver has read every zero-copy pack in `rdv`.
+    fn wait_fins(&self, rdv: &mut Vec<Held<'_>>, timeout: std::time::Duration) -> Result<()> {
+        let mut w = Waiter::new(timeout, "waiting for the receiver to read zero-copy packs");
+        loop {
+            self.take_fins(rdv)?;
+            if rdv.is_empty() {
+                return Ok(());
+            }
+            w.pause()?;
+        }
+    }
+}
+
+/// A message whose packing ended with [`Packer::end_packing_nowait`]: sent, but its zero-copy
+/// packs may still be read by the receiver, so their buffers stay borrowed until it
+/// completes. Dropping it waits as [`PendingSend::wait`] does (and logs a failure).
+///
+/// Leaking one (`std::mem::forget`) ends the borrow while the receiver may still read the
+/// buffers: what it then gets is unspecified (as with a leaked [`Packer`]).
+///
+/// Several messages in flight from one buffer, the connection free in between:
+/// ```no_run
+/// # fn f(ch: &madeleine::Channel) -> madeleine::Result<()> {
+/// use madeleine::{RecvMode, SendMode};
+/// let buf = vec![7u8; 1 << 20];
+/// let mut pending = std::collections::VecDeque::new();
+/// for _ in 0..100 {
+///     if pending.len() == 8 {
+///         pending.pop_front().map_or(Ok(()), madeleine::PendingSend::wait)?;
+///     }
+///     let mut p = ch.begin_packing(1)?;
+///     p.pack(&buf, SendMode::Cheaper, RecvMode::Cheaper)?;
+///     pending.push_back(p.end_packing_nowait()?);
+/// }
+/// for sent in pending {
+///     sent.wait()?;
+/// }
+/// # Ok(())
+/// # }
+/// ```
+/// The buffer stays borrowed until the message completes:
+/// ```compile_fail,E0502
+/// # fn f(ch: &madeleine::Channel) -> madeleine::Result<()> {
+/// use madeleine::{RecvMode, SendMode};
+/// let mut buf = vec![7u8; 1 << 20];
+/// let mut p = ch.begin_packing(1)?;
+/// p.pack(&buf, SendMode::Cheaper, RecvMode::Cheaper)?;
+/// let pending = p.end_packing_nowait()?;
+/// buf[0] = 1; // the receiver may still be reading `buf`
+/// pending.wait()
+/// # }
+/// ```
+#[must_use = "dropping a pending send waits for the receiver's reads; wait() reports their outcome"]
+pub struct PendingSend<'p> {
+    ch: &'p Channel,
+    conn: &'p Conn,
+    /// The zero-copy packs not read yet, with their registrations (and copies).
+    rdv: Vec<Held<'p>>,
+}
+
+impl PendingSend<'_> {
+    /// Whether the receiver has read every zero-copy pack of the message (after one pass over
+    /// what arrived; it never waits). An error means it never will: the connection failed.
+    pub fn is_complete(&mut self) -> Result<bool> {
+        if !self.rdv.is_empty() {
+            self.conn.take_fins(&mut self.rdv).inspect_err(|_| self.abandon())?;
+        }
+        Ok(self.rdv.is_empty())
+    }
+
+    /// Waits until the receiver has read every zero-copy pack of the message (the session's
+    /// timeout bounds the wait); the buffers are free once this returns.
+    pub fn wait(mut self) -> Result<()> {
+        self.wait_reads()
+    }
+
+    fn wait_reads(&mut self) -> Result<()> {
+        if self.rdv.is_empty() {
+            return Ok(());
+        }
+        self.conn.wait_fins(&mut self.rdv, self.ch.session.cfg.timeout).inspect_err(|_| self.abandon())
+    }
+
+    /// After a failure: keeps the registrations for good rather than let memory the receiver
+    /// might still read go (as a dropped packer does).
+    fn abandon(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.rdv));
+    }
+}
+
+impl Drop for PendingSend<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.wait_reads() {
+            log::error!("madeleine: a dropped pending send to rank {} failed: {e}", self.conn.peer);
+        }
     }
 }
 

@@ -35,7 +35,7 @@ mod session;
 mod wait;
 pub mod wire;
 
-pub use channel::{Channel, Packer, Unpacker};
+pub use channel::{Channel, Packer, PendingSend, Unpacker};
 pub use session::{Session, SessionConfig};
 
 use portability_verbs::VerbsError;

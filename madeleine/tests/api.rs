@@ -767,3 +767,108 @@ fn bulk_chunks_carry_their_records_at_every_framing_boundary() {
         },
     );
 }
+
+#[test]
+fn pending_sends_keep_zero_copy_messages_in_flight_and_complete() {
+    // Rank 0 ends its messages without waiting for the reads (up to 4 pending), mixes in
+    // messages ended the usual way, polls some pending sends, waits for others and drops the
+    // rest; rank 1 checks every message.
+    const N: usize = 40;
+    let len_of = |i: usize| [100, 3 * SMALL, 70_000, 300_000][i % 4] + i;
+    group(2, SMALL, |rank, ch| {
+        if rank == 0 {
+            let bufs: Vec<Vec<u8>> = (0..N).map(|i| pattern(i, len_of(i))).collect();
+            // Every buffer a pending send names outlives it (the borrow checker insists).
+            let heads: Vec<[u8; 8]> = (0..N).map(|i| (i as u64).to_le_bytes()).collect();
+            let mut pending = std::collections::VecDeque::new();
+            for (i, (buf, head)) in bufs.iter().zip(&heads).enumerate() {
+                let mut p = ch.begin_packing(1).unwrap();
+                p.pack(head, SendMode::Cheaper, RecvMode::Express).unwrap();
+                p.pack(buf, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                if i % 5 == 4 {
+                    // The usual ending, with other messages' reads still pending.
+                    p.end_packing().unwrap();
+                    continue;
+                }
+                let mut sent = p.end_packing_nowait().unwrap();
+                if buf.len() < SMALL {
+                    // Nothing went zero-copy: complete at once.
+                    assert!(sent.is_complete().unwrap());
+                }
+                pending.push_back(sent);
+                if pending.len() > 4 {
+                    let mut oldest = pending.pop_front().unwrap();
+                    match i % 3 {
+                        0 => oldest.wait().unwrap(),
+                        1 => {
+                            poll_until(20, || oldest.is_complete().unwrap().then_some(()));
+                            assert!(oldest.is_complete().unwrap());
+                        }
+                        _ => drop(oldest), // waits
+                    }
+                }
+            }
+            for p in pending {
+                p.wait().unwrap();
+            }
+        } else {
+            for i in 0..N {
+                let mut head = [0u8; 8];
+                let mut body = vec![0u8; len_of(i)];
+                let mut u = ch.begin_unpacking_from(0).unwrap();
+                u.unpack_express(&mut head, SendMode::Cheaper).unwrap();
+                assert_eq!(u64::from_le_bytes(head), i as u64);
+                u.unpack(&mut body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                u.end_unpacking().unwrap();
+                assert!(body == pattern(i, len_of(i)), "message {i}");
+            }
+        }
+    });
+}
+
+#[test]
+fn a_pending_send_whose_receiver_closes_unread_is_an_error_not_a_hang() {
+    group_with(2, SMALL, false, Duration::from_secs(5), |rank, ch| {
+        if rank == 0 {
+            let data = pattern(9, 100_000);
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack(&data, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            let pending = p.end_packing_nowait().unwrap();
+            let started = std::time::Instant::now();
+            assert!(pending.wait().is_err(), "the receiver closed without reading");
+            assert!(started.elapsed() < Duration::from_secs(4), "noticed the close, not the timeout");
+        }
+        // Rank 1 closes its end without receiving anything.
+    });
+}
+
+#[test]
+fn a_pending_send_completes_once_read_and_leaves_the_connection_free_meanwhile() {
+    // The receiver reads nothing until the sender says so (ranks are threads here): the
+    // pending send must not complete before, and the next message must go meanwhile.
+    let go = std::sync::atomic::AtomicBool::new(false);
+    group(2, SMALL, |rank, ch| {
+        let (a, b) = (pattern(1, 100_000), pattern(2, 64));
+        if rank == 0 {
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack(&a, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            let mut pending = p.end_packing_nowait().unwrap();
+            assert!(!pending.is_complete().unwrap(), "complete before the receiver read it");
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack(&b, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+            assert!(!pending.is_complete().unwrap());
+            go.store(true, Ordering::Release);
+            pending.wait().unwrap();
+        } else {
+            poll_until(20, || go.load(Ordering::Acquire).then_some(()));
+            for want in [&a, &b] {
+                let mut got = vec![0u8; want.len()];
+                let mut u = ch.begin_unpacking_from(0).unwrap();
+                u.unpack(&mut got, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                u.end_unpacking().unwrap();
+                assert!(&got == want);
+            }
+        }
+    });
+}
