@@ -43,6 +43,11 @@ enum Layer {
     MadCopy,
     /// Madeleine forced onto the zero-copy (rendezvous) path.
     MadZcopy,
+    /// Madeleine choosing, a stream's messages ended with `end_packing_nowait` and up to
+    /// `--in-flight` of them left pending (zero-copy packs read while the next are sent).
+    MadNowait,
+    /// Madeleine forced onto the zero-copy path, messages ended as `mad-nowait` ends them.
+    MadZcopyNowait,
     /// std::net TCP over loopback.
     Tcp,
     /// UCX, the peer the targets name: `ucx_perftest`'s tag-matching ping-pong (`tag_lat`) and
@@ -55,14 +60,19 @@ enum Layer {
 
 impl Layer {
     fn is_madeleine(self) -> bool {
-        matches!(self, Layer::Madeleine | Layer::MadCopy | Layer::MadZcopy)
+        matches!(self, Layer::Madeleine | Layer::MadCopy | Layer::MadZcopy | Layer::MadNowait | Layer::MadZcopyNowait)
+    }
+
+    /// Whether a stream of this layer leaves messages pending (`end_packing_nowait`).
+    fn nowait(self) -> bool {
+        matches!(self, Layer::MadNowait | Layer::MadZcopyNowait)
     }
 
     /// The rendezvous threshold the layer forces, if any.
     fn mad_threshold(self) -> Option<usize> {
         match self {
             Layer::MadCopy => Some(usize::MAX),
-            Layer::MadZcopy => Some(1),
+            Layer::MadZcopy | Layer::MadZcopyNowait => Some(1),
             _ => None,
         }
     }
@@ -75,6 +85,8 @@ impl Layer {
             Layer::Madeleine => "madeleine",
             Layer::MadCopy => "mad-copy",
             Layer::MadZcopy => "mad-zcopy",
+            Layer::MadNowait => "mad-nowait",
+            Layer::MadZcopyNowait => "mad-zcopy-nowait",
             Layer::Tcp => "tcp",
             Layer::Ucx => "ucx",
         }
@@ -118,6 +130,9 @@ struct Args {
     /// Bytes streamed per bandwidth point.
     #[arg(long, default_value_t = 64 << 20)]
     stream_bytes: u64,
+    /// Messages the `mad-nowait` layers' streams leave pending at most.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    in_flight: u64,
     /// Stop a layer's remaining sizes once its measurements took this many seconds.
     #[arg(long, default_value_t = 20)]
     duration_cap: u64,
@@ -214,6 +229,10 @@ trait Link {
     fn send(&mut self, len: usize) -> Result<(), String>;
     /// Receives one message of `len` bytes.
     fn recv(&mut self, len: usize) -> Result<(), String>;
+    /// Sends `count` messages of `len` bytes (a stream), all handed over when it returns.
+    fn send_stream(&mut self, len: usize, count: u64) -> Result<(), String> {
+        (0..count).try_for_each(|_| self.send(len))
+    }
     /// Writes a control message (two words) at the start of the send buffer.
     fn put(&mut self, w: [u64; 2]);
     /// Reads the control message at the start of the last received message.
@@ -478,6 +497,8 @@ struct MadLink {
     peer: usize,
     buf: Vec<u8>,
     rbuf: Vec<u8>,
+    /// Messages a stream leaves pending at most (0: each message's `end_packing` waits).
+    in_flight: usize,
 }
 
 impl Link for MadLink {
@@ -485,6 +506,21 @@ impl Link for MadLink {
         let mut p = self.ch.begin_packing(self.peer).map_err(|e| e.to_string())?;
         p.pack(&self.buf[..len], SendMode::Cheaper, RecvMode::Cheaper).map_err(|e| e.to_string())?;
         p.end_packing().map_err(|e| e.to_string())
+    }
+    fn send_stream(&mut self, len: usize, count: u64) -> Result<(), String> {
+        if self.in_flight == 0 {
+            return (0..count).try_for_each(|_| self.send(len));
+        }
+        let mut pending = std::collections::VecDeque::with_capacity(self.in_flight);
+        for _ in 0..count {
+            if pending.len() == self.in_flight {
+                pending.pop_front().map_or(Ok(()), madeleine::PendingSend::wait).map_err(|e| e.to_string())?;
+            }
+            let mut p = self.ch.begin_packing(self.peer).map_err(|e| e.to_string())?;
+            p.pack(&self.buf[..len], SendMode::Cheaper, RecvMode::Cheaper).map_err(|e| e.to_string())?;
+            pending.push_back(p.end_packing_nowait().map_err(|e| e.to_string())?);
+        }
+        pending.into_iter().try_for_each(madeleine::PendingSend::wait).map_err(|e| e.to_string())
     }
     fn recv(&mut self, len: usize) -> Result<(), String> {
         let mut u = self.ch.begin_unpacking_from(self.peer).map_err(|e| e.to_string())?;
@@ -511,7 +547,7 @@ fn flow_strategy() -> Result<datapath::FlowStrategy, String> {
     }
 }
 
-fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> {
+fn mad_link(layer: Layer, rank: usize, dir: PathBuf, in_flight: usize) -> Result<MadLink, String> {
     let mut cfg = SessionConfig::new(rank, 2, dir);
     // The session's one timeout bounds its rendezvous as well as its waits for messages.
     cfg.timeout = SETUP;
@@ -525,7 +561,8 @@ fn mad_link(layer: Layer, rank: usize, dir: PathBuf) -> Result<MadLink, String> 
         let t = ch.rendezvous_threshold(1).map_err(|e| e.to_string())?;
         let _ = MAD_PROBED_THRESHOLD.set(t);
     }
-    Ok(MadLink { ch, _session: s, peer: 1 - rank, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
+    let in_flight = if layer.nowait() { in_flight.max(1) } else { 0 };
+    Ok(MadLink { ch, _session: s, peer: 1 - rank, buf: vec![0x5a; MAX], rbuf: vec![0; MAX], in_flight })
 }
 
 // ---------------------------------------------------------------- TCP
@@ -875,9 +912,7 @@ fn measure(
                     let link = links[i].as_mut();
                     let cpu0 = benches::cpu_seconds(false);
                     let clock = Instant::now();
-                    for _ in 0..messages {
-                        link.send(size).map_err(fail)?;
-                    }
+                    link.send_stream(size, messages).map_err(fail)?;
                     link.recv(CONTROL).map_err(fail)?; // the server's acknowledgement, with its CPU time
                     t.secs += clock.elapsed().as_secs_f64();
                     t.cpu += benches::cpu_seconds(false) - cpu0 + link.get()[0] as f64 * 1e-9;
@@ -993,7 +1028,7 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
             ),
             l if l.is_madeleine() => {
                 let dir = args.mad_dir.as_ref().ok_or("madeleine needs the shared directory (same host only)")?;
-                Box::new(mad_link(l, 1, dir.join(l.name())).map_err(context)?)
+                Box::new(mad_link(l, 1, dir.join(l.name()), args.in_flight as usize).map_err(context)?)
             }
             _ => {
                 let (s, _) = tcp.accept().map_err(|e| context(e.to_string()))?;
@@ -1068,7 +1103,7 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
             ),
             l if l.is_madeleine() => {
                 let dir = args.mad_dir.as_ref().ok_or("madeleine needs a shared directory (same host only)")?;
-                Box::new(mad_link(l, 0, dir.join(l.name())).map_err(context)?)
+                Box::new(mad_link(l, 0, dir.join(l.name()), args.in_flight as usize).map_err(context)?)
             }
             _ => {
                 let deadline = Instant::now() + SETUP;
