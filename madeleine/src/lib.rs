@@ -19,7 +19,9 @@
 //!
 //! The borrow checker enforces the buffer rules: a buffer packed `Later` or `Cheaper` stays
 //! borrowed by the [`Packer`] until `end_packing`; a buffer unpacked `Cheaper` stays borrowed by
-//! the [`Unpacker`] until `end_unpacking`.
+//! the [`Unpacker`] until `end_unpacking`. [`Packer::end_packing_nowait`] ends a message without
+//! waiting for the receiver to read its zero-copy packs: the [`PendingSend`] it returns keeps
+//! those buffers borrowed until it completes, and the connection takes the next message meanwhile.
 //!
 //! Small packs are copied and aggregated into flow-controlled pipe messages (the static-buffer
 //! path); large ones go zero-copy from the user's memory (registered through the registration
