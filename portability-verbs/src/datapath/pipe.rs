@@ -419,7 +419,7 @@ pub struct MsgPipe {
     /// Receive buffers read and not yet posted again (by the next `progress`).
     freed: smallvec::SmallVec<[u32; 8]>,
     /// Completions of requests posted through `post_user`, by token.
-    user_done: smallvec::SmallVec<[(u64, WcStatus); 4]>,
+    user_done: std::collections::HashMap<u64, WcStatus>,
     /// Staging buffers of framed bulk chunks in flight, by token.
     bulk_staging: smallvec::SmallVec<[(u64, u32); 4]>,
     next_user: u64,
@@ -541,7 +541,7 @@ impl MsgPipe {
             stats: PipeStats::default(),
             wcs: vec![WorkCompletion::EMPTY; 32],
             freed: smallvec::SmallVec::new(),
-            user_done: smallvec::SmallVec::new(),
+            user_done: std::collections::HashMap::new(),
             user_in_flight: 0,
             bulk_staging: smallvec::SmallVec::new(),
             next_user: 0,
@@ -1184,7 +1184,7 @@ impl MsgPipe {
                 self.send_pool.release_index(index)?;
             }
             self.user_in_flight = self.user_in_flight.saturating_sub(1);
-            self.user_done.push((token, wc.status));
+            self.user_done.insert(token, wc.status);
             if wc.status != WcStatus::Success {
                 return Err(VerbsError::PeerUnreachable(format!("transfer failed: {:?} ({:?})", wc.status, wc.opcode)));
             }
@@ -1765,9 +1765,7 @@ impl MsgPipe {
 
     /// The status of a request posted with [`MsgPipe::post_user`], once it completed.
     pub fn take_user_completion(&mut self, token: u64) -> Option<WcStatus> {
-        // A few requests at a time (a receiver's reads of one message): a scan beats hashing.
-        let at = self.user_done.iter().position(|&(t, _)| t == token)?;
-        Some(self.user_done.swap_remove(at).1)
+        self.user_done.remove(&token)
     }
 
     /// The status of a request posted with [`MsgPipe::post_user`]: taken at once if it
