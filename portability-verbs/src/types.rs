@@ -304,6 +304,17 @@ impl WcStatus {
     }
 }
 
+/// What became of a request posted with [`crate::QueuePair::post_send_completing`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Posted {
+    /// Carried out before the post returned, successfully: no completion will be reported for
+    /// it, signaled or not (as UCX's non-blocking calls return "done in place").
+    Completed,
+    /// Queued (or failed): its completion comes through the send completion queue, exactly as
+    /// after [`crate::QueuePair::post_send`].
+    Pending,
+}
+
 /// What a completion completes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WcOpcode {

@@ -567,6 +567,21 @@ impl QueuePair {
             QpImpl::Hw(q) => q.post_send(wrs),
         }
     }
+    /// Posts one request and says whether it is already done: [`Posted::Completed`] means it
+    /// was carried out, successfully, before this returned, and no completion will be reported
+    /// for it (signaled or not); [`Posted::Pending`] means it was posted as by
+    /// [`QueuePair::post_send`] and its completion will come. The software provider carries
+    /// out a one-sided request (RDMA read or write, an atomic) at post when nothing is queued
+    /// ahead of it, so a rendezvous read needs no trip through the completion queue; the
+    /// hardware provider always answers `Pending`.
+    #[inline]
+    pub fn post_send_completing(&self, wr: &SendWr) -> Result<Posted> {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => q.post_send_completing(wr),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(q) => q.post_send(std::slice::from_ref(wr)).map(|()| Posted::Pending),
+        }
+    }
     /// Posts an RDMA write of `parts` put end to end, as inline data (copied before this
     /// returns, so the parts may be reused at once), the way `ibv_wr_set_inline_data_list`
     /// gathers a list of buffers. It is [`QueuePair::post_send`] of `SendWr::write(wr_id, ..,

@@ -157,6 +157,73 @@ fn atomics_compare_swap_and_fetch_add() {
     });
 }
 
+/// `post_send_completing`: a request answered `Completed` has had its whole effect when the
+/// post returns and reports no completion, signaled or not; one answered `Pending` completes
+/// as after `post_send`. A request behind one still in flight keeps its place, and a failure
+/// is never swallowed: `Pending`, then its error completion, and the queue pair fails. The
+/// software provider completes one-sided requests at post when nothing is queued ahead of
+/// them; the hardware provider never does.
+#[test]
+fn requests_completed_at_post_say_so_and_report_nothing_else() {
+    each(|ctx| {
+        let soft = ctx.provider() == Provider::Software;
+        let p = pair(ctx, 1 << 17);
+        let outcome = |posted: Posted, wr_id: u64, opcode: WcOpcode| {
+            if posted == Posted::Pending {
+                let wc = wait_one(&p.cq_a);
+                assert_eq!((wc.wr_id, wc.status, wc.opcode), (wr_id, WcStatus::Success, opcode));
+            }
+            assert_eq!(posted == Posted::Completed, soft, "request {wr_id}");
+        };
+        for (i, len) in [1usize, 8, 4096, 65536].into_iter().enumerate() {
+            let data = pattern(40 + i as u64, len);
+            p.mr_b.write(0, &data);
+            let read = SendWr::read(i as u64, &[p.mr_a.sge(0, len)], p.mr_b.addr(), p.mr_b.rkey());
+            outcome(p.a.post_send_completing(&read).unwrap(), i as u64, WcOpcode::RdmaRead);
+            let mut got = vec![0u8; len];
+            p.mr_a.read(0, &mut got);
+            assert_eq!(got, data, "read {len}");
+
+            let data = pattern(50 + i as u64, len);
+            p.mr_a.write(0, &data);
+            let write = SendWr::write(10 + i as u64, &[p.mr_a.sge(0, len)], p.mr_b.addr() + 65536, p.mr_b.rkey());
+            outcome(p.a.post_send_completing(&write.signaled(false)).unwrap(), 10 + i as u64, WcOpcode::RdmaWrite);
+            let mut got = vec![0u8; len];
+            p.mr_b.read(65536, &mut got);
+            assert_eq!(got, data, "write {len}");
+        }
+        p.mr_b.write(64, &5u64.to_ne_bytes());
+        let add = SendWr::fetch_and_add(20, p.mr_a.sge(8, 8), p.mr_b.addr() + 64, p.mr_b.rkey(), 10);
+        outcome(p.a.post_send_completing(&add).unwrap(), 20, WcOpcode::FetchAdd);
+        assert_eq!((p.mr_a.read_u64(8), p.mr_b.read_u64(64)), (5, 15));
+        assert_quiet(&p.cq_a, Duration::from_millis(20));
+
+        // Behind a send still waiting for its receive, a read waits its turn.
+        p.mr_b.write(0, b"after the send");
+        p.a.post_send(&[SendWr::send(30, &[p.mr_a.sge(0, 8)])]).unwrap();
+        let read = SendWr::read(31, &[p.mr_a.sge(4096, 14)], p.mr_b.addr(), p.mr_b.rkey());
+        assert_eq!(p.a.post_send_completing(&read).unwrap(), Posted::Pending);
+        p.b.post_recv(&[RecvWr::new(32, &[p.mr_b.sge(8192, 64)])]).unwrap();
+        let wcs = wait_n(&p.cq_a, 2);
+        assert_eq!((wcs[0].wr_id, wcs[1].wr_id), (30, 31), "in posting order");
+        assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+        let mut got = [0u8; 14];
+        p.mr_a.read(4096, &mut got);
+        assert_eq!(&got, b"after the send");
+        assert_eq!(wait_one(&p.cq_b).wr_id, 32);
+
+        // A failure is reported by its completion, and fails the queue pair.
+        let bad = SendWr::read(40, &[p.mr_a.sge(0, 8)], p.mr_b.addr(), p.mr_b.rkey() ^ 0x5500);
+        assert_eq!(p.a.post_send_completing(&bad.signaled(false)).unwrap(), Posted::Pending);
+        let wc = wait_one(&p.cq_a);
+        assert_eq!((wc.wr_id, wc.status), (40, WcStatus::RemAccessErr));
+        assert_eq!(p.a.state(), QpState::Error);
+        let read = SendWr::read(41, &[p.mr_a.sge(0, 8)], p.mr_b.addr(), p.mr_b.rkey());
+        assert_eq!(p.a.post_send_completing(&read).unwrap(), Posted::Pending);
+        assert_eq!(wait_one(&p.cq_a).status, WcStatus::WrFlushErr, "nothing runs after the failure");
+    });
+}
+
 /// Adds 1 to the first word of `target` `times` times, by fetch-and-add from a queue pair of its
 /// own, waiting for each.
 fn add_one_remotely(ctx: &Context, pd: &ProtectionDomain, target: &MemoryRegion, times: u64) {

@@ -1763,6 +1763,25 @@ impl MsgPipe {
         Ok(token)
     }
 
+    /// Posts a request of the caller's as [`MsgPipe::post_user`] does, unless the provider
+    /// carries it out at once ([`QueuePair::post_send_completing`]): then `None`, and there is
+    /// no completion to wait for (the software provider's rendezvous reads). Else the token to
+    /// wait on.
+    pub fn post_user_completing(&mut self, mut wr: SendWr) -> Result<Option<u64>> {
+        self.check_failed()?;
+        let token = self.next_user;
+        wr.wr_id = wr_id(TAG_USER, token);
+        wr.flags.signaled = true;
+        match self.qp.post_send_completing(&wr)? {
+            Posted::Completed => Ok(None),
+            Posted::Pending => {
+                self.next_user = (self.next_user + 1) & ((1 << TAG_SHIFT) - 1);
+                self.user_in_flight += 1;
+                Ok(Some(token))
+            }
+        }
+    }
+
     /// The status of a request posted with [`MsgPipe::post_user`], once it completed.
     pub fn take_user_completion(&mut self, token: u64) -> Option<WcStatus> {
         self.user_done.remove(&token)

@@ -727,6 +727,32 @@ impl QpInner {
         Some(Ok(()))
     }
 
+    /// One one-sided request (RDMA read or write, an atomic) carried out now if nothing is
+    /// queued ahead of it; a success is reported only by the return value (no completion, as
+    /// if unsignaled and known done), a failure as any failed request is (a completion, and
+    /// the queue pair fails). Anything else takes [`QpInner::post_send`]'s path.
+    pub fn post_send_completing(&self, wr: &SendWr) -> Result<Posted> {
+        let one_sided = matches!(
+            wr.opcode,
+            WrOpcode::RdmaRead | WrOpcode::RdmaWrite | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
+        );
+        let mut core = self.core.lock();
+        if !one_sided || !core.sq.is_empty() || core.state != QpState::ReadyToSend {
+            drop(core);
+            return self.post_send(std::slice::from_ref(wr)).map(|()| Posted::Pending);
+        }
+        self.check_send(&core, wr)?;
+        let inline = if wr.flags.inline && wr.opcode == WrOpcode::RdmaWrite { Inline::Borrowed } else { Inline::No };
+        match self.run_one_sided(&core, wr, &inline) {
+            SqStage::Done(WcStatus::Success) => Ok(Posted::Completed),
+            stage => {
+                let byte_len = if wr.opcode.is_atomic() { 8 } else { wr.byte_len() as u32 };
+                self.fail_at_once(&mut core, wr.wr_id, wr.opcode, byte_len, stage);
+                Ok(Posted::Pending)
+            }
+        }
+    }
+
     /// Reports an RDMA write carried out at post time with an empty send queue, as retiring it
     /// would: a success only if `signaled` (straight to the completion queue: nothing is
     /// queued ahead of it); a failure always, and it fails the queue pair.
