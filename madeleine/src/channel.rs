@@ -1492,10 +1492,14 @@ enum Got {
 
 /// A zero-copy read in flight (RECEIVE_CHEAPER), kept until `end_unpacking`.
 struct PendingRead<'u> {
-    token: u64,
+    tokens: ReadTokens,
     id: u32,
     _reg: Registration<'u>,
 }
+
+/// The posted requests of one zero-copy read still to complete (none where the provider
+/// carried it out at post; one but for reads over 1 GiB).
+type ReadTokens = SmallVec<[u64; 1]>;
 
 /// A message being unpacked. Buffers unpacked `RecvMode::Cheaper` stay borrowed until
 /// [`Unpacker::end_unpacking`].
@@ -1777,8 +1781,15 @@ impl<'u> Unpacker<'u> {
         self.rx.unpacks += 1;
         match self.take_pack(buf, modes)? {
             Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
-                let (token, reg) = self.start_read(buf, addr, rkey)?;
-                self.rdv.get_or_insert_with(Box::default).pending.push(PendingRead { token, id, _reg: reg });
+                let (tokens, reg) = self.start_read(buf, addr, rkey)?;
+                let rdv = self.rdv.get_or_insert_with(Box::default);
+                if !tokens.is_empty() {
+                    rdv.pending.push(PendingRead { tokens, id, _reg: reg });
+                    return Ok(());
+                }
+                // Done at post: the buffer's registration may go now.
+                drop(reg);
+                rdv.fins.push(id);
                 Ok(())
             }
             got => self.complete_copy(buf, got),
@@ -1792,8 +1803,8 @@ impl<'u> Unpacker<'u> {
         }
         match self.take_pack(buf, modes)? {
             Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
-                let (token, reg) = self.start_read(buf, addr, rkey)?;
-                self.wait_read(token)?;
+                let (tokens, reg) = self.start_read(buf, addr, rkey)?;
+                self.wait_reads(&tokens)?;
                 drop(reg);
                 self.rdv.get_or_insert_with(Box::default).fins.push(id);
                 Ok(())
@@ -1850,7 +1861,9 @@ impl<'u> Unpacker<'u> {
         Ok(())
     }
 
-    fn start_read<'b>(&self, buf: &'b mut [u8], addr: u64, rkey: u32) -> Result<(u64, Registration<'b>)>
+    /// Reads a rendezvous pack into `buf`: the requests still to complete, with the
+    /// registration that must outlive them.
+    fn start_read<'b>(&self, buf: &'b mut [u8], addr: u64, rkey: u32) -> Result<(ReadTokens, Registration<'b>)>
     where
         'u: 'b,
     {
@@ -1867,14 +1880,19 @@ impl<'u> Unpacker<'u> {
             .chunks(1 << 30)
             .map(|c| Sge { addr: c.as_ptr() as u64, length: c.len() as u32, lkey: reg.lkey() })
             .collect();
-        let mut token = 0;
+        let mut tokens = ReadTokens::new();
         let mut io = self.conn.io();
         let mut remote = addr;
         for s in sges {
-            token = io.pipe.post_user(SendWr::read(0, &[s], remote, rkey)).map_err(|e| self.conn.lost(e))?;
+            let posted = io.pipe.post_user_completing(SendWr::read(0, &[s], remote, rkey));
+            tokens.extend(posted.map_err(|e| self.conn.lost(e))?);
             remote += s.length as u64;
         }
-        Ok((token, reg))
+        Ok((tokens, reg))
+    }
+
+    fn wait_reads(&self, tokens: &[u64]) -> Result<()> {
+        tokens.iter().try_for_each(|&t| self.wait_read(t))
     }
 
     fn wait_read(&self, token: u64) -> Result<()> {
@@ -1926,7 +1944,7 @@ impl<'u> Unpacker<'u> {
         let mut result = Ok(());
         let pending = self.rdv.as_mut().map(|r| std::mem::take(&mut r.pending)).unwrap_or_default();
         for p in pending {
-            if let Err(e) = self.wait_read(p.token) {
+            if let Err(e) = self.wait_reads(&p.tokens) {
                 result = Err(e);
                 break;
             }
