@@ -1790,7 +1790,7 @@ impl<'u> Unpacker<'u> {
                 // Done at post: the buffer's registration may go now.
                 drop(reg);
                 rdv.fins.push(id);
-                Ok(())
+                self.fins_if_last()
             }
             got => self.complete_copy(buf, got),
         }
@@ -1807,10 +1807,20 @@ impl<'u> Unpacker<'u> {
                 self.wait_reads(&tokens)?;
                 drop(reg);
                 self.rdv.get_or_insert_with(Box::default).fins.push(id);
-                Ok(())
+                self.fins_if_last()
             }
             got => self.complete_copy(buf, got),
         }
+    }
+
+    /// After a read of the message's last pack: releases the sender's zero-copy buffers now
+    /// rather than at `end_unpacking` (a sender waiting for them, or streaming with a bounded
+    /// number of pending sends, goes on that much sooner).
+    fn fins_if_last(&mut self) -> Result<()> {
+        if self.rx.end == Some(self.rx.unpacks) {
+            self.send_fins()?;
+        }
+        Ok(())
     }
 
     /// Copies the rest of a pack that goes by copy (inline fragments or bulk data) into `buf`.
