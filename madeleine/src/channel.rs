@@ -2,6 +2,7 @@
 
 use std::cell::UnsafeCell;
 use std::collections::{HashSet, VecDeque};
+use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -85,6 +86,42 @@ fn take_from_front(pipe: &mut MsgPipe, n: usize, len: usize) -> std::result::Res
     if n >= len { pipe.pop_front() } else { pipe.consume_front(n) }.map_err(lost)
 }
 
+/// Hashes a rendezvous id with one multiplication: SipHash cost the sender more per
+/// zero-copy message than the rest of taking its `Fin`. The ids are a counter of ours, and
+/// a peer cannot crowd the set with ids of its choosing: see [`note_fin`].
+#[derive(Default)]
+struct IdHasher(u64);
+
+type FinSet = HashSet<u32, BuildHasherDefault<IdHasher>>;
+
+/// Notes the peer's `Fin` for our rendezvous `id`: one we issued (among the last 2^31), not
+/// already acknowledged, while rendezvous are waiting for it. Anything else is a broken peer
+/// (and would let it grow the set without bound).
+fn note_fin(fins: &mut FinSet, issued: &AtomicU32, taken: u32, id: u32) -> std::result::Result<(), Broken> {
+    let issued = issued.load(Ordering::Acquire);
+    let age = issued.wrapping_sub(id);
+    let waiting = issued.wrapping_sub(taken);
+    if age == 0 || age > 1 << 31 || fins.len() as u32 >= waiting || !fins.insert(id) {
+        return Err(Broken::Protocol(format!("a Fin for rendezvous {id}, which is not waiting for one")));
+    }
+    Ok(())
+}
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u32(b as u32);
+        }
+    }
+    fn write_u32(&mut self, id: u32) {
+        // Fibonacci hashing: spreads a counter over the high bits the table looks at.
+        self.0 = (self.0 ^ id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
 struct ConnIo {
     pipe: MsgPipe,
     /// Records taken out of the pipe before their reader came; they come before the pipe's.
@@ -92,7 +129,13 @@ struct ConnIo {
     /// Where the next record of the pipe's front message starts (records before it were
     /// read in place).
     front_at: usize,
-    fins: HashSet<u32>,
+    /// `Fin`s come for rendezvous ids of ours not yet released.
+    fins: FinSet,
+    /// Rendezvous ids this connection's packers took so far (the connection's `next_rdv`)...
+    rdv_issued: Arc<AtomicU32>,
+    /// ...and of those, how many `Fin`s were taken out of `fins` (both wrap): a peer can
+    /// never hold more `Fin`s here than there are rendezvous waiting for one.
+    fins_taken: u32,
     failed: Option<MadError>,
     /// The peer said `Bye` and everything before it was read: nothing more comes.
     closed: bool,
@@ -185,7 +228,7 @@ impl ConnIo {
         f: F,
     ) -> std::result::Result<Result<R, F>, Broken> {
         loop {
-            let ConnIo { pipe, fins, bulk_left, front_at, .. } = self;
+            let ConnIo { pipe, fins, bulk_left, front_at, rdv_issued, fins_taken, .. } = self;
             let (lane, m) = match pipe.front() {
                 Ok(Some(x)) => x,
                 Ok(None) => return Ok(Err(f)),
@@ -212,7 +255,7 @@ impl ConnIo {
                 let (rec, data, next) = wire::decode_in_chunk(m, 0).map_err(|e| Broken::Protocol(e.to_string()))?;
                 match rec {
                     Record::Fin { id } => {
-                        fins.insert(id);
+                        note_fin(fins, rdv_issued, *fins_taken, id)?;
                         take_from_front(pipe, next, len)?;
                         continue;
                     }
@@ -233,7 +276,7 @@ impl ConnIo {
             let (rec, data, next) = wire::decode_one(m, *front_at).map_err(|e| Broken::Protocol(e.to_string()))?;
             match rec {
                 Record::Fin { id } => {
-                    fins.insert(id);
+                    note_fin(fins, rdv_issued, *fins_taken, id)?;
                     step_past(pipe, front_at, next, len)?;
                     continue;
                 }
@@ -414,7 +457,7 @@ pub(crate) struct Conn {
     send_side: Token<SendSide>,
     /// Claimed by an unpacker for the whole message.
     recv_side: Token<RecvSide>,
-    next_rdv: AtomicU32,
+    next_rdv: Arc<AtomicU32>,
     max_msg: usize,
     /// Largest bulk-lane chunk (0: no bulk lane).
     bulk_chunk: usize,
@@ -458,6 +501,7 @@ impl Conn {
         let max_msg = s.cfg.strategy.max_message();
         let threshold = crossover.probed();
         log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
+        let next_rdv = Arc::new(AtomicU32::new(0));
         Ok(Conn {
             peer,
             threshold,
@@ -468,7 +512,9 @@ impl Conn {
                 pipe,
                 incoming: VecDeque::new(),
                 front_at: 0,
-                fins: HashSet::new(),
+                fins: FinSet::default(),
+                rdv_issued: next_rdv.clone(),
+                fins_taken: 0,
                 failed: None,
                 closed: false,
                 bulk_left: 0,
@@ -490,7 +536,7 @@ impl Conn {
                 whole: None,
                 finished: true,
             }),
-            next_rdv: AtomicU32::new(0),
+            next_rdv,
             cq,
         })
     }
@@ -721,7 +767,7 @@ impl Channel {
         agg.clear();
         agg.reserve(conn.max_msg);
         Record::Begin { seq: *seq }.encode(agg);
-        Ok(Packer { ch: self, conn, tx, more: None })
+        Ok(Packer { ch: self, conn, tx, more: None, rdv: SmallVec::new() })
     }
 
     /// Waits until every process of the session reached this call on this channel (an empty
@@ -782,7 +828,9 @@ impl Channel {
                 continue;
             };
             match self.try_begin(conn, &mut rx) {
-                Ok(true) => return Ok(Some(Unpacker { ch: self, conn, rx, rdv: None })),
+                Ok(true) => {
+                    return Ok(Some(Unpacker { ch: self, conn, rx, pending: Vec::new(), fins: SmallVec::new() }))
+                }
                 Ok(false) => open = true,
                 // A sender that closed its end has no more to give; the others may.
                 Err(MadError::PeerClosed { .. }) => {}
@@ -812,7 +860,7 @@ impl Channel {
                 }
             }
         }
-        Ok(Unpacker { ch: self, conn, rx, rdv: None })
+        Ok(Unpacker { ch: self, conn, rx, pending: Vec::new(), fins: SmallVec::new() })
     }
 
     /// Takes the next message from `source` if it has begun arriving, without waiting:
@@ -824,7 +872,7 @@ impl Channel {
         let conn = self.conn(source)?;
         let Some(mut rx) = conn.recv_side.try_claim() else { return Ok(None) };
         if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
-            return Ok(Some(Unpacker { ch: self, conn, rx, rdv: None }));
+            return Ok(Some(Unpacker { ch: self, conn, rx, pending: Vec::new(), fins: SmallVec::new() }));
         }
         Ok(None)
     }
@@ -930,13 +978,18 @@ pub struct Packer<'p> {
     /// message of small packs never touches it, and the packer stays small enough to move
     /// cheaply (it is returned by value on every message).
     more: Option<Box<PackerMore<'p>>>,
+    /// Zero-copy packs the receiver has still to read (outside `more`: a message of one
+    /// rendezvous pack, the commonest large message, allocates nothing for it).
+    rdv: Held1<'p>,
 }
+
+/// Rendezvous packs held until their `Fin`, one without allocating.
+type Held1<'p> = SmallVec<[Held<'p>; 1]>;
 
 /// A packer's state for its rarer packs.
 #[derive(Default)]
 struct PackerMore<'p> {
     deferred: Vec<Deferred<'p>>,
-    rdv: Vec<Held<'p>>,
     /// Bulk chunks of borrowed buffers still being written, and their registrations.
     bulk_tokens: Vec<u64>,
     bulk_regs: Vec<Registration<'p>>,
@@ -955,7 +1008,7 @@ impl<'p> Packer<'p> {
     }
 
     fn has_rdv(&self) -> bool {
-        self.more.as_ref().is_some_and(|m| !m.rdv.is_empty())
+        !self.rdv.is_empty()
     }
 
     /// Adds `buf` to the message with the given modes.
@@ -1207,13 +1260,14 @@ impl<'p> Packer<'p> {
         // packer waits for the receiver's Fin before it ends), or the copy held next to the
         // registration for as long as the registration lives.
         let reg: Registration<'p> = unsafe { self.ch.session.regcache.get_raw(addr, len, AccessFlags::REMOTE_READ) }?;
+        // (Relaxed: the peer's `Fin` for it comes back only after our record went out.)
         let id = self.conn.next_rdv.fetch_add(1, Ordering::Relaxed);
         let rec = Record::Rdv { modes, len, addr, rkey: reg.rkey(), id };
         if self.tx.agg.len() + rec.encoded_len() > self.conn.max_msg {
             self.flush()?;
         }
         rec.encode(&mut self.tx.agg);
-        self.more().rdv.push(Held { id, _reg: reg, _copy: copy });
+        self.rdv.push(Held { id, _reg: reg, _copy: copy });
         Ok(())
     }
 
@@ -1251,8 +1305,7 @@ impl<'p> Packer<'p> {
     /// returns, exactly as `end_packing` does.
     pub fn end_packing_nowait(mut self) -> Result<PendingSend<'p>> {
         self.finish_with(false)?;
-        let rdv = self.more.as_mut().map(|m| std::mem::take(&mut m.rdv)).unwrap_or_default();
-        Ok(PendingSend { ch: self.ch, conn: self.conn, rdv })
+        Ok(PendingSend { ch: self.ch, conn: self.conn, rdv: std::mem::take(&mut self.rdv) })
     }
 
     #[inline]
@@ -1268,7 +1321,7 @@ impl<'p> Packer<'p> {
             return Ok(());
         }
         self.tx.finished = true;
-        if self.more.is_none() && self.tx.packs == 1 && !self.tx.flushed {
+        if self.more.is_none() && self.rdv.is_empty() && self.tx.packs == 1 && !self.tx.flushed {
             // The commonest message: one small pack, all here, nothing else to wait for.
             self.send_one()?;
             self.tx.seq = self.tx.seq.wrapping_add(1);
@@ -1336,7 +1389,7 @@ impl<'p> Packer<'p> {
         }
         if wait_reads && self.has_rdv() {
             let (conn, timeout) = (self.conn, self.ch.session.cfg.timeout);
-            conn.wait_fins(&mut self.more().rdv, timeout)?;
+            conn.wait_fins(&mut self.rdv, timeout)?;
         }
         self.tx.seq = self.tx.seq.wrapping_add(1);
         Ok(())
@@ -1346,13 +1399,15 @@ impl<'p> Packer<'p> {
 impl Conn {
     /// Drops from `rdv` the zero-copy packs whose `Fin` (the receiver read them) came, after
     /// one pass over what arrived.
-    fn take_fins(&self, rdv: &mut Vec<Held<'_>>) -> Result<()> {
+    fn take_fins(&self, rdv: &mut Held1<'_>) -> Result<()> {
         let mut io = self.io();
         // A receiver may read our packs, answer and close at once: its Fins count even when
         // its Bye (or a failure) came right behind them.
         let pumped = self.pump(&mut io);
+        let before = io.fins.len();
         let fins = &mut io.fins;
         rdv.retain(|h| !fins.remove(&h.id));
+        io.fins_taken = io.fins_taken.wrapping_add((before - io.fins.len()) as u32);
         if rdv.is_empty() {
             Ok(())
         } else {
@@ -1361,7 +1416,7 @@ impl Conn {
     }
 
     /// Waits until the receiver has read every zero-copy pack in `rdv`.
-    fn wait_fins(&self, rdv: &mut Vec<Held<'_>>, timeout: std::time::Duration) -> Result<()> {
+    fn wait_fins(&self, rdv: &mut Held1<'_>, timeout: std::time::Duration) -> Result<()> {
         let mut w = Waiter::new(timeout, "waiting for the receiver to read zero-copy packs");
         loop {
             self.take_fins(rdv)?;
@@ -1417,7 +1472,7 @@ pub struct PendingSend<'p> {
     ch: &'p Channel,
     conn: &'p Conn,
     /// The zero-copy packs not read yet, with their registrations (and copies).
-    rdv: Vec<Held<'p>>,
+    rdv: Held1<'p>,
 }
 
 impl PendingSend<'_> {
@@ -1474,8 +1529,8 @@ impl Packer<'_> {
     fn finish_dropped(&mut self) {
         if let Err(e) = self.finish() {
             log::error!("madeleine: completing a dropped message to rank {} failed: {e}", self.conn.peer);
+            std::mem::forget(std::mem::take(&mut self.rdv));
             if let Some(more) = self.more.as_mut() {
-                std::mem::forget(std::mem::take(&mut more.rdv));
                 std::mem::forget(std::mem::take(&mut more.bulk_regs));
             }
         }
@@ -1509,17 +1564,11 @@ pub struct Unpacker<'u> {
     /// The connection's receiving side, held until the message is complete (with the state
     /// of the message being unpacked).
     rx: Claim<'u, RecvSide>,
-    /// Zero-copy reads in flight and rendezvous to acknowledge, allocated by the first
-    /// rendezvous: a message of small packs never touches them, and the unpacker stays small
-    /// enough to move cheaply (it is returned by value on every message).
-    rdv: Option<Box<UnpackerRdv<'u>>>,
-}
-
-/// An unpacker's rendezvous state.
-#[derive(Default)]
-struct UnpackerRdv<'u> {
+    /// Zero-copy reads still in flight (none on the software provider, whose reads complete
+    /// at post).
     pending: Vec<PendingRead<'u>>,
-    fins: Vec<u32>,
+    /// Rendezvous read and not yet acknowledged to the sender.
+    fins: SmallVec<[u32; 2]>,
 }
 
 /// A message that came whole (its packs' records are in the receiving side's buffer): how
@@ -1782,14 +1831,13 @@ impl<'u> Unpacker<'u> {
         match self.take_pack(buf, modes)? {
             Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
                 let (tokens, reg) = self.start_read(buf, addr, rkey)?;
-                let rdv = self.rdv.get_or_insert_with(Box::default);
                 if !tokens.is_empty() {
-                    rdv.pending.push(PendingRead { tokens, id, _reg: reg });
+                    self.pending.push(PendingRead { tokens, id, _reg: reg });
                     return Ok(());
                 }
                 // Done at post: the buffer's registration may go now.
                 drop(reg);
-                rdv.fins.push(id);
+                self.fins.push(id);
                 self.fins_if_last()
             }
             got => self.complete_copy(buf, got),
@@ -1806,7 +1854,7 @@ impl<'u> Unpacker<'u> {
                 let (tokens, reg) = self.start_read(buf, addr, rkey)?;
                 self.wait_reads(&tokens)?;
                 drop(reg);
-                self.rdv.get_or_insert_with(Box::default).fins.push(id);
+                self.fins.push(id);
                 self.fins_if_last()
             }
             got => self.complete_copy(buf, got),
@@ -1886,14 +1934,11 @@ impl<'u> Unpacker<'u> {
         let reg = unsafe {
             self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::LOCAL_WRITE)
         }?;
-        let sges: Vec<Sge> = buf
-            .chunks(1 << 30)
-            .map(|c| Sge { addr: c.as_ptr() as u64, length: c.len() as u32, lkey: reg.lkey() })
-            .collect();
         let mut tokens = ReadTokens::new();
         let mut io = self.conn.io();
         let mut remote = addr;
-        for s in sges {
+        for c in buf.chunks(1 << 30) {
+            let s = Sge { addr: c.as_ptr() as u64, length: c.len() as u32, lkey: reg.lkey() };
             let posted = io.pipe.post_user_completing(SendWr::read(0, &[s], remote, rkey));
             tokens.extend(posted.map_err(|e| self.conn.lost(e))?);
             remote += s.length as u64;
@@ -1934,7 +1979,8 @@ impl<'u> Unpacker<'u> {
     pub fn end_unpacking(mut self) -> Result<()> {
         let rx = &mut *self.rx;
         if !rx.finished
-            && self.rdv.is_none()
+            && self.fins.is_empty()
+            && self.pending.is_empty()
             && rx.unpacks == 1
             && matches!(rx.whole, Some(WholeMsg { single: Some(_), taken: 1, .. }))
         {
@@ -1952,13 +1998,13 @@ impl<'u> Unpacker<'u> {
         }
         self.rx.finished = true;
         let mut result = Ok(());
-        let pending = self.rdv.as_mut().map(|r| std::mem::take(&mut r.pending)).unwrap_or_default();
+        let pending = std::mem::take(&mut self.pending);
         for p in pending {
             if let Err(e) = self.wait_reads(&p.tokens) {
                 result = Err(e);
                 break;
             }
-            self.rdv.get_or_insert_with(Box::default).fins.push(p.id);
+            self.fins.push(p.id);
         }
         result?;
         // The End record, or what the sender packed beyond our unpacks.
@@ -1970,7 +2016,7 @@ impl<'u> Unpacker<'u> {
             (None, None) => self.find_end(&mut extra, &mut unread)?,
         };
         if !unread.is_empty() {
-            self.rdv.get_or_insert_with(Box::default).fins.append(&mut unread);
+            self.fins.extend(unread);
         }
         self.send_fins()?;
         self.rx.seq = self.rx.seq.wrapping_add(1);
@@ -2016,13 +2062,15 @@ impl<'u> Unpacker<'u> {
     }
 
     fn send_fins(&mut self) -> Result<()> {
-        let Some(fins) = self.rdv.as_mut().map(|r| std::mem::take(&mut r.fins)).filter(|f| !f.is_empty()) else {
+        if self.fins.is_empty() {
             return Ok(());
-        };
+        }
+        let fins = std::mem::take(&mut self.fins);
         for batch in fins.chunks((self.conn.max_msg / wire::HEADER).max(1)) {
-            let mut msg = Vec::with_capacity(batch.len() * wire::HEADER);
-            for &id in batch {
-                Record::Fin { id }.encode(&mut msg);
+            // Fins are header-only records; a message's few fit on the stack.
+            let mut msg = SmallVec::<[u8; 4 * wire::HEADER]>::from_elem(0, batch.len() * wire::HEADER);
+            for (&id, at) in batch.iter().zip(msg.chunks_exact_mut(wire::HEADER)) {
+                Record::Fin { id }.write_header(at.try_into().expect("a header's room"));
             }
             self.conn.send_msg(&msg, self.ch.session.cfg.timeout)?;
         }
@@ -2045,8 +2093,8 @@ impl Unpacker<'_> {
     fn finish_dropped(&mut self) {
         if let Err(e) = self.finish().map_err(|e| self.conn.poison(e)) {
             log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
-            if let Some(rdv) = self.rdv.as_mut() {
-                std::mem::forget(std::mem::take(&mut rdv.pending));
+            {
+                std::mem::forget(std::mem::take(&mut self.pending));
             }
         }
     }
@@ -2197,11 +2245,35 @@ mod tests {
                 ]),
                 1,
             ),
+            // Rank 0 never sent rank 1 a rendezvous: nothing waits for a Fin.
+            ("fin-for-no-rendezvous", encoded(&[(Record::Fin { id: 0 }, &[])]), 0),
+            ("fin-for-a-rendezvous-never-issued", encoded(&[(Record::Fin { id: 77 }, &[])]), 0),
         ];
         for (tag, raw, unpacks) in cases {
             let e = malformed(tag, raw, unpacks);
             assert!(matches!(e, MadError::Protocol { rank: 1, .. }), "{tag}: {e}");
         }
+    }
+
+    #[test]
+    fn fins_are_noted_only_for_rendezvous_waiting_for_one() {
+        let issued = AtomicU32::new(3);
+        let mut fins = FinSet::default();
+        assert!(note_fin(&mut fins, &issued, 0, 1).is_ok());
+        assert!(note_fin(&mut fins, &issued, 0, 1).is_err(), "twice");
+        assert!(note_fin(&mut fins, &issued, 0, 3).is_err(), "not issued yet");
+        assert!(note_fin(&mut fins, &issued, 0, 0).is_ok());
+        // Two of the three were released already: one more Fin at most.
+        fins.clear();
+        assert!(note_fin(&mut fins, &issued, 2, 2).is_ok());
+        assert!(note_fin(&mut fins, &issued, 2, 0).is_err(), "more Fins than rendezvous waiting");
+        // Across the wrap of the counter.
+        let issued = AtomicU32::new(2);
+        let mut fins = FinSet::default();
+        for id in [u32::MAX - 1, u32::MAX, 0, 1] {
+            assert!(note_fin(&mut fins, &issued, u32::MAX - 1, id).is_ok(), "{id}");
+        }
+        assert!(note_fin(&mut fins, &issued, u32::MAX - 1, 2).is_err());
     }
 
     #[test]
