@@ -2093,9 +2093,7 @@ impl Unpacker<'_> {
     fn finish_dropped(&mut self) {
         if let Err(e) = self.finish().map_err(|e| self.conn.poison(e)) {
             log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
-            {
-                std::mem::forget(std::mem::take(&mut self.pending));
-            }
+            std::mem::forget(std::mem::take(&mut self.pending));
         }
     }
 }

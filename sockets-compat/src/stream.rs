@@ -319,11 +319,11 @@ enum Sending {
     Copied { _copy: MemoryRegion },
 }
 
-/// An RDMA read of a peer's SrcAvail in flight, in posting (and completion) order.
 /// What `Conn::post_read` returns for a read that completed at post (no pipe token is
 /// this large).
 const READ_DONE: u64 = u64::MAX;
 
+/// An RDMA read of a peer's SrcAvail in flight, in posting (and completion) order.
 struct PendingRead {
     token: u64,
     /// AZ-SDP: our receive buffer, inaccessible until the read completes.
