@@ -1754,13 +1754,25 @@ impl MsgPipe {
     /// [`MsgPipe::progress`] and handed out by [`MsgPipe::take_user_completion`].
     pub fn post_user(&mut self, mut wr: SendWr) -> Result<u64> {
         self.check_failed()?;
+        let token = self.tag_user(&mut wr);
+        self.qp.post_send(&[wr])?;
+        self.user_posted();
+        Ok(token)
+    }
+
+    /// Gives a user request the next token as its `wr_id`, signaled (its completion is how
+    /// the token is handed back).
+    fn tag_user(&self, wr: &mut SendWr) -> u64 {
         let token = self.next_user;
-        self.next_user = (self.next_user + 1) & ((1 << TAG_SHIFT) - 1);
         wr.wr_id = wr_id(TAG_USER, token);
         wr.flags.signaled = true;
-        self.qp.post_send(&[wr])?;
+        token
+    }
+
+    /// A user request tagged by [`MsgPipe::tag_user`] was posted and will complete.
+    fn user_posted(&mut self) {
+        self.next_user = (self.next_user + 1) & ((1 << TAG_SHIFT) - 1);
         self.user_in_flight += 1;
-        Ok(token)
     }
 
     /// Posts a request of the caller's as [`MsgPipe::post_user`] does, unless the provider
@@ -1769,14 +1781,11 @@ impl MsgPipe {
     /// wait on.
     pub fn post_user_completing(&mut self, mut wr: SendWr) -> Result<Option<u64>> {
         self.check_failed()?;
-        let token = self.next_user;
-        wr.wr_id = wr_id(TAG_USER, token);
-        wr.flags.signaled = true;
+        let token = self.tag_user(&mut wr);
         match self.qp.post_send_completing(&wr)? {
             Posted::Completed => Ok(None),
             Posted::Pending => {
-                self.next_user = (self.next_user + 1) & ((1 << TAG_SHIFT) - 1);
-                self.user_in_flight += 1;
+                self.user_posted();
                 Ok(Some(token))
             }
         }
