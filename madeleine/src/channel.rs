@@ -996,6 +996,9 @@ struct PackerMore<'p> {
     /// A borrowed bulk pack not sent yet: the next pack, `flush` or `end_packing` sends it,
     /// `end_packing` with the message's `End` in its last chunk.
     pending_bulk: Option<(&'p [u8], Modes)>,
+    /// Bytes of the bulk packs above that the crossover times, and how long their hand-over
+    /// took so far (the wait for their chunks is added when it is over).
+    timed: (usize, std::time::Duration),
 }
 
 impl<'p> Packer<'p> {
@@ -1073,10 +1076,14 @@ impl<'p> Packer<'p> {
         let Some((buf, modes)) = self.more.as_mut().and_then(|m| m.pending_bulk.take()) else { return Ok(()) };
         // SAFETY: `buf` is borrowed for 'p, the packer's life; `finish` waits until every
         // chunk written from it completed before the registration is dropped.
-        let (reg, tokens) = unsafe { self.send_bulk(buf, modes, end) }?;
+        let (reg, tokens, took) = unsafe { self.send_bulk(buf, modes, end) }?;
         let more = self.more();
         more.bulk_tokens.extend(tokens);
         more.bulk_regs.push(reg);
+        if !took.is_zero() {
+            more.timed.0 += buf.len();
+            more.timed.1 += took;
+        }
         Ok(())
     }
 
@@ -1093,8 +1100,13 @@ impl<'p> Packer<'p> {
             Route::Bulk => {
                 // SAFETY: `buf` outlives this call, which waits for its chunks before returning
                 // and dropping the registration.
-                let (_reg, mut tokens) = unsafe { self.send_bulk(buf, modes, false) }?;
-                self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)
+                let (_reg, mut tokens, took) = unsafe { self.send_bulk(buf, modes, false) }?;
+                let waiting = (!took.is_zero()).then(std::time::Instant::now);
+                self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
+                if let Some(t) = waiting {
+                    self.timed_copy(buf.len(), took + t.elapsed());
+                }
+                Ok(())
             }
             Route::Inline => self.inline(buf, modes),
         }
@@ -1113,15 +1125,29 @@ impl<'p> Packer<'p> {
         }
     }
 
+    /// Tells the crossover that handing `bytes` of bulk packs over took `took`: from their
+    /// first chunk's copy until their last chunk completed (a chunk the provider could not
+    /// write at once is written later, while the packer waits for it, and that time is part
+    /// of what copying costs).
+    fn timed_copy(&mut self, bytes: usize, took: std::time::Duration) {
+        self.tx.crossover.on_copy(bytes, took, std::time::Instant::now());
+    }
+
     /// Writes `buf` as a bulk pack: its `Bulk` record, with the records packed before it,
     /// leads its first chunk, and with `end` the message's `End` closes its last, so a message
     /// of bulk packs travels as bulk chunks alone (no pipe message that the next message's
-    /// chunks would have to wait behind). Returns its registration and the chunks' tokens.
+    /// chunks would have to wait behind). Returns its registration, the chunks' tokens and the
+    /// time their hand-over took so far, for the crossover (zero for a pack it does not time).
     ///
     /// # Safety
     /// `buf` must stay mapped and unchanged, and the registration alive, until every token
     /// completed.
-    unsafe fn send_bulk<'r>(&mut self, buf: &[u8], modes: Modes, end: bool) -> Result<(Registration<'r>, Vec<u64>)>
+    unsafe fn send_bulk<'r>(
+        &mut self,
+        buf: &[u8],
+        modes: Modes,
+        end: bool,
+    ) -> Result<(Registration<'r>, Vec<u64>, std::time::Duration)>
     where
         'p: 'r,
     {
@@ -1142,10 +1168,7 @@ impl<'p> Packer<'p> {
         self.tx.agg.clear();
         self.tx.flushed = true;
         match tokens {
-            Ok((tokens, took)) => {
-                self.tx.crossover.on_copy(buf.len(), took, std::time::Instant::now());
-                Ok((reg, tokens))
-            }
+            Ok((tokens, took)) => Ok((reg, tokens, took)),
             Err(e) => {
                 // Chunks posted before the failure may still be read from `buf` (a timeout
                 // leaves the pipe working): keep the registration for good rather than let its
@@ -1380,11 +1403,19 @@ impl<'p> Packer<'p> {
             Record::End { packs: self.tx.packs }.encode(&mut self.tx.agg);
         }
         self.flush()?;
-        if let Some(more) = self.more.as_mut() {
-            if !more.bulk_tokens.is_empty() {
-                let mut tokens = std::mem::take(&mut more.bulk_tokens);
-                self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
+        let (mut tokens, timed) = self
+            .more
+            .as_mut()
+            .map(|m| (std::mem::take(&mut m.bulk_tokens), std::mem::take(&mut m.timed)))
+            .unwrap_or_default();
+        if !tokens.is_empty() {
+            let waiting = std::time::Instant::now();
+            self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
+            if timed.0 > 0 {
+                self.timed_copy(timed.0, timed.1 + waiting.elapsed());
             }
+        }
+        if let Some(more) = self.more.as_mut() {
             more.bulk_regs.clear();
         }
         if wait_reads && self.has_rdv() {
