@@ -7,6 +7,8 @@
 //! (a sender waiting for its send's completion, a rendezvous source for its `Fin`). Two cores
 //! copying halves measured 1.5x (64 KiB) to 1.9x (1 MiB) one core copying the whole. The
 //! puller never depends on the peer: an offer nobody takes is copied by the puller itself.
+//! "Half" starts at half: each queue pair then moves its split job by job ([`next_share`]) to
+//! where its copier and its helper end together, as the helper may join late or copy slower.
 //!
 //! The protocol lives in one line of the helper's queue-pair segment ([`AssistLine`]), written
 //! by the puller (the *copier*) and read by the helper; jobs of one line are sequential (the
@@ -80,9 +82,52 @@ impl Job {
     }
 }
 
-/// Where to split `len` bytes between copier and helper: at half, rounded down to a page.
-pub fn split_point(len: u64) -> u64 {
-    (len / 2) & !4095
+/// The copier's share of a job (of [`SHARE_ONE`]) to begin with: half.
+pub const EVEN_SHARE: u32 = SHARE_ONE / 2;
+/// A whole job, as a share.
+pub const SHARE_ONE: u32 = 1 << 16;
+/// Bounds of the copier's share: a helper always gets something worth its system call, and
+/// the copier keeps some even when its helper seems slow.
+const MIN_SHARE: u32 = SHARE_ONE / 8;
+const MAX_SHARE: u32 = SHARE_ONE / 8 * 7;
+
+/// Where to split `len` bytes between copier and helper, the copier taking `share` (of
+/// [`SHARE_ONE`]) from the front: rounded down to a page, so that no page is pinned by both.
+pub fn split_point(len: u64, share: u32) -> u64 {
+    (((len as u128 * share.min(SHARE_ONE) as u128) >> 16) as u64) & !4095
+}
+
+/// How long a copier waited for its helper when it settled a job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Waited {
+    /// Not at all: the back half was done, or nobody had taken it, when the front was.
+    No,
+    /// This long, after its front part.
+    For(Duration),
+}
+
+/// The copier's next share after a job the helper took and finished, split with `share`,
+/// whose front part took the copier `front` and after which it waited `waited`.
+///
+/// Why the split moves: the two halves are not equal work. The helper joins when its polling
+/// loop sees the offer, and the two system calls copy at whatever speed their CPUs and caches
+/// give them; in a Madeleine stream of 64 KiB messages the copier waited 0.1-1.5 us for its
+/// helper after a 4.5-4.9 us front half, while the helper's half took 4.7-5.6 us. So, job by
+/// job: a copier that waited `w` after a front of `f` could have copied about `w / f` of its
+/// front more, and the two would then have shared that, so its share grows by half of that
+/// (damped by half again, as one job's timing is noisy); a helper that was done first gets a
+/// step more (1/64 of the share), so that the split follows a helper that got faster. The
+/// split thus settles where both end together, give or take a page.
+pub fn next_share(share: u32, front: Duration, waited: Waited) -> u32 {
+    let s = share.clamp(MIN_SHARE, MAX_SHARE) as f64;
+    let next = match waited {
+        Waited::No => s - s / 64.0,
+        Waited::For(w) => {
+            let f = front.as_nanos().max(1) as f64;
+            s + s * (w.as_nanos() as f64 / f).min(1.0) / 4.0
+        }
+    };
+    (next as u32).clamp(MIN_SHARE, MAX_SHARE)
 }
 
 /// An open job, from the copier's side. Dropping it without [`Offer::settle`] is allowed only
@@ -133,17 +178,18 @@ pub fn open<'a>(line: &'a AssistLine, id: u64, job: &Job) -> Offer<'a> {
 }
 
 impl Offer<'_> {
-    /// After copying the front half: takes the back half back if no helper took it, else
-    /// waits (spinning, then yielding) until the helper is done. `helper_alive` is asked now
-    /// and then while waiting. The line is closed on return, whatever the outcome.
-    pub fn settle(self, timeout: Duration, mut helper_alive: impl FnMut() -> bool) -> Result<Back, Stuck> {
+    /// After copying the front part: takes the back part back if no helper took it, else
+    /// waits (spinning, then yielding) until the helper is done, and says how long it waited
+    /// (for [`next_share`]). `helper_alive` is asked now and then while waiting. The line is
+    /// closed on return, whatever the outcome.
+    pub fn settle(self, timeout: Duration, mut helper_alive: impl FnMut() -> bool) -> Result<(Back, Waited), Stuck> {
         let line = self.line;
         let close = || line.state.store(0, Ordering::SeqCst);
         if line.state.compare_exchange(self.word, self.word | BACK_TAKEN, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
             close();
-            return Ok(Back::Copier);
+            return Ok((Back::Copier, Waited::No));
         }
-        let start = Instant::now();
+        let mut start = None;
         let mut spins = 0u32;
         loop {
             let s = line.state.load(Ordering::Acquire);
@@ -155,8 +201,10 @@ impl Offer<'_> {
             if s & HELPER_DONE != 0 {
                 close();
                 HELPED.fetch_add((s & HELPER_FAILED == 0) as u64, Ordering::Relaxed);
-                return Ok(if s & HELPER_FAILED != 0 { Back::HelperFailed } else { Back::Helper });
+                let back = if s & HELPER_FAILED != 0 { Back::HelperFailed } else { Back::Helper };
+                return Ok((back, start.map_or(Waited::No, |t: Instant| Waited::For(t.elapsed()))));
             }
+            let start = *start.get_or_insert_with(Instant::now);
             spins += 1;
             if spins.is_multiple_of(256) {
                 if spins >= 4096 {
@@ -230,22 +278,95 @@ mod tests {
     use std::sync::Arc;
 
     fn job(len: u64) -> Job {
-        Job { src: 0x1000, dst: 0x9000, len, split: split_point(len), key: 7, need: 2 }
+        Job { src: 0x1000, dst: 0x9000, len, split: split_point(len, EVEN_SHARE), key: 7, need: 2 }
     }
 
     #[test]
     fn split_is_page_aligned_and_inside() {
-        assert_eq!(split_point(65536), 32768);
-        assert_eq!(split_point(65536 + 100), 32768);
-        assert_eq!(split_point(4096), 0);
-        assert_eq!(split_point(0), 0);
+        assert_eq!(split_point(65536, EVEN_SHARE), 32768);
+        assert_eq!(split_point(65536 + 100, EVEN_SHARE), 32768);
+        assert_eq!(split_point(4096, EVEN_SHARE), 0);
+        assert_eq!(split_point(0, EVEN_SHARE), 0);
+        assert_eq!(split_point(65536, SHARE_ONE / 4 * 3), 49152);
+        assert_eq!(split_point(1 << 40, SHARE_ONE), 1 << 40);
+        assert_eq!(split_point(u64::MAX, SHARE_ONE), !4095, "no overflow");
+    }
+
+    /// A model of two copiers: the helper joins `late` ns after the offer and copies at
+    /// `helper_rate` bytes/ns, the copier at `copier_rate`; each system call costs `fixed`.
+    /// The share must settle where neither waits long for the other.
+    fn converge(late: f64, copier_rate: f64, helper_rate: f64) -> (u32, f64) {
+        let (len, fixed) = (65536u64, 1500.0);
+        let mut share = EVEN_SHARE;
+        let mut idle = 0.0;
+        for job in 0..200 {
+            let split = split_point(len, share) as f64;
+            let front = fixed + split / copier_rate;
+            let back_done = late + fixed + (len as f64 - split) / helper_rate;
+            let waited = if back_done > front {
+                Waited::For(Duration::from_nanos((back_done - front) as u64))
+            } else {
+                Waited::No
+            };
+            if job >= 150 {
+                idle += (back_done - front).abs();
+            }
+            share = next_share(share, Duration::from_nanos(front as u64), waited);
+        }
+        (share, idle / 50.0)
+    }
+
+    #[test]
+    fn the_split_follows_a_late_or_slow_helper_and_comes_back() {
+        // Equal speeds, a punctual helper: about half.
+        let (share, idle) = converge(0.0, 12.0, 12.0);
+        assert!((SHARE_ONE * 7 / 16..=SHARE_ONE * 9 / 16).contains(&share), "share {share}");
+        assert!(idle < 400.0, "idle {idle} ns a job");
+        // A helper that joins 1 us late and copies 20% slower: the copier takes more, and the
+        // two end within about a page's copy of each other (a page is 340 ns at 12 B/ns).
+        let (share, idle) = converge(1000.0, 12.0, 10.0);
+        assert!(share > SHARE_ONE * 9 / 16, "share {share}");
+        assert!(idle < 700.0, "idle {idle} ns a job, against 1550 at half and half");
+        // A faster helper: the copier gives some away.
+        let (share, _) = converge(0.0, 8.0, 14.0);
+        assert!(share < SHARE_ONE * 7 / 16, "share {share}");
+        // Bounds hold against a helper that never keeps up.
+        let (share, _) = converge(100_000.0, 12.0, 1.0);
+        assert_eq!(share, MAX_SHARE);
+    }
+
+    #[test]
+    fn settle_says_how_long_the_copier_waited() {
+        let line = AssistLine::default();
+        let offer = open(&line, 1, &job(65536));
+        try_take(&line).unwrap().finish(true);
+        assert_eq!(offer.settle(Duration::from_secs(1), || true), Ok((Back::Helper, Waited::No)));
+        let line = Arc::new(AssistLine::default());
+        let offer = open(&line, 2, &job(65536));
+        let taken_line = line.clone();
+        let helper = std::thread::spawn(move || {
+            let t = try_take(&taken_line).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            t.finish(true);
+        });
+        while line.state.load(Ordering::SeqCst) & BY_HELPER == 0 {
+            std::hint::spin_loop();
+        }
+        match offer.settle(Duration::from_secs(5), || true) {
+            Ok((Back::Helper, Waited::For(w))) => assert!(w >= Duration::from_millis(10), "waited {w:?}"),
+            other => panic!("{other:?}"),
+        }
+        helper.join().unwrap();
+        let line = AssistLine::default();
+        let offer = open(&line, 3, &job(65536));
+        assert_eq!(offer.settle(Duration::from_secs(1), || true), Ok((Back::Copier, Waited::No)));
     }
 
     #[test]
     fn an_offer_nobody_takes_goes_back_to_the_copier() {
         let line = AssistLine::default();
         let offer = open(&line, 1, &job(65536));
-        assert_eq!(offer.settle(Duration::from_secs(1), || true), Ok(Back::Copier));
+        assert_eq!(offer.settle(Duration::from_secs(1), || true).map(|(b, _)| b), Ok(Back::Copier));
         assert!(try_take(&line).is_none(), "a settled line offers nothing");
     }
 
@@ -259,7 +380,7 @@ mod tests {
         assert_eq!(taken.job, j);
         assert!(try_take(&line).is_none(), "the back half goes to one helper");
         taken.finish(true);
-        assert_eq!(offer.settle(Duration::from_secs(1), || true), Ok(Back::Helper));
+        assert_eq!(offer.settle(Duration::from_secs(1), || true).map(|(b, _)| b), Ok(Back::Helper));
     }
 
     #[test]
@@ -267,7 +388,7 @@ mod tests {
         let line = AssistLine::default();
         let offer = open(&line, 9, &job(65536));
         try_take(&line).unwrap().finish(false);
-        assert_eq!(offer.settle(Duration::from_secs(1), || true), Ok(Back::HelperFailed));
+        assert_eq!(offer.settle(Duration::from_secs(1), || true).map(|(b, _)| b), Ok(Back::HelperFailed));
     }
 
     #[test]
@@ -275,10 +396,10 @@ mod tests {
         let line = AssistLine::default();
         let offer = open(&line, 3, &job(65536));
         let taken = try_take(&line).unwrap();
-        assert_eq!(offer.settle(Duration::from_secs(5), || false), Err(Stuck::HelperGone));
+        assert_eq!(offer.settle(Duration::from_secs(5), || false).map(|(b, _)| b), Err(Stuck::HelperGone));
         let next = open(&line, 4, &job(65536));
         taken.finish(true); // a late finish must not touch the next job
-        assert_eq!(next.settle(Duration::from_secs(1), || true), Ok(Back::Copier));
+        assert_eq!(next.settle(Duration::from_secs(1), || true).map(|(b, _)| b), Ok(Back::Copier));
     }
 
     #[test]
@@ -286,7 +407,7 @@ mod tests {
         let line = AssistLine::default();
         let offer = open(&line, 3, &job(65536));
         let _taken = try_take(&line).unwrap();
-        assert_eq!(offer.settle(Duration::from_millis(20), || true), Err(Stuck::TimedOut));
+        assert_eq!(offer.settle(Duration::from_millis(20), || true).map(|(b, _)| b), Err(Stuck::TimedOut));
     }
 
     #[test]
@@ -295,7 +416,7 @@ mod tests {
         let offer = open(&line, 4, &job(65536));
         line.split.store(1 << 40, Ordering::SeqCst); // a peer scribbling on the line
         assert!(try_take(&line).is_none());
-        assert_eq!(offer.settle(Duration::from_secs(1), || true), Ok(Back::HelperFailed));
+        assert_eq!(offer.settle(Duration::from_secs(1), || true).map(|(b, _)| b), Ok(Back::HelperFailed));
     }
 
     /// Many jobs, a helper thread racing the copier on each: every back half is copied exactly
@@ -330,7 +451,7 @@ mod tests {
             for _ in 0..(i % 7) * 20 {
                 std::hint::spin_loop(); // the front half's copy
             }
-            match offer.settle(Duration::from_secs(10), || true).expect("helper alive") {
+            match offer.settle(Duration::from_secs(10), || true).expect("helper alive").0 {
                 Back::Copier => {
                     copies[i as usize].fetch_add(1, Ordering::SeqCst);
                     by_copier += 1;

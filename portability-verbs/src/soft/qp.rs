@@ -207,6 +207,8 @@ pub struct QpInner {
     helper_peer: Mutex<Option<Arc<PeerCtx>>>,
     /// Shared copies offered so far (their job ids).
     assist_jobs: AtomicU64,
+    /// The share of a shared copy this side takes as the copier (`assist::next_share`).
+    copier_share: AtomicU32,
 }
 
 type LocalQps = Mutex<std::collections::HashMap<(u64, u32), std::sync::Weak<QpInner>>>;
@@ -348,6 +350,7 @@ impl QpInner {
             backstop_watched: AtomicBool::new(false),
             helper_peer: Mutex::new(None),
             assist_jobs: AtomicU64::new(0),
+            copier_share: AtomicU32::new(assist::EVEN_SHARE),
         });
         send_cq.attach(&qp);
         recv_cq.attach(&qp);
@@ -1246,18 +1249,26 @@ impl QpInner {
         need: AccessFlags,
     ) -> Option<Result<(), WcStatus>> {
         let src = access.cross_process_addr().filter(|_| self.worth_sharing(len) && len == access.len())?;
-        let split = assist::split_point(len as u64);
+        // Jobs of one queue pair are sequential (its lock), so a plain load and store do (a
+        // lost update would only lose one job's lesson).
+        let share = self.copier_share.load(Ordering::Relaxed);
+        let split = assist::split_point(len as u64, share);
         let job = assist::Job { src, dst: dst as u64, len: len as u64, split, key, need: need.bits() };
         let id = self.assist_jobs.fetch_add(1, Ordering::Relaxed) + 1;
         let offer = assist::open(r.seg().assist(), id, &job);
         let split = split as usize;
-        // SAFETY: the front half of the caller's range.
+        let started = Instant::now();
+        // SAFETY: the front part of the caller's range.
         let front = unsafe { access.read_into(0, dst, split) };
+        let front_took = started.elapsed();
         // Settled whatever the front's outcome: no helper write may land after we return.
         let back = offer.settle(ASSIST_TIMEOUT, || r.peer.alive());
-        Some(front.and_then(|()| match back {
+        if let (Ok(()), Ok((Back::Helper, waited))) = (&front, &back) {
+            self.copier_share.store(assist::next_share(share, front_took, *waited), Ordering::Relaxed);
+        }
+        Some(front.and_then(|()| match back.map(|(b, _)| b) {
             Ok(Back::Helper) => Ok(()),
-            // SAFETY: the back half of the caller's range.
+            // SAFETY: the back part of the caller's range.
             Ok(Back::Copier | Back::HelperFailed) => unsafe { access.read_into(split, dst.add(split), len - split) },
             Err(Stuck::HelperGone | Stuck::TimedOut) => Err(WcStatus::RetryExcErr),
             Err(Stuck::Corrupt) => Err(WcStatus::RemOpErr),
