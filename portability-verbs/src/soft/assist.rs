@@ -23,7 +23,7 @@
 //!
 //! Plain atomics and functions, no I/O: the queue pair supplies the copies.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::layout::AssistLine;
@@ -162,17 +162,20 @@ pub enum Stuck {
 /// Opens job `id` (non-zero in its low 56 bits) on `line` for a helper to take its back half.
 pub fn open<'a>(line: &'a AssistLine, id: u64, job: &Job) -> Offer<'a> {
     debug_assert!(job.split <= job.len);
-    // Closed first (the helper's swap must fail on a word whose fields are being rewritten),
-    // and the field stores must not move before the close: SeqCst throughout (rare, cheap).
-    line.state.store(0, Ordering::SeqCst);
-    line.src.store(job.src, Ordering::SeqCst);
-    line.dst.store(job.dst, Ordering::SeqCst);
-    line.len.store(job.len, Ordering::SeqCst);
-    line.split.store(job.split, Ordering::SeqCst);
-    line.key.store(job.key, Ordering::SeqCst);
-    line.need.store(job.need, Ordering::SeqCst);
+    // A seqlock's write: closed first (the helper's swap must fail on a word whose fields are
+    // being rewritten), the fence keeping the field stores behind the close, then opened with
+    // a release store (the fields before the word). Plain stores on x86, where seven SeqCst
+    // stores were seven locked instructions on the path between two copies.
+    line.state.store(0, Ordering::Relaxed);
+    fence(Ordering::Release);
+    line.src.store(job.src, Ordering::Relaxed);
+    line.dst.store(job.dst, Ordering::Relaxed);
+    line.len.store(job.len, Ordering::Relaxed);
+    line.split.store(job.split, Ordering::Relaxed);
+    line.key.store(job.key, Ordering::Relaxed);
+    line.need.store(job.need, Ordering::Relaxed);
     let word = (id & (u64::MAX >> 8)).max(1) << 8;
-    line.state.store(word, Ordering::SeqCst);
+    line.state.store(word, Ordering::Release);
     OFFERED.fetch_add(1, Ordering::Relaxed);
     Offer { line, word }
 }
@@ -184,8 +187,9 @@ impl Offer<'_> {
     /// closed on return, whatever the outcome.
     pub fn settle(self, timeout: Duration, mut helper_alive: impl FnMut() -> bool) -> Result<(Back, Waited), Stuck> {
         let line = self.line;
-        let close = || line.state.store(0, Ordering::SeqCst);
-        if line.state.compare_exchange(self.word, self.word | BACK_TAKEN, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+        // (Release: a helper that reads the closed line acts on nothing of this job's.)
+        let close = || line.state.store(0, Ordering::Release);
+        if line.state.compare_exchange(self.word, self.word | BACK_TAKEN, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             close();
             return Ok((Back::Copier, Waited::No));
         }
@@ -242,16 +246,19 @@ pub fn try_take(line: &AssistLine) -> Option<Taken<'_>> {
         return None;
     }
     let job = Job {
-        src: line.src.load(Ordering::SeqCst),
-        dst: line.dst.load(Ordering::SeqCst),
-        len: line.len.load(Ordering::SeqCst),
-        split: line.split.load(Ordering::SeqCst),
-        key: line.key.load(Ordering::SeqCst),
-        need: line.need.load(Ordering::SeqCst),
+        src: line.src.load(Ordering::Relaxed),
+        dst: line.dst.load(Ordering::Relaxed),
+        len: line.len.load(Ordering::Relaxed),
+        split: line.split.load(Ordering::Relaxed),
+        key: line.key.load(Ordering::Relaxed),
+        need: line.need.load(Ordering::Relaxed),
     };
-    // The fields were read before this swap; it succeeds only if the word is unchanged, so
-    // they are the fields of job `s` (the copier rewrites them only with the line closed).
-    line.state.compare_exchange(s, s | BACK_TAKEN | BY_HELPER, Ordering::SeqCst, Ordering::Relaxed).ok()?;
+    // A seqlock's read: the fields were read before this swap, which succeeds only if the
+    // word is unchanged, so they are the fields of job `s`. Had a field load seen a store of
+    // the copier's next job, the acquire fence would order the close before the swap (the
+    // copier's release fence sits between the two), and the swap would fail.
+    fence(Ordering::Acquire);
+    line.state.compare_exchange(s, s | BACK_TAKEN | BY_HELPER, Ordering::AcqRel, Ordering::Relaxed).ok()?;
     let taken = Taken { line, word: s | BACK_TAKEN | BY_HELPER, job };
     if job.split > job.len {
         // A copier would never open this: report it failed (the copier copies it itself).
