@@ -567,6 +567,22 @@ impl QueuePair {
             QpImpl::Hw(q) => q.post_send(wrs),
         }
     }
+    /// Lends this thread to the connected peer's shared copy, if the peer offers one now: on
+    /// the software provider a peer pulling a large range out of this process's memory (an
+    /// RDMA read, the data of a large send) offers the back half to whoever polls this queue
+    /// pair, and copies it itself if nobody takes it. Every poll of a completion queue does
+    /// this; a caller that spins on something else (its own memory, say, as a polled message
+    /// pipe does) calls it in its loop, so that the peer's copy is shared as soon as it is
+    /// offered rather than at the next poll. One load when nothing is offered. Does nothing
+    /// on the hardware provider, whose NIC copies.
+    #[inline]
+    pub fn help_peer(&self) {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => q.help_peer(),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(_) => {}
+        }
+    }
     /// Posts one request and says whether it is already done: [`Posted::Completed`] means it
     /// was carried out, successfully, before this returned, and no completion will be reported
     /// for it (signaled or not); [`Posted::Pending`] means it was posted as by

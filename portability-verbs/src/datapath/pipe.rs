@@ -1669,14 +1669,21 @@ impl MsgPipe {
     /// acknowledgements, batched frames, the peer's sleep) is done on every
     /// [`PROGRESS_EVERY`]-th empty look, so that a reader spinning for a message finds it
     /// within a ring poll of its arrival rather than within a whole pass (about 500
-    /// instructions against 100).
+    /// instructions against 100). The looks in between still take the peer's offer of a
+    /// shared copy ([`QueuePair::help_peer`]): a zero-copy sender waits here for the reads of
+    /// its buffers, and its receiver waited 0.1-0.5 us longer per 64 KiB read (230 ns to be
+    /// helped on average, against 100) when only the passes took it.
     #[inline]
     fn progress_due(&mut self) -> bool {
         if !matches!(self.strategy, FlowStrategy::Polled { .. }) || self.reap_wake {
             return true;
         }
         self.empty_fronts = self.empty_fronts.wrapping_add(1);
-        self.empty_fronts.is_multiple_of(PROGRESS_EVERY)
+        if self.empty_fronts.is_multiple_of(PROGRESS_EVERY) {
+            return true;
+        }
+        self.qp.help_peer();
+        false
     }
 
     /// Marks the first `n` bytes of the message [`MsgPipe::front`] returned as read: `front`

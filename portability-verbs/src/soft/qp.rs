@@ -1275,6 +1275,15 @@ impl QpInner {
         }))
     }
 
+    /// Pushes the back half of a shared copy our peer offers now, if it offers one (one load
+    /// of the assist line when it does not).
+    #[inline]
+    pub(crate) fn help_peer(&self) {
+        if let Some(taken) = assist::try_take(QpSeg(&self.seg).assist()) {
+            self.help(taken);
+        }
+    }
+
     /// Pushes the back half of a copy our peer offered (see `assist`), if it names memory we
     /// registered for it; reports the outcome on the line either way.
     fn help(&self, taken: assist::Taken<'_>) {
@@ -1668,9 +1677,7 @@ impl QpInner {
     /// One progress pass for the queue `cq`; its completions go to `sink` (the poller hands them
     /// straight to its caller), others to their queues.
     pub(crate) fn progress(&self, cq: &CqInner, sink: &mut Out) {
-        if let Some(taken) = assist::try_take(QpSeg(&self.seg).assist()) {
-            self.help(taken);
-        }
+        self.help_peer();
         let recv_side = std::ptr::eq(cq, &*self.recv_cq);
         let send_side = std::ptr::eq(cq, &*self.send_cq);
         let inbound = recv_side && {
