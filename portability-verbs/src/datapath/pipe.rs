@@ -323,14 +323,17 @@ struct PeerRing {
 /// Offsets in `ack_mr`: where the peer writes how much of our message ring / bulk ring it
 /// consumed, and the 8 bytes we write our own acknowledgements from; where a polled peer
 /// says it sleeps (its announcement number in the high half, the low half of the ring
-/// position it waits at in the low half), and the 8 bytes we say it from.
+/// position it waits at in the low half), and the 8 bytes we say it from; where the peer
+/// writes the count it released ([`MsgPipe::release_to`]), and the 8 bytes we write ours from.
 const ACK_RING: usize = 0;
 const ACK_RING_SRC: usize = 8;
 const ACK_BULK: usize = 16;
 const ACK_BULK_SRC: usize = 24;
 const ACK_SLEEP: usize = 32;
 const ACK_SLEEP_SRC: usize = 40;
-const ACK_BYTES: usize = 48;
+const ACK_RELEASE: usize = 48;
+const ACK_RELEASE_SRC: usize = 56;
+const ACK_BYTES: usize = 64;
 
 /// Reads the words of our polled ring as the peer's writes land in it (empty when the pipe
 /// has no ring).
@@ -374,6 +377,9 @@ pub struct MsgPipe {
     ring_window: Option<RemoteWindow>,
     /// Whether frames may go through `ring_window` (not [`PipeOptions::posted_frames`]).
     direct_frames: bool,
+    /// The peer's acknowledgement slots mapped for plain stores, where the provider can (and
+    /// `direct_frames`): [`MsgPipe::release_to`] writes through it.
+    ack_window: Option<RemoteWindow>,
     /// Our inbound bulk ring, and the peer's (None: that direction has no bulk lane).
     bulk_ring: Option<MemoryRegion>,
     peer_bulk: Option<PeerRing>,
@@ -515,6 +521,7 @@ impl MsgPipe {
             peer_ring: None,
             ring_window: None,
             direct_frames: !options.posted_frames,
+            ack_window: None,
             bulk_rx: RingReceiver::new(options.bulk_ring as u64),
             bulk_ring,
             peer_bulk: None,
@@ -646,6 +653,13 @@ impl MsgPipe {
             )));
         }
         self.peer_acks = Some((v(4), v(5) as u32));
+        if self.direct_frames {
+            // As for the ring: a refusal leaves releases posted, and checked by each write.
+            self.ack_window = self.qp.map_remote_write(v(4), ACK_BYTES as u64, v(5) as u32).unwrap_or_else(|e| {
+                log::debug!("pipe: releases go as posted writes, the peer's slots do not map: {e}");
+                None
+            });
+        }
         if code == 2 || code == 4 {
             self.peer_ring = Some(PeerRing { addr: v(2), rkey: v(3) as u32 });
             if code == 4 && self.direct_frames {
@@ -1279,6 +1293,38 @@ impl MsgPipe {
         self.qp.post_send(&[SendWr::write(wr_id(TAG_ACK_WRITE, 0), &[sge], addr + dst as u64, rkey).inline(true)])?;
         self.stats.control += 1;
         Ok(())
+    }
+
+    /// Sets the count the peer reads with [`MsgPipe::peer_released`]: a cumulative counter of
+    /// the layer above (Madeleine's: how many of the peer's zero-copy buffers it has read), in
+    /// the peer's acknowledgement slots rather than in a message. So it takes no ring space or
+    /// credit, never waits behind messages the peer has not read yet, and costs the peer one
+    /// load to look at. The latest write wins: callers keep it monotone. It wakes no sleeper:
+    /// a peer waiting for it polls (or naps).
+    pub fn release_to(&mut self, count: u64) -> Result<()> {
+        self.check_failed()?;
+        let bytes = count.to_ne_bytes();
+        if let Some(window) = &self.ack_window {
+            if let Err(st) = window.write(ACK_RELEASE, &[&bytes]) {
+                return Err(self.fail(VerbsError::PeerUnreachable(format!("release write failed: {st:?}"))));
+            }
+        } else {
+            let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("a release before setup".into()))?;
+            self.ack_mr.write(ACK_RELEASE_SRC, &bytes);
+            let sge = self.ack_mr.sge(ACK_RELEASE_SRC, 8);
+            let wr = SendWr::write(wr_id(TAG_ACK_WRITE, 0), &[sge], addr + ACK_RELEASE as u64, rkey).inline(true);
+            if let Err(e) = self.qp.post_send(&[wr]) {
+                return Err(self.fail(e));
+            }
+        }
+        self.stats.control += 1;
+        Ok(())
+    }
+
+    /// The count the peer last set with [`MsgPipe::release_to`] (0 before it set any).
+    #[inline]
+    pub fn peer_released(&self) -> u64 {
+        self.ack_mr.read_u64(ACK_RELEASE)
     }
 
     fn on_bulk_chunk(&mut self, imm: u32) -> Result<()> {
@@ -2562,6 +2608,34 @@ mod tests {
         assert_eq!(a.outstanding, 1, "a posted frame");
         while b.recv_with(|m| assert_eq!(m, msg(0, 8))).unwrap().is_none() {
             assert!(Instant::now() < deadline, "stalled");
+        }
+    }
+
+    /// A release count lands in the peer's slot, stored directly or posted, under every
+    /// strategy, without a message: the peer's messages queued unread do not hold it up.
+    #[test]
+    fn release_counts_reach_the_peer_past_unread_messages() {
+        for posted in [false, true] {
+            for s in strategies() {
+                let (_pd, mut a, mut b) = pair_with(s, PipeOptions { posted_frames: posted, ..PipeOptions::default() });
+                assert_eq!(a.peer_released(), 0, "{s:?}");
+                assert!(a.try_send(&msg(0, 100)).unwrap() && a.flush().is_ok());
+                for count in [1u64, 2, 1 << 40] {
+                    b.release_to(count).unwrap();
+                    let deadline = Instant::now() + T;
+                    while a.peer_released() != count {
+                        assert!(Instant::now() < deadline, "{s:?} posted {posted}: release {count} never came");
+                        a.progress().unwrap();
+                        b.progress().unwrap();
+                    }
+                }
+                assert_eq!(b.stats().received, 0, "{s:?}: the message stays unread");
+                let deadline = Instant::now() + T;
+                while b.recv_with(|m| assert_eq!(m, msg(0, 100))).unwrap().is_none() {
+                    assert!(Instant::now() < deadline, "{s:?}: the message never came");
+                    a.progress().unwrap();
+                }
+            }
         }
     }
 
