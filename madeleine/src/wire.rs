@@ -7,11 +7,13 @@
 //! Rdv     modes len addr key id   a large pack: the receiver RDMA-reads it from the sender
 //! Bulk    modes total        a pack whose `total` bytes follow as bulk-lane chunks
 //! End     packs              the message had this many packs
-//! Fin     id                 receiver -> sender: the rendezvous `id` was read
 //! Whole   seq packs          a whole small message: Begin, its `packs` Inline records, no End
 //! One     seq modes          a whole small message of one pack, its bytes after the header
 //! Bye                        the sender closed its end: nothing follows on this connection
 //! ```
+//! Tag 5 is not used (it was a `Fin`, the receiver's word that it read a rendezvous: the
+//! release count in the pipe's acknowledgement slots says that now, see
+//! `MsgPipe::release_to`), and decodes as an unknown record.
 //! A `Bulk` record ends its pipe message: the pack's chunks come next on the pipe's bulk lane.
 //! A bulk chunk that arrives when no pack's bytes are due carries records itself (decoded with
 //! [`decode_in_chunk`]): there a `Bulk` record's data follows it in the same chunk (and in
@@ -64,7 +66,8 @@ pub enum Record {
         addr: u64,
         /// Remote key of the sender's registration.
         rkey: u32,
-        /// Identifier the receiver returns in `Fin`.
+        /// Identifier: the sender's rendezvous on a connection are numbered 0, 1, 2, ... in
+        /// the order it issues them (the receiver releases them by count).
         id: u32,
     },
     /// A pack whose bytes follow as bulk-lane chunks.
@@ -78,11 +81,6 @@ pub enum Record {
     End {
         /// Number of packs in it.
         packs: u32,
-    },
-    /// A rendezvous was read.
-    Fin {
-        /// Its identifier.
-        id: u32,
     },
     /// A whole message: the rest of the pipe message holds its packs, each a complete
     /// `Inline` record.
@@ -203,7 +201,6 @@ impl Record {
             Record::Rdv { modes, addr, rkey, .. } => (lo(3, modes.byte(), 0, rkey), addr),
             Record::Bulk { modes, total } => (lo(6, modes.byte(), 0, 0), total),
             Record::End { packs } => (lo(4, 0, 0, packs), 0),
-            Record::Fin { id } => (lo(5, 0, 0, id), 0),
             Record::Whole { seq, packs } => (lo(7, 0, 0, seq), packs as u64),
             Record::One { seq, modes } => (lo(ONE_TAG, modes.byte(), 0, seq), 0),
             Record::Bye => (lo(9, 0, 0, 0), 0),
@@ -326,7 +323,6 @@ fn decode_at(msg: &[u8], at: usize, in_chunk: bool) -> Result<(Record, std::ops:
             }
             (Record::Bulk { modes, total: u64_at(h, 8) }, at..at, at + HEADER)
         }
-        5 => (Record::Fin { id: u32_at(h, 4) }, at..at, at + HEADER),
         7 if in_chunk => return Err(WireError("a whole message in a bulk chunk")),
         7 => {
             if h[1] != 0 || h[2] != 0 || h[12..16] != [0; 4] {
@@ -368,7 +364,6 @@ mod tests {
             (modes(), any::<u64>(), any::<u64>(), any::<u32>(), any::<u32>())
                 .prop_map(|(m, len, addr, rkey, id)| (Record::Rdv { modes: m, len, addr, rkey, id }, vec![])),
             any::<u32>().prop_map(|packs| (Record::End { packs }, vec![])),
-            any::<u32>().prop_map(|id| (Record::Fin { id }, vec![])),
         ]
     }
 
