@@ -1287,8 +1287,14 @@ impl MsgPipe {
             Lane::Message => (self.ring_rx.take_ack(), ACK_RING_SRC, ACK_RING),
             Lane::Bulk => (self.bulk_rx.take_ack(), ACK_BULK_SRC, ACK_BULK),
         };
+        self.post_ack_word(src, dst, pos)
+    }
+
+    /// Writes `word` into the peer's acknowledgement slot `dst` as a posted inline RDMA write
+    /// from our slot `src`.
+    fn post_ack_word(&mut self, src: usize, dst: usize, word: u64) -> Result<()> {
         let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("acknowledgement before setup".into()))?;
-        self.ack_mr.write(src, &pos.to_ne_bytes());
+        self.ack_mr.write(src, &word.to_ne_bytes());
         let sge = self.ack_mr.sge(src, 8);
         self.qp.post_send(&[SendWr::write(wr_id(TAG_ACK_WRITE, 0), &[sge], addr + dst as u64, rkey).inline(true)])?;
         self.stats.control += 1;
@@ -1303,19 +1309,11 @@ impl MsgPipe {
     /// a peer waiting for it polls (or naps).
     pub fn release_to(&mut self, count: u64) -> Result<()> {
         self.check_failed()?;
-        let bytes = count.to_ne_bytes();
-        if let Some(window) = &self.ack_window {
-            if let Err(st) = window.write(ACK_RELEASE, &[&bytes]) {
-                return Err(self.fail(VerbsError::PeerUnreachable(format!("release write failed: {st:?}"))));
-            }
-        } else {
-            let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("a release before setup".into()))?;
-            self.ack_mr.write(ACK_RELEASE_SRC, &bytes);
-            let sge = self.ack_mr.sge(ACK_RELEASE_SRC, 8);
-            let wr = SendWr::write(wr_id(TAG_ACK_WRITE, 0), &[sge], addr + ACK_RELEASE as u64, rkey).inline(true);
-            if let Err(e) = self.qp.post_send(&[wr]) {
-                return Err(self.fail(e));
-            }
+        let Some(window) = &self.ack_window else {
+            return self.post_ack_word(ACK_RELEASE_SRC, ACK_RELEASE, count).map_err(|e| self.fail(e));
+        };
+        if let Err(st) = window.write(ACK_RELEASE, &[&count.to_ne_bytes()]) {
+            return Err(self.fail(VerbsError::PeerUnreachable(format!("release write failed: {st:?}"))));
         }
         self.stats.control += 1;
         Ok(())
