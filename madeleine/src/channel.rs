@@ -1366,13 +1366,15 @@ impl<'p> Packer<'p> {
         if self.more.as_ref().is_some_and(|m| m.pending_bulk.is_some()) {
             // The last pack is bulk: the message ends in its last chunk.
             self.send_pending(true)?;
-        } else if !self.tx.flushed && !self.has_rdv() {
-            // Begin and inline packs only, all in one pipe message (a pack that did not fit
-            // whole would have flushed): the message goes whole, whatever its size. The
-            // receiver then copies it twice (out of the pipe, then into the unpacks' buffers),
-            // which still costs less than taking its records one by one from the pipe: 0.1-0.3
-            // us less one way from 256 B to 4 KiB (stack_bench, window and rdma strategies).
-            if self.tx.packs == 1 {
+        } else if !self.tx.flushed {
+            // Every record in one pipe message (a pack that did not fit whole would have
+            // flushed): the message goes whole, whatever its size. The receiver then copies
+            // its inline packs twice (out of the pipe, then into the unpacks' buffers), which
+            // still costs less than taking its records one by one from the pipe: 0.1-0.3 us
+            // less one way from 256 B to 4 KiB (stack_bench, window and rdma strategies). A
+            // rendezvous travels whole too (its record is all there is to copy): the receiver
+            // goes from one read to the next without two more trips to the pipe.
+            if self.tx.packs == 1 && !self.has_rdv() {
                 self.send_one()?;
             } else {
                 // One Whole record instead of Begin .. End.
@@ -1565,6 +1567,9 @@ enum Got {
     Other(Record),
 }
 
+/// Why a whole message is malformed.
+const WHOLE_HOLDS: &str = "a whole message holds complete inline packs and rendezvous only";
+
 /// A zero-copy read in flight (RECEIVE_CHEAPER), kept until `end_unpacking`.
 struct PendingRead<'u> {
     tokens: ReadTokens,
@@ -1625,6 +1630,17 @@ impl<'u> Unpacker<'u> {
         }
     }
 
+    /// Takes the next pack's record, from the message's records if it came whole, else from
+    /// the pipe (see [`Unpacker::take_pack`], [`Unpacker::take_whole_pack`]).
+    #[inline]
+    fn take_next(&mut self, buf: &mut [u8], asked: Modes) -> Result<Got> {
+        if self.rx.whole.is_some() {
+            self.take_whole_pack(buf, asked)
+        } else {
+            self.take_pack(buf, asked)
+        }
+    }
+
     /// Takes the next pack's record, checking it against the unpack's modes and length; an
     /// inline pack's first fragment is copied into `buf` straight from the pipe. If the
     /// message's `End` is next and already here, takes it too (one trip to the connection
@@ -1642,10 +1658,8 @@ impl<'u> Unpacker<'u> {
                 buf[..data.len()].copy_from_slice(data);
                 Ok(Got::Inline { copied: data.len(), last })
             }
-            Next::Rec(r @ Record::Rdv { modes, len, .. }, _) => {
-                this.check(modes, len, asked, buf.len())?;
-                Ok(Got::Other(r))
-            }
+            // Checked once taken (its id counts even if the unpack does not match).
+            Next::Rec(r @ Record::Rdv { .. }, _) => Ok(Got::Other(r)),
             Next::Rec(r @ Record::Bulk { modes, total }, _) => {
                 this.check(modes, total, asked, buf.len())?;
                 Ok(Got::Other(r))
@@ -1663,6 +1677,10 @@ impl<'u> Unpacker<'u> {
                         if matches!(got, Got::Inline { last: true, .. } | Got::Other(Record::Rdv { .. })) {
                             self.rx.end = io.end_follows().map_err(|b| conn.fail(&mut io, b))?;
                         }
+                        drop(io);
+                        if let Got::Other(r @ Record::Rdv { .. }) = got {
+                            return self.take_rdv(r, asked, buf.len());
+                        }
                         return Ok(got);
                     }
                     Err(back) => f = back,
@@ -1672,9 +1690,22 @@ impl<'u> Unpacker<'u> {
         }
     }
 
-    /// Unpacks the next pack of a message that came whole.
-    fn take_whole_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<()> {
+    /// A rendezvous record taken for an unpack of `len` bytes: counts its id (it must be the
+    /// one the sender issued next), then checks it against the unpack. A mismatch leaves the
+    /// id counted, so the sender is released at `end_unpacking` as for any pack left unread
+    /// and the connection goes on.
+    fn take_rdv(&mut self, r: Record, asked: Modes, len: usize) -> Result<Got> {
+        let Record::Rdv { modes, len: sent_len, id, .. } = r else { unreachable!("a rendezvous record") };
+        self.note_rdv(id)?;
+        self.check(modes, sent_len, asked, len)?;
+        Ok(Got::Other(r))
+    }
+
+    /// Takes the next pack of a message that came whole: an inline pack is copied into `buf`
+    /// (all of it), a rendezvous record is returned for its read.
+    fn take_whole_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<Got> {
         let mut w = self.rx.whole.expect("a whole message");
+        let whole_pack = Got::Inline { copied: buf.len(), last: true };
         if let Some(sent) = w.single {
             if w.taken == 1 {
                 return Err(self.mismatch("the sender packed 1 item, the receiver asked for more".into()));
@@ -1682,7 +1713,7 @@ impl<'u> Unpacker<'u> {
             self.rx.whole = Some(WholeMsg { taken: 1, ..w });
             self.check(sent, self.rx.body.len() as u64, asked, buf.len())?;
             copy_slice(buf, &self.rx.body);
-            return Ok(());
+            return Ok(whole_pack);
         }
         if w.at == self.rx.body.len() {
             let packs = w.packs;
@@ -1696,20 +1727,20 @@ impl<'u> Unpacker<'u> {
             self.rx.whole = Some(w);
         }
         let (rec, data, _) = decoded.map_err(|e| self.bad(&e.to_string()))?;
-        let Record::Inline { modes, len, last: true, total } = rec else {
-            return Err(self.bad("a whole message holds complete inline packs only"));
-        };
-        if len as u64 != total {
-            return Err(self.bad("a whole message holds complete inline packs only"));
+        match rec {
+            Record::Inline { modes, len, last: true, total } if len as u64 == total => {
+                self.check(modes, total, asked, buf.len())?;
+                copy_slice(buf, &self.rx.body[data]);
+                Ok(whole_pack)
+            }
+            Record::Rdv { .. } => self.take_rdv(rec, asked, buf.len()),
+            _ => Err(self.bad(WHOLE_HOLDS)),
         }
-        self.check(modes, total, asked, buf.len())?;
-        copy_slice(buf, &self.rx.body[data]);
-        Ok(())
     }
 
     /// The pack count of a message that came whole, checked against its records; counts the
-    /// packs nobody unpacked into `extra`.
-    fn whole_end(&self, w: &WholeMsg, extra: &mut u32) -> Result<u32> {
+    /// packs nobody unpacked into `extra`, and the rendezvous among them into `unread`.
+    fn whole_end(&self, w: &WholeMsg, extra: &mut u32, unread: &mut Vec<u32>) -> Result<u32> {
         if w.single.is_some() {
             *extra = 1 - w.taken;
             return Ok(1);
@@ -1718,8 +1749,10 @@ impl<'u> Unpacker<'u> {
         let body = &self.rx.body;
         while at < body.len() {
             let (rec, _, next) = wire::decode_one(body, at).map_err(|e| self.bad(&e.to_string()))?;
-            if !matches!(rec, Record::Inline { last: true, .. }) {
-                return Err(self.bad("a whole message holds complete inline packs only"));
+            match rec {
+                Record::Inline { last: true, len, total, .. } if len as u64 == total => {}
+                Record::Rdv { id, .. } => unread.push(id),
+                _ => return Err(self.bad(WHOLE_HOLDS)),
             }
             *extra += 1;
             at = next;
@@ -1841,13 +1874,12 @@ impl<'u> Unpacker<'u> {
     }
 
     fn unpack_into(&mut self, buf: &'u mut [u8], modes: Modes) -> Result<()> {
-        if modes.recv == RecvMode::Express || self.rx.whole.is_some() {
+        if modes.recv == RecvMode::Express {
             return self.unpack_now(buf, modes);
         }
         self.rx.unpacks += 1;
-        match self.take_pack(buf, modes)? {
-            Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
-                self.note_rdv(id)?;
+        match self.take_next(buf, modes)? {
+            Got::Other(Record::Rdv { addr, rkey, .. }) => {
                 let (tokens, reg) = self.start_read(buf, addr, rkey)?;
                 if !tokens.is_empty() {
                     self.pending.push(PendingRead { tokens, _reg: reg });
@@ -1863,12 +1895,8 @@ impl<'u> Unpacker<'u> {
 
     fn unpack_now(&mut self, buf: &mut [u8], modes: Modes) -> Result<()> {
         self.rx.unpacks += 1;
-        if self.rx.whole.is_some() {
-            return self.take_whole_pack(buf, modes);
-        }
-        match self.take_pack(buf, modes)? {
-            Got::Other(Record::Rdv { addr, rkey, id, .. }) => {
-                self.note_rdv(id)?;
+        match self.take_next(buf, modes)? {
+            Got::Other(Record::Rdv { addr, rkey, .. }) => {
                 let (tokens, reg) = self.start_read(buf, addr, rkey)?;
                 self.wait_reads(&tokens)?;
                 drop(reg);
@@ -1892,7 +1920,11 @@ impl<'u> Unpacker<'u> {
     /// zero-copy buffers now rather than at `end_unpacking` (a sender waiting for them, or
     /// streaming with a bounded number of pending sends, goes on that much sooner).
     fn release_if_last(&mut self) -> Result<()> {
-        if self.rx.end == Some(self.rx.unpacks) && self.pending.is_empty() {
+        let last = match self.rx.whole {
+            Some(w) => w.taken == w.packs,
+            None => self.rx.end == Some(self.rx.unpacks),
+        };
+        if last && self.pending.is_empty() {
             self.release()?;
         }
         Ok(())
@@ -2052,7 +2084,7 @@ impl<'u> Unpacker<'u> {
         let mut extra = 0u32;
         let mut unread = Vec::new();
         let packs = match (&self.rx.whole, self.rx.end) {
-            (Some(w), _) => self.whole_end(w, &mut extra)?,
+            (Some(w), _) => self.whole_end(w, &mut extra, &mut unread)?,
             (None, Some(packs)) => packs,
             (None, None) => self.find_end(&mut extra, &mut unread)?,
         };
@@ -2241,12 +2273,25 @@ mod tests {
                 1,
             ),
             (
-                "rendezvous-in-a-whole-message",
+                "bulk-in-a-whole-message",
+                encoded(&[(Record::Whole { seq: 0, packs: 1 }, &[]), (Record::Bulk { modes: EXPRESS, total: 8 }, &[])]),
+                1,
+            ),
+            (
+                "rendezvous-out-of-order-in-a-whole-message",
                 encoded(&[
                     (Record::Whole { seq: 0, packs: 1 }, &[]),
-                    (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 1, id: 0 }, &[]),
+                    (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 1, id: 3 }, &[]),
                 ]),
                 1,
+            ),
+            (
+                "unread-rendezvous-out-of-order-in-a-whole-message",
+                encoded(&[
+                    (Record::Whole { seq: 0, packs: 1 }, &[]),
+                    (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 1, id: 3 }, &[]),
+                ]),
+                0,
             ),
             (
                 "whole-message-pack-count-off",
@@ -2335,12 +2380,12 @@ mod tests {
 
     #[test]
     fn a_rendezvous_to_memory_the_peer_never_registered_fails_that_connection_only() {
-        let raw = encoded(&[
-            (Record::Begin { seq: 0 }, &[]),
-            (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 0xdead, id: 0 }, &[]),
-            (Record::End { packs: 1 }, &[]),
-        ]);
+        let rdv = Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 0xdead, id: 0 };
+        let raw = encoded(&[(Record::Begin { seq: 0 }, &[]), (rdv, &[]), (Record::End { packs: 1 }, &[])]);
         let e = malformed("unknown-buffer", raw, 1);
+        assert!(matches!(e, MadError::PeerLost { rank: 1, .. }), "{e}");
+        let raw = encoded(&[(Record::Whole { seq: 0, packs: 1 }, &[]), (rdv, &[])]);
+        let e = malformed("unknown-buffer-whole", raw, 1);
         assert!(matches!(e, MadError::PeerLost { rank: 1, .. }), "{e}");
     }
 }

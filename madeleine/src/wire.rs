@@ -7,7 +7,7 @@
 //! Rdv     modes len addr key id   a large pack: the receiver RDMA-reads it from the sender
 //! Bulk    modes total        a pack whose `total` bytes follow as bulk-lane chunks
 //! End     packs              the message had this many packs
-//! Whole   seq packs          a whole small message: Begin, its `packs` Inline records, no End
+//! Whole   seq packs          a whole message in one pipe message: Begin, its `packs` records, no End
 //! One     seq modes          a whole small message of one pack, its bytes after the header
 //! Bye                        the sender closed its end: nothing follows on this connection
 //! ```
@@ -19,8 +19,9 @@
 //! [`decode_in_chunk`]): there a `Bulk` record's data follows it in the same chunk (and in
 //! later chunks if longer), and records may follow the data (the message's `End`), so a
 //! message of bulk packs needs no pipe message at all.
-//! A `Whole` record owns the rest of its pipe message: its packs' records, each one complete
-//! (the path of small messages, which a receiver takes in one step). A `One` record is the
+//! A `Whole` record owns the rest of its pipe message: its packs' records, each a complete
+//! `Inline` record or an `Rdv` (the path of small messages, and of a message whose large packs
+//! go zero-copy, which a receiver takes out of the pipe in one step). A `One` record is the
 //! leanest of these, for the commonest message (a single small pack): an 8-byte header, the
 //! pack's bytes to the end of the pipe message, so that a message of up to 16 bytes fills the
 //! transport's first cache line with room to spare and the receiver decodes one record. Every
@@ -83,7 +84,7 @@ pub enum Record {
         packs: u32,
     },
     /// A whole message: the rest of the pipe message holds its packs, each a complete
-    /// `Inline` record.
+    /// `Inline` record or an `Rdv` record.
     Whole {
         /// Sequence number of the message on its connection.
         seq: u32,

@@ -272,6 +272,47 @@ fn an_unread_bulk_pack_is_a_mismatch_and_the_connection_survives() {
     });
 }
 
+/// A rendezvous pack unpacked with the wrong size or modes is a mismatch: the sender is
+/// released all the same (its `end_packing` returns) and the connection goes on. Both ways a
+/// rendezvous travels: whole (its record alone in the message) and after a flush (records
+/// taken one by one from the pipe).
+#[test]
+fn a_mismatched_rendezvous_pack_releases_the_sender_and_the_connection_survives() {
+    group(2, SMALL, |rank, ch| {
+        let big = pattern(5, 100_000);
+        for flushed in [false, true] {
+            for wrong_modes in [false, true] {
+                if rank == 0 {
+                    let mut p = ch.begin_packing(1).unwrap();
+                    if flushed {
+                        p.pack(&[7u8; 8], SendMode::Cheaper, RecvMode::Express).unwrap();
+                        p.flush().unwrap();
+                    }
+                    p.pack(&big, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                    p.end_packing().unwrap();
+                    send_sized(ch, &big);
+                } else {
+                    let mut u = ch.begin_unpacking().unwrap();
+                    if flushed {
+                        let mut h = [0u8; 8];
+                        u.unpack_express(&mut h, SendMode::Cheaper).unwrap();
+                    }
+                    let e = if wrong_modes {
+                        let mut b = vec![0u8; big.len()];
+                        u.unpack_express(&mut b, SendMode::Cheaper).unwrap_err()
+                    } else {
+                        let mut b = vec![0u8; big.len() - 1];
+                        u.unpack_express(&mut b, SendMode::Cheaper).unwrap_err()
+                    };
+                    assert!(matches!(e, MadError::Mismatch { .. }), "{e}");
+                    drop(u);
+                    assert_eq!(recv_sized(ch), big, "flushed {flushed}, wrong modes {wrong_modes}");
+                }
+            }
+        }
+    });
+}
+
 /// Without a configured threshold each connection probes its transport at set-up (between
 /// threads of one process an RDMA read is a plain copy, so zero-copy usually pays from some
 /// size on; in a debug build or between processes, copying through the bulk lane may win at
