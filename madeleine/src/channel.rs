@@ -1570,6 +1570,13 @@ enum Got {
 /// Why a whole message is malformed.
 const WHOLE_HOLDS: &str = "a whole message holds complete inline packs and rendezvous only";
 
+/// Why waiting for zero-copy reads failed.
+struct ReadsFailed {
+    error: MadError,
+    /// Every read completed (in error or not): none writes into its buffer any more.
+    settled: bool,
+}
+
 /// A zero-copy read in flight (RECEIVE_CHEAPER), kept until `end_unpacking`.
 struct PendingRead<'u> {
     tokens: ReadTokens,
@@ -1579,6 +1586,10 @@ struct PendingRead<'u> {
 /// The posted requests of one zero-copy read still to complete (none where the provider
 /// carried it out at post; one but for reads over 1 GiB).
 type ReadTokens = SmallVec<[u64; 1]>;
+
+/// Bytes of one read request: a rendezvous pack larger than this is read in several (an SGE
+/// carries at most 2^31 bytes; smaller in tests, to reach the multi-request path).
+const READ_CHUNK: usize = if cfg!(test) { 4096 } else { 1 << 30 };
 
 /// A message being unpacked. Buffers unpacked `RecvMode::Cheaper` stay borrowed until
 /// [`Unpacker::end_unpacking`].
@@ -1898,7 +1909,12 @@ impl<'u> Unpacker<'u> {
         match self.take_next(buf, modes)? {
             Got::Other(Record::Rdv { addr, rkey, .. }) => {
                 let (tokens, reg) = self.start_read(buf, addr, rkey)?;
-                self.wait_reads(&tokens)?;
+                if let Err(f) = self.wait_reads(&tokens) {
+                    if !f.settled {
+                        std::mem::forget(reg);
+                    }
+                    return Err(f.error);
+                }
                 drop(reg);
                 self.release_if_last()
             }
@@ -2011,20 +2027,45 @@ impl<'u> Unpacker<'u> {
         let mut tokens = ReadTokens::new();
         let mut io = self.conn.io();
         let mut remote = addr;
-        for c in buf.chunks(1 << 30) {
+        for c in buf.chunks(READ_CHUNK) {
             let s = Sge { addr: c.as_ptr() as u64, length: c.len() as u32, lkey: reg.lkey() };
-            let posted = io.pipe.post_user_completing(SendWr::read(0, &[s], remote, rkey));
-            tokens.extend(posted.map_err(|e| self.conn.lost(e))?);
+            match io.pipe.post_user_completing(SendWr::read(0, &[s], remote, rkey)) {
+                Ok(t) => tokens.extend(t),
+                Err(e) => {
+                    drop(io);
+                    // Requests posted before may still be writing into `buf`: the registration
+                    // must outlive them (kept for good if they cannot be seen completing).
+                    if let Err(ReadsFailed { settled: false, .. }) = self.wait_reads(&tokens) {
+                        std::mem::forget(reg);
+                    }
+                    return Err(self.conn.lost(e));
+                }
+            }
             remote += s.length as u64;
         }
         Ok((tokens, reg))
     }
 
-    fn wait_reads(&self, tokens: &[u64]) -> Result<()> {
-        tokens.iter().try_for_each(|&t| self.wait_read(t))
+    /// Waits for every read behind `tokens`, even past a failed one: a read that has not
+    /// completed may still write into its buffer, whose registration must outlive it. The
+    /// first failure is returned once all completed, or at once if one cannot be seen
+    /// completing (`settled: false`, after the timeout: keep the registration for good).
+    fn wait_reads(&self, tokens: &[u64]) -> std::result::Result<(), ReadsFailed> {
+        let mut first = None;
+        for &t in tokens {
+            match self.wait_read(t) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => first = first.or(Some(e)),
+                Err(e) => return Err(ReadsFailed { error: first.unwrap_or(e), settled: false }),
+            }
+        }
+        first.map_or(Ok(()), |error| Err(ReadsFailed { error, settled: true }))
     }
 
-    fn wait_read(&self, token: u64) -> Result<()> {
+    /// Waits until the read behind `token` completed: `Ok` with its outcome, `Err` if it was
+    /// not seen completing within the timeout. Completions are polled even once the pipe
+    /// failed (its queue pair then flushes every request).
+    fn wait_read(&self, token: u64) -> Result<Result<()>> {
         let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for a zero-copy read");
         let mut polls = 0u32;
         loop {
@@ -2036,11 +2077,15 @@ impl<'u> Unpacker<'u> {
                 if polls.is_multiple_of(16) {
                     let _ = io.pipe.progress();
                 }
-                match io.pipe.poll_user_completion(token) {
-                    Ok(Some(WcStatus::Success)) => return Ok(()),
-                    Ok(Some(st)) => return Err(self.conn.lost(format!("zero-copy read failed: {st:?}"))),
-                    Ok(None) => {}
-                    Err(e) => return Err(self.conn.lost(e)),
+                match io.pipe.settle_user(token) {
+                    Some(WcStatus::Success) => return Ok(Ok(())),
+                    // A read flushed by the pipe's failure: the failure says why.
+                    Some(st) => {
+                        let why =
+                            io.pipe.failure().map_or_else(|| format!("zero-copy read failed: {st:?}"), str::to_owned);
+                        return Ok(Err(self.conn.lost(why)));
+                    }
+                    None => {}
                 }
             }
             w.pause_on(&[self.conn])?;
@@ -2071,12 +2116,21 @@ impl<'u> Unpacker<'u> {
             return Ok(());
         }
         self.rx.finished = true;
+        // Every read is waited for even past a failed one (each keeps its registration until
+        // it completed); one not seen completing keeps it for good, and so do the reads after
+        // it, not waited for (the pipe is stuck: each would wait out the timeout again).
         let mut result = Ok(());
-        let pending = std::mem::take(&mut self.pending);
-        for p in pending {
-            if let Err(e) = self.wait_reads(&p.tokens) {
-                result = Err(e);
-                break;
+        let mut pending = std::mem::take(&mut self.pending).into_iter();
+        while let Some(p) = pending.next() {
+            match self.wait_reads(&p.tokens) {
+                Ok(()) => {}
+                Err(ReadsFailed { error, settled: true }) => result = result.and(Err(error)),
+                Err(ReadsFailed { error, settled: false }) => {
+                    std::mem::forget(p);
+                    pending.for_each(std::mem::forget);
+                    result = result.and(Err(error));
+                    break;
+                }
             }
         }
         result?;
@@ -2374,6 +2428,49 @@ mod tests {
                 u.unpack_express(&mut b, SendMode::Safer).unwrap();
                 u.end_unpacking().unwrap();
                 assert_eq!(b, [1, 2, 3, 4]);
+            }
+        });
+    }
+
+    /// A rendezvous pack longer than one read request is read in several (`READ_CHUNK`, 4 KiB
+    /// in unit tests), each from its own part of the sender's buffer; one to memory the sender
+    /// never registered fails at its first request, and the later ones are not posted.
+    #[test]
+    fn rendezvous_packs_are_read_in_requests_of_read_chunk_bytes() {
+        let len = 5 * READ_CHUNK / 2;
+        let body: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+        let cheaper = Modes { send: SendMode::Cheaper, recv: RecvMode::Cheaper };
+        trio("read-chunks", |rank, ch| match rank {
+            1 => {
+                for route in [Route::Rendezvous, Route::Rendezvous] {
+                    let mut p = ch.begin_packing(0).unwrap();
+                    p.tx.packs += 1;
+                    p.emit_by(&body, cheaper, route).unwrap();
+                    p.end_packing().unwrap();
+                }
+            }
+            0 => {
+                for _ in 0..2 {
+                    let mut got = vec![0u8; len];
+                    let mut u = ch.begin_unpacking_from(1).unwrap();
+                    u.unpack(&mut got, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                    u.end_unpacking().unwrap();
+                    assert!(got == body, "a chunked read differs");
+                }
+                let mut got = vec![0u8; len];
+                let r = (|| {
+                    let mut u = ch.begin_unpacking_from(2)?;
+                    u.unpack(&mut got, SendMode::Cheaper, RecvMode::Cheaper)?;
+                    u.end_unpacking()
+                })();
+                assert!(matches!(r, Err(MadError::PeerLost { rank: 2, .. })), "{r:?}");
+                // Every request of the failed read was waited for, not only the first.
+                assert_eq!(ch.conn(2).unwrap().io().pipe.user_unsettled(), 0);
+            }
+            _ => {
+                let rdv = Record::Rdv { modes: cheaper, len: len as u64, addr: 0x10000, rkey: 0xdead, id: 0 };
+                let raw = encoded(&[(Record::Whole { seq: 0, packs: 1 }, &[]), (rdv, &[])]);
+                ch.conn(0).unwrap().send_msg(&raw, Duration::from_secs(10)).unwrap();
             }
         });
     }

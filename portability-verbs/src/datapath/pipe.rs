@@ -1842,6 +1842,27 @@ impl MsgPipe {
         }
     }
 
+    /// Requests of the caller's ([`MsgPipe::post_user`]) not settled yet: in flight, or
+    /// completed with their status not taken.
+    pub fn user_unsettled(&self) -> usize {
+        self.user_in_flight + self.user_done.len()
+    }
+
+    /// The status of a request posted with [`MsgPipe::post_user`] once it completed, polling
+    /// the completion queue even after the pipe failed (where [`MsgPipe::poll_user_completion`]
+    /// reports the failure): for a caller that must know its request no longer uses its memory
+    /// before it lets the memory go. A failed pipe's queue pair is in error, so every request
+    /// of it completes (flushed) soon.
+    pub fn settle_user(&mut self, token: u64) -> Option<WcStatus> {
+        if let Some(st) = self.take_user_completion(token) {
+            return Some(st);
+        }
+        if let Err(e) = self.poll_completions() {
+            self.fail(e);
+        }
+        self.take_user_completion(token)
+    }
+
     /// The status of a request posted with [`MsgPipe::post_user`], once it completed.
     pub fn take_user_completion(&mut self, token: u64) -> Option<WcStatus> {
         self.user_done.remove(&token)
@@ -2562,6 +2583,39 @@ mod tests {
         // The same frame unforged is a message.
         let (mut p, _qb, _cb, _mr) = send(|_| {});
         assert_eq!(p.recv(T).unwrap(), b"abc");
+    }
+
+    /// A request of the caller's that completed unseen before the pipe failed is still
+    /// reported by `settle_user` (the caller may then let its memory go), where
+    /// `poll_user_completion` reports the pipe's failure.
+    #[test]
+    fn a_request_is_settled_after_the_pipe_failed() {
+        let (mut p, qb, _cb, mr) = raw_peer(FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 });
+        mr.write(6000, b"settled");
+        let src = mr.sge(6000, 7);
+        let token = p.post_user(SendWr::read(0, &[mr.sge(7000, 7)], src.addr, mr.rkey())).unwrap();
+        // The peer breaks the protocol: a frame holding a record of an unknown kind.
+        let (addr, rkey) = ring_of(&mr);
+        let mut frame = vec![0u8; 64];
+        let rec = Record { kind: RecordKind::Data, credits: 0, len: 0, ack: 0 };
+        let n = fc::encode_frame(0, &[&rec.encode()], &mut frame).len();
+        frame[8] = 9;
+        let word: [u8; 8] = frame[..8].try_into().unwrap();
+        frame[n - 8..n].copy_from_slice(&word);
+        mr.write(0, &frame[..n]);
+        qb.post_send(&[SendWr::write(9, &[mr.sge(0, n)], addr, rkey)]).unwrap();
+        let e = until_error(&mut p);
+        assert!(matches!(e, VerbsError::Protocol(_)), "{e}");
+        // The read's completion is still in the queue: the failure came first.
+        assert!(p.poll_user_completion(token).is_err(), "a failed pipe reports its failure");
+        let deadline = Instant::now() + T;
+        let st = loop {
+            if let Some(st) = p.settle_user(token) {
+                break st;
+            }
+            assert!(Instant::now() < deadline, "never settled");
+        };
+        assert!(matches!(st, WcStatus::Success | WcStatus::WrFlushErr), "{st:?}");
     }
 
     /// On the software provider a polled pipe stores its frames into the peer's ring through a
