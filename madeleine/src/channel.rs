@@ -1098,7 +1098,9 @@ impl<'p> Packer<'p> {
     /// else by the bulk lane if it is more than fits one pipe message, else inline.
     fn route(&mut self, len: usize) -> Route {
         let large = len >= AdaptiveCrossover::MIN_PACK.min(self.conn.threshold);
-        if large && self.tx.crossover.zero_copy(len, std::time::Instant::now()) {
+        // (Packs from the probed threshold on always go zero-copy: no clock read for them.)
+        let crossover = &mut self.tx.crossover;
+        if large && (len >= crossover.probed() || crossover.zero_copy(len, std::time::Instant::now())) {
             Route::Rendezvous
         } else if self.conn.bulk_chunk > 0 && len > self.conn.max_msg - 3 * wire::HEADER {
             Route::Bulk
