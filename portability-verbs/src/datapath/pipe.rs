@@ -2545,6 +2545,23 @@ mod tests {
         (v(2), v(3) as u32)
     }
 
+    /// Writes into a polled pipe's ring, from its raw peer, a frame of one 3-byte message
+    /// `forge`d, its closing word copied from the opening one.
+    fn send_forged_frame(qb: &QueuePair, mr: &MemoryRegion, forge: fn(&mut Vec<u8>)) {
+        let (addr, rkey) = ring_of(mr);
+        let rec = Record { kind: RecordKind::Data, credits: 0, len: 3, ack: 0 };
+        let mut body = rec.encode().to_vec();
+        body.extend_from_slice(b"abc");
+        let mut frame = vec![0u8; 64];
+        let n = fc::encode_frame(0, &[&body], &mut frame).len();
+        frame.truncate(n);
+        forge(&mut frame);
+        let word: [u8; 8] = frame[..8].try_into().unwrap();
+        frame[n - 8..].copy_from_slice(&word);
+        mr.write(0, &frame);
+        qb.post_send(&[SendWr::write(9, &[mr.sge(0, n)], addr, rkey)]).unwrap();
+    }
+
     #[test]
     fn malformed_polled_frames_fail_the_pipe() {
         let s = FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 };
@@ -2557,22 +2574,9 @@ mod tests {
             ("an unknown record kind", |f| f[8] = 9),
             ("a credit record", |f| f[8] = 2),
         ];
-        // A frame of one 3-byte message, `forge`d, its closing word copied from the opening one,
-        // written into the pipe's ring by a raw peer.
         let send = |forge: Forge| {
             let (p, qb, cb, mr) = raw_peer(s);
-            let (addr, rkey) = ring_of(&mr);
-            let rec = Record { kind: RecordKind::Data, credits: 0, len: 3, ack: 0 };
-            let mut body = rec.encode().to_vec();
-            body.extend_from_slice(b"abc");
-            let mut frame = vec![0u8; 64];
-            let n = fc::encode_frame(0, &[&body], &mut frame).len();
-            frame.truncate(n);
-            forge(&mut frame);
-            let word: [u8; 8] = frame[..8].try_into().unwrap();
-            frame[n - 8..].copy_from_slice(&word);
-            mr.write(0, &frame);
-            qb.post_send(&[SendWr::write(9, &[mr.sge(0, n)], addr, rkey)]).unwrap();
+            send_forged_frame(&qb, &mr, forge);
             (p, qb, cb, mr)
         };
         for (what, forge) in forgeries {
@@ -2594,16 +2598,8 @@ mod tests {
         mr.write(6000, b"settled");
         let src = mr.sge(6000, 7);
         let token = p.post_user(SendWr::read(0, &[mr.sge(7000, 7)], src.addr, mr.rkey())).unwrap();
-        // The peer breaks the protocol: a frame holding a record of an unknown kind.
-        let (addr, rkey) = ring_of(&mr);
-        let mut frame = vec![0u8; 64];
-        let rec = Record { kind: RecordKind::Data, credits: 0, len: 0, ack: 0 };
-        let n = fc::encode_frame(0, &[&rec.encode()], &mut frame).len();
-        frame[8] = 9;
-        let word: [u8; 8] = frame[..8].try_into().unwrap();
-        frame[n - 8..n].copy_from_slice(&word);
-        mr.write(0, &frame[..n]);
-        qb.post_send(&[SendWr::write(9, &[mr.sge(0, n)], addr, rkey)]).unwrap();
+        // The peer breaks the protocol: a record of an unknown kind.
+        send_forged_frame(&qb, &mr, |f| f[8] = 9);
         let e = until_error(&mut p);
         assert!(matches!(e, VerbsError::Protocol(_)), "{e}");
         // The read's completion is still in the queue: the failure came first.
