@@ -11,7 +11,7 @@ use portability_verbs::{cm, AccessFlags, CompletionQueue, SendWr, Sge, WcStatus}
 use smallvec::SmallVec;
 
 use crate::session::SessionInner;
-use crate::wait::Waiter;
+use crate::wait::{Patience, Waiter};
 use crate::wire::{self, Modes, Record};
 use crate::{MadError, RecvMode, Result, SendMode};
 
@@ -343,16 +343,16 @@ impl<T> Token<T> {
 
     /// Claims, yielding (coroutines) or spinning then napping (threads) while another holds it.
     #[inline]
-    fn claim(&self, timeout: std::time::Duration) -> Result<Claim<'_, T>> {
+    fn claim(&self, p: Patience) -> Result<Claim<'_, T>> {
         match self.try_claim() {
             Some(c) => Ok(c),
-            None => self.claim_slow(timeout),
+            None => self.claim_slow(p),
         }
     }
 
     #[inline(never)]
-    fn claim_slow(&self, timeout: std::time::Duration) -> Result<Claim<'_, T>> {
-        let mut w = Waiter::new(timeout, "waiting for a connection held by another sender or receiver");
+    fn claim_slow(&self, p: Patience) -> Result<Claim<'_, T>> {
+        let mut w = Waiter::new(p, "waiting for a connection held by another sender or receiver");
         loop {
             if let Some(c) = self.try_claim() {
                 return Ok(c);
@@ -619,8 +619,8 @@ impl Conn {
     }
 
     /// Waits until the pipe requests behind `tokens` (bulk chunks of ours) completed.
-    fn wait_tokens(&self, tokens: &mut Vec<u64>, timeout: std::time::Duration) -> Result<()> {
-        let mut w = Waiter::new(timeout, "waiting for bulk data to leave");
+    fn wait_tokens(&self, tokens: &mut Vec<u64>, p: Patience) -> Result<()> {
+        let mut w = Waiter::new(p, "waiting for bulk data to leave");
         while !tokens.is_empty() {
             {
                 let mut io = self.io();
@@ -652,7 +652,7 @@ impl Conn {
     /// sender may stop progressing this connection afterwards), draining what arrives meanwhile
     /// so two ends sending at once never block each other.
     #[inline]
-    fn send_msg(&self, msg: &[u8], timeout: std::time::Duration) -> Result<()> {
+    fn send_msg(&self, msg: &[u8], p: Patience) -> Result<()> {
         let mut io = self.io();
         let mut accepted = false;
         if io.failed.is_none() && !io.closed {
@@ -670,13 +670,13 @@ impl Conn {
             }
         }
         drop(io);
-        self.send_msg_waiting(msg, timeout, accepted)
+        self.send_msg_waiting(msg, p, accepted)
     }
 
     /// [`Conn::send_msg`] once the message could not leave at once (`accepted`: the pipe took
     /// it already).
     #[inline(never)]
-    fn send_msg_waiting(&self, msg: &[u8], timeout: std::time::Duration, mut accepted: bool) -> Result<()> {
+    fn send_msg_waiting(&self, msg: &[u8], p: Patience, mut accepted: bool) -> Result<()> {
         let mut w = None;
         loop {
             {
@@ -694,7 +694,7 @@ impl Conn {
                 // Received data frees our peer's send window only once taken out of the pipe.
                 let _ = self.pump(&mut io);
             }
-            w.get_or_insert_with(|| Waiter::new(timeout, "sending a message")).pause()?;
+            w.get_or_insert_with(|| Waiter::new(p, "sending a message")).pause()?;
         }
     }
 }
@@ -745,7 +745,7 @@ impl Channel {
     #[inline]
     pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
         let conn = self.conn(dest)?;
-        let mut tx = conn.send_side.claim(self.session.cfg.timeout)?;
+        let mut tx = conn.send_side.claim(self.session.cfg.patience())?;
         let SendSide { seq, agg, packs, flushed, finished, .. } = &mut *tx;
         (*packs, *flushed, *finished) = (0, false, false);
         agg.clear();
@@ -784,7 +784,7 @@ impl Channel {
     /// Takes the next message from any sender (each caller gets a different message; messages
     /// of one sender arrive in order).
     pub fn begin_unpacking(&self) -> Result<Unpacker<'_>> {
-        let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
+        let mut w = Waiter::new(self.session.cfg.patience(), "waiting for a message");
         let conns: SmallVec<[&Conn; 8]> = self.conns.iter().flatten().map(|c| &**c).collect();
         loop {
             if let Some(u) = self.try_begin_unpacking()? {
@@ -832,9 +832,9 @@ impl Channel {
         let conn = self.conn(source)?;
         // Claimed once for the whole wait: whoever else wants this source's next message
         // would wait behind us anyway.
-        let mut rx = conn.recv_side.claim(self.session.cfg.timeout)?;
+        let mut rx = conn.recv_side.claim(self.session.cfg.patience())?;
         if !self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
-            let mut w = Waiter::new(self.session.cfg.timeout, "waiting for a message");
+            let mut w = Waiter::new(self.session.cfg.patience(), "waiting for a message");
             loop {
                 w.pause_on(&[conn])?;
                 if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
@@ -1084,7 +1084,7 @@ impl<'p> Packer<'p> {
                 // and dropping the registration.
                 let (_reg, mut tokens, took) = unsafe { self.send_bulk(buf, modes, false) }?;
                 let waiting = (!took.is_zero()).then(std::time::Instant::now);
-                self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
+                self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.patience())?;
                 if let Some(t) = waiting {
                     self.timed_copy(buf.len(), took + t.elapsed());
                 }
@@ -1181,7 +1181,7 @@ impl<'p> Packer<'p> {
         let started = (buf.len() >= AdaptiveCrossover::MIN_PACK).then(std::time::Instant::now);
         let streaming = self.tx.crossover.stores() == Stores::Streaming;
         let mut tokens = Vec::with_capacity(buf.len().div_ceil(max) + 1);
-        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for room in the peer's bulk ring");
+        let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for room in the peer's bulk ring");
         let (mut off, mut head, mut tail_sent) = (0, head, false);
         while off < buf.len() || !tail_sent {
             let n = (max - head.len()).min(buf.len() - off);
@@ -1292,7 +1292,7 @@ impl<'p> Packer<'p> {
             return Ok(());
         }
         self.tx.flushed = true;
-        self.conn.send_msg(&self.tx.agg, self.ch.session.cfg.timeout)?;
+        self.conn.send_msg(&self.tx.agg, self.ch.session.cfg.patience())?;
         self.tx.agg.clear();
         Ok(())
     }
@@ -1350,7 +1350,7 @@ impl<'p> Packer<'p> {
         let one = Record::one_header(self.tx.seq, self.tx.inline_modes);
         self.tx.agg[at..2 * wire::HEADER].copy_from_slice(&one);
         self.tx.flushed = true;
-        self.conn.send_msg(&self.tx.agg[at..], self.ch.session.cfg.timeout)?;
+        self.conn.send_msg(&self.tx.agg[at..], self.ch.session.cfg.patience())?;
         self.tx.agg.clear();
         Ok(())
     }
@@ -1397,7 +1397,7 @@ impl<'p> Packer<'p> {
             .unwrap_or_default();
         if !tokens.is_empty() {
             let waiting = std::time::Instant::now();
-            self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.timeout)?;
+            self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.patience())?;
             if timed.0 > 0 {
                 self.timed_copy(timed.0, timed.1 + waiting.elapsed());
             }
@@ -1406,8 +1406,8 @@ impl<'p> Packer<'p> {
             more.bulk_regs.clear();
         }
         if wait_reads && self.has_rdv() {
-            let (conn, timeout) = (self.conn, self.ch.session.cfg.timeout);
-            conn.wait_released(&mut self.rdv, timeout)?;
+            let (conn, patience) = (self.conn, self.ch.session.cfg.patience());
+            conn.wait_released(&mut self.rdv, patience)?;
         }
         self.tx.seq = self.tx.seq.wrapping_add(1);
         Ok(())
@@ -1440,8 +1440,8 @@ impl Conn {
     }
 
     /// Waits until the receiver has read every zero-copy pack in `rdv`.
-    fn wait_released(&self, rdv: &mut Held1<'_>, timeout: std::time::Duration) -> Result<()> {
-        let mut w = Waiter::new(timeout, "waiting for the receiver to read zero-copy packs");
+    fn wait_released(&self, rdv: &mut Held1<'_>, p: Patience) -> Result<()> {
+        let mut w = Waiter::new(p, "waiting for the receiver to read zero-copy packs");
         loop {
             self.take_released(rdv)?;
             if rdv.is_empty() {
@@ -1519,7 +1519,7 @@ impl PendingSend<'_> {
         if self.rdv.is_empty() {
             return Ok(());
         }
-        self.conn.wait_released(&mut self.rdv, self.ch.session.cfg.timeout).inspect_err(|_| self.abandon())
+        self.conn.wait_released(&mut self.rdv, self.ch.session.cfg.patience()).inspect_err(|_| self.abandon())
     }
 
     /// After a failure: keeps the registrations for good rather than let memory the receiver
@@ -1632,7 +1632,7 @@ impl<'u> Unpacker<'u> {
     /// pipe may be drained past bulk data, which only `end_unpacking` skipping unread packs
     /// wants).
     fn next_record_with<R>(&self, how: Pump, f: impl FnOnce(Next<'_>) -> R) -> Result<R> {
-        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for message data");
+        let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for message data");
         let mut f = f;
         loop {
             match self.conn.next_with(&mut self.conn.io(), how, f)? {
@@ -1662,7 +1662,7 @@ impl<'u> Unpacker<'u> {
         if let Some(packs) = self.rx.end {
             return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
         }
-        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for message data");
+        let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for message data");
         let this = &*self;
         let mut f = |n: Next<'_>| match n {
             Next::Rec(Record::Inline { modes, total, last, .. }, data) => {
@@ -1780,7 +1780,7 @@ impl<'u> Unpacker<'u> {
     /// a drain took out of it first.
     fn read_bulk(&mut self, buf: &mut [u8]) -> Result<()> {
         let mut off = 0;
-        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for bulk data");
+        let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for bulk data");
         while off < buf.len() {
             let mut progressed = false;
             {
@@ -2068,7 +2068,7 @@ impl<'u> Unpacker<'u> {
     /// not seen completing within the timeout. Completions are polled even once the pipe
     /// failed (its queue pair then flushes every request).
     fn wait_read(&self, token: u64) -> Result<Result<()>> {
-        let mut w = Waiter::new(self.ch.session.cfg.timeout, "waiting for a zero-copy read");
+        let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for a zero-copy read");
         let mut polls = 0u32;
         loop {
             polls = polls.wrapping_add(1);
@@ -2279,7 +2279,7 @@ mod tests {
                 u.end_unpacking().unwrap();
                 assert_eq!(b, [1, 2, 3, 4]);
             }
-            1 => ch.conn(0).unwrap().send_msg(&raw, Duration::from_secs(10)).unwrap(),
+            1 => ch.conn(0).unwrap().send_msg(&raw, ch.session.cfg.patience()).unwrap(),
             _ => {
                 let mut p = ch.begin_packing(0).unwrap();
                 p.pack_safer(&[1, 2, 3, 4], RecvMode::Express).unwrap();
@@ -2472,7 +2472,7 @@ mod tests {
             _ => {
                 let rdv = Record::Rdv { modes: cheaper, len: len as u64, addr: 0x10000, rkey: 0xdead, id: 0 };
                 let raw = encoded(&[(Record::Whole { seq: 0, packs: 1 }, &[]), (rdv, &[])]);
-                ch.conn(0).unwrap().send_msg(&raw, Duration::from_secs(10)).unwrap();
+                ch.conn(0).unwrap().send_msg(&raw, ch.session.cfg.patience()).unwrap();
             }
         });
     }

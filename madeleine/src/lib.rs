@@ -29,7 +29,8 @@
 //! or pack counts are detected and reported as [`MadError::Mismatch`].
 //!
 //! Blocking waits yield to the `may` scheduler inside a coroutine, and spin then sleep on an OS
-//! thread. The library never calls `may::config()` and never requires coroutines.
+//! thread, for [`SessionConfig::spin`] (200 us by default; zero sleeps at once, `Duration::MAX`
+//! never sleeps). The library never calls `may::config()` and never requires coroutines.
 
 mod channel;
 mod probe;

@@ -5,8 +5,10 @@
 //! sleeps it tells each connection's pipe (a polled pipe's peer then raises a completion for
 //! its next message, which would otherwise raise none).
 //!
-//! The clock is read only every 64 polls while spinning: a wait that ends quickly (the common
-//! case, and the one latency depends on) never pays for it.
+//! The spin phase is the session's [`crate::SessionConfig::spin`]: zero sleeps at once (an
+//! oversubscribed node), `Duration::MAX` never sleeps (a core per waiting thread, the lowest
+//! latency). The clock is read only every 64 polls while spinning: a wait that ends quickly
+//! (the common case, and the one latency depends on) never pays for it.
 
 use std::time::{Duration, Instant};
 
@@ -16,8 +18,9 @@ use smallvec::SmallVec;
 use crate::channel::Conn;
 use crate::{MadError, Result};
 
-/// Spin phase before sleeping, unless `MAD_SPIN_US` says otherwise.
-const DEFAULT_SPIN: Duration = Duration::from_micros(200);
+/// Spin phase before sleeping by default: several times what waking a sleeping thread costs
+/// here (about 30 us), so a message that comes soon never pays for a wake-up.
+pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 /// Polls between clock reads while spinning.
 const CHECK_EVERY: u32 = 64;
 /// Longest sleep on completion queues: bounds what a wake-up taken by another thread sleeping
@@ -27,13 +30,19 @@ const SLEEP_SLICE: Duration = Duration::from_millis(2);
 /// RDMA write).
 const NAP: Duration = Duration::from_micros(20);
 
+/// How long a blocking call may wait, and how long it spins before it sleeps (from the
+/// session's configuration).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Patience {
+    pub timeout: Duration,
+    pub spin: Duration,
+}
+
 /// One blocking wait.
 pub(crate) struct Waiter {
     /// Set at the first clock read.
     start: Option<Instant>,
     timeout: Duration,
-    /// The spin phase, looked up at the first clock read (a wait that ends before it never
-    /// pays for the lookup).
     spin: Duration,
     what: &'static str,
     polls: u32,
@@ -43,21 +52,12 @@ pub(crate) struct Waiter {
     in_coroutine: Option<bool>,
 }
 
-fn spin_time() -> Duration {
-    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| {
-        std::env::var("MAD_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map(Duration::from_micros)
-            .unwrap_or(DEFAULT_SPIN)
-    })
-}
-
 impl Waiter {
     #[inline]
-    pub fn new(timeout: Duration, what: &'static str) -> Waiter {
-        Waiter { start: None, timeout, spin: Duration::ZERO, what, polls: 0, sleeping: false, in_coroutine: None }
+    pub fn new(p: Patience, what: &'static str) -> Waiter {
+        // No spin phase: sleep from the first pause.
+        let sleeping = p.spin.is_zero();
+        Waiter { start: None, timeout: p.timeout, spin: p.spin, what, polls: 0, sleeping, in_coroutine: None }
     }
 
     /// Called when a poll found nothing and no completion will say when to look again:
@@ -74,15 +74,12 @@ impl Waiter {
         let mut left = self.timeout;
         if self.sleeping || self.polls.is_multiple_of(CHECK_EVERY) {
             let now = Instant::now();
-            if self.start.is_none() {
-                self.spin = spin_time();
-            }
             let waited = now - *self.start.get_or_insert(now);
             if waited > self.timeout {
                 return Err(MadError::Timeout(format!("{} ({:?})", self.what, self.timeout)));
             }
             left = self.timeout - waited;
-            self.sleeping = waited > self.spin;
+            self.sleeping = waited >= self.spin;
         }
         if *self.in_coroutine.get_or_insert_with(may::coroutine::is_coroutine) {
             // Yielding alone can starve coroutines queued behind two waiters that keep yielding
@@ -112,5 +109,55 @@ impl Waiter {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiter(spin: Duration) -> Waiter {
+        Waiter::new(Patience { timeout: Duration::from_secs(10), spin }, "a test")
+    }
+
+    #[test]
+    fn no_spin_phase_sleeps_from_the_first_pause() {
+        let mut w = waiter(Duration::ZERO);
+        assert!(w.sleeping);
+        w.pause().unwrap();
+        assert!(w.sleeping);
+    }
+
+    #[test]
+    fn an_endless_spin_phase_never_sleeps_and_still_times_out() {
+        let mut w = waiter(Duration::MAX);
+        for _ in 0..10 * CHECK_EVERY {
+            w.pause().unwrap();
+        }
+        assert!(!w.sleeping);
+        let mut w = Waiter::new(Patience { timeout: Duration::from_millis(20), spin: Duration::MAX }, "a test");
+        let t = Instant::now();
+        let e = loop {
+            if let Err(e) = w.pause() {
+                break e;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "no timeout");
+        };
+        assert!(matches!(e, MadError::Timeout(_)), "{e}");
+        assert!(!w.sleeping);
+    }
+
+    #[test]
+    fn a_spin_phase_spins_then_sleeps() {
+        let mut w = waiter(Duration::from_millis(5));
+        for _ in 0..CHECK_EVERY {
+            w.pause().unwrap();
+        }
+        assert!(!w.sleeping, "asleep before the spin phase ended");
+        std::thread::sleep(Duration::from_millis(10));
+        for _ in 0..CHECK_EVERY {
+            w.pause().unwrap();
+        }
+        assert!(w.sleeping, "still spinning after the spin phase");
     }
 }

@@ -35,6 +35,8 @@ where
 thread_local! {
     /// The flow strategy of the groups this test thread makes (None: the default).
     static FLOW: std::cell::Cell<Option<FlowStrategy>> = const { std::cell::Cell::new(None) };
+    /// The spin phase of the groups this test thread makes (None: the default).
+    static SPIN: std::cell::Cell<Option<Duration>> = const { std::cell::Cell::new(None) };
 }
 
 /// Runs `f` with groups whose pipes use `strategy`.
@@ -49,7 +51,7 @@ fn group_cfg<F>(n: usize, barrier: bool, set: impl Fn(&mut SessionConfig) + Sync
 where
     F: Fn(usize, &Channel) + Sync,
 {
-    let flow = FLOW.get();
+    let (flow, spin) = (FLOW.get(), SPIN.get());
     let dir =
         std::env::temp_dir().join(format!("mad-test-{}-{}", std::process::id(), GROUP.fetch_add(1, Ordering::Relaxed)));
     std::thread::scope(|s| {
@@ -60,6 +62,9 @@ where
                     let mut cfg = SessionConfig::new(rank, n, dir);
                     if let Some(s) = flow {
                         cfg.strategy = s;
+                    }
+                    if let Some(s) = spin {
+                        cfg.spin = s;
                     }
                     set(&mut cfg);
                     let session = Session::new(cfg).unwrap();
@@ -541,6 +546,55 @@ fn every_flow_strategy_carries_every_size_and_wakes_sleeping_receivers() {
             long_wait();
         });
     }
+}
+
+/// With no spin phase every wait sleeps on the completion queues (or naps) at once: each
+/// protocol still completes, one rank waiting for another's reply at every step, and a wait
+/// costs next to no CPU.
+#[test]
+fn a_session_that_never_spins_carries_every_protocol_and_sleeps_at_once() {
+    SPIN.set(Some(Duration::ZERO));
+    for threshold in [SMALL, usize::MAX] {
+        every_size_with(threshold);
+    }
+    // A ping-pong across the inline, bulk and zero-copy paths, waiting sends included.
+    group(2, SMALL, |rank, ch| {
+        let peer = 1 - rank;
+        for (i, len) in [8usize, 3000, 70_000, 8, 300_000].into_iter().cycle().take(60).enumerate() {
+            let out = pattern(i, len);
+            if (i + rank) % 2 == 0 {
+                let mut p = ch.begin_packing(peer).unwrap();
+                p.pack(&out, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                p.end_packing().unwrap();
+            } else {
+                let mut got = vec![0u8; len];
+                let mut u = ch.begin_unpacking_from(peer).unwrap();
+                u.unpack(&mut got, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                u.end_unpacking().unwrap();
+                assert_eq!(got, out, "message {i} of {len} bytes");
+            }
+        }
+    });
+    // A short wait: spinning through it would use all of it.
+    const QUIET: Duration = Duration::from_millis(150);
+    group(2, usize::MAX, |rank, ch| {
+        if rank == 0 {
+            let (t, cpu) = (std::time::Instant::now(), thread_cpu());
+            let mut u = ch.begin_unpacking_from(1).unwrap();
+            let mut b = [0u8; 4];
+            u.unpack_express(&mut b, SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            let (waited, used) = (t.elapsed(), thread_cpu() - cpu);
+            assert!(waited >= QUIET);
+            assert!(used < waited / 10, "waiting {waited:?} used {used:?} of CPU");
+        } else {
+            std::thread::sleep(QUIET);
+            let mut p = ch.begin_packing(0).unwrap();
+            p.pack_safer(&7u32.to_le_bytes(), RecvMode::Express).unwrap();
+            p.end_packing().unwrap();
+        }
+    });
+    SPIN.set(None);
 }
 
 fn long_wait() {
