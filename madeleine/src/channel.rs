@@ -113,9 +113,7 @@ struct ConnIo {
     /// Where the next record of the pipe's front message starts (records before it were
     /// read in place).
     front_at: usize,
-    /// Rendezvous ids this connection's packers took so far (the connection's `next_rdv`)...
-    rdv_issued: Arc<AtomicU32>,
-    /// ...and how many of them the peer said it read, as last looked at.
+    /// How many of our rendezvous the peer said it read, as last looked at.
     rdv_released: u32,
     failed: Option<MadError>,
     /// The peer said `Bye` and everything before it was read: nothing more comes.
@@ -200,12 +198,13 @@ impl ConnIo {
         Ok(Some(packs))
     }
 
-    /// The peer's release count, read and checked (see [`released`]).
-    fn released(&mut self) -> std::result::Result<u32, Broken> {
+    /// The peer's release count, read and checked (see [`released`]) against `issued`, the
+    /// connection's count of rendezvous its packers took.
+    fn released(&mut self, issued: &AtomicU32) -> std::result::Result<u32, Broken> {
         let now = self.pipe.peer_released() as u32;
         // The issued count is read after the release that may count our latest rendezvous.
         std::sync::atomic::fence(Ordering::Acquire);
-        self.rdv_released = released(self.rdv_released, now, self.rdv_issued.load(Ordering::Acquire))?;
+        self.rdv_released = released(self.rdv_released, now, issued.load(Ordering::Acquire))?;
         Ok(now)
     }
 
@@ -440,7 +439,7 @@ pub(crate) struct Conn {
     send_side: Token<SendSide>,
     /// Claimed by an unpacker for the whole message.
     recv_side: Token<RecvSide>,
-    next_rdv: Arc<AtomicU32>,
+    next_rdv: AtomicU32,
     max_msg: usize,
     /// Largest bulk-lane chunk (0: no bulk lane).
     bulk_chunk: usize,
@@ -484,7 +483,6 @@ impl Conn {
         let max_msg = s.cfg.strategy.max_message();
         let threshold = crossover.probed();
         log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
-        let next_rdv = Arc::new(AtomicU32::new(0));
         Ok(Conn {
             peer,
             threshold,
@@ -495,7 +493,6 @@ impl Conn {
                 pipe,
                 incoming: VecDeque::new(),
                 front_at: 0,
-                rdv_issued: next_rdv.clone(),
                 rdv_released: 0,
                 failed: None,
                 closed: false,
@@ -520,7 +517,7 @@ impl Conn {
                 rdv_next: 0,
                 rdv_released: 0,
             }),
-            next_rdv,
+            next_rdv: AtomicU32::new(0),
             cq,
         })
     }
@@ -1420,7 +1417,7 @@ impl Conn {
     /// peer's close shows there, and the peer's messages must keep flowing meanwhile.
     fn take_released(&self, rdv: &mut Held1<'_>) -> Result<()> {
         let mut io = self.io();
-        let mut take = |io: &mut ConnIo| match io.released() {
+        let mut take = |io: &mut ConnIo| match io.released(&self.next_rdv) {
             Ok(n) => {
                 rdv.retain(|h| !is_released(n, h.id));
                 Ok(rdv.is_empty())
