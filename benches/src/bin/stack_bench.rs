@@ -112,8 +112,14 @@ enum Wait {
 #[derive(Parser, Debug, Clone)]
 #[command(version, about)]
 struct Args {
-    /// Layers to measure.
-    #[arg(long, value_enum, value_delimiter = ',', default_values = ["raw-send", "raw-wwi", "mad-copy", "mad-zcopy", "tcp"])]
+    /// Layers to measure. By default: raw verbs, Madeleine as it chooses (what its users get)
+    /// and forced onto each of its two paths (the Madeleine paper's two figures), and TCP.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_values = ["raw-send", "raw-wwi", "madeleine", "mad-copy", "mad-zcopy", "tcp"]
+    )]
     layers: Vec<Layer>,
     /// Smallest message size (bytes).
     #[arg(long, default_value_t = 1)]
