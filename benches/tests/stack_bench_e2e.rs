@@ -53,7 +53,13 @@ fn runs_end_to_end_and_writes_complete_results() {
     assert_eq!(json.matches("\"minus_raw_us\":null").count(), sizes, "raw-send's own rows only");
     for svg in ["latency.svg", "bandwidth.svg"] {
         let s = std::fs::read_to_string(out.join(svg)).unwrap();
-        assert!(s.starts_with("<svg") && s.contains("<polyline") && s.trim_end().ends_with("</svg>"), "{svg}");
+        assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"), "{svg}");
+        // One line per layer, each with a point per size.
+        assert_eq!(s.matches("<polyline").count(), layers.len(), "{svg}");
+        for line in s.lines().filter(|l| l.starts_with("<polyline")) {
+            let points = line.split("points=\"").nth(1).unwrap().split('"').next().unwrap();
+            assert_eq!(points.split_whitespace().count(), sizes, "{svg}: {line}");
+        }
     }
     let _ = std::fs::remove_dir_all(out);
 }

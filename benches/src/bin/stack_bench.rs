@@ -1230,8 +1230,14 @@ fn write_results(dir: &std::path::Path, points: &[Point], meta: &str) -> std::io
 
 /// A log-log line chart of `value` against message size, one line per layer.
 fn svg_plot(points: &[Point], title: &str, value: impl Fn(&Point) -> f64) -> String {
-    let mut layers: Vec<Layer> = points.iter().map(|p| p.layer).collect();
-    layers.dedup();
+    // Each layer once, in the order it first appears (points come size by size, the layers
+    // taking turns within each size).
+    let mut layers: Vec<Layer> = Vec::new();
+    for p in points {
+        if !layers.contains(&p.layer) {
+            layers.push(p.layer);
+        }
+    }
     let series: Vec<Series> = layers
         .iter()
         .map(|l| Series {
