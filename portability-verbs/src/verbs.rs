@@ -687,7 +687,7 @@ impl RemoteWindow {
 
     /// True for a window of no bytes (never mapped: kept for the `len`/`is_empty` pair).
     pub fn is_empty(&self) -> bool {
-        self.0.len() == 0
+        self.0.is_empty()
     }
 
     /// Writes `parts` end to end at byte `offset` of the window, with plain stores, their last
