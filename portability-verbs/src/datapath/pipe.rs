@@ -257,7 +257,6 @@ const SETUP_PAYLOAD: usize = 80;
 const TAG_SHIFT: u32 = 56;
 const TAG_SETUP_SEND: u64 = 1;
 const TAG_DATA_SEND: u64 = 2;
-const TAG_ACK_WRITE: u64 = 3;
 const TAG_SETUP_RECV: u64 = 4;
 const TAG_DATA_RECV: u64 = 5;
 const TAG_NOTIFY_RECV: u64 = 6;
@@ -1217,7 +1216,7 @@ impl MsgPipe {
                 self.sends_done((low >> 32) as usize)?;
             }
             TAG_INLINE_SEND => self.sends_done(low as usize)?,
-            TAG_ACK_WRITE | TAG_SETUP_SEND => {}
+            TAG_SETUP_SEND => {}
             TAG_DATA_RECV if wc.opcode == WcOpcode::RecvRdmaWithImm => {
                 // A bulk chunk's notification consumed a message buffer without filling it
                 // (under credits, one the sender paid for: owed back like a read message's).
@@ -1290,13 +1289,30 @@ impl MsgPipe {
         self.post_ack_word(src, dst, pos)
     }
 
-    /// Writes `word` into the peer's acknowledgement slot `dst` as a posted inline RDMA write
-    /// from our slot `src`.
+    /// Writes `word` into the peer's acknowledgement slot `dst`: stored through the window onto
+    /// the peer's slots where there is one (no request, no completion), else as a posted inline
+    /// RDMA write from our slot `src`, counted in the send window like every other send.
+    ///
+    /// Counted, because a reader that keeps finding messages writes acknowledgements without
+    /// ever passing through a full progress pass: were each signaled, their completions would
+    /// pile up in the completion queue until it overran. Counted sends raise a completion only
+    /// every [`SIGNAL_EVERY`], and once the window is full the completions are taken here, so
+    /// the queue holds at most a window's worth whatever the reader does.
     fn post_ack_word(&mut self, src: usize, dst: usize, word: u64) -> Result<()> {
+        if let Some(window) = &self.ack_window {
+            window
+                .write(dst, &[&word.to_ne_bytes()])
+                .map_err(|st| VerbsError::PeerUnreachable(format!("acknowledgement write failed: {st:?}")))?;
+            self.stats.control += 1;
+            return Ok(());
+        }
         let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("acknowledgement before setup".into()))?;
+        if self.outstanding >= self.strategy.send_slots() {
+            self.poll_completions()?;
+        }
         self.ack_mr.write(src, &word.to_ne_bytes());
         let sge = self.ack_mr.sge(src, 8);
-        self.qp.post_send(&[SendWr::write(wr_id(TAG_ACK_WRITE, 0), &[sge], addr + dst as u64, rkey).inline(true)])?;
+        self.post_inline_counted(SendWr::write(0, &[sge], addr + dst as u64, rkey))?;
         self.stats.control += 1;
         Ok(())
     }
@@ -1309,14 +1325,7 @@ impl MsgPipe {
     /// a peer waiting for it polls (or naps).
     pub fn release_to(&mut self, count: u64) -> Result<()> {
         self.check_failed()?;
-        let Some(window) = &self.ack_window else {
-            return self.post_ack_word(ACK_RELEASE_SRC, ACK_RELEASE, count).map_err(|e| self.fail(e));
-        };
-        if let Err(st) = window.write(ACK_RELEASE, &[&count.to_ne_bytes()]) {
-            return Err(self.fail(VerbsError::PeerUnreachable(format!("release write failed: {st:?}"))));
-        }
-        self.stats.control += 1;
-        Ok(())
+        self.post_ack_word(ACK_RELEASE_SRC, ACK_RELEASE, count).map_err(|e| self.fail(e))
     }
 
     /// The count the peer last set with [`MsgPipe::release_to`] (0 before it set any).
@@ -2069,6 +2078,56 @@ mod tests {
             }
         }
         assert!(a.front().unwrap().is_none() && b.front().unwrap().is_none());
+    }
+
+    /// A reader that always finds a frame (its sender keeps ahead of it) never passes through
+    /// a full progress pass, yet the acknowledgements it writes as it reads must not pile up
+    /// completions: its completion queue, sized for the pipe, never overruns however long the
+    /// stream, whether acknowledgements are stored through a window or posted.
+    #[test]
+    fn a_reader_that_always_finds_frames_never_overruns_its_completion_queue() {
+        let s = FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 };
+        for posted_frames in [false, true] {
+            let ctx = Context::open(Provider::Software).unwrap();
+            let pd = ctx.alloc_pd().unwrap();
+            // Room for the pipe's notification receives and a little more: an acknowledgement
+            // raising a completion per quarter ring read overruns it within a few thousand
+            // messages.
+            let small = NOTIFY_RECEIVES as usize + 32;
+            let (ca, cb) = (ctx.create_cq(small).unwrap(), ctx.create_cq(small).unwrap());
+            let a = pd.create_qp(&QpInit::new(&ca)).unwrap();
+            let b = pd.create_qp(&QpInit::new(&cb)).unwrap();
+            a.connect_to(b.endpoint()).unwrap();
+            b.connect_to(a.endpoint()).unwrap();
+            let o = PipeOptions { posted_frames, ..PipeOptions::default() };
+            let (mut a, mut b) = std::thread::scope(|sc| {
+                let o2 = o.clone();
+                let h = sc.spawn(|| MsgPipe::establish_with(b, cb, &pd, s, o2, T).unwrap());
+                (MsgPipe::establish_with(a, ca, &pd, s, o, T).unwrap(), h.join().unwrap())
+            });
+            let deadline = Instant::now() + T;
+            const N: usize = 20_000;
+            let mut got = 0;
+            while got < N {
+                assert!(Instant::now() < deadline, "posted {posted_frames}: stalled at {got}");
+                if !a.try_send(&msg(got as u64, 40)).unwrap() {
+                    a.progress().unwrap();
+                    continue;
+                }
+                a.flush().unwrap();
+                if a.staged() > 0 {
+                    a.progress().unwrap();
+                    a.flush().unwrap();
+                }
+                // The frame is in b's ring: b's look finds it, never an empty one.
+                let (_, m) = b.front().unwrap().expect("the frame just written");
+                assert_eq!(m, msg(got as u64, 40), "posted {posted_frames}: message {got}");
+                b.pop_front().unwrap();
+                got += 1;
+            }
+            b.progress().unwrap();
+            assert!(b.failure().is_none(), "posted {posted_frames}: {:?}", b.failure());
+        }
     }
 
     /// Messages and bulk chunks interleaved arrive in the order sent, each by its lane, with
