@@ -472,12 +472,13 @@ impl Drop for Conn {
 }
 
 impl Conn {
-    pub(crate) fn establish(s: &SessionInner, peer: usize, conn: cm::Connection, cq: CompletionQueue) -> Result<Conn> {
+    pub(crate) fn establish(s: &SessionInner, peer: usize, conn: cm::Connection) -> Result<Conn> {
         let bulk_ring = match s.cfg.strategy {
             FlowStrategy::Credit { .. } => 0,
             _ => s.cfg.bulk_ring_bytes,
         };
         let options = PipeOptions { bulk_ring, ..PipeOptions::default() };
+        let cq = conn.cq;
         let mut pipe = MsgPipe::establish_with(conn.qp, cq.clone(), &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
         let crossover = crate::probe::rendezvous_crossover(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
         let max_msg = s.cfg.strategy.max_message();

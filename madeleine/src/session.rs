@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use portability_verbs::datapath::{FlowStrategy, RegistrationCache};
-use portability_verbs::{cm, CompletionQueue, Context, ProtectionDomain, QpCaps, QpInit};
+use portability_verbs::{cm, Context, ProtectionDomain};
 
 use crate::channel::{Channel, Conn};
 use crate::{MadError, Result};
@@ -130,7 +130,7 @@ pub(crate) struct SessionInner {
     listener: Mutex<cm::Listener>,
     next_channel: Mutex<u32>,
     /// Connections accepted ahead of their turn: (channel, rank) -> connection.
-    stash: Mutex<HashMap<(u32, usize), (cm::Connection, CompletionQueue)>>,
+    stash: Mutex<HashMap<(u32, usize), cm::Connection>>,
 }
 
 /// A process's membership in a group.
@@ -195,15 +195,16 @@ impl Session {
                     continue;
                 }
                 let peer = if i == rank { j } else { i };
-                let (conn, cq) = if rank == j { self.connect(id, peer)? } else { self.accept(id, peer)? };
-                conns[peer] = Some(Arc::new(Conn::establish(&self.inner, peer, conn, cq)?));
+                let conn = if rank == j { self.connect(id, peer)? } else { self.accept(id, peer)? };
+                conns[peer] = Some(Arc::new(Conn::establish(&self.inner, peer, conn)?));
             }
         }
         Ok(Channel::new(self.inner.clone(), id, conns))
     }
 
-    fn qp_init<'a>(&self, cq: &'a CompletionQueue) -> QpInit<'a> {
-        QpInit { caps: QpCaps { max_send_wr: 1024, max_recv_wr: 1024, ..QpCaps::default() }, ..QpInit::new(cq) }
+    /// Every connection's queue pair and completion queue.
+    fn qp_spec(&self) -> cm::QpSpec {
+        cm::QpSpec::with_depths(1024, 1024)
     }
 
     fn private(&self, channel: u32) -> Vec<u8> {
@@ -212,15 +213,20 @@ impl Session {
         v
     }
 
-    fn connect(&self, channel: u32, peer: usize) -> Result<(cm::Connection, CompletionQueue)> {
-        let cq = self.inner.ctx.create_cq(4096)?;
+    fn connect(&self, channel: u32, peer: usize) -> Result<cm::Connection> {
         let addr = cm::CmAddr::Unix(sock(&self.inner.cfg.rendezvous_dir, peer));
-        let conn =
-            cm::connect(&addr, &self.inner.pd, &self.qp_init(&cq), &self.private(channel), self.inner.cfg.timeout)?;
-        Ok((conn, cq))
+        // The peer may not listen yet: ranks start together, not in order.
+        let conn = cm::connect_retrying(
+            &addr,
+            &self.inner.pd,
+            &self.qp_spec(),
+            &self.private(channel),
+            self.inner.cfg.timeout,
+        )?;
+        Ok(conn)
     }
 
-    fn accept(&self, channel: u32, peer: usize) -> Result<(cm::Connection, CompletionQueue)> {
+    fn accept(&self, channel: u32, peer: usize) -> Result<cm::Connection> {
         let deadline = std::time::Instant::now() + self.inner.cfg.timeout;
         loop {
             if let Some(c) = self.inner.stash.lock().expect("stash").remove(&(channel, peer)) {
@@ -230,10 +236,9 @@ impl Session {
             if left.is_zero() {
                 return Err(MadError::Timeout(format!("rank {peer} never connected for channel {channel}")));
             }
-            let cq = self.inner.ctx.create_cq(4096)?;
             let conn = self.inner.listener.lock().expect("listener").accept(
                 &self.inner.pd,
-                &self.qp_init(&cq),
+                &self.qp_spec(),
                 &self.private(channel),
                 left,
             )?;
@@ -250,9 +255,9 @@ impl Session {
                 });
             }
             if (ch, from) == (channel, peer) {
-                return Ok((conn, cq));
+                return Ok(conn);
             }
-            self.inner.stash.lock().expect("stash").insert((ch, from), (conn, cq));
+            self.inner.stash.lock().expect("stash").insert((ch, from), conn);
         }
     }
 }

@@ -17,14 +17,16 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::EndpointInfo;
 use crate::error::{Result, VerbsError};
-use crate::types::{AccessFlags, QpTransition, RtrAttr, RtsAttr};
-use crate::verbs::{ProtectionDomain, QpInit, QueuePair};
+use crate::types::{AccessFlags, QpCaps, QpTransition, RtrAttr, RtsAttr};
+use crate::verbs::{CompletionQueue, ProtectionDomain, QpInit, QueuePair};
 
 const MAGIC: [u8; 4] = *b"PVCM";
 const VERSION: u8 = 1;
@@ -201,10 +203,16 @@ impl Stream {
             Stream::Tcp(s) => (s.local_addr().ok(), s.peer_addr().ok()),
         }
     }
-    fn set_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+    fn fd(&self) -> RawFd {
         match self {
-            Stream::Unix(s) => s.set_read_timeout(t).and(s.set_write_timeout(t)),
-            Stream::Tcp(s) => s.set_read_timeout(t).and(s.set_write_timeout(t)),
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+    fn set_nonblocking(&self, on: bool) -> std::io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_nonblocking(on),
+            Stream::Tcp(s) => s.set_nonblocking(on),
         }
     }
     fn io(&mut self) -> &mut dyn ReadWrite {
@@ -218,10 +226,52 @@ impl Stream {
 trait ReadWrite: Read + Write {}
 impl<T: Read + Write> ReadWrite for T {}
 
+/// What every queue pair a connection manager call creates is made of: a completion queue of its
+/// own (for both sides) holding `cq_capacity` completions, and these queue sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpSpec {
+    /// Queue sizes of the queue pair.
+    pub caps: QpCaps,
+    /// Completions the connection's completion queue holds (at least the queue pair's send and
+    /// receive depths together, so that it cannot overrun).
+    pub cq_capacity: usize,
+}
+
+impl Default for QpSpec {
+    fn default() -> Self {
+        let caps = QpCaps::default();
+        QpSpec { caps, cq_capacity: (caps.max_send_wr + caps.max_recv_wr) as usize }
+    }
+}
+
+impl QpSpec {
+    /// Queue sizes `send` and `recv`, with a completion queue that holds both.
+    pub fn with_depths(send: u32, recv: u32) -> QpSpec {
+        let caps = QpCaps { max_send_wr: send, max_recv_wr: recv, ..QpCaps::default() };
+        QpSpec { caps, cq_capacity: (send + recv) as usize }
+    }
+
+    /// A completion queue and a queue pair reporting to it, in INIT.
+    fn create(&self, pd: &ProtectionDomain) -> Result<(QueuePair, CompletionQueue)> {
+        if self.cq_capacity < (self.caps.max_send_wr + self.caps.max_recv_wr) as usize {
+            return Err(VerbsError::invalid(format!(
+                "a completion queue of {} for queues of {} + {} could overrun",
+                self.cq_capacity, self.caps.max_send_wr, self.caps.max_recv_wr
+            )));
+        }
+        let cq = pd.context().create_cq(self.cq_capacity)?;
+        let qp = pd.create_qp(&QpInit { caps: self.caps, ..QpInit::new(&cq) })?;
+        qp.modify(QpTransition::Init { access: AccessFlags::ALL, port: 1 })?;
+        Ok((qp, cq))
+    }
+}
+
 /// A connected queue pair with what the peer attached.
 pub struct Connection {
     /// The queue pair, in RTS.
     pub qp: QueuePair,
+    /// Its completion queue (send and receive side).
+    pub cq: CompletionQueue,
     /// The peer's private data.
     pub peer_private: Vec<u8>,
     /// Our end of the bootstrap socket, when it was TCP (what SDP reports as `local_addr`).
@@ -230,10 +280,31 @@ pub struct Connection {
     pub peer_addr: Option<SocketAddr>,
 }
 
-/// Listens for bootstrap connections.
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("qpn", &self.qp.qpn())
+            .field("peer_private", &self.peer_private.len())
+            .field("local_addr", &self.local_addr)
+            .field("peer_addr", &self.peer_addr)
+            .finish()
+    }
+}
+
+/// How long a client's bootstrap may take on the server's side, from its connection to its
+/// READY, unless [`Listener::set_handshake_timeout`] says otherwise.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Listens for bootstrap connections. Each client's bootstrap runs on its own, without
+/// blocking: a client that is slow, silent, sends garbage or dies costs the others nothing,
+/// and fails only its own connection (never an `accept`). A queue pair whose endpoint went to
+/// a client lives until the client said READY (so the descriptors the client fetches from it
+/// stay valid) or its handshake failed.
 pub struct Listener {
     inner: ListenerImpl,
     addr: CmAddr,
+    pending: Mutex<Vec<Handshake>>,
+    handshake_timeout: Mutex<Duration>,
 }
 
 enum ListenerImpl {
@@ -241,15 +312,135 @@ enum ListenerImpl {
     Tcp(TcpListener),
 }
 
-fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> VerbsError + '_ {
-    move |e| {
-        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
-            VerbsError::PeerUnreachable(format!("{what}: peer did not answer in time"))
-        } else {
-            VerbsError::os(what, e)
+impl ListenerImpl {
+    fn fd(&self) -> RawFd {
+        match self {
+            ListenerImpl::Unix(l) => l.as_raw_fd(),
+            ListenerImpl::Tcp(l) => l.as_raw_fd(),
+        }
+    }
+
+    /// A client waiting to be accepted, if any.
+    fn try_accept(&self) -> std::io::Result<Option<Stream>> {
+        let accepted = match self {
+            ListenerImpl::Unix(l) => l.accept().map(|(s, _)| Stream::Unix(s)),
+            ListenerImpl::Tcp(l) => l.accept().map(|(s, _)| {
+                let _ = s.set_nodelay(true);
+                Stream::Tcp(s)
+            }),
+        };
+        match accepted {
+            Ok(s) => Ok(Some(s)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            // A client that reset before we took it is its own failure, not the listener's.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNABORTED | libc::EPROTO)) => Ok(None),
+            Err(e) => Err(e),
         }
     }
 }
+
+/// One client's bootstrap on the server's side.
+struct Handshake {
+    stream: Stream,
+    dec: FrameDecoder,
+    /// Bytes of ours not yet written.
+    out: Vec<u8>,
+    /// After the client's HELLO: our queue pair (in RTR), its completion queue, the client's
+    /// private data.
+    qp: Option<(QueuePair, CompletionQueue, Vec<u8>)>,
+    deadline: Instant,
+}
+
+/// What one step of a handshake came to.
+enum Step {
+    /// Waiting for the client (or for room to write to it).
+    Waiting,
+    /// The client is connected.
+    Done(Box<Connection>),
+}
+
+impl Handshake {
+    /// Takes what the client sent and answers it, without blocking.
+    fn step(&mut self, pd: &ProtectionDomain, spec: &QpSpec, private: &[u8]) -> Result<Step> {
+        if Instant::now() >= self.deadline {
+            return Err(VerbsError::PeerUnreachable("the client did not finish its bootstrap in time".into()));
+        }
+        self.flush()?;
+        let mut buf = [0u8; 512];
+        loop {
+            if let Some(frame) = self.dec.next_frame()? {
+                match (frame, self.qp.is_some()) {
+                    (Frame::Hello { endpoint, private: peer_private }, false) => {
+                        match spec.create(pd).and_then(|(qp, cq)| {
+                            qp.modify(QpTransition::Rtr(RtrAttr::new(endpoint)))?;
+                            Ok((qp, cq))
+                        }) {
+                            Ok((qp, cq)) => {
+                                let accept = Frame::Accept { endpoint: qp.endpoint(), private: private.to_vec() };
+                                self.out.extend_from_slice(&accept.encode());
+                                self.qp = Some((qp, cq, peer_private));
+                                self.flush()?;
+                            }
+                            Err(e) => {
+                                self.out.extend_from_slice(&Frame::Reject(e.to_string()).encode());
+                                let _ = self.flush();
+                                return Err(e);
+                            }
+                        }
+                    }
+                    (Frame::Ready, true) => {
+                        let (qp, cq, peer_private) = self.qp.take().expect("checked");
+                        qp.modify(QpTransition::Rts(RtsAttr::default()))?;
+                        let (local_addr, peer_addr) = self.stream.addrs();
+                        return Ok(Step::Done(Box::new(Connection { qp, cq, peer_private, local_addr, peer_addr })));
+                    }
+                    (other, _) => return Err(VerbsError::Protocol(format!("unexpected bootstrap frame {other:?}"))),
+                }
+                continue;
+            }
+            match self.stream.io().read(&mut buf) {
+                Ok(0) => return Err(VerbsError::PeerUnreachable("the client closed its bootstrap socket".into())),
+                Ok(n) => self.dec.push(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(Step::Waiting),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(VerbsError::os("reading a bootstrap frame", e)),
+            }
+        }
+    }
+
+    /// Writes what of ours the socket takes now.
+    fn flush(&mut self) -> Result<()> {
+        while !self.out.is_empty() {
+            match self.stream.io().write(&self.out) {
+                Ok(n) => _ = self.out.drain(..n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(VerbsError::os("sending a bootstrap frame", e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn poll_events(&self) -> libc::pollfd {
+        let out = if self.out.is_empty() { 0 } else { libc::POLLOUT };
+        libc::pollfd { fd: self.stream.fd(), events: libc::POLLIN | out, revents: 0 }
+    }
+}
+
+fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> VerbsError + '_ {
+    move |e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            VerbsError::PeerUnreachable(format!("{what}: peer did not answer in time"))
+        }
+        std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound => {
+            VerbsError::Refused(format!("{what}: {e}"))
+        }
+        _ => VerbsError::os(what, e),
+    }
+}
+
+/// Longest a wait for clients sleeps before the handshakes' own deadlines are looked at.
+const ACCEPT_SLICE: Duration = Duration::from_millis(50);
 
 impl Listener {
     /// Binds a listener (a stale unix socket file at the path is replaced).
@@ -261,11 +452,16 @@ impl Listener {
             }
             CmAddr::Tcp(a) => ListenerImpl::Tcp(TcpListener::bind(a).map_err(io_err("binding the bootstrap socket"))?),
         };
+        match &inner {
+            ListenerImpl::Unix(l) => l.set_nonblocking(true),
+            ListenerImpl::Tcp(l) => l.set_nonblocking(true),
+        }
+        .map_err(io_err("a nonblocking bootstrap socket"))?;
         let addr = match (&inner, addr) {
             (ListenerImpl::Tcp(l), _) => CmAddr::Tcp(l.local_addr().map_err(io_err("local address"))?),
             (_, a) => a.clone(),
         };
-        Ok(Listener { inner, addr })
+        Ok(Listener { inner, addr, pending: Mutex::new(Vec::new()), handshake_timeout: Mutex::new(HANDSHAKE_TIMEOUT) })
     }
 
     /// The bound address (with the real port for TCP port 0).
@@ -273,56 +469,68 @@ impl Listener {
         &self.addr
     }
 
-    /// Accepts one client within `timeout` and connects a new queue pair to it.
+    /// How long each client's bootstrap may take (default [`HANDSHAKE_TIMEOUT`]).
+    pub fn set_handshake_timeout(&self, t: Duration) {
+        *self.handshake_timeout.lock().unwrap_or_else(|p| p.into_inner()) = t;
+    }
+
+    /// Handshakes in progress (clients connected whose bootstrap has not finished).
+    pub fn pending(&self) -> usize {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Returns the next client whose bootstrap finishes within `timeout` (zero: only one that
+    /// finishes now), with a queue pair made by `spec` connected to it and `private` sent to it;
+    /// [`VerbsError::Timeout`] if none does. Meanwhile it drives every client's bootstrap, so a
+    /// client's handshake may be finished by a later call (with that call's `spec` and
+    /// `private` for what it creates then). Clients that fail are dropped, each on its own.
     pub fn accept(
         &self,
         pd: &ProtectionDomain,
-        init: &QpInit<'_>,
+        spec: &QpSpec,
         private: &[u8],
         timeout: Duration,
     ) -> Result<Connection> {
         let deadline = Deadline::after(timeout);
-        let mut stream = self.accept_stream(deadline)?;
-        stream.set_timeout(Some(deadline.left()?)).map_err(io_err("socket timeout"))?;
-        let mut dec = FrameDecoder::default();
-        let (client, peer_private) = match read_frame(&mut stream, &mut dec, deadline)? {
-            Frame::Hello { endpoint, private } => (endpoint, private),
-            other => return Err(VerbsError::Protocol(format!("expected HELLO, got {other:?}"))),
-        };
-        let qp = pd.create_qp(init)?;
-        let setup = qp
-            .modify(QpTransition::Init { access: AccessFlags::ALL, port: 1 })
-            .and_then(|_| qp.modify(QpTransition::Rtr(RtrAttr::new(client))));
-        if let Err(e) = setup {
-            let _ = write_frame(&mut stream, &Frame::Reject(e.to_string()));
-            return Err(e);
-        }
-        write_frame(&mut stream, &Frame::Accept { endpoint: qp.endpoint(), private: private.to_vec() })?;
-        match read_frame(&mut stream, &mut dec, deadline)? {
-            Frame::Ready => {}
-            other => return Err(VerbsError::Protocol(format!("expected READY, got {other:?}"))),
-        }
-        qp.modify(QpTransition::Rts(RtsAttr::default()))?;
-        let (local_addr, peer_addr) = stream.addrs();
-        Ok(Connection { qp, peer_private, local_addr, peer_addr })
-    }
-
-    fn accept_stream(&self, deadline: Deadline) -> Result<Stream> {
-        let fd = match &self.inner {
-            ListenerImpl::Unix(l) => std::os::fd::AsRawFd::as_raw_fd(l),
-            ListenerImpl::Tcp(l) => std::os::fd::AsRawFd::as_raw_fd(l),
-        };
-        if !crate::soft::sys::wait_readable(fd, Some(deadline.left()?))? {
-            return Err(deadline.expired());
-        }
-        Ok(match &self.inner {
-            ListenerImpl::Unix(l) => Stream::Unix(l.accept().map_err(io_err("accept"))?.0),
-            ListenerImpl::Tcp(l) => {
-                let s = l.accept().map_err(io_err("accept"))?.0;
-                let _ = s.set_nodelay(true);
-                Stream::Tcp(s)
+        let handshake_timeout = *self.handshake_timeout.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let mut fds = vec![libc::pollfd { fd: self.inner.fd(), events: libc::POLLIN, revents: 0 }];
+            {
+                let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+                while let Some(stream) = self.inner.try_accept().map_err(io_err("accept"))? {
+                    stream.set_nonblocking(true).map_err(io_err("a nonblocking bootstrap socket"))?;
+                    pending.push(Handshake {
+                        stream,
+                        dec: FrameDecoder::default(),
+                        out: Vec::new(),
+                        qp: None,
+                        deadline: Instant::now() + handshake_timeout,
+                    });
+                }
+                let mut i = 0;
+                while i < pending.len() {
+                    match pending[i].step(pd, spec, private) {
+                        Ok(Step::Waiting) => {
+                            fds.push(pending[i].poll_events());
+                            i += 1;
+                        }
+                        Ok(Step::Done(conn)) => {
+                            pending.swap_remove(i);
+                            return Ok(*conn);
+                        }
+                        Err(e) => {
+                            log::debug!("bootstrap on {}: a client's handshake failed: {e}", self.addr);
+                            pending.swap_remove(i);
+                        }
+                    }
+                }
             }
-        })
+            let left = deadline.at.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(deadline.expired());
+            }
+            crate::soft::sys::wait_any_readable(&mut fds, Some(left.min(ACCEPT_SLICE)))?;
+        }
     }
 }
 
@@ -334,47 +542,78 @@ impl Drop for Listener {
     }
 }
 
-/// Connects to a listener within `timeout`, returning a queue pair in RTS.
+/// Connects to a listener within `timeout`, returning a queue pair in RTS made by `spec`. No
+/// listener at the address is [`VerbsError::Refused`] at once, as a TCP connect is.
 pub fn connect(
     addr: &CmAddr,
     pd: &ProtectionDomain,
-    init: &QpInit<'_>,
+    spec: &QpSpec,
     private: &[u8],
     timeout: Duration,
 ) -> Result<Connection> {
     let deadline = Deadline::after(timeout);
-    let mut stream = loop {
-        let attempt = match addr {
-            CmAddr::Unix(p) => UnixStream::connect(p).map(Stream::Unix),
-            CmAddr::Tcp(a) => TcpStream::connect_timeout(a, deadline.left()?).map(Stream::Tcp),
-        };
-        match attempt {
+    let stream = open(addr, &deadline)?;
+    handshake(stream, pd, spec, private, deadline)
+}
+
+/// [`connect`] to a listener that may not be up yet (the peers of a job starting together):
+/// a refused connection is tried again until `timeout`.
+pub fn connect_retrying(
+    addr: &CmAddr,
+    pd: &ProtectionDomain,
+    spec: &QpSpec,
+    private: &[u8],
+    timeout: Duration,
+) -> Result<Connection> {
+    let deadline = Deadline::after(timeout);
+    let stream = loop {
+        match open(addr, &deadline) {
             Ok(s) => break s,
-            // The listener may not be up yet: retry until the deadline.
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) => {
+            Err(VerbsError::Refused(why)) => {
                 if deadline.passed() {
-                    return Err(VerbsError::PeerUnreachable(format!("no listener at {addr}: {e}")));
+                    return Err(VerbsError::Refused(format!("no listener at {addr} within {timeout:?}: {why}")));
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
-            Err(e) => return Err(io_err("connect")(e)),
+            Err(e) => return Err(e),
         }
     };
-    stream.set_timeout(Some(deadline.left()?)).map_err(io_err("socket timeout"))?;
-    let qp = pd.create_qp(init)?;
-    qp.modify(QpTransition::Init { access: AccessFlags::ALL, port: 1 })?;
-    write_frame(&mut stream, &Frame::Hello { endpoint: qp.endpoint(), private: private.to_vec() })?;
+    handshake(stream, pd, spec, private, deadline)
+}
+
+fn open(addr: &CmAddr, deadline: &Deadline) -> Result<Stream> {
+    let what = format!("connecting to {addr}");
+    match addr {
+        CmAddr::Unix(p) => UnixStream::connect(p).map(Stream::Unix),
+        CmAddr::Tcp(a) => TcpStream::connect_timeout(a, deadline.left()?).map(|s| {
+            let _ = s.set_nodelay(true);
+            Stream::Tcp(s)
+        }),
+    }
+    .map_err(io_err(&what))
+}
+
+/// The client's side of the bootstrap, blocking (with the deadline) on its one socket.
+fn handshake(
+    mut stream: Stream,
+    pd: &ProtectionDomain,
+    spec: &QpSpec,
+    private: &[u8],
+    deadline: Deadline,
+) -> Result<Connection> {
+    let (qp, cq) = spec.create(pd)?;
+    write_frame(&mut stream, &Frame::Hello { endpoint: qp.endpoint(), private: private.to_vec() }, deadline)?;
     let mut dec = FrameDecoder::default();
     let (server, peer_private) = match read_frame(&mut stream, &mut dec, deadline)? {
         Frame::Accept { endpoint, private } => (endpoint, private),
-        Frame::Reject(why) => return Err(VerbsError::PeerUnreachable(format!("peer rejected the connection: {why}"))),
+        Frame::Reject(why) => return Err(VerbsError::Refused(format!("the listener rejected the connection: {why}"))),
         other => return Err(VerbsError::Protocol(format!("expected ACCEPT, got {other:?}"))),
     };
     qp.modify(QpTransition::Rtr(RtrAttr::new(server)))?;
     qp.modify(QpTransition::Rts(RtsAttr::default()))?;
-    write_frame(&mut stream, &Frame::Ready)?;
+    write_frame(&mut stream, &Frame::Ready, deadline)?;
     let (local_addr, peer_addr) = stream.addrs();
-    Ok(Connection { qp, peer_private, local_addr, peer_addr })
+    Ok(Connection { qp, cq, peer_private, local_addr, peer_addr })
 }
 
 /// When a set-up step gives up, and the timeout it was given (what its error reports).
@@ -408,7 +647,17 @@ impl Deadline {
     }
 }
 
-fn write_frame(s: &mut Stream, f: &Frame) -> Result<()> {
+fn set_timeout(s: &Stream, deadline: Deadline) -> Result<()> {
+    let t = Some(deadline.left()?);
+    match s {
+        Stream::Unix(s) => s.set_read_timeout(t).and(s.set_write_timeout(t)),
+        Stream::Tcp(s) => s.set_read_timeout(t).and(s.set_write_timeout(t)),
+    }
+    .map_err(io_err("socket timeout"))
+}
+
+fn write_frame(s: &mut Stream, f: &Frame, deadline: Deadline) -> Result<()> {
+    set_timeout(s, deadline)?;
     s.io().write_all(&f.encode()).map_err(io_err("sending a bootstrap frame"))
 }
 
@@ -418,7 +667,7 @@ fn read_frame(s: &mut Stream, dec: &mut FrameDecoder, deadline: Deadline) -> Res
         if let Some(f) = dec.next_frame()? {
             return Ok(f);
         }
-        s.set_timeout(Some(deadline.left()?)).map_err(io_err("socket timeout"))?;
+        set_timeout(s, deadline)?;
         let n = s.io().read(&mut buf).map_err(io_err("reading a bootstrap frame"))?;
         if n == 0 {
             return Err(VerbsError::PeerUnreachable("bootstrap peer closed the connection".into()));

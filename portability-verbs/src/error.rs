@@ -11,6 +11,7 @@ pub type Result<T, E = VerbsError> = std::result::Result<T, E>;
 
 /// Everything a verbs call can fail with.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum VerbsError {
     /// An argument is out of range or inconsistent (the verbs `EINVAL`).
     #[error("invalid argument: {0}")]
@@ -33,6 +34,10 @@ pub enum VerbsError {
     /// The peer sent malformed data (bootstrap message or shared-ring record).
     #[error("protocol error from peer: {0}")]
     Protocol(String),
+    /// Nobody listens at the address, or the listener turned the connection down (the
+    /// `ECONNREFUSED` of connection set-up).
+    #[error("connection refused: {0}")]
+    Refused(String),
     /// The peer process is gone or its queue pair is no longer usable.
     #[error("peer unreachable: {0}")]
     PeerUnreachable(String),

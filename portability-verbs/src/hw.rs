@@ -155,6 +155,11 @@ impl HwPd {
         }
         Ok(HwPd { ctx: ctx.clone(), pd })
     }
+
+    /// The context the domain was allocated in.
+    pub fn context(&self) -> Arc<HwContext> {
+        self.ctx.clone()
+    }
 }
 
 impl Drop for HwPd {

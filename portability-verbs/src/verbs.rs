@@ -152,6 +152,15 @@ fn mismatch(what: &str) -> VerbsError {
 }
 
 impl ProtectionDomain {
+    /// The device context this domain belongs to (to create completion queues beside it).
+    pub fn context(&self) -> Context {
+        Context(match &self.0 {
+            PdImpl::Soft(c, _) => CtxImpl::Soft(c.clone()),
+            #[cfg(feature = "hardware")]
+            PdImpl::Hw(p) => CtxImpl::Hw(p.context()),
+        })
+    }
+
     /// The provider of this domain.
     pub fn provider(&self) -> Provider {
         match &self.0 {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use portability_verbs::cm::{self, CmAddr};
 use portability_verbs::datapath::MsgPipe;
-use portability_verbs::{AccessFlags, Context, ProtectionDomain, QpInit};
+use portability_verbs::{AccessFlags, Context, ProtectionDomain};
 use sockets_compat::wire::{Advert, Bsdh, Message};
 use sockets_compat::{Design, SdpConfig, SdpListener};
 
@@ -27,9 +27,8 @@ fn with_raw_peer_and(
     std::thread::spawn(move || {
         let ctx = Context::open_default().unwrap();
         let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(256).unwrap();
-        let conn = cm::connect(&CmAddr::Tcp(addr), &pd, &QpInit::new(&cq), b"SDP1", T).unwrap();
-        let mut pipe = MsgPipe::establish(conn.qp, cq, &pd, SdpConfig::CREDIT, T).unwrap();
+        let conn = cm::connect(&CmAddr::Tcp(addr), &pd, &cm::QpSpec::default(), b"SDP1", T).unwrap();
+        let mut pipe = MsgPipe::establish(conn.qp, conn.cq, &pd, SdpConfig::CREDIT, T).unwrap();
         send(&mut pipe, &pd);
         // Stay up long enough for the socket to read everything.
         let end = std::time::Instant::now() + Duration::from_secs(2);

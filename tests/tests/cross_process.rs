@@ -40,8 +40,10 @@ impl Peer {
             .unwrap();
         let ctx = Context::open(Provider::Software).unwrap();
         let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(256).unwrap();
-        let conn = cm::connect(&format!("unix:{path}").parse().unwrap(), &pd, &QpInit::new(&cq), b"", WAIT).unwrap();
+        let conn =
+            cm::connect_retrying(&format!("unix:{path}").parse().unwrap(), &pd, &cm::QpSpec::default(), b"", WAIT)
+                .unwrap();
+        let cq = conn.cq.clone();
         let layout = Layout::decode(&conn.peer_private).expect("layout in private data");
         let replies = pd.register(vec![0u8; 4 * CTRL_SLOT].into_boxed_slice(), AccessFlags::ALL).unwrap();
         let out = pd.register(vec![0u8; 2 << 20].into_boxed_slice(), AccessFlags::ALL).unwrap();
@@ -363,26 +365,17 @@ fn a_killed_peer_moves_the_queue_pair_to_error_with_flushes_quickly() {
 }
 
 #[test]
-fn garbage_on_the_bootstrap_socket_is_a_clear_error() {
+fn a_bad_client_fails_only_its_own_bootstrap() {
     let ctx = Context::open(Provider::Software).unwrap();
     let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16).unwrap();
-    // A client that sends garbage to a listener.
+    let spec = cm::QpSpec::default();
     let path = socket_path("garbage");
     let listener = cm::Listener::bind(&format!("unix:{path}").parse().unwrap()).unwrap();
-    let p2 = path.clone();
-    let junk = std::thread::spawn(move || {
-        let mut s = std::os::unix::net::UnixStream::connect(&p2).unwrap();
-        let _ = s.write_all(b"GET / HTTP/1.1\r\n\r\nthis is not a bootstrap frame");
-        std::thread::sleep(Duration::from_millis(200));
-    });
-    match listener.accept(&pd, &QpInit::new(&cq), b"", WAIT) {
-        Err(VerbsError::Protocol(_)) => {}
-        Err(e) => panic!("wrong error {e}"),
-        Ok(_) => panic!("garbage accepted"),
-    }
-    junk.join().unwrap();
-    // A well-formed HELLO naming a process that is not the sender's.
+    // A client that sends garbage, one that says nothing, and one whose well-formed HELLO names
+    // a process that is not the sender's.
+    let mut junk = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    junk.write_all(b"GET / HTTP/1.1\r\n\r\nthis is not a bootstrap frame").unwrap();
+    let _silent = std::os::unix::net::UnixStream::connect(&path).unwrap();
     let fake = EndpointInfo::Soft(SoftEndpoint {
         pid: std::process::id(),
         start_time: 1,
@@ -396,50 +389,120 @@ fn garbage_on_the_bootstrap_socket_is_a_clear_error() {
         send_cq_bell: 0,
         recv_cq_bell: 0,
     });
-    let p3 = path.clone();
-    let liar = std::thread::spawn(move || {
-        let mut s = std::os::unix::net::UnixStream::connect(&p3).unwrap();
-        s.write_all(&cm::Frame::Hello { endpoint: fake, private: vec![] }.encode()).unwrap();
-        let mut buf = [0u8; 256];
-        let _ = std::io::Read::read(&mut s, &mut buf);
-    });
-    match listener.accept(&pd, &QpInit::new(&cq), b"", WAIT) {
-        Err(VerbsError::PeerUnreachable(_)) => {}
-        Err(e) => panic!("wrong error {e}"),
-        Ok(_) => panic!("a lying endpoint was accepted"),
+    let mut liar = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    liar.write_all(&cm::Frame::Hello { endpoint: fake, private: vec![] }.encode()).unwrap();
+    // None of them is a connection, and none is an error of the listener's.
+    match listener.accept(&pd, &spec, b"", Duration::from_millis(300)) {
+        Err(VerbsError::Timeout(_)) => {}
+        Err(e) => panic!("a bad client's failure reached accept: {e}"),
+        Ok(_) => panic!("a bad client was accepted"),
     }
-    liar.join().unwrap();
-    // Nobody listening: a clear error within the timeout, no hang.
+    assert_eq!(listener.pending(), 1, "only the silent client is still waited for");
+    // The liar was told why.
+    let mut answer = Vec::new();
+    liar.set_read_timeout(Some(WAIT)).unwrap();
+    let _ = std::io::Read::read_to_end(&mut liar, &mut answer);
+    let mut dec = cm::FrameDecoder::default();
+    dec.push(&answer);
+    assert!(matches!(dec.next_frame(), Ok(Some(cm::Frame::Reject(_)))), "{answer:?}");
+    // A good client behind them is accepted.
+    std::thread::scope(|s| {
+        let client = s.spawn(|| cm::connect(&format!("unix:{path}").parse().unwrap(), &pd, &spec, b"c", WAIT).unwrap());
+        let server = listener.accept(&pd, &spec, b"s", WAIT).unwrap();
+        assert_eq!(server.peer_private, b"c");
+        assert_eq!(client.join().unwrap().peer_private, b"s");
+    });
+    // The silent client's handshake runs out on its own.
+    listener.set_handshake_timeout(Duration::from_millis(100));
+    let _ = listener.accept(&pd, &spec, b"", Duration::from_millis(50));
+    std::thread::sleep(Duration::from_millis(150));
+    let _ = listener.accept(&pd, &spec, b"", Duration::ZERO);
+    assert_eq!(listener.pending(), 1, "the deadline is the one given when the client came");
+    listener.set_handshake_timeout(Duration::from_secs(10));
+    // Nobody listening: refused at once, as a TCP connect is.
     let start = Instant::now();
-    let r = cm::connect(
-        &format!("unix:{path}.none").parse().unwrap(),
-        &pd,
-        &QpInit::new(&cq),
-        b"",
-        Duration::from_millis(300),
-    );
-    assert!(matches!(r, Err(VerbsError::PeerUnreachable(_))));
-    assert!(start.elapsed() < Duration::from_secs(2));
+    let r = cm::connect(&format!("unix:{path}.none").parse().unwrap(), &pd, &spec, b"", WAIT);
+    assert!(matches!(r, Err(VerbsError::Refused(_))), "{r:?}");
+    assert!(start.elapsed() < Duration::from_secs(1));
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed = tcp.local_addr().unwrap();
+    drop(tcp);
+    let r = cm::connect(&cm::CmAddr::Tcp(closed), &pd, &spec, b"", WAIT);
+    assert!(matches!(r, Err(VerbsError::Refused(_))), "{r:?}");
+    assert!(start.elapsed() < Duration::from_secs(1));
+}
+
+/// Many clients connecting at once, each from its own thread, all get a working queue pair
+/// through a listener accepting without blocking (the pattern of an event loop), and none
+/// fails: no client's descriptors are let go while it may still fetch them.
+#[test]
+fn concurrent_clients_of_a_nonblocking_accept_loop_all_connect() {
+    let ctx = Context::open(Provider::Software).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let spec = cm::QpSpec::default();
+    for round in 0..3 {
+        let listener = cm::Listener::bind(&"127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().clone();
+        const N: usize = 20;
+        std::thread::scope(|s| {
+            let clients: Vec<_> = (0..N)
+                .map(|i| {
+                    s.spawn({
+                        let (addr, pd) = (addr.clone(), &pd);
+                        move || cm::connect(&addr, pd, &spec, &[i as u8], WAIT)
+                    })
+                })
+                .collect();
+            let mut accepted = Vec::new();
+            let deadline = Instant::now() + WAIT;
+            while accepted.len() < N {
+                assert!(Instant::now() < deadline, "round {round}: {} of {N} accepted", accepted.len());
+                match listener.accept(&pd, &spec, b"", Duration::ZERO) {
+                    Ok(c) => accepted.push(c),
+                    Err(VerbsError::Timeout(_)) => std::thread::sleep(Duration::from_micros(200)),
+                    Err(e) => panic!("round {round}: accept failed: {e}"),
+                }
+            }
+            // Every pair works: each client sends its number to its server end.
+            let mr = pd.register(vec![0u8; 2 * N].into_boxed_slice(), AccessFlags::ALL).unwrap();
+            for (i, server) in accepted.iter().enumerate() {
+                server.qp.post_recv(&[RecvWr::new(i as u64, &[mr.sge(N + i, 1)])]).unwrap();
+            }
+            for c in clients {
+                let client = c.join().unwrap().unwrap_or_else(|e| panic!("round {round}: a client failed: {e}"));
+                let i = client.qp.qpn() as usize % N;
+                mr.write(i, &[client.peer_private.len() as u8]);
+                let sge = Sge { addr: mr.addr() + i as u64, length: 1, lkey: mr.lkey() };
+                client.qp.post_send(&[SendWr::send(1, &[sge])]).unwrap();
+                assert_eq!(wait_one(&client.cq).status, WcStatus::Success);
+            }
+            for server in &accepted {
+                let wc = wait_one(&server.cq);
+                assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 1), "round {round}");
+                assert_eq!(server.peer_private.len(), 1);
+            }
+        });
+    }
 }
 
 #[test]
 fn tcp_bootstrap_connects_too() {
     let ctx = Context::open(Provider::Software).unwrap();
     let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16).unwrap();
+    let spec = cm::QpSpec::default();
     let listener = cm::Listener::bind(&"127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = listener.local_addr().clone();
     std::thread::scope(|s| {
-        let server = s.spawn(|| listener.accept(&pd, &QpInit::new(&cq), b"server", WAIT).unwrap());
-        let client = cm::connect(&addr, &pd, &QpInit::new(&cq), b"client", WAIT).unwrap();
+        let server = s.spawn(|| listener.accept(&pd, &spec, b"server", WAIT).unwrap());
+        let client = cm::connect(&addr, &pd, &spec, b"client", WAIT).unwrap();
         let server = server.join().unwrap();
         assert_eq!(client.peer_private, b"server");
         assert_eq!(server.peer_private, b"client");
         let mr = pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
         server.qp.post_recv(&[RecvWr::new(1, &[mr.sge(0, 32)])]).unwrap();
         client.qp.post_send(&[SendWr::send(2, &[mr.sge(32, 8)])]).unwrap();
-        let wcs = wait_n(&cq, 2);
-        assert!(wcs.iter().all(|w| w.status == WcStatus::Success));
+        assert_eq!(wait_one(&server.cq).status, WcStatus::Success);
+        assert_eq!(wait_one(&client.cq).status, WcStatus::Success);
     });
 }
 
@@ -453,9 +516,15 @@ fn flow_controlled_pipes_cross_processes_with_every_strategy() {
             Proc::new(env!("CARGO_BIN_EXE_pv_peer")).args(["pipe", name, &format!("unix:{path}")]).spawn().unwrap();
         let ctx = Context::open(Provider::Software).unwrap();
         let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(1024).unwrap();
-        let conn = cm::connect(&format!("unix:{path}").parse().unwrap(), &pd, &QpInit::new(&cq), b"", WAIT).unwrap();
-        let mut pipe = MsgPipe::establish(conn.qp, cq, &pd, strategy, WAIT).unwrap();
+        let conn = cm::connect_retrying(
+            &format!("unix:{path}").parse().unwrap(),
+            &pd,
+            &cm::QpSpec::with_depths(512, 512),
+            b"",
+            WAIT,
+        )
+        .unwrap();
+        let mut pipe = MsgPipe::establish(conn.qp, conn.cq, &pd, strategy, WAIT).unwrap();
         // Random sizes, several in flight at once; replies are read whenever the pipe holds a
         // message back (as any full-duplex application must, or both ends fill up).
         let sizes: Vec<usize> = (0..400).map(|i| 1 + (i * 7919) % strategy.max_message()).collect();

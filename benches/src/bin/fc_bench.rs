@@ -60,12 +60,12 @@ const OP_ROUND_TRIP: u8 = 0x52;
 fn connect(role: Role, addr: &cm::CmAddr, strategy: FlowStrategy, listener: Option<&cm::Listener>) -> Result<MsgPipe> {
     let ctx = Context::open_default()?;
     let pd = ctx.alloc_pd()?;
-    let cq = ctx.create_cq(4096)?;
+    let spec = cm::QpSpec::with_depths(1024, 1024);
     let conn = match role {
-        Role::Server => listener.expect("server listens").accept(&pd, &QpInit::new(&cq), b"", T)?,
-        Role::Client => cm::connect(addr, &pd, &QpInit::new(&cq), b"", T)?,
+        Role::Server => listener.expect("server listens").accept(&pd, &spec, b"", T)?,
+        Role::Client => cm::connect_retrying(addr, &pd, &spec, b"", T)?,
     };
-    MsgPipe::establish(conn.qp, cq, &pd, strategy, T)
+    MsgPipe::establish(conn.qp, conn.cq, &pd, strategy, T)
 }
 
 fn serve(args: &Args) -> Result<()> {

@@ -267,19 +267,18 @@ struct RawLink {
 impl RawLink {
     fn setup(
         ctx: &Context,
-        conn_fn: impl FnOnce(&ProtectionDomain, &QpInit, &[u8]) -> Result<cm::Connection>,
+        conn_fn: impl FnOnce(&ProtectionDomain, &cm::QpSpec, &[u8]) -> Result<cm::Connection>,
         wwi: bool,
         wait: Wait,
     ) -> Result<RawLink> {
         let pd = ctx.alloc_pd()?;
-        let cq = ctx.create_cq(4096)?;
         let send_buf = pd.register(vec![0x5a; MAX].into_boxed_slice(), AccessFlags::ALL)?;
         let recv_buf = pd.alloc(MAX, AccessFlags::ALL)?;
-        let init =
-            QpInit { caps: QpCaps { max_send_wr: 1024, max_recv_wr: 1024, ..QpCaps::default() }, ..QpInit::new(&cq) };
+        let spec = cm::QpSpec { cq_capacity: 4096, ..cm::QpSpec::with_depths(1024, 1024) };
         let mut private = recv_buf.addr().to_le_bytes().to_vec();
         private.extend_from_slice(&recv_buf.rkey().to_le_bytes());
-        let conn = conn_fn(&pd, &init, &private)?;
+        let conn = conn_fn(&pd, &spec, &private)?;
+        let cq = conn.cq.clone();
         let p = &conn.peer_private;
         if p.len() != 12 {
             return Err(VerbsError::Protocol("bad private data".into()));
@@ -407,14 +406,13 @@ struct PipeLink {
 impl PipeLink {
     fn setup(
         ctx: &Context,
-        conn_fn: impl FnOnce(&ProtectionDomain, &QpInit, &[u8]) -> Result<cm::Connection>,
+        conn_fn: impl FnOnce(&ProtectionDomain, &cm::QpSpec, &[u8]) -> Result<cm::Connection>,
         wait: Wait,
     ) -> Result<PipeLink> {
         let pd = ctx.alloc_pd()?;
-        let cq = ctx.create_cq(4096)?;
-        let conn = conn_fn(&pd, &QpInit::new(&cq), &[])?;
+        let conn = conn_fn(&pd, &cm::QpSpec { cq_capacity: 4096, ..cm::QpSpec::default() }, &[])?;
         let strategy = flow_strategy().map_err(VerbsError::InvalidArgument)?;
-        let pipe = datapath::MsgPipe::establish(conn.qp, cq, &pd, strategy, SETUP)?;
+        let pipe = datapath::MsgPipe::establish(conn.qp, conn.cq, &pd, strategy, SETUP)?;
         Ok(PipeLink { pipe, _pd: pd, wait, buf: vec![0x5a; MAX], rbuf: vec![0; MAX] })
     }
 
@@ -1022,14 +1020,14 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
             Layer::RawSend | Layer::RawWwi => Box::new(
                 RawLink::setup(
                     &ctx,
-                    |pd, init, p| listener.accept(pd, init, p, SETUP),
+                    |pd, spec, p| listener.accept(pd, spec, p, SETUP),
                     layer == Layer::RawWwi,
                     args.wait,
                 )
                 .map_err(|e| context(e.to_string()))?,
             ),
             Layer::Pipe => Box::new(
-                PipeLink::setup(&ctx, |pd, init, p| listener.accept(pd, init, p, SETUP), args.wait)
+                PipeLink::setup(&ctx, |pd, spec, p| listener.accept(pd, spec, p, SETUP), args.wait)
                     .map_err(|e| context(e.to_string()))?,
             ),
             l if l.is_madeleine() => {
@@ -1097,14 +1095,14 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
             Layer::RawSend | Layer::RawWwi => Box::new(
                 RawLink::setup(
                     &ctx,
-                    |pd, init, p| cm::connect(&cm_addr, pd, init, p, SETUP),
+                    |pd, spec, p| cm::connect_retrying(&cm_addr, pd, spec, p, SETUP),
                     layer == Layer::RawWwi,
                     args.wait,
                 )
                 .map_err(|e| context(e.to_string()))?,
             ),
             Layer::Pipe => Box::new(
-                PipeLink::setup(&ctx, |pd, init, p| cm::connect(&cm_addr, pd, init, p, SETUP), args.wait)
+                PipeLink::setup(&ctx, |pd, spec, p| cm::connect_retrying(&cm_addr, pd, spec, p, SETUP), args.wait)
                     .map_err(|e| context(e.to_string()))?,
             ),
             l if l.is_madeleine() => {

@@ -122,7 +122,6 @@ impl Side {
     fn setup(role: Role, addr: &str) -> Result<Side> {
         let ctx = Context::open_default()?;
         let pd = ctx.alloc_pd()?;
-        let cq = ctx.create_cq(4096)?;
         let send_buf = pd.register(vec![0x5au8; SEND_REGION].into_boxed_slice(), AccessFlags::ALL)?;
         let recv_buf = pd.register(vec![0u8; RECV_REGION].into_boxed_slice(), AccessFlags::ALL)?;
         let seg = pd.alloc(SEG_REGION, AccessFlags::ALL)?;
@@ -134,14 +133,14 @@ impl Side {
                 r.write(off, &[1]);
             }
         }
-        let init =
-            QpInit { caps: QpCaps { max_send_wr: 1024, max_recv_wr: 1024, ..QpCaps::default() }, ..QpInit::new(&cq) };
+        let spec = cm::QpSpec { cq_capacity: 4096, ..cm::QpSpec::with_depths(1024, 1024) };
         let addr: cm::CmAddr = addr.parse()?;
         let private = layout(&seg, &user);
         let conn = match role {
-            Role::Server => cm::Listener::bind(&addr)?.accept(&pd, &init, &private, TIMEOUT)?,
-            Role::Client => cm::connect(&addr, &pd, &init, &private, TIMEOUT)?,
+            Role::Server => cm::Listener::bind(&addr)?.accept(&pd, &spec, &private, TIMEOUT)?,
+            Role::Client => cm::connect_retrying(&addr, &pd, &spec, &private, TIMEOUT)?,
         };
+        let cq = conn.cq.clone();
         let peer = parse_layout(&conn.peer_private)?;
         Ok(Side {
             qp: conn.qp,

@@ -34,9 +34,9 @@ fn echo_pipe(strategy: &str, addr: &str) -> Result<()> {
     let addr: cm::CmAddr = addr.parse()?;
     let ctx = Context::open_default()?;
     let pd = ctx.alloc_pd()?;
-    let cq = ctx.create_cq(1024)?;
-    let conn = cm::Listener::bind(&addr)?.accept(&pd, &QpInit::new(&cq), b"", Duration::from_secs(20))?;
-    let mut pipe = MsgPipe::establish(conn.qp, cq, &pd, strategy, Duration::from_secs(20))?;
+    let spec = cm::QpSpec::with_depths(512, 512);
+    let conn = cm::Listener::bind(&addr)?.accept(&pd, &spec, b"", Duration::from_secs(20))?;
+    let mut pipe = MsgPipe::establish(conn.qp, conn.cq, &pd, strategy, Duration::from_secs(20))?;
     loop {
         let m = pipe.recv(Duration::from_secs(60))?;
         if m.is_empty() {
@@ -51,14 +51,13 @@ fn serve(addr: &str) -> Result<()> {
     let addr: cm::CmAddr = addr.parse()?;
     let ctx = Context::open_default()?;
     let pd = ctx.alloc_pd()?;
-    let cq = ctx.create_cq(256)?;
     let user = pd.register(vec![0u8; REGION].into_boxed_slice(), AccessFlags::ALL)?;
     let seg = pd.alloc(REGION, AccessFlags::ALL)?;
     let ctrl = pd.register(vec![0u8; 32 * CTRL_SLOT].into_boxed_slice(), AccessFlags::LOCAL_WRITE)?;
     let layout = Layout { user_addr: user.addr(), user_rkey: user.rkey(), seg_addr: seg.addr(), seg_rkey: seg.rkey() };
     let listener = cm::Listener::bind(&addr)?;
-    let conn = listener.accept(&pd, &QpInit::new(&cq), &layout.encode(), Duration::from_secs(20))?;
-    let qp = conn.qp;
+    let conn = listener.accept(&pd, &cm::QpSpec::default(), &layout.encode(), Duration::from_secs(20))?;
+    let (qp, cq) = (conn.qp, conn.cq);
     for i in 0..32u64 {
         qp.post_recv(&[RecvWr::new(i, &[ctrl.sge(i as usize * CTRL_SLOT, CTRL_SLOT)])])?;
     }
