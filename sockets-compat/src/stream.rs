@@ -44,8 +44,7 @@ use portability_verbs::copy::{copy_bytes, copy_slice};
 use portability_verbs::datapath::{FlowStrategy, Lane, MsgPipe, PipeOptions, Registration, RegistrationCache};
 use portability_verbs::protect::{self, LazyRange, ProtectedRange, Protection};
 use portability_verbs::{
-    AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCaps, QpInit, SendWr, Sge, VerbsError,
-    WcStatus,
+    AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, SendWr, Sge, VerbsError, WcStatus,
 };
 
 use crate::engine::{self, Background};
@@ -55,8 +54,6 @@ use crate::wire::{Advert, Design, Message, BSDH_LEN};
 
 /// How long connection setup may take.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a closing socket waits for its last messages to be taken.
-const LINGER: Duration = Duration::from_secs(2);
 /// Private data that marks an SDP connection attempt.
 const SDP_MAGIC: &[u8] = b"SDP1";
 /// AZ-SDP send buffers a socket keeps lazily protected after their transfer (see [`Conn::lazy`]).
@@ -188,6 +185,7 @@ fn verbs_io(e: VerbsError) -> io::Error {
     let kind = match &e {
         VerbsError::Timeout(_) => io::ErrorKind::TimedOut,
         VerbsError::PeerUnreachable(_) => io::ErrorKind::ConnectionReset,
+        VerbsError::Refused(_) => io::ErrorKind::ConnectionRefused,
         VerbsError::Protocol(_) => io::ErrorKind::ConnectionAborted,
         VerbsError::InvalidArgument(_) => io::ErrorKind::InvalidInput,
         VerbsError::Os { source, .. } => source.kind(),
@@ -198,7 +196,6 @@ fn verbs_io(e: VerbsError) -> io::Error {
 
 /// The verbs objects every socket of the process shares.
 struct Runtime {
-    ctx: Context,
     pd: ProtectionDomain,
     regcache: RegistrationCache,
 }
@@ -209,7 +206,7 @@ fn runtime() -> io::Result<&'static Runtime> {
         let ctx = Context::open_default().map_err(|e| e.to_string())?;
         let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
         let regcache = RegistrationCache::new(&pd, 1 << 30);
-        Ok(Runtime { ctx, pd, regcache })
+        Ok(Runtime { pd, regcache })
     });
     rt.as_ref().map_err(|e| io::Error::other(format!("opening the verbs device: {e}")))
 }
@@ -269,27 +266,35 @@ impl SdpListener {
     fn accept_until(&self, deadline: Option<Instant>) -> io::Result<(SdpStream, SocketAddr)> {
         let rt = runtime()?;
         loop {
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "no connection in time"));
-            }
             let nonblocking = self.nonblocking.load(std::sync::atomic::Ordering::Relaxed);
-            // A nonblocking accept still lets a client that is already knocking finish setup.
-            let mut wait = if nonblocking { Duration::from_millis(1) } else { Duration::from_millis(200) };
-            if let Some(d) = deadline {
-                wait = wait.min(d.saturating_duration_since(Instant::now())).max(Duration::from_millis(1));
-            }
-            let cq = rt.ctx.create_cq(4096).map_err(verbs_io)?;
-            match self.inner.accept(&rt.pd, &qp_init(&cq), SDP_MAGIC, wait) {
+            // Each client's bootstrap runs on its own inside the listener: a nonblocking accept
+            // takes one that finished, a blocking one waits (in slices, to notice a switch to
+            // nonblocking mode) for the next. A client that fails its bootstrap is dropped
+            // there and never seen here, as a TCP listener never shows a failed handshake.
+            let wait = match (nonblocking, deadline) {
+                (true, _) => Duration::ZERO,
+                (false, None) => Duration::from_millis(200),
+                (false, Some(d)) => d.saturating_duration_since(Instant::now()).min(Duration::from_millis(200)),
+            };
+            match self.inner.accept(&rt.pd, &qp_spec(), SDP_MAGIC, wait) {
                 Ok(conn) => {
                     if conn.peer_private != SDP_MAGIC {
                         debug!("rejecting a non-SDP bootstrap peer");
                         continue;
                     }
-                    let s = SdpStream::establish(conn, cq, self.config)?;
-                    let peer = s.peer_addr()?;
-                    return Ok((s, peer));
+                    match SdpStream::establish(conn, self.config) {
+                        Ok(s) => {
+                            let peer = s.peer_addr()?;
+                            return Ok((s, peer));
+                        }
+                        // The client's failure, not the listener's.
+                        Err(e) => debug!("an SDP client failed its set-up: {e}"),
+                    }
                 }
                 Err(VerbsError::Timeout(_)) if nonblocking => return Err(io::ErrorKind::WouldBlock.into()),
+                Err(VerbsError::Timeout(_)) if deadline.is_some_and(|d| Instant::now() >= d) => {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "no connection in time"))
+                }
                 // No client yet: keep listening, as a blocking accept does.
                 Err(VerbsError::Timeout(_)) => continue,
                 Err(e) => return Err(verbs_io(e)),
@@ -303,8 +308,9 @@ impl SdpListener {
     }
 }
 
-fn qp_init(cq: &portability_verbs::CompletionQueue) -> QpInit<'_> {
-    QpInit { caps: QpCaps { max_send_wr: 512, max_recv_wr: 512, ..QpCaps::default() }, ..QpInit::new(cq) }
+/// Every connection's queue pair and completion queue.
+fn qp_spec() -> cm::QpSpec {
+    cm::QpSpec::with_depths(512, 512)
 }
 
 /// What a SrcAvail of ours lets the peer read (kept with it in [`Proto`] until its answer).
@@ -399,6 +405,17 @@ struct Conn {
     ended_by_peer: bool,
     read_shut: bool,
     write_shut: bool,
+    /// `shutdown(Write)` queued a Disconnect that flow control has not admitted yet: it goes
+    /// with the socket's next call or the engine's next visit (a shutdown never waits, as a
+    /// TCP FIN queued behind unsent bytes does not).
+    disconnect_pending: bool,
+    /// Closed: when the application let go of the socket (or the process began to exit), and
+    /// whether its Close is still to be sent. A closed socket lives on in the engine until the
+    /// peer has taken every byte (see [`crate::engine`]).
+    closing: Option<Instant>,
+    close_pending: bool,
+    /// `calls` as the engine's quiet visit saw it last time.
+    calls_quiet: u64,
     /// Our lock table (a word per SrcAvail of the peer's, taken by us with local atomics before
     /// we read it, by the peer with compare-and-swap before it copies it aside), then the word
     /// our own compare-and-swap results land in. `None` where the provider cannot run local
@@ -439,11 +456,15 @@ struct Conn {
     tx: Vec<u8>,
 }
 
-/// A connected SDP stream socket: a reliable byte stream like `TcpStream`.
+/// A connected SDP stream socket: a reliable byte stream like `TcpStream`. Dropping the last
+/// handle closes it: the peer reads every byte written before, then EOF, however late it
+/// reads (see [`crate::engine`] for how long a closed socket waits for that).
 pub struct SdpStream {
     conn: Arc<Mutex<Conn>>,
     /// The connection's completion queue, to sleep on without holding the lock.
     cq: CompletionQueue,
+    /// Handles of this socket ([`SdpStream::try_clone`]): the last one dropped closes it.
+    handles: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl SdpStream {
@@ -456,22 +477,21 @@ impl SdpStream {
     pub fn connect_with(addr: impl ToSocketAddrs, config: SdpConfig) -> io::Result<SdpStream> {
         config.validate()?;
         let rt = runtime()?;
-        let cq = rt.ctx.create_cq(4096).map_err(verbs_io)?;
-        let conn = cm::connect(&CmAddr::Tcp(resolve(addr)?), &rt.pd, &qp_init(&cq), SDP_MAGIC, SETUP_TIMEOUT)
+        let conn = cm::connect(&CmAddr::Tcp(resolve(addr)?), &rt.pd, &qp_spec(), SDP_MAGIC, SETUP_TIMEOUT)
             .map_err(verbs_io)?;
         if conn.peer_private != SDP_MAGIC {
             return Err(io::Error::new(io::ErrorKind::ConnectionRefused, "the listener is not an SDP socket"));
         }
-        Self::establish(conn, cq, config)
+        Self::establish(conn, config)
     }
 
-    fn establish(conn: cm::Connection, cq: portability_verbs::CompletionQueue, config: SdpConfig) -> io::Result<Self> {
+    fn establish(conn: cm::Connection, config: SdpConfig) -> io::Result<Self> {
         let rt = runtime()?;
         let unknown = || io::Error::other("bootstrap socket had no TCP address");
         let (local, peer) = (conn.local_addr.ok_or_else(unknown)?, conn.peer_addr.ok_or_else(unknown)?);
         let options = PipeOptions { bulk_ring: config.bulk_ring, ..PipeOptions::default() };
         let pipe =
-            MsgPipe::establish_with(conn.qp, cq, &rt.pd, config.flow, options, SETUP_TIMEOUT).map_err(verbs_io)?;
+            MsgPipe::establish_with(conn.qp, conn.cq, &rt.pd, config.flow, options, SETUP_TIMEOUT).map_err(verbs_io)?;
         let locks = rt.pd.register(vec![0u8; CAS_RESULT + 8].into_boxed_slice(), AccessFlags::ALL).map_err(verbs_io)?;
         let locks = match locks.local_atomic(0, |v| v) {
             Ok(_) => Some(locks),
@@ -491,6 +511,10 @@ impl SdpStream {
             ended_by_peer: false,
             read_shut: false,
             write_shut: false,
+            disconnect_pending: false,
+            closing: None,
+            close_pending: false,
+            calls_quiet: 0,
             locks,
             cow_try: None,
             cow_unsent: VecDeque::new(),
@@ -514,7 +538,11 @@ impl SdpStream {
             c.send_now(&Message::LockTable(table))?;
         }
         let cq = c.pipe.cq().clone();
-        Ok(SdpStream { conn: Arc::new(Mutex::new(c)), cq })
+        let conn = Arc::new(Mutex::new(c));
+        engine::start();
+        let socket: Arc<Mutex<dyn Background>> = conn.clone();
+        engine::register(&socket);
+        Ok(SdpStream { conn, cq, handles: Arc::new(1.into()) })
     }
 
     /// [`Conn::prepare_sleep`], under the lock.
@@ -541,16 +569,22 @@ impl SdpStream {
     }
 
     /// Shuts down reading, writing or both. Shutting down writing sends Disconnect: the peer
-    /// reads EOF after the bytes already written.
+    /// reads EOF after the bytes already written. It never waits: a Disconnect that flow
+    /// control holds back behind unread bytes goes as soon as the peer makes room, sent by the
+    /// socket's next call or by the background engine.
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         let mut c = self.lock();
+        c.check_ok()?;
         if matches!(how, Shutdown::Read | Shutdown::Both) {
             c.read_shut = true;
         }
         if matches!(how, Shutdown::Write | Shutdown::Both) && !c.write_shut {
             c.write_shut = true;
-            drop(c);
-            self.send_control(Message::Disconnect)?;
+            c.disconnect_pending = true;
+            c.send_pending_control()?;
+            if c.disconnect_pending || !c.pipe.idle() {
+                self.watch(&mut c);
+            }
         }
         Ok(())
     }
@@ -582,7 +616,8 @@ impl SdpStream {
 
     /// Another handle to the same socket (for example a reader thread and a writer thread).
     pub fn try_clone(&self) -> io::Result<SdpStream> {
-        Ok(SdpStream { conn: self.conn.clone(), cq: self.cq.clone() })
+        self.handles.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(SdpStream { conn: self.conn.clone(), cq: self.cq.clone(), handles: self.handles.clone() })
     }
 
     /// This end's send design.
@@ -992,7 +1027,9 @@ impl SdpStream {
                 let pumped = c.pump();
                 if let Some(n) = c.zcopy_answer.take() {
                     if n == 0 {
-                        return Err(io::Error::new(io::ErrorKind::TimedOut, "the receiver read nothing in time"));
+                        // Nothing was read before the cancel: the write timed out, the socket
+                        // is as it was before it.
+                        return Err(io::Error::new(io::ErrorKind::WouldBlock, "the receiver read nothing in time"));
                     }
                     return Ok(n as usize);
                 }
@@ -1065,7 +1102,7 @@ impl Background for Conn {
     /// a fault: on a loaded machine a third thread polling a busy socket only steals its CPU
     /// and its lock.
     fn background_progress(&mut self) -> bool {
-        let in_flight = !self.proto.sends().is_empty() || !self.reads.is_empty() || !self.pipe.idle();
+        let in_flight = self.in_flight();
         let app_active = std::mem::replace(&mut self.calls_seen, self.calls) != self.calls;
         if in_flight && protect::fault_waiters() == 0 && app_active {
             return true;
@@ -1074,11 +1111,84 @@ impl Background for Conn {
             // Errors are recorded in the socket; its next call reports them.
             let _ = self.pump();
         }
-        self.failed.is_none() && (!self.proto.sends().is_empty() || !self.reads.is_empty() || !self.pipe.idle())
+        self.failed.is_none() && self.in_flight()
+    }
+
+    fn quiet_visit(&mut self) -> bool {
+        if self.closing.is_none() {
+            // An application calling into its socket drives it itself.
+            if std::mem::replace(&mut self.calls_quiet, self.calls) != self.calls || self.failed.is_some() {
+                return false;
+            }
+            // Errors are recorded in the socket; its next call reports them.
+            let _ = self.pump_control().and_then(|()| self.send_pending_control());
+            return false;
+        }
+        if self.failed.is_none() {
+            let _ = self.send_pending_control().and_then(|()| self.pump());
+        }
+        self.close_finished()
+    }
+
+    fn begin_close(&mut self) {
+        self.start_close();
     }
 }
 
 impl Conn {
+    /// Transfers of ours still under way: sends not completed or staged, SrcAvails not
+    /// answered, reads of the peer's memory not landed.
+    fn in_flight(&self) -> bool {
+        !self.proto.sends().is_empty() || !self.reads.is_empty() || !self.pipe.idle()
+    }
+
+    /// Sends the Disconnect of `shutdown` and the Close of `close` once flow control admits
+    /// them (in that order, each at most once, behind every byte written before).
+    fn send_pending_control(&mut self) -> io::Result<()> {
+        if self.disconnect_pending && self.try_send(&Message::Disconnect)? {
+            self.disconnect_pending = false;
+        }
+        if self.close_pending && !self.disconnect_pending && self.try_send(&Message::Close)? {
+            self.close_pending = false;
+        }
+        self.flush_pipe()
+    }
+
+    /// The application let go of the socket: Close follows the bytes written (it is
+    /// Disconnect too, and says we read nothing more).
+    fn start_close(&mut self) {
+        if self.closing.is_none() {
+            self.closing = Some(Instant::now());
+            self.read_shut = true;
+            self.close_pending = true;
+            // Close says all Disconnect says.
+            self.disconnect_pending = false;
+            if self.failed.is_none() {
+                let _ = self.send_pending_control().and_then(|()| self.pump());
+            }
+        }
+    }
+
+    /// Whether a closed socket is done: the peer took every byte (and read the buffers still
+    /// held, for AZ-SDP) after our Close, or closed itself (it reads nothing more), or the
+    /// connection failed; or the peer took nothing for [`engine::ORPHAN_LINGER`], and the
+    /// connection is reset.
+    fn close_finished(&mut self) -> bool {
+        if self.failed.is_some() || self.pipe.failure().is_some() || self.proto.peer_closed() {
+            return true;
+        }
+        if !self.close_pending && !self.in_flight() {
+            return true;
+        }
+        if self.closing.is_some_and(|t| t.elapsed() >= engine::ORPHAN_LINGER) {
+            let why = "the peer took no bytes for as long as a closed socket waits";
+            self.abort_locally();
+            debug!("SDP socket {} -> {}: {why}", self.local, self.peer);
+            return true;
+        }
+        false
+    }
+
     /// The pipe's [`MsgPipe::prepare_sleep`] (false on an error: the next poll reports it).
     fn prepare_sleep(&mut self) -> bool {
         self.pipe.prepare_sleep().unwrap_or(false)
@@ -1260,6 +1370,9 @@ impl Conn {
     /// later message would follow the same way.
     fn pump_until(&mut self, reader_room: Option<usize>) -> io::Result<()> {
         self.check_ok()?;
+        if self.disconnect_pending || self.close_pending {
+            self.send_pending_control()?;
+        }
         if self.pipe.staged() > 0 {
             self.flush_pipe()?;
         }
@@ -1280,34 +1393,61 @@ impl Conn {
                     }
                 }
             }
-            let mut outcome: Result<Event<Sending>, ProtoError> = Ok(Event::None);
-            let got = {
-                let proto = &mut self.proto;
-                self.pipe.recv_lane(|lane, bytes| {
-                    outcome = match lane {
-                        Lane::Message => proto.on_message(bytes),
-                        Lane::Bulk => proto.on_bulk(bytes).map(|()| Event::None),
-                    }
-                })
-            };
-            match got {
-                Ok(Some(())) => {}
-                Ok(None) => {
-                    self.complete_reads()?;
-                    return self.copy_on_write();
-                }
-                Err(e) => return Err(self.fail_verbs(e)),
-            }
-            match outcome {
-                Ok(event) => self.apply(event)?,
-                Err(e) => {
-                    // The peer broke the protocol: tell it, then fail.
-                    let _ = self.try_send(&Message::Abort);
-                    let _ = self.pipe.flush();
-                    return Err(self.fail(io::ErrorKind::InvalidData, e.to_string()));
-                }
+            if !self.take_one()? {
+                self.complete_reads()?;
+                return self.copy_on_write();
             }
         }
+    }
+
+    /// Takes in the next message or bulk bytes, if any arrived; whether one did.
+    fn take_one(&mut self) -> io::Result<bool> {
+        let mut outcome: Result<Event<Sending>, ProtoError> = Ok(Event::None);
+        let got = {
+            let proto = &mut self.proto;
+            self.pipe.recv_lane(|lane, bytes| {
+                outcome = match lane {
+                    Lane::Message => proto.on_message(bytes),
+                    Lane::Bulk => proto.on_bulk(bytes).map(|()| Event::None),
+                }
+            })
+        };
+        match got {
+            Ok(Some(())) => {}
+            Ok(None) => return Ok(false),
+            Err(e) => return Err(self.fail_verbs(e)),
+        }
+        match outcome {
+            Ok(event) => self.apply(event)?,
+            Err(e) => {
+                // The peer broke the protocol: tell it, then fail.
+                let _ = self.try_send(&Message::Abort);
+                let _ = self.pipe.flush();
+                return Err(self.fail(io::ErrorKind::InvalidData, e.to_string()));
+            }
+        }
+        Ok(true)
+    }
+
+    /// Takes in the control messages that arrived, up to the first stream bytes (left in the
+    /// pipe for the application's read: taking them would cost a copy and let the peer send
+    /// more than the receive buffers hold). What the background engine does for a socket
+    /// whose application is busy elsewhere: a peer's SrcAvailCancel is answered, its Close
+    /// seen.
+    fn pump_control(&mut self) -> io::Result<()> {
+        self.check_ok()?;
+        loop {
+            let stream_bytes = match self.pipe.front() {
+                Ok(Some((Lane::Bulk, _))) | Ok(None) => true,
+                Ok(Some((Lane::Message, bytes))) => self.proto.next_data(bytes).is_some(),
+                Err(_) => false, // taken (and failed on) below
+            };
+            if stream_bytes || !self.take_one()? {
+                break;
+            }
+        }
+        self.complete_reads()?;
+        self.copy_on_write()
     }
 
     /// Does what an incoming message asks.
@@ -1889,21 +2029,35 @@ impl Pacer {
     }
 }
 
+impl SdpStream {
+    /// A read or write timeout is `WouldBlock`, as Linux reports `SO_RCVTIMEO` and
+    /// `SO_SNDTIMEO` (`EAGAIN`); a connection that failed by timing out keeps `TimedOut`.
+    fn timeout_is_would_block(&self, e: io::Error) -> io::Error {
+        if e.kind() == io::ErrorKind::TimedOut && self.lock().failed.is_none() {
+            return io::Error::new(
+                io::ErrorKind::WouldBlock,
+                e.into_inner().map_or("timed out".into(), |i| i.to_string()),
+            );
+        }
+        e
+    }
+}
+
 impl Read for SdpStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.read_impl(buf)
+        (&*self).read(buf)
     }
 }
 
 impl Read for &SdpStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.read_impl(buf)
+        self.read_impl(buf).map_err(|e| self.timeout_is_would_block(e))
     }
 }
 
 impl Write for SdpStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.write_impl(buf)
+        (&*self).write(buf)
     }
     fn flush(&mut self) -> io::Result<()> {
         (&*self).flush()
@@ -1912,7 +2066,7 @@ impl Write for SdpStream {
 
 impl Write for &SdpStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.write_impl(buf)
+        self.write_impl(buf).map_err(|e| self.timeout_is_would_block(e))
     }
     /// Every write hands its bytes to the transport before returning; flush drives what flow
     /// control still holds and, for AZ-SDP, waits until the peer has read every buffer written
@@ -1938,42 +2092,29 @@ impl Write for &SdpStream {
     }
 }
 
-impl Drop for Conn {
+impl Drop for SdpStream {
+    /// The last handle closes the socket: Close goes after the bytes written, and a socket whose
+    /// peer has not taken them all stays with the background engine until it has (as a closed
+    /// TCP socket stays in the kernel), without making the caller wait.
     fn drop(&mut self) {
-        if self.failed.is_some() {
+        if self.handles.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) != 1 {
             return;
         }
-        // Close: Close after the bytes written (it is Disconnect, and says we read nothing
-        // more), then linger until the peer took them (and, for AZ-SDP, read the buffers still
-        // held), or until the peer's own Close says it will take nothing more. Without that
-        // last condition two ends closing at once could each wait for the other: the first to
-        // finish drops its queue pair, and the other's last message then fails only when the
-        // transport notices the peer is gone (10 ms on the software provider, the retry timers
-        // on hardware).
-        // The wait spins briefly, then sleeps on the completion queue in short slices: a peer
-        // that makes no call on its socket for a while must not cost us a core meanwhile.
-        let deadline = &Deadline::after(Some(LINGER));
-        let cq = self.pipe.cq().clone();
-        let mut pacer = Pacer::default();
-        let mut close_sent = false;
-        while self.failed.is_none() && self.pipe.failure().is_none() {
-            if !close_sent {
-                match self.try_send(&Message::Close) {
-                    Ok(sent) => close_sent = sent,
-                    Err(_) => break,
-                }
-            }
-            let _ = self.pipe.flush();
-            let _ = self.pump();
-            let done = self.pipe.idle() && self.proto.sends().is_empty() && self.reads.is_empty();
-            // A peer that closed is told so if flow control admits it, and not waited for.
-            if (close_sent && done) || self.proto.peer_closed() {
-                break;
-            }
-            if pacer.pause_on(deadline, "closing", Some(&cq), || self.prepare_sleep()).is_err() {
-                break;
-            }
+        let finished = {
+            let mut c = self.lock();
+            c.start_close();
+            c.close_finished()
+        };
+        if !finished {
+            engine::orphan(self.conn.clone());
         }
+    }
+}
+
+impl Drop for Conn {
+    /// The connection's end (closed and done, failed, or at exit): nothing may still read or
+    /// write the application's buffers afterwards.
+    fn drop(&mut self) {
         self.release_all();
     }
 }

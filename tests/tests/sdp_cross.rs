@@ -100,8 +100,10 @@ fn copy_on_write_lets_two_processes_store_into_buffers_in_flight() {
     drop(s);
 }
 
+/// A peer process that exits without closing its socket closes it by exiting, as the kernel
+/// closes a TCP socket: its data, then EOF; writing to it afterwards fails.
 #[test]
-fn a_peer_dying_mid_stream_is_a_reset_after_its_data() {
+fn a_peer_exiting_without_closing_is_eof_after_its_data() {
     let l = SdpListener::bind_with("127.0.0.1:0", SdpConfig::default()).unwrap();
     let n = 300_000usize;
     let child = spawn(l.local_addr().unwrap(), &["send-then-die", &n.to_string()]);
@@ -109,14 +111,36 @@ fn a_peer_dying_mid_stream_is_a_reset_after_its_data() {
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let mut got = vec![0u8; n];
     s.read_exact(&mut got).unwrap();
-    assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "data delivered before death is intact");
+    assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "data delivered before the exit is intact");
     s.write_all(&[1]).unwrap();
     assert!(reap(child).success());
-    // The peer exited without closing: not EOF, not a hang, a connection error.
+    assert_eq!(s.read(&mut [0u8; 16]).unwrap(), 0, "EOF after the exit");
+    let mut failed = false;
+    for _ in 0..3 {
+        failed |= s.write(&[0u8; 100]).is_err();
+    }
+    assert!(failed, "writing to a peer that is gone fails");
+}
+
+/// A peer process killed mid-stream: its data, then a reset (never EOF, never a hang).
+#[test]
+fn a_peer_killed_mid_stream_is_a_reset_after_its_data() {
+    let l = SdpListener::bind_with("127.0.0.1:0", SdpConfig::default()).unwrap();
+    let n = 300_000usize;
+    let mut child = spawn(l.local_addr().unwrap(), &["send-then-wait", &n.to_string()]);
+    let (mut s, _) = l.accept_timeout(Duration::from_secs(20)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut got = vec![0u8; n];
+    s.read_exact(&mut got).unwrap();
+    assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "data delivered before the kill is intact");
+    child.kill().unwrap();
+    assert!(!reap(child).success());
+    let start = Instant::now();
     let e = s.read(&mut [0u8; 16]).unwrap_err();
     assert!(
         matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted),
         "expected a reset, got {e:?}"
     );
+    assert!(start.elapsed() < Duration::from_secs(2), "the death is noticed within 2 s");
     assert!(s.write(&[0u8; 100]).is_err(), "writing to a dead peer fails");
 }

@@ -1,6 +1,7 @@
 //! The other process of the SDP cross-process tests.
 //!
 //!     sdp_peer <addr> send-then-die <bytes>   connect, write <bytes> bytes, exit without closing
+//!     sdp_peer <addr> send-then-wait <bytes>  connect, write <bytes> bytes, wait to be killed
 //!     sdp_peer <addr> echo                    connect, echo everything until EOF, then close
 //!     sdp_peer <addr> write-store-read <n>    <n> rounds of: write a 16-page buffer, store
 //!                                             into it at once, read 16 pages (see
@@ -28,6 +29,13 @@ fn main() {
             let mut ok = [0u8; 1];
             s.read_exact(&mut ok).expect("go-ahead");
             std::process::exit(0);
+        }
+        "send-then-wait" => {
+            let n: usize = args[3].parse().expect("byte count");
+            let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+            s.write_all(&data).expect("write");
+            std::thread::sleep(std::time::Duration::from_secs(30));
+            std::process::exit(3);
         }
         "echo" => {
             let mut buf = vec![0u8; 1 << 16];
