@@ -105,6 +105,7 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+pub mod diff;
 pub mod peer_proto;
 
 /// One end of the AZ-SDP symmetric store pattern: `rounds` times, write a 16-page buffer
