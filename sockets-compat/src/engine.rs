@@ -199,23 +199,31 @@ fn visit_quiet(e: &Engine) {
 /// does not read.
 pub(crate) fn drain_at_exit() {
     let Some(e) = ENGINE_READY.get().and(Some(engine())) else { return };
-    let deadline = Instant::now() + ORPHAN_LINGER;
+    let start = Instant::now();
+    let mut last_progress = start;
     loop {
         let (open, orphans) = {
             let l = e.lists.lock().unwrap_or_else(|p| p.into_inner());
             (l.open.clone(), l.orphans.clone())
         };
-        let mut waiting = false;
+        let (mut waiting, mut locked) = (false, false);
         for sock in open.iter().filter_map(Weak::upgrade).chain(orphans) {
             match sock.try_lock() {
                 Ok(mut g) => {
                     g.begin_close();
                     waiting |= !g.quiet_visit();
                 }
-                Err(_) => waiting = true,
+                Err(_) => locked = true,
             };
         }
-        if !waiting || Instant::now() >= deadline {
+        let now = Instant::now();
+        if waiting {
+            last_progress = now;
+        }
+        // A socket another thread keeps locked (in a call that may never return while the
+        // process exits) is not waited for long.
+        let stuck = locked && now.duration_since(last_progress) >= Duration::from_secs(1);
+        if (!waiting && !locked) || stuck || now.duration_since(start) >= ORPHAN_LINGER {
             return;
         }
         std::thread::sleep(Duration::from_micros(200));

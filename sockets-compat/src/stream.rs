@@ -66,7 +66,7 @@ const CAS_RESULT: usize = 8 * LOCK_WORDS as usize;
 
 /// Per-socket settings, by default from the environment: `SDP_DESIGN` (`bsdp`, `zsdp`,
 /// `azsdp`), `SDP_FLOW` (`credit`, `rdma`, `window`, `polled`: must be the same at both ends),
-/// `SDP_ZCOPY_THRESHOLD` (bytes), `SDP_AZ_OUTSTANDING`, `SDP_AZ_FAULT_LIMIT`, `SDP_AZ_COW`
+/// `SDP_ZCOPY_THRESHOLD` (bytes), `SDP_AZ_OUTSTANDING`, `SDP_AZ_FAULT_LIMIT`, `SDP_AZ_HOLD_MIN`, `SDP_AZ_COW`
 /// (`1` or `0`), `SDP_BULK_RING` and `SDP_BULK_MIN` (bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SdpConfig {
@@ -80,6 +80,14 @@ pub struct SdpConfig {
     pub az_max_outstanding: usize,
     /// AZ-SDP: page faults on held buffers after which the socket falls back to ZSDP.
     pub az_fault_limit: u32,
+    /// AZ-SDP: the smallest transfer whose buffer is held (memory-protected) while in flight;
+    /// smaller zero-copy writes are copied (as BSDP sends them) and smaller reads wait for
+    /// their data. Buffers below the allocator's mmap threshold (128 KiB in glibc) live in
+    /// heap memory the allocator reuses once the program frees them, and a TLS library, say,
+    /// frees each record right after writing it: the allocator's next use of those pages,
+    /// inside this library's own locked code, would wait for a transfer only that code can
+    /// finish. Copying them costs less than protecting them anyway.
+    pub az_hold_min: usize,
     /// AZ-SDP: a store into a buffer the peer has not started reading copies it aside (the
     /// paper's copy-on-write) instead of waiting for the peer to read it (block-on-write).
     pub az_copy_on_write: bool,
@@ -127,6 +135,9 @@ impl SdpConfig {
         if let Ok(v) = std::env::var("SDP_AZ_FAULT_LIMIT") {
             c.az_fault_limit = v.parse().map_err(|_| invalid(format!("SDP_AZ_FAULT_LIMIT={v:?}: a count")))?;
         }
+        if let Ok(v) = std::env::var("SDP_AZ_HOLD_MIN") {
+            c.az_hold_min = v.parse().map_err(|_| invalid(format!("SDP_AZ_HOLD_MIN={v:?}: bytes")))?;
+        }
         if let Ok(v) = std::env::var("SDP_BULK_RING") {
             c.bulk_ring = v.parse().map_err(|_| invalid(format!("SDP_BULK_RING={v:?}: bytes")))?;
         }
@@ -170,6 +181,7 @@ impl Default for SdpConfig {
             zcopy_threshold: 64 * 1024,
             az_max_outstanding: 16,
             az_fault_limit: 64,
+            az_hold_min: 128 * 1024,
             az_copy_on_write: true,
             bulk_ring: 2 << 20,
             bulk_min: 16 * 1024,
@@ -766,10 +778,11 @@ impl SdpStream {
     }
 
     fn write_impl(&self, buf: &[u8]) -> io::Result<usize> {
-        let (design, zcopy, nonblocking, timeout) = {
+        let (design, zcopy, nonblocking, timeout, hold_min) = {
             let c = self.lock();
             c.check_writable()?;
-            (c.effective_design(), buf.len() >= c.config.zcopy_threshold, c.nonblocking, c.write_timeout)
+            let zcopy = buf.len() >= c.config.zcopy_threshold;
+            (c.effective_design(), zcopy, c.nonblocking, c.write_timeout, c.config.az_hold_min)
         };
         if buf.is_empty() {
             return Ok(0);
@@ -780,7 +793,7 @@ impl SdpStream {
         // A nonblocking socket copies: it cannot hold the caller's buffer past the call.
         let written = match design {
             Design::Zsdp if zcopy && !nonblocking => self.write_zcopy(buf, timeout),
-            Design::AzSdp if zcopy && !nonblocking => self.write_async(buf, deadline),
+            Design::AzSdp if zcopy && !nonblocking && buf.len() >= hold_min => self.write_async(buf, deadline),
             _ => self.write_copy(buf, nonblocking, deadline),
         };
         self.hand_over();
@@ -1756,7 +1769,7 @@ impl Conn {
                 }
                 // An AZ-SDP receiver holds the whole pages and lets their read land later;
                 // the unaligned head is read at once.
-                let (head, middle) = if self.effective_design() == Design::AzSdp {
+                let (head, middle) = if self.effective_design() == Design::AzSdp && n >= self.config.az_hold_min {
                     whole_pages(buf.as_ptr() as usize, n)
                 } else {
                     (n, 0)

@@ -17,10 +17,13 @@ use common::{pair, Pages, Rng};
 const PAGE: usize = 4096;
 
 /// AZ-SDP with block-on-write: a store into a buffer in flight waits for the peer's read.
+/// Buffers of a page and more are held (by default only those of 128 KiB and more are), so
+/// the contract is tested on small buffers.
 fn az() -> SdpConfig {
     SdpConfig {
         design: Design::AzSdp,
         zcopy_threshold: PAGE,
+        az_hold_min: PAGE,
         az_fault_limit: u32::MAX,
         az_copy_on_write: false,
         ..SdpConfig::default()

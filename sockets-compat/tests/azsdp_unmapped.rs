@@ -17,7 +17,13 @@ use common::{pair, Pages};
 const PAGE: usize = 4096;
 
 fn az() -> SdpConfig {
-    SdpConfig { design: Design::AzSdp, zcopy_threshold: PAGE, az_fault_limit: u32::MAX, ..SdpConfig::default() }
+    SdpConfig {
+        design: Design::AzSdp,
+        zcopy_threshold: PAGE,
+        az_hold_min: PAGE,
+        az_fault_limit: u32::MAX,
+        ..SdpConfig::default()
+    }
 }
 
 #[test]

@@ -132,7 +132,7 @@ fn an_abort_is_a_reset() {
 const PAGE: usize = 4096;
 
 fn az() -> SdpConfig {
-    SdpConfig { design: Design::AzSdp, zcopy_threshold: PAGE, ..SdpConfig::default() }
+    SdpConfig { design: Design::AzSdp, zcopy_threshold: PAGE, az_hold_min: PAGE, ..SdpConfig::default() }
 }
 
 /// The page-aligned `pages`-page window of `v` (which has a page to spare).
@@ -187,7 +187,7 @@ fn an_unhonored_advert_into_a_held_receive_buffer_releases_it_and_fails_the_sock
 #[test]
 fn an_answer_that_does_not_cover_the_srcavail_fails_the_write() {
     for (design, claim) in [(Design::Zsdp, 1i64), (Design::Zsdp, -1), (Design::AzSdp, -4096)] {
-        let cfg = SdpConfig { design, zcopy_threshold: PAGE, ..SdpConfig::default() };
+        let cfg = SdpConfig { design, zcopy_threshold: PAGE, az_hold_min: PAGE, ..SdpConfig::default() };
         let mut s = with_raw_peer_and(cfg, move |p, _| loop {
             let m = p.recv(T).unwrap();
             if let Message::SrcAvail(a) = Message::decode(&m).unwrap().1 {

@@ -131,3 +131,53 @@ pub fn write_store_read(s: &mut sockets_compat::SdpStream, end: u64, rounds: u64
     }
     Ok(())
 }
+
+/// Record sizes of [`send_records`] and [`echo_records`]: 4 to 20 KiB, as TLS records with
+/// their overhead.
+fn record_sizes(n: usize) -> Vec<usize> {
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            4096 + (x % 16384) as usize
+        })
+        .collect()
+}
+
+/// The client of a TLS-like session: `n` rounds of a length-prefixed record, each a fresh
+/// allocation written and freed at once, answered by the same record echoed.
+pub fn send_records(s: &mut sockets_compat::SdpStream, n: usize) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    for (i, len) in record_sizes(n).into_iter().enumerate() {
+        let rec = pattern(i as u64, len);
+        s.write_all(&(len as u32).to_le_bytes())?;
+        s.write_all(&rec)?;
+        drop(rec);
+        let mut h = [0u8; 4];
+        s.read_exact(&mut h)?;
+        let mut back = vec![0u8; u32::from_le_bytes(h) as usize];
+        s.read_exact(&mut back)?;
+        if back != pattern(i as u64, len) {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("record {i} differs")));
+        }
+    }
+    Ok(())
+}
+
+/// The server of [`send_records`]: echoes `n` records, each read into a fresh allocation,
+/// written back and freed at once.
+pub fn echo_records(s: &mut sockets_compat::SdpStream, n: usize) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    for _ in 0..n {
+        let mut h = [0u8; 4];
+        s.read_exact(&mut h)?;
+        let mut rec = vec![0u8; u32::from_le_bytes(h) as usize];
+        s.read_exact(&mut rec)?;
+        s.write_all(&h)?;
+        s.write_all(&rec)?;
+        drop(rec);
+    }
+    Ok(())
+}

@@ -2,6 +2,7 @@
 //!
 //!     sdp_peer <addr> send-then-die <bytes>   connect, write <bytes> bytes, exit without closing
 //!     sdp_peer <addr> send-then-wait <bytes>  connect, write <bytes> bytes, wait to be killed
+//!     sdp_peer <addr> records <n>             a TLS-like client (`tests::send_records`)
 //!     sdp_peer <addr> echo                    connect, echo everything until EOF, then close
 //!     sdp_peer <addr> write-store-read <n>    <n> rounds of: write a 16-page buffer, store
 //!                                             into it at once, read 16 pages (see
@@ -36,6 +37,11 @@ fn main() {
             s.write_all(&data).expect("write");
             std::thread::sleep(std::time::Duration::from_secs(30));
             std::process::exit(3);
+        }
+        "records" => {
+            let n: usize = args[3].parse().expect("record count");
+            tests::send_records(&mut s, n).expect("records");
+            s.flush().expect("flush");
         }
         "echo" => {
             let mut buf = vec![0u8; 1 << 16];
