@@ -1,12 +1,14 @@
 //! Channels, connections, and the packing and unpacking of messages.
 
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use portability_verbs::copy::{self, copy_slice};
-use portability_verbs::datapath::{AdaptiveCrossover, FlowStrategy, Lane, MsgPipe, PipeOptions, Registration, Stores};
+use portability_verbs::datapath::{
+    AdaptiveCrossover, FlowStrategy, Lane, MsgPipe, NoticeBoard, PipeOptions, Registration, Stores,
+};
 use portability_verbs::{cm, AccessFlags, CompletionQueue, SendWr, Sge, WcStatus};
 use smallvec::SmallVec;
 
@@ -406,6 +408,8 @@ pub(crate) struct SendSide {
     inline_modes: Modes,
     /// `end_packing` ran (or the packer was dropped).
     finished: bool,
+    /// The last word of the peer's latest mismatch report that was returned to a packer.
+    notice_seen: u64,
 }
 
 /// The receiving direction of a connection, held by an unpacker for a whole message.
@@ -428,6 +432,10 @@ pub(crate) struct RecvSide {
     rdv_next: u32,
     /// ...and how many we told it we read ([`Unpacker::release`]).
     rdv_released: u32,
+    /// Mismatches reported to the sender so far (the count in each notice)...
+    notices: u32,
+    /// ...the last of them about this message (sequence number).
+    told: Option<u32>,
 }
 
 /// A connection to one peer on one channel.
@@ -450,6 +458,8 @@ pub(crate) struct Conn {
     threshold: usize,
     /// The pipe's completion queue, for waiters to sleep on without the pipe's lock.
     cq: CompletionQueue,
+    /// The peer's reports of messages of ours it unpacked differently than we packed them.
+    notices: NoticeBoard,
 }
 
 impl Drop for Conn {
@@ -486,6 +496,7 @@ impl Conn {
         log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
         Ok(Conn {
             peer,
+            notices: pipe.notice_board(),
             threshold,
             max_msg,
             bulk_chunk: pipe.bulk_chunk_max(),
@@ -507,6 +518,7 @@ impl Conn {
                 flushed: false,
                 inline_modes: Modes { send: SendMode::Safer, recv: RecvMode::Express },
                 finished: true,
+                notice_seen: 0,
             }),
             recv_side: Token::new(RecvSide {
                 seq: 0,
@@ -517,6 +529,8 @@ impl Conn {
                 finished: true,
                 rdv_next: 0,
                 rdv_released: 0,
+                notices: 0,
+                told: None,
             }),
             next_rdv: AtomicU32::new(0),
             cq,
@@ -537,6 +551,21 @@ impl Conn {
     /// something arrived meanwhile, or the pipe failed (the next poll tells): do not sleep.
     pub(crate) fn prepare_sleep(&self) -> bool {
         matches!(self.io().pipe.prepare_sleep(), Ok(true))
+    }
+
+    /// The sender's error for the peer's latest mismatch report: which message of ours it
+    /// unpacked, and what differed.
+    #[cold]
+    fn reported_mismatch(&self) -> MadError {
+        let w = self.notices.read();
+        let why = match Mismatch::from_words([w[0], w[1], w[2]]) {
+            Some(m) => m.describe(),
+            None => format!("a report it could not read ({w:x?})"),
+        };
+        MadError::Mismatch {
+            rank: self.peer,
+            why: format!("rank {} unpacked message {} from this rank otherwise: {why}", self.peer, w[3] as u32),
+        }
     }
 
     #[cold]
@@ -744,6 +773,11 @@ impl Channel {
     pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
         let conn = self.conn(dest)?;
         let mut tx = conn.send_side.claim(self.session.cfg.patience())?;
+        let reported = conn.notices.last_word();
+        if reported != tx.notice_seen {
+            tx.notice_seen = reported;
+            return Err(conn.reported_mismatch());
+        }
         let SendSide { seq, agg, packs, flushed, finished, .. } = &mut *tx;
         (*packs, *flushed, *finished) = (0, false, false);
         agg.clear();
@@ -810,7 +844,9 @@ impl Channel {
                 continue;
             };
             match self.try_begin(conn, &mut rx) {
-                Ok(true) => return Ok(Some(Unpacker { ch: self, conn, rx, pending: Vec::new() })),
+                Ok(true) => {
+                    return Ok(Some(Unpacker { ch: self, conn, rx, pending: Vec::new(), note: Cell::new(None) }))
+                }
                 Ok(false) => open = true,
                 // A sender that closed its end has no more to give; the others may.
                 Err(MadError::PeerClosed { .. }) => {}
@@ -840,7 +876,7 @@ impl Channel {
                 }
             }
         }
-        Ok(Unpacker { ch: self, conn, rx, pending: Vec::new() })
+        Ok(Unpacker { ch: self, conn, rx, pending: Vec::new(), note: Cell::new(None) })
     }
 
     /// Takes the next message from `source` if it has begun arriving, without waiting:
@@ -852,7 +888,7 @@ impl Channel {
         let conn = self.conn(source)?;
         let Some(mut rx) = conn.recv_side.try_claim() else { return Ok(None) };
         if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
-            return Ok(Some(Unpacker { ch: self, conn, rx, pending: Vec::new() }));
+            return Ok(Some(Unpacker { ch: self, conn, rx, pending: Vec::new(), note: Cell::new(None) }));
         }
         Ok(None)
     }
@@ -1602,6 +1638,61 @@ pub struct Unpacker<'u> {
     /// Zero-copy reads still in flight (none on the software provider, whose reads complete
     /// at post).
     pending: Vec<PendingRead<'u>>,
+    /// The first mismatch found in the message, and the message's sequence number (reported
+    /// to the sender by [`Unpacker::report`]).
+    note: Cell<Option<(Mismatch, u32)>>,
+}
+
+/// What differs between a message as packed and as unpacked: found by the receiver, reported
+/// to it as [`MadError::Mismatch`] and to the sender, out of band, as a pipe notice (see
+/// [`Mismatch::words`]), which the sender's next `begin_packing` to that rank returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mismatch {
+    /// The receiver asked for more packs than the sender packed.
+    ExtraUnpack { packs: u32 },
+    /// The receiver unpacked fewer packs than the sender packed.
+    Count { packs: u32, unpacks: u32 },
+    /// Pack `pack` was `sent` bytes, unpacked into `asked`.
+    Size { pack: u32, sent: u64, asked: u64 },
+    /// Pack `pack` was sent with other modes than unpacked.
+    Modes { pack: u32, sent: Modes, asked: Modes },
+}
+
+impl Mismatch {
+    fn describe(&self) -> String {
+        match *self {
+            Mismatch::ExtraUnpack { packs } => format!("the sender packed {packs} items, the receiver asked for more"),
+            Mismatch::Count { packs, unpacks } => {
+                format!("the sender packed {packs} items, the receiver unpacked {unpacks}")
+            }
+            Mismatch::Size { pack, sent, asked } => format!("pack {pack} has {sent} bytes, unpacked into {asked}"),
+            Mismatch::Modes { pack, sent, asked } => format!("pack {pack} was sent {sent:?}, unpacked {asked:?}"),
+        }
+    }
+
+    /// The notice's first words: kind and pack, what was sent, what was asked.
+    fn words(&self) -> [u64; 3] {
+        let (kind, pack, sent, asked) = match *self {
+            Mismatch::ExtraUnpack { packs } => (1, 0, packs as u64, 0),
+            Mismatch::Count { packs, unpacks } => (2, 0, packs as u64, unpacks as u64),
+            Mismatch::Size { pack, sent, asked } => (3, pack, sent, asked),
+            Mismatch::Modes { pack, sent, asked } => (4, pack, sent.code() as u64, asked.code() as u64),
+        };
+        [kind << 32 | pack as u64, sent, asked]
+    }
+
+    /// The mismatch a notice's words describe (None if they are not one: a bad peer).
+    fn from_words(w: [u64; 3]) -> Option<Mismatch> {
+        let (kind, pack) = (w[0] >> 32, w[0] as u32);
+        let modes = |x: u64| u8::try_from(x).ok().and_then(Modes::from_code);
+        Some(match kind {
+            1 => Mismatch::ExtraUnpack { packs: u32::try_from(w[1]).ok()? },
+            2 => Mismatch::Count { packs: u32::try_from(w[1]).ok()?, unpacks: u32::try_from(w[2]).ok()? },
+            3 => Mismatch::Size { pack, sent: w[1], asked: w[2] },
+            4 => Mismatch::Modes { pack, sent: modes(w[1])?, asked: modes(w[2])? },
+            _ => return None,
+        })
+    }
 }
 
 /// A message that came whole (its packs' records are in the receiving side's buffer): how
@@ -1622,8 +1713,30 @@ impl<'u> Unpacker<'u> {
         self.conn.peer
     }
 
-    fn mismatch(&self, why: String) -> MadError {
-        MadError::Mismatch { rank: self.conn.peer, why }
+    /// The receiver's error for `m`, noted for the sender ([`Unpacker::report`]).
+    fn mismatch(&self, m: Mismatch) -> MadError {
+        if self.note.get().is_none() {
+            self.note.set(Some((m, self.rx.seq)));
+        }
+        MadError::Mismatch { rank: self.conn.peer, why: m.describe() }
+    }
+
+    /// Where an unpacker's error leaves the API: a mismatch is told to the sender (the
+    /// message's sequence number and what differs, in the pipe's notice slot: out of band, so
+    /// that it reaches the sender whatever it does next); a protocol error fails the
+    /// connection.
+    fn report(&mut self, e: MadError) -> MadError {
+        // The first mismatch of a message is the one the sender hears of.
+        if let Some((m, seq)) = self.note.get().filter(|&(_, seq)| self.rx.told != Some(seq)) {
+            let count = self.rx.notices.wrapping_add(1);
+            (self.rx.notices, self.rx.told) = (count, Some(seq));
+            let [w0, w1, w2] = m.words();
+            let told = self.conn.io().pipe.notice_to([w0, w1, w2, (count as u64) << 32 | seq as u64]);
+            if let Err(why) = told {
+                log::debug!("madeleine: could not tell rank {} of a mismatch: {why}", self.conn.peer);
+            }
+        }
+        self.conn.poison(e)
     }
 
     /// Waits for the next record of this message and hands it to `f` (`how` says whether the
@@ -1658,7 +1771,7 @@ impl<'u> Unpacker<'u> {
     /// fewer for `end_unpacking`).
     fn take_pack(&mut self, buf: &mut [u8], asked: Modes) -> Result<Got> {
         if let Some(packs) = self.rx.end {
-            return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
+            return Err(self.mismatch(Mismatch::ExtraUnpack { packs }));
         }
         let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for message data");
         let this = &*self;
@@ -1675,6 +1788,8 @@ impl<'u> Unpacker<'u> {
                 this.check(modes, total, asked, buf.len())?;
                 Ok(Got::Other(r))
             }
+            // Taken: its count is the message's, and the unpacker's end must not look further.
+            Next::Rec(Record::End { packs }, _) => Ok(Got::Other(Record::End { packs })),
             Next::Rec(r, _) => Err(this.unexpected(r)),
             Next::BulkData(_) => Err(this.bad("bulk data out of place")),
         };
@@ -1689,10 +1804,14 @@ impl<'u> Unpacker<'u> {
                             self.rx.end = io.end_follows().map_err(|b| conn.fail(&mut io, b))?;
                         }
                         drop(io);
-                        if let Got::Other(r @ Record::Rdv { .. }) = got {
-                            return self.take_rdv(r, asked, buf.len());
+                        match got {
+                            Got::Other(r @ Record::Rdv { .. }) => return self.take_rdv(r, asked, buf.len()),
+                            Got::Other(r @ Record::End { packs }) => {
+                                self.rx.end = Some(packs);
+                                return Err(self.unexpected(r));
+                            }
+                            got => return Ok(got),
                         }
-                        return Ok(got);
                     }
                     Err(back) => f = back,
                 }
@@ -1719,7 +1838,7 @@ impl<'u> Unpacker<'u> {
         let whole_pack = Got::Inline { copied: buf.len(), last: true };
         if let Some(sent) = w.single {
             if w.taken == 1 {
-                return Err(self.mismatch("the sender packed 1 item, the receiver asked for more".into()));
+                return Err(self.mismatch(Mismatch::ExtraUnpack { packs: 1 }));
             }
             self.rx.whole = Some(WholeMsg { taken: 1, ..w });
             self.check(sent, self.rx.body.len() as u64, asked, buf.len())?;
@@ -1727,8 +1846,7 @@ impl<'u> Unpacker<'u> {
             return Ok(whole_pack);
         }
         if w.at == self.rx.body.len() {
-            let packs = w.packs;
-            return Err(self.mismatch(format!("the sender packed {packs} items, the receiver asked for more")));
+            return Err(self.mismatch(Mismatch::ExtraUnpack { packs: w.packs }));
         }
         let decoded = wire::decode_one(&self.rx.body, w.at);
         if let Ok((_, _, next)) = decoded {
@@ -1854,7 +1972,7 @@ impl<'u> Unpacker<'u> {
         if self.take_single(buf, modes) {
             return Ok(());
         }
-        self.unpack_into(buf, modes).map_err(|e| self.conn.poison(e))
+        self.unpack_into(buf, modes).map_err(|e| self.report(e))
     }
 
     /// The unpack of a message of one small pack that matches it (the commonest message):
@@ -1881,7 +1999,7 @@ impl<'u> Unpacker<'u> {
         if self.take_single(buf, modes) {
             return Ok(());
         }
-        self.unpack_now(buf, modes).map_err(|e| self.conn.poison(e))
+        self.unpack_now(buf, modes).map_err(|e| self.report(e))
     }
 
     fn unpack_into(&mut self, buf: &'u mut [u8], modes: Modes) -> Result<()> {
@@ -1970,20 +2088,19 @@ impl<'u> Unpacker<'u> {
     }
 
     fn check(&self, sent: Modes, sent_len: u64, asked: Modes, len: usize) -> Result<()> {
+        let pack = self.rx.unpacks;
         if sent != asked {
-            return Err(self.mismatch(format!("pack {} was sent {:?}, unpacked {:?}", self.rx.unpacks, sent, asked)));
+            return Err(self.mismatch(Mismatch::Modes { pack, sent, asked }));
         }
         if sent_len != len as u64 {
-            return Err(self.mismatch(format!("pack {} has {sent_len} bytes, unpacked into {}", self.rx.unpacks, len)));
+            return Err(self.mismatch(Mismatch::Size { pack, sent: sent_len, asked: len as u64 }));
         }
         Ok(())
     }
 
     fn unexpected(&self, r: Record) -> MadError {
         match r {
-            Record::End { packs } => {
-                self.mismatch(format!("the sender packed {packs} items, the receiver asked for more"))
-            }
+            Record::End { packs } => self.mismatch(Mismatch::ExtraUnpack { packs }),
             _ => MadError::Protocol { rank: self.conn.peer, why: "record out of place".into() },
         }
     }
@@ -2108,7 +2225,7 @@ impl<'u> Unpacker<'u> {
             rx.seq = rx.seq.wrapping_add(1);
             return Ok(());
         }
-        self.finish().map_err(|e| self.conn.poison(e))
+        self.finish().map_err(|e| self.report(e))
     }
 
     fn finish(&mut self) -> Result<()> {
@@ -2146,13 +2263,13 @@ impl<'u> Unpacker<'u> {
             self.note_rdv(id)?;
         }
         self.release()?;
+        let counted = if packs != self.rx.unpacks || extra > 0 {
+            Err(self.mismatch(Mismatch::Count { packs, unpacks: self.rx.unpacks }))
+        } else {
+            Ok(())
+        };
         self.rx.seq = self.rx.seq.wrapping_add(1);
-        if packs != self.rx.unpacks || extra > 0 {
-            return Err(
-                self.mismatch(format!("the sender packed {packs} items, the receiver unpacked {}", self.rx.unpacks))
-            );
-        }
-        Ok(())
+        counted
     }
 
     /// Reads up to the message's `End`, counting the packs nobody unpacked (`extra`) and the
@@ -2199,7 +2316,7 @@ impl Unpacker<'_> {
     /// An unpack must not leave the sender's buffers held or the connection mid-message.
     #[cold]
     fn finish_dropped(&mut self) {
-        if let Err(e) = self.finish().map_err(|e| self.conn.poison(e)) {
+        if let Err(e) = self.finish().map_err(|e| self.report(e)) {
             log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
             std::mem::forget(std::mem::take(&mut self.pending));
         }
@@ -2209,6 +2326,28 @@ impl Unpacker<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the sender reads of a report is what the receiver found; words no receiver
+    /// writes are refused, not misread.
+    #[test]
+    fn mismatch_reports_round_trip_and_bad_words_are_refused() {
+        let m = |send, recv| Modes { send, recv };
+        for x in [
+            Mismatch::ExtraUnpack { packs: 3 },
+            Mismatch::Count { packs: 2, unpacks: 1 },
+            Mismatch::Size { pack: 7, sent: 1 << 40, asked: 5 },
+            Mismatch::Modes {
+                pack: 1,
+                sent: m(SendMode::Later, RecvMode::Cheaper),
+                asked: m(SendMode::Safer, RecvMode::Express),
+            },
+        ] {
+            assert_eq!(Mismatch::from_words(x.words()), Some(x));
+        }
+        assert_eq!(Mismatch::from_words([9 << 32, 0, 0]), None);
+        assert_eq!(Mismatch::from_words([1 << 32, 1 << 33, 0]), None);
+        assert_eq!(Mismatch::from_words([4 << 32, 200, 0]), None);
+    }
     use crate::{Session, SessionConfig};
     use std::time::Duration;
 

@@ -26,7 +26,10 @@
 //! Small packs are copied and aggregated into flow-controlled pipe messages (the static-buffer
 //! path); large ones go zero-copy from the user's memory (registered through the registration
 //! cache) by rendezvous: the receiver RDMA-reads them. Sender/receiver mismatches of sizes, modes
-//! or pack counts are detected and reported as [`MadError::Mismatch`].
+//! or pack counts are detected and reported as [`MadError::Mismatch`] on both sides: to the
+//! receiver by the unpack (or `end_unpacking`) that found it, to the sender by its next
+//! [`Channel::begin_packing`] to that rank (once, naming the message and what differed); the
+//! connection goes on.
 //!
 //! Blocking waits yield to the `may` scheduler inside a coroutine, and spin then sleep on an OS
 //! thread, for [`SessionConfig::spin`] (200 us by default; zero sleeps at once, `Duration::MAX`

@@ -126,6 +126,16 @@ impl Modes {
         };
         s | r << 2
     }
+    /// The modes as one byte (what records carry).
+    pub fn code(self) -> u8 {
+        self.byte()
+    }
+
+    /// The modes a byte from [`Modes::code`] names (None for any other byte).
+    pub fn from_code(b: u8) -> Option<Modes> {
+        Self::from_byte(b)
+    }
+
     #[inline]
     fn from_byte(b: u8) -> Option<Modes> {
         let send = match b & 3 {

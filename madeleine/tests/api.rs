@@ -97,7 +97,7 @@ fn unsafe_cell_bytes(cells: &[std::cell::Cell<u8>]) -> &[u8] {
 /// Sends `body` to rank 1 as a length packed EXPRESS and the body packed CHEAPER.
 fn send_sized(ch: &Channel, body: &[u8]) {
     let len = (body.len() as u64).to_le_bytes();
-    let mut p = ch.begin_packing(1).unwrap();
+    let (mut p, _reports) = begin_past_reports(ch, 1);
     p.pack(&len, SendMode::Cheaper, RecvMode::Express).unwrap();
     p.pack(body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
     p.end_packing().unwrap();
@@ -277,6 +277,57 @@ fn an_unread_bulk_pack_is_a_mismatch_and_the_connection_survives() {
     });
 }
 
+/// A receiver that unpacks one pack more than a bulk-lane message held gets a mismatch naming
+/// the pack counts, its connection goes on (the next messages arrive), and the sender is told
+/// too: its next send to that rank reports what the receiver found, once.
+#[test]
+fn an_extra_unpack_of_a_bulk_message_is_a_mismatch_on_both_sides() {
+    group(2, usize::MAX, |rank, ch| {
+        let big = pattern(9, 64 * 1024);
+        if rank == 0 {
+            let mut p = ch.begin_packing(1).unwrap();
+            p.pack(&big, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+            // Wait until the receiver has found the mismatch.
+            let mut u = ch.begin_unpacking_from(1).unwrap();
+            let mut go = [0u8; 1];
+            u.unpack_express(&mut go, SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            let e = ch.begin_packing(1).and_then(|mut p| {
+                p.pack(&big, SendMode::Cheaper, RecvMode::Cheaper)?;
+                p.end_packing()
+            });
+            match e {
+                Err(MadError::Mismatch { rank: 1, why }) => {
+                    assert!(why.contains("packed 1") && why.contains("asked for more"), "{why}")
+                }
+                other => panic!("the sender was not told: {other:?}"),
+            }
+            // Told once; the connection goes on, 40 messages of 64 KiB (more than the bulk
+            // ring holds).
+            for i in 0..40 {
+                send_sized(ch, &pattern(i, 64 * 1024));
+            }
+        } else {
+            let mut b = vec![0u8; big.len()];
+            let mut u = ch.begin_unpacking().unwrap();
+            u.unpack(&mut b, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            let mut extra = [0u8; 8];
+            let e = u.unpack_express(&mut extra, SendMode::Cheaper).unwrap_err();
+            assert!(matches!(&e, MadError::Mismatch { why, .. } if why.contains("asked for more")), "{e}");
+            let e = u.end_unpacking().unwrap_err();
+            assert!(matches!(e, MadError::Mismatch { .. }), "{e}");
+            assert_eq!(b, big);
+            let mut p = ch.begin_packing(0).unwrap();
+            p.pack_safer(&[1], RecvMode::Express).unwrap();
+            p.end_packing().unwrap();
+            for i in 0..40 {
+                assert_eq!(recv_sized(ch), pattern(i, 64 * 1024), "message {i}");
+            }
+        }
+    });
+}
+
 /// A rendezvous pack unpacked with the wrong size or modes is a mismatch: the sender is
 /// released all the same (its `end_packing` returns) and the connection goes on. Both ways a
 /// rendezvous travels: whole (its record alone in the message) and after a flush (records
@@ -288,7 +339,7 @@ fn a_mismatched_rendezvous_pack_releases_the_sender_and_the_connection_survives(
         for flushed in [false, true] {
             for wrong_modes in [false, true] {
                 if rank == 0 {
-                    let mut p = ch.begin_packing(1).unwrap();
+                    let (mut p, _reports) = begin_past_reports(ch, 1);
                     if flushed {
                         p.pack(&[7u8; 8], SendMode::Cheaper, RecvMode::Express).unwrap();
                         p.flush().unwrap();
@@ -609,6 +660,19 @@ fn long_wait() {
     });
 }
 
+/// `begin_packing`, past the mismatch reports of earlier messages it returns first (each
+/// once); the reports, for the caller to check.
+fn begin_past_reports(ch: &Channel, dest: usize) -> (Packer<'_>, Vec<String>) {
+    let mut reports = Vec::new();
+    loop {
+        match ch.begin_packing(dest) {
+            Ok(p) => return (p, reports),
+            Err(MadError::Mismatch { rank, why }) if rank == dest && reports.len() < 16 => reports.push(why),
+            Err(e) => panic!("begin_packing: {e}"),
+        }
+    }
+}
+
 #[test]
 fn mode_and_size_mismatches_are_reported() {
     // A message of one small pack, and one of a pack that fills most of a pipe message (both
@@ -617,7 +681,10 @@ fn mode_and_size_mismatches_are_reported() {
         for len in [10, 1000] {
             if rank == 0 {
                 for _ in 0..5 {
-                    let mut p = ch.begin_packing(1).unwrap();
+                    let (mut p, reports) = begin_past_reports(ch, 1);
+                    for why in reports {
+                        assert!(why.contains("unpacked message"), "{why}");
+                    }
                     p.pack_safer(&vec![1u8; len], RecvMode::Express).unwrap();
                     p.end_packing().unwrap();
                 }
@@ -643,6 +710,25 @@ fn mode_and_size_mismatches_are_reported() {
             u.unpack_express(&mut b, SendMode::Safer).unwrap();
             u.end_unpacking().unwrap();
             assert_eq!(b, vec![1u8; len]);
+        }
+        // Once the receiver is done, the sender's next message is told of the latest mismatch
+        // (message 8, one unpack too many), then goes.
+        if rank == 1 {
+            let mut p = ch.begin_packing(0).unwrap();
+            p.pack_safer(&[1], RecvMode::Express).unwrap();
+            p.end_packing().unwrap();
+            assert_eq!(recv_sized(ch), b"after");
+        } else {
+            let mut u = ch.begin_unpacking_from(1).unwrap();
+            u.unpack_express(&mut [0u8; 1], SendMode::Safer).unwrap();
+            u.end_unpacking().unwrap();
+            match ch.begin_packing(1) {
+                Err(MadError::Mismatch { rank: 1, why }) => {
+                    assert!(why.contains("message 8") && why.contains("asked for more"), "{why}")
+                }
+                other => panic!("no report of the last mismatch: {:?}", other.map(|_| ())),
+            }
+            send_sized(ch, b"after");
         }
     });
 }

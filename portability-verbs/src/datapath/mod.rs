@@ -9,6 +9,6 @@ pub mod pool;
 pub mod regcache;
 
 pub use crossover::{AdaptiveCrossover, Crossover, CrossoverSource, Stores};
-pub use pipe::{FlowStrategy, Lane, MsgPipe, PipeOptions, PipeStats};
+pub use pipe::{FlowStrategy, Lane, MsgPipe, NoticeBoard, PipeOptions, PipeStats, NOTICE_WORDS};
 pub use pool::{BufferPool, PoolBuf, PoolStats};
 pub use regcache::{CacheStats, CachedBuffer, Registration, RegistrationCache};

@@ -332,7 +332,13 @@ const ACK_SLEEP: usize = 32;
 const ACK_SLEEP_SRC: usize = 40;
 const ACK_RELEASE: usize = 48;
 const ACK_RELEASE_SRC: usize = 56;
-const ACK_BYTES: usize = 64;
+/// Where the peer writes its latest notice ([`MsgPipe::notice_to`]), and the bytes we write
+/// ours from: [`NOTICE_WORDS`] words, the last one (its count) placed last.
+const ACK_NOTICE: usize = 64;
+const ACK_NOTICE_SRC: usize = 96;
+const ACK_BYTES: usize = 128;
+/// Words of a notice.
+pub const NOTICE_WORDS: usize = 4;
 
 /// Reads the words of our polled ring as the peer's writes land in it (empty when the pipe
 /// has no ring).
@@ -355,6 +361,32 @@ impl fc::RingWords for RingView {
     }
 }
 
+/// Reads the latest notice the peer of a pipe sent ([`MsgPipe::notice_to`]): all zero before
+/// the first. The last word is read first: a notice whose last word has changed is complete.
+#[derive(Clone)]
+pub struct NoticeBoard {
+    slots: Arc<MemoryRegion>,
+}
+
+impl NoticeBoard {
+    /// The notice's last word alone (one load: what a caller compares with the last one it saw).
+    #[inline]
+    pub fn last_word(&self) -> u64 {
+        self.slots.read_u64(ACK_NOTICE + 8 * (NOTICE_WORDS - 1))
+    }
+
+    /// The whole latest notice.
+    pub fn read(&self) -> [u64; NOTICE_WORDS] {
+        let mut w = [0u64; NOTICE_WORDS];
+        w[NOTICE_WORDS - 1] = self.last_word();
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        for (i, x) in w.iter_mut().take(NOTICE_WORDS - 1).enumerate() {
+            *x = self.slots.read_u64(ACK_NOTICE + 8 * i);
+        }
+        w
+    }
+}
+
 /// A flow-controlled message pipe.
 pub struct MsgPipe {
     qp: QueuePair,
@@ -367,8 +399,8 @@ pub struct MsgPipe {
     /// Where `ring` lies, kept at hand for the receiver's polls.
     ring_words: RingView,
     /// The slots where the peer writes how much of our rings it consumed, and the bytes we
-    /// write our acknowledgements from (`ACK_*` offsets).
-    ack_mr: MemoryRegion,
+    /// write our acknowledgements from (`ACK_*` offsets). Shared with [`NoticeBoard`]s.
+    ack_mr: Arc<MemoryRegion>,
     peer_ring: Option<PeerRing>,
     /// Polled strategy: the peer's ring mapped for plain stores, where the provider can
     /// ([`QueuePair::map_remote_write`]). Frames go through it while nothing posted on the
@@ -469,7 +501,7 @@ impl MsgPipe {
             return Err(VerbsError::invalid(format!("bulk ring of {ring} bytes: a power of two from 4 KiB to 1 GiB")));
         }
         let setup_mr = pd.alloc(2 * SETUP_BYTES, AccessFlags::LOCAL_WRITE)?;
-        let ack_mr = pd.alloc(ACK_BYTES, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
+        let ack_mr = Arc::new(pd.alloc(ACK_BYTES, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?);
         let bulk_ring = match options.bulk_ring {
             0 => None,
             n => Some(pd.alloc(n, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?),
@@ -1328,6 +1360,45 @@ impl MsgPipe {
         self.post_ack_word(ACK_RELEASE_SRC, ACK_RELEASE, count).map_err(|e| self.fail(e))
     }
 
+    /// Tells the peer something out of band: `words`, of which the last should change with
+    /// every notice (a count), land in the peer's notice slot, the last word placed last, where
+    /// its [`NoticeBoard`] reads them without taking anything out of the pipe. Like
+    /// [`MsgPipe::release_to`] it takes no ring space or credit, never waits behind messages,
+    /// wakes nobody, and the latest notice overwrites an earlier one not yet read. (Madeleine's
+    /// receiver tells the sender of a message that it unpacked it differently than packed.)
+    pub fn notice_to(&mut self, words: [u64; NOTICE_WORDS]) -> Result<()> {
+        self.check_failed()?;
+        let mut bytes = [0u8; 8 * NOTICE_WORDS];
+        for (b, w) in bytes.chunks_exact_mut(8).zip(words) {
+            b.copy_from_slice(&w.to_ne_bytes());
+        }
+        let sent = if let Some(window) = &self.ack_window {
+            window
+                .write(ACK_NOTICE, &[&bytes])
+                .map_err(|st| VerbsError::PeerUnreachable(format!("notice write failed: {st:?}")))
+        } else {
+            let (addr, rkey) = match self.peer_acks {
+                Some(p) => p,
+                None => return Err(VerbsError::Protocol("a notice before setup".into())),
+            };
+            if self.outstanding >= self.strategy.send_slots() {
+                self.poll_completions()?;
+            }
+            self.ack_mr.write(ACK_NOTICE_SRC, &bytes);
+            let sge = self.ack_mr.sge(ACK_NOTICE_SRC, bytes.len());
+            self.post_inline_counted(SendWr::write(0, &[sge], addr + ACK_NOTICE as u64, rkey))
+        };
+        sent.map_err(|e| self.fail(e))?;
+        self.stats.control += 1;
+        Ok(())
+    }
+
+    /// A reader of the notices the peer sends with [`MsgPipe::notice_to`], usable without the
+    /// pipe (from another thread, with no lock).
+    pub fn notice_board(&self) -> NoticeBoard {
+        NoticeBoard { slots: self.ack_mr.clone() }
+    }
+
     /// The count the peer last set with [`MsgPipe::release_to`] (0 before it set any).
     #[inline]
     pub fn peer_released(&self) -> u64 {
@@ -2127,6 +2198,30 @@ mod tests {
             }
             b.progress().unwrap();
             assert!(b.failure().is_none(), "posted {posted_frames}: {:?}", b.failure());
+        }
+    }
+
+    /// A notice reaches the peer's board past messages it has not read, whole (its last word
+    /// changing last), through the window or posted; the latest one wins.
+    #[test]
+    fn notices_reach_the_peer_out_of_band() {
+        for posted_frames in [false, true] {
+            let s = FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 };
+            let (_pd, mut a, mut b) = pair_with(s, PipeOptions { posted_frames, ..PipeOptions::default() });
+            let board = b.notice_board();
+            assert_eq!(board.read(), [0; NOTICE_WORDS]);
+            assert!(a.try_send(&msg(0, 40)).unwrap());
+            for n in 1..=3u64 {
+                a.notice_to([n, 2 * n, 3 * n, n << 32]).unwrap();
+                let deadline = Instant::now() + T;
+                while board.last_word() != n << 32 {
+                    assert!(Instant::now() < deadline, "posted {posted_frames}: notice {n} never arrived");
+                    a.progress().unwrap();
+                }
+                assert_eq!(board.read(), [n, 2 * n, 3 * n, n << 32]);
+            }
+            // The message sent before is still there, unread.
+            assert_eq!(b.recv(T).unwrap(), msg(0, 40));
         }
     }
 
