@@ -974,6 +974,14 @@ enum Deferred<'p> {
     Owned(Vec<u8>, Modes),
 }
 
+impl Deferred<'_> {
+    fn is_later(&self) -> bool {
+        match self {
+            Deferred::Borrowed(_, m) | Deferred::Owned(_, m) => m.send == SendMode::Later,
+        }
+    }
+}
+
 /// A rendezvous the receiver has still to read: its registration (and, for a copied buffer,
 /// the copy) must live until the receiver released it.
 struct Held<'p> {
@@ -1015,6 +1023,9 @@ struct PackerMore<'p> {
     /// Bytes of the bulk packs above that the crossover times, and how long their hand-over
     /// took so far (the wait for their chunks is added when it is over).
     timed: (usize, std::time::Duration),
+    /// The message ends with `end_packing_nowait`: packs still to send go zero-copy rather
+    /// than through the bulk lane, whose ring only the receiver's reads empty.
+    nowait: bool,
 }
 
 impl<'p> Packer<'p> {
@@ -1047,7 +1058,11 @@ impl<'p> Packer<'p> {
     #[inline(never)]
     fn pack_other(&mut self, buf: &'p [u8], modes: Modes) -> Result<()> {
         let send = modes.send;
-        if send == SendMode::Later || self.has_deferred() {
+        // A borrowed pack larger than a pipe message waits for the message's end too: how the
+        // message ends decides how it goes (`end_packing_nowait` must not leave it waiting for
+        // room in the receiver's bulk ring), and it is the packer's until then anyway.
+        let large = buf.len() > self.conn.max_msg - 3 * wire::HEADER;
+        if send == SendMode::Later || large || self.has_deferred() {
             // Read at end_packing; what follows a Later pack waits behind it, in order.
             self.more().deferred.push(match send {
                 SendMode::Safer => Deferred::Owned(buf.to_vec(), modes),
@@ -1078,7 +1093,10 @@ impl<'p> Packer<'p> {
     /// read until `end_packing`).
     fn emit_borrowed(&mut self, buf: &'p [u8], modes: Modes) -> Result<()> {
         self.send_pending(false)?;
-        let route = self.route(buf.len());
+        let route = match self.route(buf.len()) {
+            Route::Bulk if self.more.as_ref().is_some_and(|m| m.nowait) => Route::Rendezvous,
+            route => route,
+        };
         if modes.send != SendMode::Safer && route == Route::Bulk {
             // Held back by one pack: if it is the last, the message's End rides in its chunk.
             self.more().pending_bulk = Some((buf, modes));
@@ -1316,6 +1334,13 @@ impl<'p> Packer<'p> {
     /// Hands what was packed so far to the network without ending the message (packs are
     /// otherwise aggregated until a pipe message is full or `end_packing`).
     pub fn flush(&mut self) -> Result<()> {
+        // Packs deferred only for their size go now; a `Later` pack, and what follows it,
+        // waits for end_packing.
+        while let Some(more) = self.more.as_mut() {
+            let Some(&Deferred::Borrowed(b, m)) = more.deferred.first().filter(|d| !d.is_later()) else { break };
+            more.deferred.remove(0);
+            self.emit_borrowed(b, m)?;
+        }
         self.send_pending(false)?;
         self.flush_agg()
     }
@@ -1343,9 +1368,17 @@ impl<'p> Packer<'p> {
     /// their buffers borrowed until it completes ([`PendingSend::wait`], or dropping it).
     /// The connection is free for the next message at once, so a sender can keep several
     /// zero-copy messages in flight (as `MPI_Isend` does) instead of paying a round trip per
-    /// message. Everything else (copied packs, `Later` packs) is handed over before this
-    /// returns, exactly as `end_packing` does.
+    /// message. It never waits for the receiver to receive: packs (`Cheaper` or `Later`) too
+    /// large for a pipe message go zero-copy here, whatever the threshold (the bulk lane's
+    /// ring would fill until the receiver read it), so ranks that each send before they
+    /// receive never wait for each other. Small packs are copied before this returns, as by
+    /// `end_packing`. (A `Safer` pack larger than a pipe message is copied through the bulk
+    /// lane by `pack_safer` itself, which may wait for room there: use `Cheaper` for large
+    /// packs of a nonblocking send.)
     pub fn end_packing_nowait(mut self) -> Result<PendingSend<'p>> {
+        if let Some(more) = self.more.as_mut() {
+            more.nowait = true;
+        }
         self.finish_with(false)?;
         Ok(PendingSend { ch: self.ch, conn: self.conn, rdv: std::mem::take(&mut self.rdv) })
     }

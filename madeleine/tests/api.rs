@@ -328,6 +328,47 @@ fn an_extra_unpack_of_a_bulk_message_is_a_mismatch_on_both_sides() {
     });
 }
 
+/// Four ranks in a ring each send their right neighbour a message larger than the bulk ring
+/// with `end_packing_nowait`, and only then receive from the left, as an MPI program with
+/// `MPI_Isend` then `MPI_Recv` does: a nonblocking send never needs its receiver to be
+/// receiving. Messages of one large pack, and of large packs around small ones.
+#[test]
+fn a_ring_of_nonblocking_sends_before_receives_completes() {
+    const N: usize = 4;
+    for shape in 0..2 {
+        group(N, usize::MAX, |rank, ch| {
+            let right = (rank + 1) % N;
+            let big = pattern(rank, 8 << 20);
+            let second = pattern(rank + 10, 3 << 20);
+            let tag = [rank as u8; 8];
+            let mut p = ch.begin_packing(right).unwrap();
+            p.pack(&big, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            if shape == 1 {
+                p.pack(&tag, SendMode::Cheaper, RecvMode::Express).unwrap();
+                p.pack(&second, SendMode::Later, RecvMode::Cheaper).unwrap();
+            }
+            let pending = p.end_packing_nowait().unwrap();
+            let left = (rank + N - 1) % N;
+            let mut got = vec![0u8; 8 << 20];
+            let mut got2 = vec![0u8; 3 << 20];
+            let mut small = [0u8; 8];
+            let mut u = ch.begin_unpacking_from(left).unwrap();
+            u.unpack(&mut got, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            if shape == 1 {
+                u.unpack_express(&mut small, SendMode::Cheaper).unwrap();
+                u.unpack(&mut got2, SendMode::Later, RecvMode::Cheaper).unwrap();
+            }
+            u.end_unpacking().unwrap();
+            pending.wait().unwrap();
+            assert!(got == pattern(left, 8 << 20), "shape {shape}: rank {rank} got a wrong message");
+            if shape == 1 {
+                assert_eq!(small, [left as u8; 8]);
+                assert!(got2 == pattern(left + 10, 3 << 20));
+            }
+        });
+    }
+}
+
 /// A rendezvous pack unpacked with the wrong size or modes is a mismatch: the sender is
 /// released all the same (its `end_packing` returns) and the connection goes on. Both ways a
 /// rendezvous travels: whole (its record alone in the message) and after a flush (records
