@@ -12,5 +12,14 @@ cargo build --release --target "$target"
 targets=${1:-"ring_record endpoint_info bootstrap_frames fc_chunk mad_wire sdp_wire"}
 for t in $targets; do
     mkdir -p "corpus/$t"
-    "target/$target/release/$t" "corpus/$t" -max_total_time="${2:-${SECONDS_PER_TARGET:-60}}"
+    # libFuzzer exits non-zero on a crash, a panic or a leak: that fails this script.
+    rc=0
+    "target/$target/release/$t" "corpus/$t" -max_total_time="${2:-${SECONDS_PER_TARGET:-60}}" \
+        >"target/$t.log" 2>&1 || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        tail -40 "target/$t.log"
+        echo "fuzz target $t failed (exit $rc): see portability-verbs/fuzz/target/$t.log"
+        exit 1
+    fi
+    echo "fuzz: $t $(sed -n 's/^Done \([0-9]*\) runs.*/\1/p' "target/$t.log") executions"
 done

@@ -21,9 +21,12 @@
 //! The AZ-SDP contract for the application: after `write` returns, changing the buffer never
 //! changes what the peer receives (the change waits); after `read` returns `n`, reading those
 //! bytes shows the data (the read waits). A written buffer must stay mapped until `flush`
-//! returns (freeing a large allocation unmaps it; unmapping a held buffer loses the transfer and
-//! fails the socket), and system calls given a held buffer see `EFAULT` rather than waiting —
-//! touch it, or call [`SdpStream::wait_transfers`], first. A written buffer stays read-only
+//! returns: freeing a large allocation unmaps it, and unmapping a held buffer loses the transfer
+//! and fails the socket, or, once other memory is mapped at those addresses before the peer
+//! read them, makes the peer receive that memory's bytes (the provider reads by address, where
+//! a NIC would read the pinned pages). So free written buffers only after `flush`. System
+//! calls given a held buffer see `EFAULT` rather than waiting: touch it, or call
+//! [`SdpStream::wait_transfers`], first. A written buffer stays read-only
 //! after the peer has read it (up to 16 per socket), so that writing it again costs no real
 //! `mprotect`: the first store opens it through the fault handler, and `flush`,
 //! `wait_transfers` and close open every such buffer.

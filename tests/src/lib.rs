@@ -107,6 +107,7 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 pub mod diff;
 pub mod peer_proto;
+pub mod soak;
 
 /// One end of the AZ-SDP symmetric store pattern: `rounds` times, write a 16-page buffer
 /// (`pattern(end * 1000 + round)`), store into it at once (preparing the next message in the

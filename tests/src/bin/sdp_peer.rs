@@ -3,6 +3,8 @@
 //!     sdp_peer <addr> send-then-die <bytes>   connect, write <bytes> bytes, exit without closing
 //!     sdp_peer <addr> send-then-wait <bytes>  connect, write <bytes> bytes, wait to be killed
 //!     sdp_peer <addr> records <n>             a TLS-like client (`tests::send_records`)
+//!     sdp_peer <addr> soak <seed> <ms>        <seed>, then frames of random sizes for <ms>
+//!                                             (`tests::soak`), then exit (which closes the socket)
 //!     sdp_peer <addr> echo                    connect, echo everything until EOF, then close
 //!     sdp_peer <addr> write-store-read <n>    <n> rounds of: write a 16-page buffer, store
 //!                                             into it at once, read 16 pages (see
@@ -37,6 +39,11 @@ fn main() {
             s.write_all(&data).expect("write");
             std::thread::sleep(std::time::Duration::from_secs(30));
             std::process::exit(3);
+        }
+        "soak" => {
+            let (seed, ms): (u64, u64) = (args[3].parse().expect("seed"), args[4].parse().expect("ms"));
+            s.write_all(&seed.to_le_bytes()).expect("seed");
+            tests::soak::write_frames(&mut s, seed, 300_000, std::time::Duration::from_millis(ms)).expect("frames");
         }
         "records" => {
             let n: usize = args[3].parse().expect("record count");
