@@ -12,21 +12,21 @@ use std::time::{Duration, Instant};
 pub struct XorShift(pub u64);
 
 impl XorShift {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
     }
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.next_u64() % n
     }
 }
 
 /// The bytes of frame `seq` of stream `seed`.
 pub fn payload(seed: u64, seq: u32, len: usize) -> Vec<u8> {
     let mut x = XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seq as u64 | 1);
-    (0..len).map(|_| x.next() as u8).collect()
+    (0..len).map(|_| x.next_u64() as u8).collect()
 }
 
 /// Writes frames of random sizes (up to `max` bytes) with random pauses for `run`, then the end
