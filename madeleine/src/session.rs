@@ -69,41 +69,51 @@ impl SessionConfig {
         crate::wait::Patience { timeout: self.timeout, spin: self.spin }
     }
 
-    /// From the environment: `MAD_RANK`/`MAD_SIZE`, or what launchers set
-    /// (`SLURM_PROCID`/`SLURM_NTASKS`, `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`,
-    /// `PMI_RANK`/`PMI_SIZE`); the directory from `MAD_RENDEZVOUS` (default: a directory under
-    /// the temporary directory named after the job, `SLURM_JOB_ID` when there is one); the
-    /// optional `MAD_RENDEZVOUS_THRESHOLD`, `MAD_BULK_RING`, `MAD_SPIN_US` and `MAD_FLOW`.
+    /// From the environment: `MAD_RANK`/`MAD_SIZE` if set (an override), else what the
+    /// launcher set, in this order: Open MPI's `mpirun` (`OMPI_COMM_WORLD_RANK`/`_SIZE`), a
+    /// PMI launcher (`PMI_RANK`/`PMI_SIZE`), Slurm's `srun` (`SLURM_PROCID`/`SLURM_NTASKS`;
+    /// last, since `mpirun` inside an allocation inherits them); the directory from
+    /// `MAD_RENDEZVOUS` (default: a directory under the temporary directory named after the
+    /// job, `SLURM_JOB_ID` when there is one); the optional `MAD_RENDEZVOUS_THRESHOLD`,
+    /// `MAD_BULK_RING`, `MAD_SPIN_US` and `MAD_FLOW`. A value that does not parse is an error
+    /// naming the variable.
     pub fn from_env() -> Result<SessionConfig> {
-        let get = |k: &str| std::env::var(k).ok();
+        use portability_verbs::env;
+        let get = |k: &str| env::text(k).map_err(MadError::from);
         let pairs = [
             ("MAD_RANK", "MAD_SIZE"),
-            ("SLURM_PROCID", "SLURM_NTASKS"),
             ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
             ("PMI_RANK", "PMI_SIZE"),
+            ("SLURM_PROCID", "SLURM_NTASKS"),
         ];
-        let (rank, size) = pairs.iter().find_map(|(r, s)| Some((get(r)?, get(s)?))).ok_or_else(|| {
-            MadError::Invalid("no rank and size in the environment (MAD_RANK/MAD_SIZE, SLURM_*, OMPI_*, PMI_*)".into())
+        let mut found = None;
+        for (r, s) in pairs {
+            if let (Some(rank), Some(size)) = (env::parse::<usize>(r, "a rank")?, env::parse::<usize>(s, "a size")?) {
+                found = Some((rank, size));
+                break;
+            }
+        }
+        let (rank, size) = found.ok_or_else(|| {
+            MadError::Invalid("no rank and size in the environment (MAD_RANK/MAD_SIZE, OMPI_*, PMI_*, SLURM_*)".into())
         })?;
-        let parse = |v: &str, what: &str| {
-            v.trim().parse::<usize>().map_err(|_| MadError::Invalid(format!("{what}={v:?} is not a number")))
+        let dir = match get("MAD_RENDEZVOUS")? {
+            Some(d) => PathBuf::from(d),
+            None => {
+                let job = get("SLURM_JOB_ID")?.unwrap_or_else(|| "default".into());
+                std::env::temp_dir().join(format!("madeleine-{job}"))
+            }
         };
-        let (rank, size) = (parse(&rank, "rank")?, parse(&size, "size")?);
-        let dir = get("MAD_RENDEZVOUS").map(PathBuf::from).unwrap_or_else(|| {
-            let job = get("SLURM_JOB_ID").unwrap_or_else(|| "default".into());
-            std::env::temp_dir().join(format!("madeleine-{job}"))
-        });
         let mut cfg = SessionConfig::new(rank, size, dir);
-        if let Some(t) = get("MAD_RENDEZVOUS_THRESHOLD").and_then(|v| v.parse().ok()) {
+        if let Some(t) = env::parse("MAD_RENDEZVOUS_THRESHOLD", "bytes")? {
             cfg.rendezvous_threshold = Some(t);
         }
-        if let Some(v) = get("MAD_BULK_RING") {
-            cfg.bulk_ring_bytes = parse(&v, "MAD_BULK_RING")?;
+        if let Some(v) = env::parse("MAD_BULK_RING", "bytes")? {
+            cfg.bulk_ring_bytes = v;
         }
-        if let Some(v) = get("MAD_SPIN_US") {
+        if let Some(v) = get("MAD_SPIN_US")? {
             cfg.spin = parse_spin(&v)?;
         }
-        if let Some(name) = get("MAD_FLOW") {
+        if let Some(name) = get("MAD_FLOW")? {
             cfg.strategy = FlowStrategy::by_name(&name)
                 .ok_or_else(|| MadError::Invalid(format!("MAD_FLOW={name:?}: credit, rdma, window or polled")))?;
         }
@@ -265,6 +275,38 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `mpirun` inside a Slurm allocation: the process inherits `SLURM_PROCID` of the
+    /// allocation's one task, and Open MPI's own variables must win. `MAD_*` overrides both;
+    /// a variable that does not parse is an error naming it.
+    #[test]
+    fn launcher_variables_by_precedence_and_strictly_parsed() {
+        let set = |vars: &[(&str, &str)]| {
+            for k in
+                ["MAD_RANK", "MAD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"]
+            {
+                std::env::remove_var(k);
+            }
+            for (k, v) in vars {
+                std::env::set_var(k, v);
+            }
+        };
+        set(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+        ]);
+        let c = SessionConfig::from_env().unwrap();
+        assert_eq!((c.rank, c.size), (3, 4));
+        set(&[("OMPI_COMM_WORLD_RANK", "3"), ("OMPI_COMM_WORLD_SIZE", "4"), ("MAD_RANK", "1"), ("MAD_SIZE", "2")]);
+        let c = SessionConfig::from_env().unwrap();
+        assert_eq!((c.rank, c.size), (1, 2));
+        set(&[("MAD_RANK", "one"), ("MAD_SIZE", "2")]);
+        let e = SessionConfig::from_env().unwrap_err().to_string();
+        assert!(e.contains("MAD_RANK"), "{e}");
+        set(&[]);
+    }
 
     #[test]
     fn the_spin_phase_is_microseconds_or_max_and_anything_else_is_refused() {

@@ -69,7 +69,10 @@ unsafe impl Sync for HwContext {}
 impl HwContext {
     /// Opens the device called `name`, or the first one (`PV_HW_DEVICE` picks one by name).
     pub fn open(name: Option<&str>) -> Result<HwContext> {
-        let wanted = name.map(str::to_owned).or_else(|| std::env::var("PV_HW_DEVICE").ok());
+        let wanted = match name {
+            Some(n) => Some(n.to_owned()),
+            None => crate::env::text("PV_HW_DEVICE")?,
+        };
         let mut n = 0i32;
         // SAFETY: as in `device_names`.
         let list = unsafe { ffi::ibv_get_device_list(&mut n) };
@@ -113,7 +116,14 @@ impl HwContext {
             unsafe { ffi::ibv_close_device(ctx) };
             return Err(ret_err("ibv_query_port", rc));
         }
-        let gid_index: u8 = std::env::var("PV_HW_GID_INDEX").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        let gid_index: u8 = match crate::env::parse("PV_HW_GID_INDEX", "a GID table index (0-255)") {
+            Ok(v) => v.unwrap_or(0),
+            Err(e) => {
+                // SAFETY: closing the context opened above.
+                unsafe { ffi::ibv_close_device(ctx) };
+                return Err(e);
+            }
+        };
         let mut gid = ffi::ibv_gid::default();
         // SAFETY: valid context and output union.
         let rc = unsafe { ffi::ibv_query_gid(ctx, PORT, gid_index as i32, &mut gid) };

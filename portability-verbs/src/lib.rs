@@ -36,6 +36,7 @@ pub mod cm;
 pub mod copy;
 pub mod datapath;
 pub mod endpoint;
+pub mod env;
 pub mod error;
 #[cfg(feature = "hardware")]
 mod hw;

@@ -64,9 +64,9 @@ pub struct Context(CtxImpl);
 impl Context {
     /// Opens the provider named by `PV_PROVIDER` (default: software).
     pub fn open_default() -> Result<Context> {
-        let p = match std::env::var("PV_PROVIDER") {
-            Ok(v) if !v.trim().is_empty() => v.parse()?,
-            _ => Provider::Software,
+        let p = match crate::env::text("PV_PROVIDER")? {
+            Some(v) => v.parse()?,
+            None => Provider::Software,
         };
         Self::open(p)
     }
@@ -74,7 +74,7 @@ impl Context {
     /// Opens the first device of `provider`.
     pub fn open(provider: Provider) -> Result<Context> {
         match provider {
-            Provider::Software => Self::open_soft(SoftConfig::from_env()),
+            Provider::Software => Self::open_soft(SoftConfig::from_env()?),
             #[cfg(feature = "hardware")]
             Provider::Hardware => Ok(Context(CtxImpl::Hw(Arc::new(hw::HwContext::open(None)?)))),
             #[cfg(not(feature = "hardware"))]

@@ -436,9 +436,7 @@ fn write_cache(peer: &str, bytes: usize) {
 /// environment, else the cache, else measured with `round_trip` (one control round trip to the
 /// peer) and cached.
 pub fn for_peer(peer: &str, round_trip: impl FnOnce() -> Result<Duration>) -> Result<Crossover> {
-    if let Ok(v) = std::env::var("PV_CROSSOVER_BYTES") {
-        let bytes =
-            v.trim().parse().map_err(|_| VerbsError::invalid(format!("PV_CROSSOVER_BYTES={v:?} is not a number")))?;
+    if let Some(bytes) = crate::env::parse("PV_CROSSOVER_BYTES", "bytes")? {
         return Ok(Crossover { bytes, source: CrossoverSource::Environment, round_trip: Duration::ZERO });
     }
     if peer.contains(['\t', '\n']) {

@@ -42,23 +42,23 @@ impl Default for SoftConfig {
 
 impl SoftConfig {
     /// Reads overrides from `PV_SOFT_RING_BYTES`, `PV_SOFT_COPY_THRESHOLD`, `PV_SOFT_SPIN_US`
-    /// and `PV_SOFT_ASSIST_MIN`.
-    pub fn from_env() -> Self {
+    /// and `PV_SOFT_ASSIST_MIN` (a value that does not parse is an error naming it).
+    pub fn from_env() -> Result<Self> {
+        use crate::env::parse;
         let mut c = SoftConfig::default();
-        let num = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<u64>().ok());
-        if let Some(v) = num("PV_SOFT_RING_BYTES") {
-            c.ring_bytes = v as usize;
+        if let Some(v) = parse("PV_SOFT_RING_BYTES", "bytes")? {
+            c.ring_bytes = v;
         }
-        if let Some(v) = num("PV_SOFT_COPY_THRESHOLD") {
-            c.copy_threshold = v as usize;
+        if let Some(v) = parse("PV_SOFT_COPY_THRESHOLD", "bytes")? {
+            c.copy_threshold = v;
         }
-        if let Some(v) = num("PV_SOFT_SPIN_US") {
+        if let Some(v) = parse("PV_SOFT_SPIN_US", "microseconds")? {
             c.spin = Duration::from_micros(v);
         }
-        if let Some(v) = num("PV_SOFT_ASSIST_MIN") {
-            c.assist_min = v as usize;
+        if let Some(v) = parse("PV_SOFT_ASSIST_MIN", "bytes")? {
+            c.assist_min = v;
         }
-        c
+        Ok(c)
     }
 
     pub(crate) fn validate(&self) -> Result<()> {

@@ -228,8 +228,12 @@ static ASYMMETRIC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 /// sleeper pays a `membarrier` syscall that runs a full barrier on every registered CPU.
 pub fn asymmetric_barriers() -> bool {
     *ASYMMETRIC.get_or_init(|| {
-        if std::env::var_os("PV_SOFT_NO_MEMBARRIER").is_some() {
-            return false;
+        match crate::env::flag("PV_SOFT_NO_MEMBARRIER", false) {
+            Ok(false) => {}
+            Ok(true) => return false,
+            Err(e) => {
+                log::warn!("{e}; using the membarrier scheme");
+            }
         }
         // SAFETY: plain syscalls with integer arguments.
         let supported = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0) };
