@@ -143,10 +143,13 @@ fn madeleine_ranks_survive_a_killed_rank() {
     let session = Session::new(cfg).unwrap();
     let ch = session.channel().unwrap();
     let kill_after = Duration::from_millis(rng.below(run.as_millis() as u64 * 3 / 4) + 50);
+    // Rank 2 is killed once every rank is past set-up (each sent a message): a rank that
+    // dies during set-up leaves the others waiting out the set-up timeout, by design.
+    let started = [std::sync::atomic::AtomicBool::new(false), std::sync::atomic::AtomicBool::new(false)];
     let (killed_at, results) = std::thread::scope(|s| {
         let receivers: Vec<_> = [1usize, 2]
             .map(|rank| {
-                let ch = &ch;
+                let (ch, started) = (&ch, &started);
                 s.spawn(move || -> (usize, Result<u32>, Instant) {
                     let mut seq = 0u32;
                     loop {
@@ -185,6 +188,7 @@ fn madeleine_ranks_survive_a_killed_rank() {
                                     "rank {rank}: message {seq} corrupted"
                                 );
                                 seq += 1;
+                                started[rank - 1].store(true, std::sync::atomic::Ordering::Relaxed);
                             }
                             Err(e) => return (rank, Err(e), Instant::now()),
                         }
@@ -193,6 +197,11 @@ fn madeleine_ranks_survive_a_killed_rank() {
             })
             .into_iter()
             .collect();
+        let up = Instant::now();
+        while !started.iter().all(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
+            assert!(up.elapsed() < Duration::from_secs(20), "the ranks never started");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         std::thread::sleep(kill_after);
         children[1].0.kill().unwrap();
         let killed_at = Instant::now();
