@@ -77,3 +77,27 @@ fn a_peer_killed_mid_message_gives_an_error_not_a_hang() {
     assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     std::mem::forget(u); // its connection is dead; nothing to complete
 }
+
+/// Open MPI's `mpirun` starts four ranks of a Madeleine program (a ring, any-source receives, a
+/// barrier) with no Madeleine variable set: the ranks find each other from `OMPI_COMM_WORLD_*`.
+#[test]
+fn mpirun_starts_a_madeleine_job() {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        eprintln!("skipping: no mpirun (Debian: openmpi-bin; .ci/run installs it)");
+        return;
+    }
+    let out = Command::new("timeout")
+        .args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4", env!("CARGO_BIN_EXE_mad_ring")])
+        .env_remove("MAD_RANK")
+        .env_remove("MAD_SIZE")
+        .env("MAD_RENDEZVOUS", std::env::temp_dir().join(format!("mad-mpirun-{}", std::process::id())))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ring of 4 ranks: ok"),
+        "mpirun: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
