@@ -68,6 +68,7 @@ pub enum RecvMode {
 
 /// Errors of the Madeleine layer.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MadError {
     /// From the verbs layer.
     #[error(transparent)]

@@ -2045,6 +2045,24 @@ impl Pacer {
     }
 }
 
+impl std::fmt::Debug for SdpStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        f.debug_struct("SdpStream")
+            .field("local", &c.local)
+            .field("peer", &c.peer)
+            .field("design", &c.effective_design())
+            .field("failed", &c.failed.as_ref().map(|(k, _)| *k))
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for SdpListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SdpListener").field("local", &self.local).field("design", &self.config.design).finish()
+    }
+}
+
 impl SdpStream {
     /// A read or write timeout is `WouldBlock`, as Linux reports `SO_RCVTIMEO` and
     /// `SO_SNDTIMEO` (`EAGAIN`); a connection that failed by timing out keeps `TimedOut`.

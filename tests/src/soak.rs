@@ -65,30 +65,30 @@ pub fn write_frames(s: &mut impl Write, seed: u64, max: u64, run: Duration) -> i
 /// How a framed stream ended for its reader.
 #[derive(Debug)]
 pub enum StreamEnd {
-    /// The end frame, after every frame it counts, all intact.
-    Complete(u32),
-    /// An error after `frames` intact frames (a peer that died).
-    Failed { frames: u32, kind: io::ErrorKind, at: Instant },
+    /// The end frame, after every frame it counts (`frames`, `bytes` of payload), all intact.
+    Complete { frames: u32, bytes: u64 },
+    /// An error after `frames` intact frames of `bytes` (a peer that died).
+    Failed { frames: u32, bytes: u64, kind: io::ErrorKind, at: Instant },
 }
 
 /// Reads a framed stream, checking every byte; a corrupt frame, a frame out of sequence or an
 /// EOF without the end frame is an error of its own (`Err`), never a `StreamEnd`.
 pub fn read_frames(s: &mut impl Read, seed: u64) -> Result<StreamEnd, String> {
-    let mut seq = 0u32;
+    let (mut seq, mut bytes) = (0u32, 0u64);
     let mut body = Vec::new();
     loop {
         let mut head = [0u8; 8];
         if let Err(e) = s.read_exact(&mut head) {
             return match e.kind() {
                 io::ErrorKind::UnexpectedEof => Err(format!("EOF after {seq} frames without the end frame")),
-                kind => Ok(StreamEnd::Failed { frames: seq, kind, at: Instant::now() }),
+                kind => Ok(StreamEnd::Failed { frames: seq, bytes, kind, at: Instant::now() }),
             };
         }
         let len = u32::from_le_bytes(head[..4].try_into().expect("4")) as usize;
         let got_seq = u32::from_le_bytes(head[4..].try_into().expect("4"));
         if len == 0 {
             return if got_seq == seq {
-                Ok(StreamEnd::Complete(seq))
+                Ok(StreamEnd::Complete { frames: seq, bytes })
             } else {
                 Err(format!("end frame says {got_seq}, {seq} came"))
             };
@@ -98,12 +98,13 @@ pub fn read_frames(s: &mut impl Read, seed: u64) -> Result<StreamEnd, String> {
         }
         body.resize(len, 0);
         if let Err(e) = s.read_exact(&mut body) {
-            return Ok(StreamEnd::Failed { frames: seq, kind: e.kind(), at: Instant::now() });
+            return Ok(StreamEnd::Failed { frames: seq, bytes, kind: e.kind(), at: Instant::now() });
         }
         if body != payload(seed, seq, len) {
             return Err(format!("frame {seq} of {len} bytes corrupted"));
         }
         seq += 1;
+        bytes += len as u64;
     }
 }
 

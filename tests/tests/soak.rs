@@ -61,7 +61,7 @@ fn sdp_streams_survive_killed_peers_and_leak_nothing() {
         let _warm = spawn(1000, 1);
         let (mut s, _) = l.accept_timeout(Duration::from_secs(20)).unwrap();
         std::io::Read::read_exact(&mut s, &mut [0u8; 8]).unwrap();
-        assert!(matches!(soak::read_frames(&mut s, seed ^ 1000), Ok(StreamEnd::Complete(_))));
+        assert!(matches!(soak::read_frames(&mut s, seed ^ 1000), Ok(StreamEnd::Complete { .. })));
     }
     let base = Holdings::now();
     const N: u64 = 6;
@@ -90,23 +90,27 @@ fn sdp_streams_survive_killed_peers_and_leak_nothing() {
         children[v as usize].0.kill().unwrap();
         killed_at[v as usize] = Some(Instant::now());
     }
-    let mut complete = 0;
+    let (mut complete, mut verified, mut kills) = (0, 0u64, 0);
     for h in readers {
         let (who, r) = h.join().unwrap();
         match (r, killed_at[who as usize]) {
-            (Ok(StreamEnd::Complete(n)), _) => {
-                assert!(n > 0);
+            (Ok(StreamEnd::Complete { frames, bytes }), _) => {
+                assert!(frames > 0);
                 complete += 1;
+                verified += bytes;
             }
-            (Ok(StreamEnd::Failed { frames, kind, at }), Some(kill)) => {
+            (Ok(StreamEnd::Failed { frames, bytes, kind, at }), Some(kill)) => {
                 let late = at.saturating_duration_since(kill);
                 assert!(late < Duration::from_secs(2), "stream {who}: the kill was noticed after {late:?}");
                 eprintln!("stream {who}: killed after {frames} intact frames, then {kind:?} in {late:?}");
+                verified += bytes;
+                kills += 1;
             }
             (r, _) => panic!("stream {who} (killed: {}): {r:?}", killed_at[who as usize].is_some()),
         }
     }
     assert!(complete >= (N as usize) - victims.len());
+    eprintln!("soak sdp: {N} streams, {complete} complete, {kills} killed mid-stream, {verified} bytes verified");
     for c in &mut children {
         let _ = c.0.wait();
     }
@@ -146,10 +150,11 @@ fn madeleine_ranks_survive_a_killed_rank() {
     // Rank 2 is killed once every rank is past set-up (each sent a message): a rank that
     // dies during set-up leaves the others waiting out the set-up timeout, by design.
     let started = [std::sync::atomic::AtomicBool::new(false), std::sync::atomic::AtomicBool::new(false)];
+    let bytes = std::sync::atomic::AtomicU64::new(0);
     let (killed_at, results) = std::thread::scope(|s| {
         let receivers: Vec<_> = [1usize, 2]
             .map(|rank| {
-                let (ch, started) = (&ch, &started);
+                let (ch, started, bytes) = (&ch, &started, &bytes);
                 s.spawn(move || -> (usize, Result<u32>, Instant) {
                     let mut seq = 0u32;
                     loop {
@@ -187,6 +192,7 @@ fn madeleine_ranks_survive_a_killed_rank() {
                                     body == soak::payload(seed ^ rank as u64, seq, body.len()),
                                     "rank {rank}: message {seq} corrupted"
                                 );
+                                bytes.fetch_add(body.len() as u64, std::sync::atomic::Ordering::Relaxed);
                                 seq += 1;
                                 started[rank - 1].store(true, std::sync::atomic::Ordering::Relaxed);
                             }
@@ -224,4 +230,5 @@ fn madeleine_ranks_survive_a_killed_rank() {
         }
     }
     assert!(children[0].0.wait().unwrap().success(), "rank 1 failed");
+    eprintln!("soak madeleine: 2 ranks streaming, 1 killed, {} bytes verified", bytes.into_inner());
 }
