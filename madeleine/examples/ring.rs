@@ -8,7 +8,8 @@
 //!     mpirun -np 4 target/release/examples/ring          # Open MPI (add --oversubscribe
 //!                                                        #  beyond the cores)
 //!     srun -n 4 target/release/examples/ring             # Slurm
-//!     MAD_RANK=0 MAD_SIZE=2 target/release/examples/ring & MAD_RANK=1 MAD_SIZE=2 target/release/examples/ring
+//!     madrun -n 4 target/release/examples/ring           # no launcher (this workspace's
+//!                                                        #  `cargo run -p madeleine --bin madrun`)
 
 use madeleine::*;
 

@@ -2394,6 +2394,7 @@ mod tests {
                     s.spawn(move || {
                         let mut cfg = SessionConfig::new(rank, 3, dir);
                         cfg.timeout = Duration::from_secs(10);
+                        cfg.wait_limit = Some(Duration::from_secs(10));
                         let session = Session::new(cfg).unwrap();
                         let ch = session.channel().unwrap();
                         f(rank, &ch);

@@ -26,12 +26,20 @@ pub struct SessionConfig {
     pub size: usize,
     /// Directory of the rendezvous sockets (shared by the group).
     pub rendezvous_dir: PathBuf,
+    /// This job's key, sent in every connection handshake: a rank of another job that finds
+    /// our sockets (the same directory, by mistake) is turned away, never connected. From the
+    /// launcher's job id in `from_env`; empty by default.
+    pub job: String,
     /// Flow control of the eager path (default: polled, the fewest instructions and shared
     /// cache lines per small message; `MAD_FLOW=credit|rdma|window|polled` overrides in
     /// `from_env`).
     pub strategy: FlowStrategy,
-    /// How long set-up and blocking calls wait for a peer.
+    /// How long set-up (connecting the ranks, a channel) waits for a peer.
     pub timeout: Duration,
+    /// How long a blocking send or receive waits (None, the default: as long as it takes, as
+    /// MPI's do; a peer that dies or closes still ends the wait with `PeerLost` or
+    /// `PeerClosed`). `MAD_TIMEOUT` (seconds) in `from_env`.
+    pub wait_limit: Option<Duration>,
     /// Packs of at least this many bytes go by rendezvous (None: chosen per connection by a
     /// probe of the transport at set-up, see [`Channel::rendezvous_threshold`]).
     pub rendezvous_threshold: Option<usize>,
@@ -56,8 +64,10 @@ impl SessionConfig {
             rank,
             size,
             rendezvous_dir: rendezvous_dir.into(),
+            job: String::new(),
             strategy: FlowStrategy::POLLED,
             timeout: Duration::from_secs(30),
+            wait_limit: None,
             rendezvous_threshold: None,
             bulk_ring_bytes: 2 << 20,
             spin: crate::wait::DEFAULT_SPIN,
@@ -66,7 +76,7 @@ impl SessionConfig {
 
     /// What a blocking call of this session may wait, and how.
     pub(crate) fn patience(&self) -> crate::wait::Patience {
-        crate::wait::Patience { timeout: self.timeout, spin: self.spin }
+        crate::wait::Patience { timeout: self.wait_limit.unwrap_or(Duration::MAX), spin: self.spin }
     }
 
     /// From the environment: `MAD_RANK`/`MAD_SIZE` if set (an override), else what the
@@ -74,7 +84,7 @@ impl SessionConfig {
     /// PMI launcher (`PMI_RANK`/`PMI_SIZE`), Slurm's `srun` (`SLURM_PROCID`/`SLURM_NTASKS`;
     /// last, since `mpirun` inside an allocation inherits them); the directory from
     /// `MAD_RENDEZVOUS` (default: a directory under the temporary directory named after the
-    /// job, `SLURM_JOB_ID` when there is one); the optional `MAD_RENDEZVOUS_THRESHOLD`,
+    /// job, `SLURM_JOB_ID` when there is one); the optional `MAD_RENDEZVOUS_THRESHOLD`, `MAD_TIMEOUT`,
     /// `MAD_BULK_RING`, `MAD_SPIN_US` and `MAD_FLOW`. A value that does not parse is an error
     /// naming the variable.
     pub fn from_env() -> Result<SessionConfig> {
@@ -96,16 +106,32 @@ impl SessionConfig {
         let (rank, size) = found.ok_or_else(|| {
             MadError::Invalid("no rank and size in the environment (MAD_RANK/MAD_SIZE, OMPI_*, PMI_*, SLURM_*)".into())
         })?;
+        // The job: what `madrun` says, else the launcher's job id (PMIx namespace, set by
+        // Open MPI's mpirun and by srun --mpi=pmix; Slurm's job and step).
+        let job = match (get("MAD_JOB")?, get("PMIX_NAMESPACE")?, get("SLURM_JOB_ID")?) {
+            (Some(j), _, _) | (None, Some(j), _) => j,
+            (None, None, Some(j)) => format!("{j}.{}", get("SLURM_STEP_ID")?.unwrap_or_default()),
+            (None, None, None) => String::new(),
+        };
         let dir = match get("MAD_RENDEZVOUS")? {
             Some(d) => PathBuf::from(d),
             None => {
-                let job = get("SLURM_JOB_ID")?.unwrap_or_else(|| "default".into());
-                std::env::temp_dir().join(format!("madeleine-{job}"))
+                let name: String =
+                    job.chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '_' }).collect();
+                let name = if name.is_empty() { "default".into() } else { name };
+                std::env::temp_dir().join(format!("madeleine-{name}"))
             }
         };
         let mut cfg = SessionConfig::new(rank, size, dir);
+        cfg.job = job;
         if let Some(t) = env::parse("MAD_RENDEZVOUS_THRESHOLD", "bytes")? {
             cfg.rendezvous_threshold = Some(t);
+        }
+        if let Some(secs) = env::parse::<f64>("MAD_TIMEOUT", "seconds")? {
+            if !(secs > 0.0 && secs.is_finite()) {
+                return Err(MadError::Invalid(format!("MAD_TIMEOUT={secs}: seconds, more than 0")));
+            }
+            cfg.wait_limit = Some(Duration::from_secs_f64(secs));
         }
         if let Some(v) = env::parse("MAD_BULK_RING", "bytes")? {
             cfg.bulk_ring_bytes = v;
@@ -147,6 +173,11 @@ pub(crate) struct SessionInner {
 #[derive(Clone)]
 pub struct Session {
     pub(crate) inner: Arc<SessionInner>,
+}
+
+/// What a handshake carries of the job key (FNV-1a: a mix, not a secret).
+fn job_tag(job: &str) -> u64 {
+    job.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 fn sock(dir: &std::path::Path, rank: usize) -> PathBuf {
@@ -220,6 +251,7 @@ impl Session {
     fn private(&self, channel: u32) -> Vec<u8> {
         let mut v = channel.to_le_bytes().to_vec();
         v.extend_from_slice(&(self.rank() as u64).to_le_bytes());
+        v.extend_from_slice(&job_tag(&self.inner.cfg.job).to_le_bytes());
         v
     }
 
@@ -253,8 +285,11 @@ impl Session {
                 left,
             )?;
             let p = &conn.peer_private;
-            if p.len() != 12 {
-                return Err(MadError::Protocol { rank: peer, why: "bad rendezvous private data".into() });
+            let ours = job_tag(&self.inner.cfg.job).to_le_bytes();
+            if p.len() != 20 || p[12..20] != ours {
+                // A rank of another job (or no rank at all): turned away, never connected.
+                log::warn!("madeleine: turned away a connection that is not of this job");
+                continue;
             }
             let ch = u32::from_le_bytes(p[0..4].try_into().expect("4 bytes"));
             let from = u64::from_le_bytes(p[4..12].try_into().expect("8 bytes")) as usize;

@@ -26,6 +26,7 @@ where
         barrier,
         |cfg| {
             cfg.timeout = timeout;
+            cfg.wait_limit = Some(timeout);
             cfg.rendezvous_threshold = Some(threshold);
         },
         f,
@@ -60,6 +61,9 @@ where
                 let (dir, f, set) = (dir.clone(), &f, &set);
                 s.spawn(move || {
                     let mut cfg = SessionConfig::new(rank, n, dir);
+                    // A bug fails the test instead of hanging it (a session's own default is to
+                    // wait as long as it takes).
+                    cfg.wait_limit = Some(Duration::from_secs(60));
                     if let Some(s) = flow {
                         cfg.strategy = s;
                     }
@@ -367,6 +371,50 @@ fn a_ring_of_nonblocking_sends_before_receives_completes() {
             }
         });
     }
+}
+
+/// Blocking calls wait as long as it takes, as MPI's do: a receive posted long before its
+/// message (here four times the set-up timeout) gets it; a session's `wait_limit` bounds it.
+#[test]
+fn a_receive_outlives_the_set_up_timeout() {
+    group_cfg(
+        2,
+        true,
+        |cfg| {
+            cfg.timeout = Duration::from_millis(500);
+            cfg.wait_limit = None;
+        },
+        |rank, ch| {
+            if rank == 0 {
+                std::thread::sleep(Duration::from_secs(2));
+                let mut p = ch.begin_packing(1).unwrap();
+                p.pack_safer(b"late", RecvMode::Express).unwrap();
+                p.end_packing().unwrap();
+            } else {
+                let t = std::time::Instant::now();
+                let mut u = ch.begin_unpacking().unwrap();
+                let mut b = [0u8; 4];
+                u.unpack_express(&mut b, SendMode::Safer).unwrap();
+                u.end_unpacking().unwrap();
+                assert_eq!(&b, b"late");
+                assert!(t.elapsed() >= Duration::from_millis(1500));
+            }
+        },
+    );
+    // With a limit, the same wait ends in a timeout.
+    group_cfg(
+        2,
+        false,
+        |cfg| cfg.wait_limit = Some(Duration::from_millis(300)),
+        |rank, ch| {
+            if rank == 1 {
+                assert!(matches!(ch.begin_unpacking().map(|_| ()), Err(MadError::Timeout(_))));
+            } else {
+                // Up until rank 1 gave up (a closed peer would end its wait first).
+                std::thread::sleep(Duration::from_millis(1000));
+            }
+        },
+    );
 }
 
 /// A rendezvous pack unpacked with the wrong size or modes is a mismatch: the sender is
@@ -917,6 +965,7 @@ fn bulk_chunks_carry_their_records_at_every_framing_boundary() {
             cfg.bulk_ring_bytes = 4096;
             cfg.rendezvous_threshold = Some(usize::MAX);
             cfg.timeout = Duration::from_secs(20);
+            cfg.wait_limit = Some(Duration::from_secs(20));
         },
         |rank, ch| {
             for (i, &n) in sizes.iter().enumerate() {
@@ -1079,4 +1128,33 @@ fn a_pending_send_completes_once_read_and_leaves_the_connection_free_meanwhile()
             }
         }
     });
+}
+
+/// Two jobs that share a rendezvous directory by mistake never connect: a rank's handshake
+/// carries its job, and a rank of another job is turned away; a rank whose socket a live rank
+/// of another job already holds fails at once, and never unlinks it.
+#[test]
+fn ranks_of_two_jobs_never_connect() {
+    let dir = std::env::temp_dir().join(format!("mad-jobs-{}", std::process::id()));
+    let cfg = |rank, job: &str| {
+        let mut c = SessionConfig::new(rank, 2, &dir);
+        c.job = job.into();
+        c.timeout = Duration::from_millis(800);
+        c.wait_limit = Some(Duration::from_secs(10));
+        c
+    };
+    let a0 = Session::new(cfg(0, "job-a")).unwrap();
+    // Rank 0 of another job: its socket is a live listener's.
+    let e = Session::new(cfg(0, "job-b")).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("in use"), "{e}");
+    let b1 = Session::new(cfg(1, "job-b")).unwrap();
+    std::thread::scope(|s| {
+        let h = s.spawn(|| b1.channel().map(|_| ()));
+        assert!(a0.channel().is_err(), "rank 0 of job a connected to job b");
+        assert!(h.join().unwrap().is_err(), "rank 1 of job b connected to job a");
+    });
+    // Job a's socket is still there for its own ranks.
+    assert!(dir.join("rank-0.sock").exists());
+    drop(a0);
+    let _ = std::fs::remove_dir_all(&dir);
 }

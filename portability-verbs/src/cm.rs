@@ -443,10 +443,18 @@ fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> VerbsError + '_ {
 const ACCEPT_SLICE: Duration = Duration::from_millis(50);
 
 impl Listener {
-    /// Binds a listener (a stale unix socket file at the path is replaced).
+    /// Binds a listener. A unix socket file left at the path by a process that is gone is
+    /// replaced; one that a live listener answers on is an error (it belongs to someone else:
+    /// another job's rank, say).
     pub fn bind(addr: &CmAddr) -> Result<Listener> {
         let inner = match addr {
             CmAddr::Unix(p) => {
+                if UnixStream::connect(p).is_ok() {
+                    return Err(VerbsError::InvalidState(format!(
+                        "{} is in use by a live listener (another job in the same rendezvous directory?)",
+                        p.display()
+                    )));
+                }
                 let _ = std::fs::remove_file(p);
                 ListenerImpl::Unix(UnixListener::bind(p).map_err(io_err("binding the bootstrap socket"))?)
             }

@@ -26,6 +26,7 @@ fn start(mode: &str, tag: &str) -> (Session, Channel, Child) {
         .unwrap();
     let mut cfg = SessionConfig::new(0, 2, dir);
     cfg.timeout = Duration::from_secs(15);
+    cfg.wait_limit = Some(Duration::from_secs(15));
     cfg.rendezvous_threshold = Some(4096);
     let session = Session::new(cfg).unwrap();
     let ch = session.channel().unwrap();
@@ -100,4 +101,69 @@ fn mpirun_starts_a_madeleine_job() {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Two `mpirun` jobs of the same program started at once on one host, no Madeleine variable
+/// set: each finds its own ranks (the launcher's job id names the rendezvous directory and
+/// rides in every handshake), and both succeed.
+#[test]
+fn two_mpirun_jobs_at_once_stay_apart() {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        eprintln!("skipping: no mpirun (Debian: openmpi-bin; .ci/run installs it)");
+        return;
+    }
+    let start = || {
+        Command::new("timeout")
+            .args([
+                "120",
+                "mpirun",
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-np",
+                "2",
+                env!("CARGO_BIN_EXE_mad_ring"),
+            ])
+            .env_remove("MAD_RANK")
+            .env_remove("MAD_SIZE")
+            .env_remove("MAD_RENDEZVOUS")
+            .env_remove("MAD_JOB")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let jobs = [start(), start()];
+    for job in jobs {
+        let out = job.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("ring of 2 ranks: ok"),
+            "mpirun: {}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// `madrun` starts a job on this machine without a launcher: every rank's output prefixed with
+/// its rank, the exit status the job's; a failing rank ends the others and the job fails.
+#[test]
+fn madrun_starts_a_job_and_ends_it_when_a_rank_fails() {
+    let out = Command::new(env!("CARGO_BIN_EXE_madrun"))
+        .args(["-n", "3", env!("CARGO_BIN_EXE_mad_ring")])
+        .env_remove("MAD_RENDEZVOUS")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("[0] ring of 3 ranks: ok"), "{}\n{stdout}", out.status);
+    let start = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_madrun"))
+        .args(["-n", "2", "/bin/sh", "-c", "echo up; [ \"$MAD_RANK\" = 1 ] && exit 3; sleep 60"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(start.elapsed() < Duration::from_secs(10), "the other rank was not ended");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("[0] up") && stdout.contains("[1] up"), "{stdout}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rank 1 failed"));
 }

@@ -144,6 +144,7 @@ fn madeleine_ranks_survive_a_killed_rank() {
     let mut children = [spawn(1), spawn(2)];
     let mut cfg = SessionConfig::new(0, 3, &dir);
     cfg.timeout = Duration::from_secs(20);
+    cfg.wait_limit = Some(Duration::from_secs(20));
     let session = Session::new(cfg).unwrap();
     let ch = session.channel().unwrap();
     let kill_after = Duration::from_millis(rng.below(run.as_millis() as u64 * 3 / 4) + 50);

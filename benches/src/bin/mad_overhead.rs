@@ -82,6 +82,7 @@ impl MadPair {
         let cfg = |rank| {
             let mut c = SessionConfig::new(rank, 2, &dir);
             c.timeout = T;
+            c.wait_limit = Some(T);
             c
         };
         // Each rank's set-up runs while the other's does (ours first, then the join), as the

@@ -555,6 +555,7 @@ fn mad_link(layer: Layer, rank: usize, dir: PathBuf, in_flight: usize) -> Result
     let mut cfg = SessionConfig::new(rank, 2, dir);
     // The session's one timeout bounds its rendezvous as well as its waits for messages.
     cfg.timeout = SETUP;
+    cfg.wait_limit = Some(SETUP);
     if let Some(t) = layer.mad_threshold() {
         cfg.rendezvous_threshold = Some(t);
     }
