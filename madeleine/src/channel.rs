@@ -972,15 +972,23 @@ enum Route {
 enum Deferred<'p> {
     Borrowed(&'p [u8], Modes),
     Owned(Vec<u8>, Modes),
+    /// A pack of [`Packer::pack_later`]: the application may still write it, through
+    /// [`Packer::later_mut`] with this number, until `end_packing` reads it.
+    Mutable(u32, &'p mut [u8], Modes),
 }
 
 impl Deferred<'_> {
     fn is_later(&self) -> bool {
         match self {
             Deferred::Borrowed(_, m) | Deferred::Owned(_, m) => m.send == SendMode::Later,
+            Deferred::Mutable(..) => true,
         }
     }
 }
+
+/// A pack made with [`Packer::pack_later`], to write through [`Packer::later_mut`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaterPack(u32);
 
 /// A rendezvous the receiver has still to read: its registration (and, for a copied buffer,
 /// the copy) must live until the receiver released it.
@@ -1026,6 +1034,8 @@ struct PackerMore<'p> {
     /// The message ends with `end_packing_nowait`: packs still to send go zero-copy rather
     /// than through the bulk lane, whose ring only the receiver's reads empty.
     nowait: bool,
+    /// `pack_later` packs so far (their numbers).
+    later: u32,
 }
 
 impl<'p> Packer<'p> {
@@ -1071,6 +1081,33 @@ impl<'p> Packer<'p> {
             return Ok(());
         }
         self.emit_borrowed(buf, modes)
+    }
+
+    /// Packs `buf` with `SendMode::Later`, keeping it writable until the message ends: the
+    /// packer holds the buffer's mutable borrow, and [`Packer::later_mut`] hands it back to
+    /// write (a header's count filled in after the body was packed, say). What the buffer
+    /// holds at `end_packing` is what the receiver gets, whichever way the pack travels
+    /// (inline, bulk lane, zero-copy). (`pack(buf, SendMode::Later, ..)` takes a shared
+    /// borrow instead: the buffer is read at `end_packing` too, but cannot change before.)
+    pub fn pack_later(&mut self, buf: &'p mut [u8], recv: RecvMode) -> Result<LaterPack> {
+        self.tx.packs += 1;
+        let more = self.more();
+        let id = more.later;
+        more.later += 1;
+        more.deferred.push(Deferred::Mutable(id, buf, Modes { send: SendMode::Later, recv }));
+        Ok(LaterPack(id))
+    }
+
+    /// The buffer of a pack made with [`Packer::pack_later`] on this packer, to write until
+    /// `end_packing` (`MadError::Invalid` for a pack of another packer).
+    pub fn later_mut(&mut self, pack: LaterPack) -> Result<&mut [u8]> {
+        let found = self.more.as_mut().and_then(|m| {
+            m.deferred.iter_mut().find_map(|d| match d {
+                Deferred::Mutable(id, b, _) if *id == pack.0 => Some(&mut **b),
+                _ => None,
+            })
+        });
+        found.ok_or_else(|| MadError::Invalid(format!("{pack:?} is not a pack of this message")))
     }
 
     /// Packs a copy of `buf` (`SendMode::Safer`): `buf` is free as soon as this returns, so it
@@ -1430,6 +1467,8 @@ impl<'p> Packer<'p> {
             match d {
                 Deferred::Borrowed(b, m) => self.emit_borrowed(b, m)?,
                 Deferred::Owned(v, m) => self.emit(&v, m)?,
+                // Read from here on: the application's writes are over (the packer ends).
+                Deferred::Mutable(_, b, m) => self.emit_borrowed(b, m)?,
             }
         }
         if self.more.as_ref().is_some_and(|m| m.pending_bulk.is_some()) {

@@ -18,7 +18,9 @@
 //! | `RecvMode::Cheaper` | the data is guaranteed only after `end_unpacking` |
 //!
 //! The borrow checker enforces the buffer rules: a buffer packed `Later` or `Cheaper` stays
-//! borrowed by the [`Packer`] until `end_packing`; a buffer unpacked `Cheaper` stays borrowed by
+//! borrowed by the [`Packer`] until `end_packing`; [`Packer::pack_later`] takes the buffer's
+//! mutable borrow, and [`Packer::later_mut`] lends it back for writing until then (SEND_LATER
+//! as Madeleine meant it: a header's count filled in after the body was packed); a buffer unpacked `Cheaper` stays borrowed by
 //! the [`Unpacker`] until `end_unpacking`. [`Packer::end_packing_nowait`] ends a message without
 //! waiting for the receiver to read its zero-copy packs: the [`PendingSend`] it returns keeps
 //! those buffers borrowed until it completes, and the connection takes the next message meanwhile.
@@ -41,7 +43,7 @@ mod session;
 mod wait;
 pub mod wire;
 
-pub use channel::{Channel, Packer, PendingSend, Unpacker};
+pub use channel::{Channel, LaterPack, Packer, PendingSend, Unpacker};
 pub use session::{Session, SessionConfig};
 
 use portability_verbs::VerbsError;

@@ -1158,3 +1158,43 @@ fn ranks_of_two_jobs_never_connect() {
     drop(a0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// SEND_LATER: a buffer packed with `pack_later` may be written until `end_packing`, and the
+/// receiver gets what it held then, on every path (inline at 1 B and 4 KiB, the bulk lane at
+/// 64 KiB, zero-copy at 4 MiB with a threshold below it, the bulk lane there above it).
+#[test]
+fn send_later_buffers_changed_before_end_packing_arrive_changed() {
+    for threshold in [1 << 20, usize::MAX] {
+        group(2, threshold, |rank, ch| {
+            for len in [1usize, 4096, 64 * 1024, 4 << 20] {
+                if rank == 0 {
+                    let mut header = [0u8; 8];
+                    let mut body = vec![0u8; len];
+                    let mut p = ch.begin_packing(1).unwrap();
+                    let h = p.pack_later(&mut header, RecvMode::Express).unwrap();
+                    let b = p.pack_later(&mut body, RecvMode::Cheaper).unwrap();
+                    p.pack_safer(b"tail", RecvMode::Express).unwrap();
+                    // Written after they were packed: what end_packing finds is what goes.
+                    p.later_mut(h).unwrap().copy_from_slice(&(len as u64).to_le_bytes());
+                    p.later_mut(b).unwrap().copy_from_slice(&pattern(len, len));
+                    p.end_packing().unwrap();
+                } else {
+                    let mut body = vec![0u8; len];
+                    let mut u = ch.begin_unpacking().unwrap();
+                    let mut header = [0u8; 8];
+                    u.unpack_express(&mut header, SendMode::Later).unwrap();
+                    assert_eq!(u64::from_le_bytes(header), len as u64, "threshold {threshold}, {len} B");
+                    u.unpack(&mut body, SendMode::Later, RecvMode::Cheaper).unwrap();
+                    let mut tail = [0u8; 4];
+                    u.unpack_express(&mut tail, SendMode::Safer).unwrap();
+                    u.end_unpacking().unwrap();
+                    assert!(
+                        body == pattern(len, len),
+                        "threshold {threshold}, {len} B: the body as packed, not as ended"
+                    );
+                    assert_eq!(&tail, b"tail");
+                }
+            }
+        });
+    }
+}

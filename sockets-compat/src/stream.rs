@@ -15,7 +15,7 @@
 //!   hybrid). An AZ-SDP receiver makes the whole pages of its `read` buffer inaccessible, starts
 //!   the RDMA read and returns; touching them waits in the fault handler until the data is
 //!   there. A touch of a held buffer is a page fault; after `az_fault_limit` of them a socket
-//!   falls back to ZSDP for good. The background engine ([`crate::engine`]) finishes transfers
+//!   falls back to ZSDP for good. The background engine (the crate's `engine` module) finishes transfers
 //!   while the application computes or waits in a fault.
 //!
 //! The AZ-SDP contract for the application: after `write` returns, changing the buffer never
@@ -426,7 +426,7 @@ struct Conn {
     disconnect_pending: bool,
     /// Closed: when the application let go of the socket (or the process began to exit), and
     /// whether its Close is still to be sent. A closed socket lives on in the engine until the
-    /// peer has taken every byte (see [`crate::engine`]).
+    /// peer has taken every byte (see the crate's `engine` module).
     closing: Option<Instant>,
     close_pending: bool,
     /// `calls` as the engine's quiet visit saw it last time.
@@ -473,7 +473,7 @@ struct Conn {
 
 /// A connected SDP stream socket: a reliable byte stream like `TcpStream`. Dropping the last
 /// handle closes it: the peer reads every byte written before, then EOF, however late it
-/// reads (see [`crate::engine`] for how long a closed socket waits for that).
+/// reads (the crate's `engine` module says how long a closed socket waits for that).
 pub struct SdpStream {
     conn: Arc<Mutex<Conn>>,
     /// The connection's completion queue, to sleep on without holding the lock.

@@ -160,7 +160,7 @@ struct Args {
     /// Busy-poll or sleep on events while waiting.
     #[arg(long, value_enum, default_value_t = Wait::Busy)]
     wait: Wait,
-    /// Results folder (default: results/stack-<time>).
+    /// Results folder (default: `results/stack-<time>`).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Run one half only: `server` (with --listen) or `client` (with --connect).

@@ -8,7 +8,7 @@
 //! overlap (the same buffer sent twice, a page shared by two buffers): each page gets the
 //! strictest protection of the holds covering it, recomputed when a hold comes or goes.
 //!
-//! A thread that touches a held page faults into [`fault`]'s SIGSEGV handler, which waits (a
+//! A thread that touches a held page faults into the `fault` module's SIGSEGV handler, which waits (a
 //! futex, async-signal-safe) until the holds forbidding that access are released and then lets
 //! the access retry; faults on pages nobody holds go to the handler installed before ours.
 //! Releasing a hold is the transport's job (its progress path), so the progress path must never

@@ -1,6 +1,6 @@
 //! The record format of the software provider's inbound rings, and the ring's space arithmetic.
 //!
-//! Plain data and pure functions (sans-IO): [`super::ring`] moves the bytes through shared
+//! Plain data and pure functions (sans-IO): `soft::qp` moves the bytes through shared
 //! memory. Everything a peer writes is decoded here into a validated local copy before it is used,
 //! so a peer scribbling on the ring can fail its connection but can never steer a copy out of
 //! bounds.

@@ -1,7 +1,7 @@
 //! Rank 1 of the cross-process Madeleine tests (`MAD_RANK=1 MAD_SIZE=2 MAD_RENDEZVOUS=dir`).
 //! `mad_peer echo`: answers every message with the same packs; a message with a zero length
 //! header ends it. `mad_peer half`: sends the first pack of a message, then waits to be killed.
-//! `mad_peer soak <seed> <ms>`: messages of random sizes to rank 0 for <ms>, each a length
+//! `mad_peer soak <seed> <ms>`: messages of random sizes to rank 0 for `<ms>` milliseconds, each a length
 //! (EXPRESS) and `tests::soak::payload` (CHEAPER), then one of length 0 whose body is the count.
 
 use madeleine::*;

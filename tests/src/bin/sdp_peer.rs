@@ -1,14 +1,16 @@
 //! The other process of the SDP cross-process tests.
 //!
-//!     sdp_peer <addr> send-then-die <bytes>   connect, write <bytes> bytes, exit without closing
-//!     sdp_peer <addr> send-then-wait <bytes>  connect, write <bytes> bytes, wait to be killed
-//!     sdp_peer <addr> records <n>             a TLS-like client (`tests::send_records`)
-//!     sdp_peer <addr> soak <seed> <ms>        <seed>, then frames of random sizes for <ms>
-//!                                             (`tests::soak`), then exit (which closes the socket)
-//!     sdp_peer <addr> echo                    connect, echo everything until EOF, then close
-//!     sdp_peer <addr> write-store-read <n>    <n> rounds of: write a 16-page buffer, store
-//!                                             into it at once, read 16 pages (see
-//!                                             `tests::write_store_read`)
+//! ```text
+//! sdp_peer <addr> send-then-die <bytes>   connect, write <bytes> bytes, exit without closing
+//! sdp_peer <addr> send-then-wait <bytes>  connect, write <bytes> bytes, wait to be killed
+//! sdp_peer <addr> records <n>             a TLS-like client (`tests::send_records`)
+//! sdp_peer <addr> soak <seed> <ms>        <seed>, then frames of random sizes for <ms>
+//!                                         (`tests::soak`), then exit (which closes the socket)
+//! sdp_peer <addr> echo                    connect, echo everything until EOF, then close
+//! sdp_peer <addr> write-store-read <n>    <n> rounds of: write a 16-page buffer, store
+//!                                         into it at once, read 16 pages (see
+//!                                         `tests::write_store_read`)
+//! ```
 //!
 //! The socket's settings come from the environment (`SDP_DESIGN`, `SDP_ZCOPY_THRESHOLD`, ...).
 
