@@ -1,0 +1,91 @@
+//! How a socket call waits: its deadline, and the spin-yield-sleep pacing between polls.
+
+use super::*;
+
+/// A call's timeout, turned into a point in time only when the call first has to wait: the
+/// calls that complete at once (most small reads and writes) never read the clock for it.
+pub(super) struct Deadline {
+    timeout: Option<Duration>,
+    at: std::cell::Cell<Option<Instant>>,
+}
+
+impl Deadline {
+    pub(super) fn never() -> Deadline {
+        Deadline::after(None)
+    }
+
+    pub(super) fn after(timeout: Option<Duration>) -> Deadline {
+        Deadline { timeout, at: std::cell::Cell::new(None) }
+    }
+
+    /// When the call times out, counted from the first time this is asked.
+    pub(super) fn get(&self) -> Option<Instant> {
+        let t = self.timeout?;
+        let at = self.at.get().unwrap_or_else(|| Instant::now() + t);
+        self.at.set(Some(at));
+        Some(at)
+    }
+
+    pub(super) fn passed(&self) -> bool {
+        self.get().is_some_and(|d| Instant::now() >= d)
+    }
+}
+
+/// Waits between polls: spins first (the latency path), then yields, then sleeps: on the
+/// socket's completion queue where the awaited event raises a completion (a message, bulk
+/// data, the peer's answer), else in short naps (a flow-control update is a plain RDMA write,
+/// a hold's release a futex wake-up).
+#[derive(Default)]
+pub(super) struct Pacer {
+    polls: u32,
+}
+
+/// Longest sleep on a completion queue: bounds what a wake-up taken by another thread
+/// sleeping on the same queue (a `try_clone` of the socket) costs.
+const SLEEP_SLICE: Duration = Duration::from_millis(2);
+
+/// A nap where no completion announces the event.
+const NAP: Duration = Duration::from_micros(20);
+
+impl Pacer {
+    pub(super) fn pause(&mut self, deadline: &Deadline, what: &str) -> io::Result<()> {
+        self.pause_on(deadline, what, None, || true)
+    }
+
+    /// [`Pacer::pause`] for an event that raises a completion on `cq`. Before it sleeps there it
+    /// calls `prepare` (the pipe's [`MsgPipe::prepare_sleep`]: a polled pipe's messages raise
+    /// no completion unless the peer is told we sleep); false: something arrived, poll again.
+    pub(super) fn pause_on(
+        &mut self,
+        deadline: &Deadline,
+        what: &str,
+        cq: Option<&CompletionQueue>,
+        prepare: impl FnOnce() -> bool,
+    ) -> io::Result<()> {
+        self.polls += 1;
+        let deadline = deadline.get();
+        let sleeping = self.polls >= 6000;
+        if (sleeping || self.polls.is_multiple_of(64)) && deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, format!("timed out {what}")));
+        }
+        if !sleeping && !portability_verbs::spin_yields(self.polls) {
+            std::hint::spin_loop();
+        } else if !sleeping {
+            // A server thread and its clients may outnumber the CPUs.
+            std::thread::yield_now();
+        } else if let Some(cq) = cq {
+            if !prepare() {
+                return Ok(());
+            }
+            let slice = deadline.map_or(SLEEP_SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLEEP_SLICE));
+            if let Err(e) = portability_verbs::wait_any(&[cq], slice) {
+                // The next poll reports a broken queue; until then, nap.
+                debug!("SDP: cannot sleep on the completion queue: {e}");
+                std::thread::sleep(NAP);
+            }
+        } else {
+            std::thread::sleep(NAP);
+        }
+        Ok(())
+    }
+}
