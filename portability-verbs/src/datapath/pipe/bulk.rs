@@ -1,0 +1,171 @@
+//! The bulk lane: large data RDMA-written in chunks into the peer's bulk ring, in order with
+//! the messages.
+
+use super::*;
+
+impl MsgPipe {
+    pub(super) fn on_bulk_chunk(&mut self, imm: u32) -> Result<()> {
+        self.on_bulk_chunk_at((imm & IMM_LEN) as u64, imm & IMM_WRAPPED != 0, 0)
+    }
+
+    /// A bulk chunk of `len` bytes arrived in the bulk ring; once read, it also releases the
+    /// polled frame that announced it (`frame_end`, 0 if none).
+    pub(super) fn on_bulk_chunk_at(&mut self, len: u64, wrapped: bool, frame_end: u64) -> Result<()> {
+        let ring = self
+            .bulk_ring
+            .as_ref()
+            .ok_or_else(|| VerbsError::Protocol("bulk chunk on a pipe without a bulk ring".into()))?;
+        let before = self.bulk_rx.received();
+        let off = self.bulk_rx.on_chunk(len, wrapped).map_err(fc_err)?;
+        if len == 0 || off + len > ring.len() as u64 {
+            return Err(VerbsError::Protocol(format!("bulk chunk of {len} bytes at {off} outside the ring")));
+        }
+        self.stats.buffer_bytes += self.bulk_rx.received() - before;
+        let end_pos = self.bulk_rx.received();
+        self.msgs.push_back((off as usize, len as usize));
+        let store = ChunkStore::Ring { base: ring.as_ptr(), end_pos, lane: Lane::Bulk, frame_end };
+        self.inbox.push_back(Chunk { store, left: 1 });
+        Ok(())
+    }
+
+    /// Whether bulk chunks from now on carry the [`SendFlags::streaming`] hint (the software
+    /// provider then writes them into the peer's ring with non-temporal stores). Which is
+    /// faster depends on whether the two CPUs share a cache, so callers measure: see
+    /// [`crate::datapath::AdaptiveCrossover`].
+    pub fn set_bulk_streaming(&mut self, on: bool) {
+        self.bulk_streaming = on;
+    }
+
+    /// Largest chunk [`MsgPipe::try_send_bulk`] takes (a quarter of the peer's bulk ring); 0 if
+    /// the peer has no bulk ring.
+    pub fn bulk_chunk_max(&self) -> usize {
+        if self.peer_bulk.is_some() {
+            self.bulk_tx.max_chunk() as usize
+        } else {
+            0
+        }
+    }
+
+    /// Offers one bulk chunk: `data` (registered memory of this pipe's protection domain, at
+    /// most [`MsgPipe::bulk_chunk_max`] bytes) is RDMA-written into the peer's bulk ring and
+    /// delivered in order with the messages, as [`Lane::Bulk`]. `Ok(None)` if the ring has no
+    /// room now (call [`MsgPipe::progress`] and retry). `Ok(Some(token))`: `data` must stay
+    /// untouched until [`MsgPipe::take_user_completion`] reports the token.
+    pub fn try_send_bulk(&mut self, data: Sge) -> Result<Option<u64>> {
+        self.try_send_bulk_framed(&[], data, &[])
+    }
+
+    /// Most bytes [`MsgPipe::try_send_bulk_framed`] carries around a chunk's data.
+    pub fn bulk_frame_max(&self) -> usize {
+        self.send_pool.buf_size()
+    }
+
+    /// A bulk chunk of `head`, then `data`, then `tail`, written as one: the framing bytes
+    /// (copied before this returns, at most [`MsgPipe::bulk_frame_max`] together) let a layer
+    /// above send its own records with the data, so a transfer needs no message next to its
+    /// chunk. (A message ahead of a chunk holds the chunk back on transports that place a
+    /// send's data only when the target takes it, as the software provider does: an RDMA
+    /// write never overtakes an earlier send.) `data` may be empty when framing is not; the
+    /// rest as [`MsgPipe::try_send_bulk`], `Ok(None)` also when no staging buffer is free.
+    pub fn try_send_bulk_framed(&mut self, head: &[u8], data: Sge, tail: &[u8]) -> Result<Option<u64>> {
+        self.check_failed()?;
+        let max = self.bulk_chunk_max();
+        let frame = head.len() + tail.len();
+        let total = frame + data.length as usize;
+        if total == 0 || total > max || frame > self.bulk_frame_max() {
+            return Err(VerbsError::invalid(format!(
+                "bulk chunk of {total} bytes, {frame} of them framing (1 to {max}, framing at most {}; \
+                 0 means the peer has no bulk ring)",
+                self.bulk_frame_max()
+            )));
+        }
+        if !self.coalescer.is_empty() {
+            // Staged messages go first: the lanes share one order.
+            self.flush()?;
+            if !self.coalescer.is_empty() {
+                return Ok(None);
+            }
+        }
+        let credit = matches!(self.strategy, FlowStrategy::Credit { .. });
+        if credit && !self.credits.can_send_data() {
+            self.stats.blocked += 1;
+            return Ok(None);
+        }
+        let Some(place) = self.bulk_tx.reserve(total as u64) else {
+            self.stats.blocked += 1;
+            return Ok(None);
+        };
+        let mut sges: smallvec::SmallVec<[Sge; 3]> = smallvec::SmallVec::new();
+        let mut staging = None;
+        if frame > 0 {
+            let Some(mut b) = self.send_pool.try_acquire() else {
+                // Freed as earlier transfers complete.
+                self.bulk_tx.unreserve();
+                self.stats.blocked += 1;
+                return Ok(None);
+            };
+            b.push(head);
+            b.push(tail);
+            let all = b.sge();
+            if !head.is_empty() {
+                sges.push(Sge { length: head.len() as u32, ..all });
+            }
+            if data.length > 0 {
+                sges.push(data);
+            }
+            if !tail.is_empty() {
+                sges.push(Sge { addr: all.addr + head.len() as u64, length: tail.len() as u32, lkey: all.lkey });
+            }
+            staging = Some(b.into_index());
+        } else {
+            sges.push(data);
+        }
+        let peer = self.peer_bulk.as_ref().expect("bulk_chunk_max checked");
+        let polled = matches!(self.strategy, FlowStrategy::Polled { .. });
+        let wr = if polled {
+            // Announced by a frame written after it (`note_bulk_chunk`).
+            SendWr::write(0, &sges, peer.addr + place.offset, peer.rkey)
+        } else {
+            let imm = total as u32 | IMM_BULK | if place.wrapped { IMM_WRAPPED } else { 0 };
+            SendWr::write_with_imm(0, &sges, peer.addr + place.offset, peer.rkey, imm)
+        };
+        let wr = SendWr { flags: SendFlags { streaming: self.bulk_streaming, ..wr.flags }, ..wr };
+        match self.post_user(wr) {
+            Ok(token) => {
+                if credit {
+                    self.credits.on_send_bare();
+                }
+                if polled {
+                    self.note_bulk_chunk(total as u32, place.wrapped)?;
+                }
+                if let Some(index) = staging {
+                    self.bulk_staging.push((token, index));
+                }
+                self.stats.transfers += 1;
+                Ok(Some(token))
+            }
+            Err(e) => {
+                self.bulk_tx.unreserve();
+                if let Some(index) = staging {
+                    self.send_pool.release_index(index)?;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Announces a bulk chunk just written (polled strategy): a note alone in the next frame,
+    /// written after the chunk's data, so that the receiver finds the data placed.
+    pub(super) fn note_bulk_chunk(&mut self, len: u32, wrapped: bool) -> Result<()> {
+        let ack = self.ring_rx.ack_due();
+        let note = fc::BulkNote { len, wrapped }.encode();
+        let rec = Record { kind: RecordKind::Bulk, credits: 0, len: note.len() as u32, ack };
+        // The coalescer is empty (a bulk chunk waits until it is), so the note is taken.
+        if !self.coalescer.push(rec, &note, usize::MAX) {
+            return Err(VerbsError::Protocol("bulk note behind staged messages".into()));
+        }
+        self.ring_rx.acked_to(ack);
+        self.coalescer.seal();
+        self.flush_frames()
+    }
+}
