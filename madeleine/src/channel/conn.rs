@@ -1,0 +1,618 @@
+//! A connection to one peer on one channel: its pipe and what was taken out of it, the
+//! sending and receiving sides, and the records read in place.
+
+use super::*;
+
+/// Inline bytes of a received record: small ones (the latency-critical case) without a heap
+/// allocation.
+pub(super) type InlineBytes = SmallVec<[u8; 64]>;
+
+/// A record taken out of the pipe before its reader came (a pipe message may hold records of
+/// several messages, and a sender draining the pipe to free the peer's window takes them all):
+/// the slow path, one extra copy.
+pub(super) enum Incoming {
+    /// A record, with an inline fragment's bytes.
+    Rec(Record, InlineBytes),
+    /// Bulk-lane bytes taken out of the pipe before their unpacker came (so that the records
+    /// behind them could be seen).
+    BulkData(Vec<u8>),
+}
+
+/// The connection's next record as its reader sees it: in place in the pipe's receive buffer
+/// (the fast path) or from the queue of records taken out before.
+pub(super) enum Next<'a> {
+    /// A record and its inline bytes (empty for records without).
+    Rec(Record, &'a [u8]),
+    /// Bulk-lane bytes (seen only when draining past them).
+    BulkData(&'a [u8]),
+}
+
+impl Incoming {
+    pub(super) fn view(&self) -> Next<'_> {
+        match self {
+            Incoming::Rec(r, d) => Next::Rec(*r, d),
+            Incoming::BulkData(d) => Next::BulkData(d),
+        }
+    }
+
+    pub(super) fn owned(n: Next<'_>) -> Incoming {
+        match n {
+            Next::Rec(r, d) => Incoming::Rec(r, InlineBytes::from_slice(d)),
+            Next::BulkData(d) => Incoming::BulkData(d.to_vec()),
+        }
+    }
+}
+
+/// Why taking a record out of the pipe failed (recorded as the connection's failure).
+pub(super) enum Broken {
+    Protocol(String),
+    Lost(String),
+    /// The peer's `Bye`: it closed its end, everything it sent before was read.
+    Closed,
+}
+
+pub(super) fn lost(e: portability_verbs::VerbsError) -> Broken {
+    Broken::Lost(e.to_string())
+}
+
+/// Moves the read position of the pipe's front message to `next` (of `len` bytes), releasing
+/// the message once every record of it was read.
+pub(super) fn step_past(
+    pipe: &mut MsgPipe,
+    front_at: &mut usize,
+    next: usize,
+    len: usize,
+) -> std::result::Result<(), Broken> {
+    if next >= len {
+        *front_at = 0;
+        pipe.pop_front().map_err(lost)
+    } else {
+        *front_at = next;
+        Ok(())
+    }
+}
+
+/// Takes the first `n` bytes of the pipe's front bulk chunk (of `len` bytes), releasing it
+/// once all are taken.
+pub(super) fn take_from_front(pipe: &mut MsgPipe, n: usize, len: usize) -> std::result::Result<(), Broken> {
+    if n >= len { pipe.pop_front() } else { pipe.consume_front(n) }.map_err(lost)
+}
+
+/// Reads the peer's release count (how many of our rendezvous it has read, in the order we
+/// issued them: see [`Unpacker::release`]) and checks it: it never goes back from `seen`, the
+/// count we last read, nor past `issued`, the rendezvous our packers took so far (all
+/// counted in wrapping u32, as the ids are). Anything else is a broken peer.
+pub(super) fn released(seen: u32, now: u32, issued: u32) -> std::result::Result<u32, Broken> {
+    if now.wrapping_sub(seen) > issued.wrapping_sub(seen) {
+        return Err(Broken::Protocol(format!(
+            "released {now} rendezvous, {} of them after {seen} when only {issued} were issued",
+            now.wrapping_sub(seen)
+        )));
+    }
+    Ok(now)
+}
+
+/// Whether rendezvous `id` is among the first `released` (wrapping: the ids within 2^31
+/// below the count).
+#[inline]
+pub(super) fn is_released(released: u32, id: u32) -> bool {
+    released.wrapping_sub(id).wrapping_sub(1) < 1 << 31
+}
+
+pub(super) struct ConnIo {
+    pub(super) pipe: MsgPipe,
+    /// Records taken out of the pipe before their reader came; they come before the pipe's.
+    pub(super) incoming: VecDeque<Incoming>,
+    /// Where the next record of the pipe's front message starts (records before it were
+    /// read in place).
+    pub(super) front_at: usize,
+    /// How many of our rendezvous the peer said it read, as last looked at.
+    pub(super) rdv_released: u32,
+    pub(super) failed: Option<MadError>,
+    /// The peer said `Bye` and everything before it was read: nothing more comes.
+    pub(super) closed: bool,
+    /// Bytes of an announced bulk pack still in the pipe's bulk lane.
+    pub(super) bulk_left: u64,
+}
+
+/// What [`ConnIo::take_one`] found at the head of the connection.
+pub(super) enum OneMsg {
+    /// A `One` message, taken: its sequence number and modes (its bytes were copied out).
+    Taken(u32, Modes),
+    /// Nothing arrived.
+    Nothing,
+    /// Something else: the general path reads it.
+    Other,
+}
+
+impl ConnIo {
+    /// The path of the commonest message, one small pack (a `One` record, alone in its pipe
+    /// message): if it opens the connection's next pipe message with nothing queued before it,
+    /// copies its bytes into `body` and releases it. Anything else, a malformed `One` included,
+    /// is left for the general path (which reports what is wrong with it).
+    #[inline]
+    pub(super) fn take_one(&mut self, body: &mut Vec<u8>) -> OneMsg {
+        if !self.incoming.is_empty()
+            || self.failed.is_some()
+            || self.closed
+            || self.bulk_left != 0
+            || self.front_at != 0
+        {
+            return OneMsg::Other;
+        }
+        let (seq, modes, data) = match self.pipe.front() {
+            Ok(Some((Lane::Message, m))) => match wire::decode_one_record(m) {
+                Some(Ok((seq, modes))) => (seq, modes, &m[wire::ONE_HEADER..]),
+                _ => return OneMsg::Other,
+            },
+            Ok(None) => return OneMsg::Nothing,
+            _ => return OneMsg::Other,
+        };
+        body.clear();
+        copy::extend_vec(body, data);
+        // Releasing a message read in place cannot fail; were it to, the general path would
+        // read the message again and report it.
+        if self.pipe.pop_front().is_err() {
+            return OneMsg::Other;
+        }
+        OneMsg::Taken(seq, modes)
+    }
+
+    /// If the next record is the message's `End` and already here (queued, or next in the
+    /// pipe message being read), takes it and returns its pack count. Never waits or polls.
+    pub(super) fn end_follows(&mut self) -> std::result::Result<Option<u32>, Broken> {
+        if let Some(Incoming::Rec(Record::End { packs }, _)) = self.incoming.front() {
+            let packs = *packs;
+            self.incoming.pop_front();
+            return Ok(Some(packs));
+        }
+        if !self.incoming.is_empty() || self.bulk_left > 0 {
+            return Ok(None);
+        }
+        if self.pipe.peek_lane() == Some(Lane::Bulk) {
+            // Records after a pack's data in its last chunk.
+            let Ok(Some((_, m))) = self.pipe.front() else { return Ok(None) };
+            let (rec, _, next) = wire::decode_in_chunk(m, 0).map_err(|e| Broken::Protocol(e.to_string()))?;
+            let Record::End { packs } = rec else { return Ok(None) };
+            let len = m.len();
+            take_from_front(&mut self.pipe, next, len)?;
+            return Ok(Some(packs));
+        }
+        if self.front_at == 0 {
+            return Ok(None);
+        }
+        // Mid-message, so the pipe's front is that message (no progress is driven); a broken
+        // pipe is left for the next read to report.
+        let Ok(Some((Lane::Message, m))) = self.pipe.front() else { return Ok(None) };
+        let (rec, _, next) = wire::decode_one(m, self.front_at).map_err(|e| Broken::Protocol(e.to_string()))?;
+        let Record::End { packs } = rec else { return Ok(None) };
+        let len = m.len();
+        step_past(&mut self.pipe, &mut self.front_at, next, len)?;
+        Ok(Some(packs))
+    }
+
+    /// The peer's release count, read and checked (see [`released`]) against `issued`, the
+    /// connection's count of rendezvous its packers took.
+    pub(super) fn released(&mut self, issued: &AtomicU32) -> std::result::Result<u32, Broken> {
+        let now = self.pipe.peer_released() as u32;
+        // The issued count is read after the release that may count our latest rendezvous.
+        std::sync::atomic::fence(Ordering::Acquire);
+        self.rdv_released = released(self.rdv_released, now, issued.load(Ordering::Acquire))?;
+        Ok(now)
+    }
+
+    /// Takes the next record out of the pipe in place and hands it to `f` (`Err(f)` back if
+    /// nothing is there now, or with `Pump::StopAtBulk` if bulk-lane data comes next).
+    pub(super) fn next_in_pipe<R, F: FnOnce(Next<'_>) -> R>(
+        &mut self,
+        how: Pump,
+        f: F,
+    ) -> std::result::Result<Result<R, F>, Broken> {
+        loop {
+            let ConnIo { pipe, bulk_left, front_at, .. } = self;
+            let (lane, m) = match pipe.front() {
+                Ok(Some(x)) => x,
+                Ok(None) => return Ok(Err(f)),
+                Err(e) => return Err(lost(e)),
+            };
+            if *bulk_left > 0 {
+                if lane != Lane::Bulk {
+                    return Err(Broken::Protocol("bulk pack data missing".into()));
+                }
+                if how == Pump::StopAtBulk {
+                    return Ok(Err(f));
+                }
+                // A chunk may end with records after its pack's data.
+                let (n, len) = ((m.len() as u64).min(*bulk_left) as usize, m.len());
+                *bulk_left -= n as u64;
+                let r = f(Next::BulkData(&m[..n]));
+                take_from_front(pipe, n, len)?;
+                return Ok(Ok(r));
+            }
+            if lane == Lane::Bulk {
+                // Bulk bytes nobody announced are records: a chunk that carries its pack's
+                // announcement (and maybe the message's End), read in place like a message.
+                let len = m.len();
+                let (rec, data, next) = wire::decode_in_chunk(m, 0).map_err(|e| Broken::Protocol(e.to_string()))?;
+                match rec {
+                    Record::Bulk { total: 0, .. } => return Err(Broken::Protocol("empty bulk pack".into())),
+                    Record::Bulk { total, .. } => *bulk_left = total,
+                    _ => {}
+                }
+                let r = f(Next::Rec(rec, &m[data]));
+                take_from_front(pipe, next, len)?;
+                return Ok(Ok(r));
+            }
+            let len = m.len();
+            if *front_at >= len {
+                // An empty message.
+                step_past(pipe, front_at, len, len)?;
+                continue;
+            }
+            let (rec, data, next) = wire::decode_one(m, *front_at).map_err(|e| Broken::Protocol(e.to_string()))?;
+            match rec {
+                Record::Bye => {
+                    step_past(pipe, front_at, next, len)?;
+                    return Err(Broken::Closed);
+                }
+                Record::Bulk { total: 0, .. } => return Err(Broken::Protocol("empty bulk pack".into())),
+                Record::Bulk { total, .. } => *bulk_left = total,
+                _ => {}
+            }
+            let r = f(Next::Rec(rec, &m[data]));
+            step_past(pipe, front_at, next, len)?;
+            return Ok(Ok(r));
+        }
+    }
+}
+
+/// How far [`Conn::pump`] goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pump {
+    /// Stop at bulk-lane data: its unpacker copies it straight from the pipe.
+    StopAtBulk,
+    /// Take everything out, bulk data too (for a waiter that must see what lies behind it).
+    Drain,
+}
+
+/// The sending direction of a connection, held by a packer for a whole message.
+pub(crate) struct SendSide {
+    /// Sequence number of the next message.
+    pub(super) seq: u32,
+    /// Records of the pipe message being filled.
+    pub(super) agg: Vec<u8>,
+    /// Copy or zero-copy for large packs, from the probe and the copies timed since.
+    pub(super) crossover: AdaptiveCrossover,
+    // The message being packed (here rather than in the `Packer`, which is returned by value
+    // on every message and so stays a few words).
+    /// Packs so far.
+    pub(super) packs: u32,
+    /// Part of the message was handed to the network already (it cannot go as one `Whole`).
+    pub(super) flushed: bool,
+    /// Modes of the last pack appended whole inline (a message of that pack alone goes as
+    /// one `One` record).
+    pub(super) inline_modes: Modes,
+    /// `end_packing` ran (or the packer was dropped).
+    pub(super) finished: bool,
+    /// The last word of the peer's latest mismatch report that was returned to a packer.
+    pub(super) notice_seen: u64,
+}
+
+/// The receiving direction of a connection, held by an unpacker for a whole message.
+pub(crate) struct RecvSide {
+    /// Sequence number of the next message.
+    pub(super) seq: u32,
+    /// The records of a message that came whole, taken out of the pipe at once.
+    pub(super) body: Vec<u8>,
+    // The message being unpacked (here rather than in the `Unpacker`, which is returned by
+    // value on every message and so stays a few words).
+    /// Unpacks so far.
+    pub(super) unpacks: u32,
+    /// The message's `End` (its pack count), once taken.
+    pub(super) end: Option<u32>,
+    /// The message, if it came whole (its records are in `body`).
+    pub(super) whole: Option<WholeMsg>,
+    /// `end_unpacking` ran (or the unpacker was dropped).
+    pub(super) finished: bool,
+    /// The id of the sender's next rendezvous (they come in the order it issued them)...
+    pub(super) rdv_next: u32,
+    /// ...and how many we told it we read ([`Unpacker::release`]).
+    pub(super) rdv_released: u32,
+    /// Mismatches reported to the sender so far (the count in each notice)...
+    pub(super) notices: u32,
+    /// ...the last of them about this message (sequence number).
+    pub(super) told: Option<u32>,
+}
+
+/// A connection to one peer on one channel.
+pub(crate) struct Conn {
+    pub(super) peer: usize,
+    /// The pipe and what was taken out of it, held briefly (never across a wait).
+    pub(super) io: Token<ConnIo>,
+    /// Claimed by a packer for the whole message.
+    pub(super) send_side: Token<SendSide>,
+    /// Claimed by an unpacker for the whole message.
+    pub(super) recv_side: Token<RecvSide>,
+    pub(super) next_rdv: AtomicU32,
+    pub(super) max_msg: usize,
+    /// Largest bulk-lane chunk (0: no bulk lane).
+    pub(super) bulk_chunk: usize,
+    /// Most record bytes a bulk chunk carries around its data.
+    pub(super) bulk_frame: usize,
+    /// Packs of at least this many bytes go by rendezvous (zero-copy), as probed or configured
+    /// (large packs may go so below it while the bulk lane is measured slow: `SendSide`).
+    pub(super) threshold: usize,
+    /// The pipe's completion queue, for waiters to sleep on without the pipe's lock.
+    pub(super) cq: CompletionQueue,
+    /// The peer's reports of messages of ours it unpacked differently than we packed them.
+    pub(super) notices: NoticeBoard,
+}
+
+impl Drop for Conn {
+    /// Tells the peer this end is closed (a `Bye` after everything sent before), so that a
+    /// receive of its waiting for more from us fails at once instead of timing out. Best
+    /// effort: nothing is waited for, and a pipe with no room now sends nothing.
+    fn drop(&mut self) {
+        let io = self.io.get_mut();
+        if io.failed.is_some() || io.closed {
+            return;
+        }
+        let sent = io.pipe.try_send(&Record::Bye.header()).and_then(|taken| {
+            io.pipe.flush()?;
+            Ok(taken && io.pipe.staged() == 0)
+        });
+        if !matches!(sent, Ok(true)) {
+            log::debug!("madeleine: could not tell rank {} that this end closed: {sent:?}", self.peer);
+        }
+    }
+}
+
+impl Conn {
+    pub(crate) fn establish(s: &SessionInner, peer: usize, conn: cm::Connection) -> Result<Conn> {
+        let bulk_ring = match s.cfg.strategy {
+            FlowStrategy::Credit { .. } => 0,
+            _ => s.cfg.bulk_ring_bytes,
+        };
+        let options = PipeOptions { bulk_ring, ..PipeOptions::default() };
+        let cq = conn.cq;
+        let mut pipe = MsgPipe::establish_with(conn.qp, cq.clone(), &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
+        let crossover = crate::probe::rendezvous_crossover(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
+        let max_msg = s.cfg.strategy.max_message();
+        let threshold = crossover.probed();
+        log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
+        Ok(Conn {
+            peer,
+            notices: pipe.notice_board(),
+            threshold,
+            max_msg,
+            bulk_chunk: pipe.bulk_chunk_max(),
+            bulk_frame: pipe.bulk_frame_max().min(pipe.bulk_chunk_max() / 2),
+            io: Token::new(ConnIo {
+                pipe,
+                incoming: VecDeque::new(),
+                front_at: 0,
+                rdv_released: 0,
+                failed: None,
+                closed: false,
+                bulk_left: 0,
+            }),
+            send_side: Token::new(SendSide {
+                seq: 0,
+                agg: Vec::with_capacity(max_msg),
+                crossover,
+                packs: 0,
+                flushed: false,
+                inline_modes: Modes { send: SendMode::Safer, recv: RecvMode::Express },
+                finished: true,
+                notice_seen: 0,
+            }),
+            recv_side: Token::new(RecvSide {
+                seq: 0,
+                body: Vec::new(),
+                unpacks: 0,
+                end: None,
+                whole: None,
+                finished: true,
+                rdv_next: 0,
+                rdv_released: 0,
+                notices: 0,
+                told: None,
+            }),
+            next_rdv: AtomicU32::new(0),
+            cq,
+        })
+    }
+
+    #[inline]
+    pub(super) fn io(&self) -> Claim<'_, ConnIo> {
+        self.io.hold()
+    }
+
+    /// The completion queue to sleep on.
+    pub(crate) fn cq(&self) -> &CompletionQueue {
+        &self.cq
+    }
+
+    /// Readies the pipe for a sleep on [`Conn::cq`] (see `MsgPipe::prepare_sleep`); false if
+    /// something arrived meanwhile, or the pipe failed (the next poll tells): do not sleep.
+    pub(crate) fn prepare_sleep(&self) -> bool {
+        matches!(self.io().pipe.prepare_sleep(), Ok(true))
+    }
+
+    /// The sender's error for the peer's latest mismatch report: which message of ours it
+    /// unpacked, and what differed.
+    #[cold]
+    pub(super) fn reported_mismatch(&self) -> MadError {
+        let w = self.notices.read();
+        let why = match Mismatch::from_words([w[0], w[1], w[2]]) {
+            Some(m) => m.describe(),
+            None => format!("a report it could not read ({w:x?})"),
+        };
+        MadError::Mismatch {
+            rank: self.peer,
+            why: format!("rank {} unpacked message {} from this rank otherwise: {why}", self.peer, w[3] as u32),
+        }
+    }
+
+    #[cold]
+    pub(super) fn out_of_sequence(&self, seq: u32, due: u32) -> MadError {
+        MadError::Protocol { rank: self.peer, why: format!("message {seq} where {due} was due") }
+    }
+
+    pub(super) fn lost(&self, why: impl std::fmt::Display) -> MadError {
+        MadError::PeerLost { rank: self.peer, why: why.to_string() }
+    }
+
+    /// Hands the connection's next record to `f`: the oldest record taken out before, else
+    /// the next one in the pipe's front message, in place (no copy, no queue: the path of
+    /// small messages). `Ok(Err(f))` if none is there now, or (with `Pump::StopAtBulk`) if
+    /// bulk-lane data comes next, which its unpacker copies straight from the pipe. Errors
+    /// fail the connection, but records received before stay readable.
+    pub(super) fn next_with<R, F: FnOnce(Next<'_>) -> R>(
+        &self,
+        io: &mut ConnIo,
+        how: Pump,
+        f: F,
+    ) -> Result<Result<R, F>> {
+        if let Some(inc) = io.incoming.pop_front() {
+            return Ok(Ok(f(inc.view())));
+        }
+        self.check_open(io)?;
+        match io.next_in_pipe(how, f) {
+            Ok(r) => Ok(r),
+            Err(b) => Err(self.fail(io, b)),
+        }
+    }
+
+    /// The error of a connection that failed or that its peer closed, if it did.
+    pub(super) fn check_open(&self, io: &ConnIo) -> Result<()> {
+        if let Some(e) = &io.failed {
+            return Err(self.lost(e));
+        }
+        if io.closed {
+            return Err(MadError::PeerClosed { rank: self.peer });
+        }
+        Ok(())
+    }
+
+    /// Records why the connection broke (or that its peer closed it); returns the error for
+    /// the caller.
+    pub(super) fn fail(&self, io: &mut ConnIo, b: Broken) -> MadError {
+        let make = |b: &Broken| match b {
+            Broken::Protocol(why) => MadError::Protocol { rank: self.peer, why: why.clone() },
+            Broken::Lost(why) => self.lost(why),
+            Broken::Closed => MadError::PeerClosed { rank: self.peer },
+        };
+        match b {
+            Broken::Closed => io.closed = true,
+            _ => io.failed = Some(make(&b)),
+        }
+        make(&b)
+    }
+
+    /// Fails the connection if `e` says the peer broke the protocol (every later call on it
+    /// gets the error too: what follows a malformed record cannot be trusted); returns `e`.
+    /// Not with the connection's lock held.
+    pub(super) fn poison(&self, e: MadError) -> MadError {
+        if let MadError::Protocol { why, .. } = &e {
+            let mut io = self.io();
+            if io.failed.is_none() {
+                io.failed = Some(MadError::Protocol { rank: self.peer, why: why.clone() });
+            }
+        }
+        e
+    }
+
+    /// Takes everything the pipe received out of it, into the record queue (bulk data too),
+    /// so that the peer's window opens and what lies behind it is seen.
+    pub(super) fn pump(&self, io: &mut ConnIo) -> Result<()> {
+        self.check_open(io)?;
+        loop {
+            match io.next_in_pipe(Pump::Drain, Incoming::owned) {
+                Ok(Ok(inc)) => io.incoming.push_back(inc),
+                Ok(Err(_)) => return Ok(()),
+                Err(b) => return Err(self.fail(io, b)),
+            }
+        }
+    }
+
+    /// Waits until the pipe requests behind `tokens` (bulk chunks of ours) completed.
+    pub(super) fn wait_tokens(&self, tokens: &mut Vec<u64>, p: Patience) -> Result<()> {
+        let mut w = Waiter::new(p, "waiting for bulk data to leave");
+        while !tokens.is_empty() {
+            {
+                let mut io = self.io();
+                let _ = io.pipe.progress();
+                let mut failed = None;
+                tokens.retain(|&t| match io.pipe.take_user_completion(t) {
+                    Some(WcStatus::Success) => false,
+                    Some(st) => {
+                        failed = Some(st);
+                        false
+                    }
+                    None => true,
+                });
+                if let Some(st) = failed {
+                    return Err(self.lost(format!("bulk transfer failed: {st:?}")));
+                }
+                if let Some(f) = io.pipe.failure() {
+                    return Err(self.lost(f));
+                }
+            }
+            if !tokens.is_empty() {
+                w.pause()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends one pipe message and sees it handed to the transport (nothing left staged: the
+    /// sender may stop progressing this connection afterwards), draining what arrives meanwhile
+    /// so two ends sending at once never block each other.
+    #[inline]
+    pub(super) fn send_msg(&self, msg: &[u8], p: Patience) -> Result<()> {
+        let mut io = self.io();
+        let mut accepted = false;
+        if io.failed.is_none() && !io.closed {
+            // The usual case: the pipe takes the message and hands it to the transport at once.
+            accepted = io.pipe.try_send(msg).map_err(|e| self.lost(e))?;
+            if accepted {
+                if io.pipe.staged() == 0 {
+                    // Handed to the transport already (not coalesced behind earlier ones).
+                    return Ok(());
+                }
+                io.pipe.flush().map_err(|e| self.lost(e))?;
+                if io.pipe.staged() == 0 {
+                    return Ok(());
+                }
+            }
+        }
+        drop(io);
+        self.send_msg_waiting(msg, p, accepted)
+    }
+
+    /// [`Conn::send_msg`] once the message could not leave at once (`accepted`: the pipe took
+    /// it already).
+    #[inline(never)]
+    pub(super) fn send_msg_waiting(&self, msg: &[u8], p: Patience, mut accepted: bool) -> Result<()> {
+        let mut w = None;
+        loop {
+            {
+                let mut io = self.io();
+                self.check_open(&io)?;
+                if !accepted {
+                    accepted = io.pipe.try_send(msg).map_err(|e| self.lost(e))?;
+                }
+                if accepted {
+                    io.pipe.flush().map_err(|e| self.lost(e))?;
+                    if io.pipe.staged() == 0 {
+                        return Ok(());
+                    }
+                }
+                // Received data frees our peer's send window only once taken out of the pipe.
+                let _ = self.pump(&mut io);
+            }
+            w.get_or_insert_with(|| Waiter::new(p, "sending a message")).pause()?;
+        }
+    }
+}
