@@ -79,28 +79,52 @@ fn a_peer_killed_mid_message_gives_an_error_not_a_hang() {
     std::mem::forget(u); // its connection is dead; nothing to complete
 }
 
-/// Open MPI's `mpirun` starts four ranks of a Madeleine program (a ring, any-source receives, a
-/// barrier) with no Madeleine variable set: the ranks find each other from `OMPI_COMM_WORLD_*`.
-#[test]
-fn mpirun_starts_a_madeleine_job() {
-    if Command::new("mpirun").arg("--version").output().is_err() {
+/// Whether `mpirun` is here (CI installs it; elsewhere the tests that need it say so).
+fn have_mpirun() -> bool {
+    let there = Command::new("mpirun").arg("--version").output().is_ok();
+    if !there {
         eprintln!("skipping: no mpirun (Debian: openmpi-bin; .ci/run installs it)");
-        return;
     }
-    let out = Command::new("timeout")
-        .args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4", env!("CARGO_BIN_EXE_mad_ring")])
-        .env_remove("MAD_RANK")
-        .env_remove("MAD_SIZE")
-        .env("MAD_RENDEZVOUS", std::env::temp_dir().join(format!("mad-mpirun-{}", std::process::id())))
-        .output()
-        .unwrap();
+    there
+}
+
+/// Starts `mpirun -np <ranks>` of the ring example (bounded by `timeout 120`), with no
+/// Madeleine variable set but `MAD_RENDEZVOUS` if given.
+fn mpirun_ring(ranks: usize, rendezvous: Option<&std::path::Path>) -> Child {
+    let mut c = Command::new("timeout");
+    c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()])
+        .arg(env!("CARGO_BIN_EXE_mad_ring"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for v in ["MAD_RANK", "MAD_SIZE", "MAD_RENDEZVOUS", "MAD_JOB"] {
+        c.env_remove(v);
+    }
+    if let Some(dir) = rendezvous {
+        c.env("MAD_RENDEZVOUS", dir);
+    }
+    c.spawn().unwrap()
+}
+
+/// Waits for a ring job and checks that it ended well and said so.
+fn ring_succeeded(job: Child, ranks: usize) {
+    let out = job.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success() && stdout.contains("ring of 4 ranks: ok"),
+        out.status.success() && stdout.contains(&format!("ring of {ranks} ranks: ok")),
         "mpirun: {}\n{stdout}\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Open MPI's `mpirun` starts four ranks of a Madeleine program (a ring, any-source receives, a
+/// barrier) with no Madeleine variable set: the ranks find each other from `OMPI_COMM_WORLD_*`.
+#[test]
+fn mpirun_starts_a_madeleine_job() {
+    if have_mpirun() {
+        let dir = std::env::temp_dir().join(format!("mad-mpirun-{}", std::process::id()));
+        ring_succeeded(mpirun_ring(4, Some(&dir)), 4);
+    }
 }
 
 /// Two `mpirun` jobs of the same program started at once on one host, no Madeleine variable
@@ -108,40 +132,11 @@ fn mpirun_starts_a_madeleine_job() {
 /// rides in every handshake), and both succeed.
 #[test]
 fn two_mpirun_jobs_at_once_stay_apart() {
-    if Command::new("mpirun").arg("--version").output().is_err() {
-        eprintln!("skipping: no mpirun (Debian: openmpi-bin; .ci/run installs it)");
-        return;
-    }
-    let start = || {
-        Command::new("timeout")
-            .args([
-                "120",
-                "mpirun",
-                "--allow-run-as-root",
-                "--oversubscribe",
-                "-np",
-                "2",
-                env!("CARGO_BIN_EXE_mad_ring"),
-            ])
-            .env_remove("MAD_RANK")
-            .env_remove("MAD_SIZE")
-            .env_remove("MAD_RENDEZVOUS")
-            .env_remove("MAD_JOB")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    let jobs = [start(), start()];
-    for job in jobs {
-        let out = job.wait_with_output().unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.contains("ring of 2 ranks: ok"),
-            "mpirun: {}\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+    if have_mpirun() {
+        let jobs = [mpirun_ring(2, None), mpirun_ring(2, None)];
+        for job in jobs {
+            ring_succeeded(job, 2);
+        }
     }
 }
 

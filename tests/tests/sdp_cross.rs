@@ -8,7 +8,17 @@ use std::time::{Duration, Instant};
 use sockets_compat::{Design, SdpConfig, SdpListener};
 
 fn spawn(addr: std::net::SocketAddr, args: &[&str]) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_sdp_peer")).arg(addr.to_string()).args(args).spawn().unwrap()
+    spawn_env(addr, args, &[])
+}
+
+/// The peer process with `args`, its socket settings from `env` (`SDP_*`).
+fn spawn_env(addr: std::net::SocketAddr, args: &[&str], env: &[(&str, &str)]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_sdp_peer"))
+        .arg(addr.to_string())
+        .args(args)
+        .envs(env.iter().copied())
+        .spawn()
+        .unwrap()
 }
 
 fn reap(mut c: Child) -> std::process::ExitStatus {
@@ -31,13 +41,8 @@ fn reap(mut c: Child) -> std::process::ExitStatus {
 fn echo_across_processes(design: Design) {
     let cfg = SdpConfig { design, zcopy_threshold: 16 * 1024, ..SdpConfig::default() };
     let l = SdpListener::bind_with("127.0.0.1:0", cfg).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_sdp_peer"))
-        .arg(l.local_addr().unwrap().to_string())
-        .arg("echo")
-        .env("SDP_DESIGN", design.name())
-        .env("SDP_ZCOPY_THRESHOLD", "16384")
-        .spawn()
-        .unwrap();
+    let env = [("SDP_DESIGN", design.name()), ("SDP_ZCOPY_THRESHOLD", "16384")];
+    let child = spawn_env(l.local_addr().unwrap(), &["echo"], &env);
     let (mut s, _) = l.accept_timeout(Duration::from_secs(20)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let data: Vec<u8> = (0..1_000_000u32).map(|i| (i * 7 % 253) as u8).collect();
@@ -78,14 +83,8 @@ fn copy_on_write_lets_two_processes_store_into_buffers_in_flight() {
         SdpConfig { design: Design::AzSdp, zcopy_threshold: 16 * 1024, az_hold_min: 16 * 1024, ..SdpConfig::default() };
     assert!(cfg.az_copy_on_write, "copy-on-write is the default");
     let l = SdpListener::bind_with("127.0.0.1:0", cfg).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_sdp_peer"))
-        .arg(l.local_addr().unwrap().to_string())
-        .args(["write-store-read", "20"])
-        .env("SDP_DESIGN", "azsdp")
-        .env("SDP_ZCOPY_THRESHOLD", "16384")
-        .env("SDP_AZ_HOLD_MIN", "16384")
-        .spawn()
-        .unwrap();
+    let env = [("SDP_DESIGN", "azsdp"), ("SDP_ZCOPY_THRESHOLD", "16384"), ("SDP_AZ_HOLD_MIN", "16384")];
+    let child = spawn_env(l.local_addr().unwrap(), &["write-store-read", "20"], &env);
     let (mut s, _) = l.accept_timeout(Duration::from_secs(20)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     // On a thread of its own: a deadlock stops it in the fault handler, where no timeout reaches.
@@ -157,13 +156,8 @@ fn freed_records_of_a_tls_like_session_never_deadlock_two_processes() {
     let cfg = SdpConfig { design: Design::AzSdp, zcopy_threshold: 4096, ..SdpConfig::default() };
     for round in 0..3 {
         let l = SdpListener::bind_with("127.0.0.1:0", cfg).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_sdp_peer"))
-            .arg(l.local_addr().unwrap().to_string())
-            .args(["records", "2000"])
-            .env("SDP_DESIGN", "azsdp")
-            .env("SDP_ZCOPY_THRESHOLD", "4096")
-            .spawn()
-            .unwrap();
+        let env = [("SDP_DESIGN", "azsdp"), ("SDP_ZCOPY_THRESHOLD", "4096")];
+        let child = spawn_env(l.local_addr().unwrap(), &["records", "2000"], &env);
         let (mut s, _) = l.accept_timeout(Duration::from_secs(20)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
