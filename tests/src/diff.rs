@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 use sockets_compat::{Design, SdpConfig, SdpListener, SdpStream};
 
+use crate::soak::XorShift;
+
 /// Every wait of a scenario gives up after this long.
 pub const LIMIT: Duration = Duration::from_secs(20);
 
@@ -255,7 +257,8 @@ pub fn client(net: Net, sc: Scenario, addr: SocketAddr) -> Vec<String> {
             let mut s = connect();
             s.set_read_timeout(Some(LIMIT)).unwrap();
             let mut r = XorShift(77);
-            let sizes: Vec<usize> = (0..40).map(|i| 1 + r.below(if i % 3 == 0 { 200_000 } else { 5_000 })).collect();
+            let sizes: Vec<usize> =
+                (0..40).map(|i| 1 + r.below(if i % 3 == 0 { 200_000 } else { 5_000 }) as usize).collect();
             let total: usize = sizes.iter().sum();
             // The echo is read by a thread of its own, as a full-duplex program must (a
             // zero-copy write waits for its reader, and both ends write).
@@ -516,17 +519,6 @@ pub fn server(sc: Scenario, l: &dyn Listen) -> Vec<String> {
         Scenario::ConnectRefused => {}
     }
     obs
-}
-
-/// A small deterministic random source.
-struct XorShift(u64);
-impl XorShift {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
 }
 
 /// Checks the byte counts (`sent=` must equal `received=`) and returns the observations
