@@ -1,0 +1,156 @@
+//! The results: the terminal table, JSON, CSV and SVG plots.
+
+use crate::*;
+
+pub(crate) fn find(points: &[Point], layer: Layer, size: usize) -> Option<&Point> {
+    points.iter().find(|p| p.layer == layer && p.size == size)
+}
+
+pub(crate) fn print_table(points: &[Point], layers: &[Layer]) {
+    let with_ucx = layers.contains(&Layer::Ucx);
+    println!(
+        "{:>10} {:>9} {:>10} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}{}",
+        "layer",
+        "size",
+        "median us",
+        "p99 us",
+        "-raw us",
+        "GB/s",
+        "MB/CPU-s",
+        "lat/tcp",
+        "bw/raw",
+        if with_ucx { format!(" {:>9} {:>9}", "-ucx us", "bw/ucx") } else { String::new() }
+    );
+    for &layer in layers {
+        for p in points.iter().filter(|p| p.layer == layer) {
+            let tcp = find(points, Layer::Tcp, p.size);
+            let raw = find(points, Layer::RawSend, p.size);
+            let ucx = find(points, Layer::Ucx, p.size);
+            // An absent value prints as a dash.
+            let dash = |a: Option<String>| a.unwrap_or_else(|| "-".into());
+            let r = |a: Option<f64>| dash(a.map(|v| format!("{v:.2}")));
+            let us = |a: Option<f64>| dash(a.map(|v| format!("{v:+.3}")));
+            println!(
+                "{:>10} {:>9} {:>10.3} {:>9} {:>9} {:>9.2} {:>10} {:>9} {:>9}{}",
+                layer.name(),
+                fmt_size(p.size),
+                p.median_us,
+                dash(p.p99_us.map(|v| format!("{v:.3}"))),
+                us(p.minus_raw_us),
+                p.gbps,
+                dash(p.mb_per_cpu_s.map(|v| format!("{v:.0}"))),
+                r(tcp.map(|t| p.median_us / t.median_us)),
+                r(raw.map(|t| p.gbps / t.gbps)),
+                if with_ucx {
+                    format!(" {:>9} {:>9}", us(p.minus_ucx_us), r(ucx.map(|t| p.gbps / t.gbps)))
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+}
+
+pub(crate) fn write_results(dir: &std::path::Path, points: &[Point], meta: &str) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut csv = String::from("layer,size,median_us,p99_us,minus_raw_us,gbps,mb_per_cpu_s,minus_ucx_us\n");
+    let mut json = format!("{{\"meta\":{meta},\"points\":[");
+    for (i, p) in points.iter().enumerate() {
+        // Absent values: empty in the CSV, null in the JSON.
+        let opt = |v: Option<f64>, digits: usize, none: &str| {
+            v.map(|v| format!("{v:.digits$}")).unwrap_or_else(|| none.into())
+        };
+        csv.push_str(&format!(
+            "{},{},{:.4},{},{},{:.4},{},{}\n",
+            p.layer.name(),
+            p.size,
+            p.median_us,
+            opt(p.p99_us, 4, ""),
+            opt(p.minus_raw_us, 4, ""),
+            p.gbps,
+            opt(p.mb_per_cpu_s, 1, ""),
+            opt(p.minus_ucx_us, 4, "")
+        ));
+        json.push_str(&format!(
+            "{}{{\"layer\":\"{}\",\"size\":{},\"median_us\":{:.4},\"p99_us\":{},\"minus_raw_us\":{},\"gbps\":{:.4},\"mb_per_cpu_s\":{},\"minus_ucx_us\":{}}}",
+            if i > 0 { "," } else { "" },
+            p.layer.name(),
+            p.size,
+            p.median_us,
+            opt(p.p99_us, 4, "null"),
+            opt(p.minus_raw_us, 4, "null"),
+            p.gbps,
+            opt(p.mb_per_cpu_s, 1, "null"),
+            opt(p.minus_ucx_us, 4, "null")
+        ));
+    }
+    json.push_str("]}\n");
+    std::fs::write(dir.join("results.csv"), csv)?;
+    std::fs::write(dir.join("results.json"), json)?;
+    std::fs::write(dir.join("latency.svg"), svg_plot(points, "one-way latency (us, median)", |p| p.median_us))?;
+    std::fs::write(dir.join("bandwidth.svg"), svg_plot(points, "bandwidth (GB/s)", |p| p.gbps))?;
+    Ok(())
+}
+
+/// A log-log line chart of `value` against message size, one line per layer.
+pub(crate) fn svg_plot(points: &[Point], title: &str, value: impl Fn(&Point) -> f64) -> String {
+    // Each layer once, in the order it first appears (points come size by size, the layers
+    // taking turns within each size).
+    let mut layers: Vec<Layer> = Vec::new();
+    for p in points {
+        if !layers.contains(&p.layer) {
+            layers.push(p.layer);
+        }
+    }
+    let series: Vec<Series> = layers
+        .iter()
+        .map(|l| Series {
+            name: l.name().to_string(),
+            points: points.iter().filter(|p| p.layer == *l).map(|p| (p.size as f64, value(p))).collect(),
+        })
+        .collect();
+    line_chart(&Axes { title, x_label: "message size", x_sizes: true, log_y: true }, &series)
+}
+
+pub(crate) fn report(args: &Args, points: &[Point], floor: Option<f64>) -> Result<(), String> {
+    let timer = timer_cost_ns();
+    println!(
+        "# stack_bench: {} provider, two processes on one host, {:?} waiting",
+        match args.provider {
+            ProviderArg::Software => "software",
+            ProviderArg::Hardware => "hardware",
+        },
+        args.wait
+    );
+    println!(
+        "# timer cost {timer:.1} ns (included in latencies, not subtracted){}",
+        floor.map(|f| format!("; cache-line floor {f:.0} ns one way")).unwrap_or_default()
+    );
+    print_table(points, &args.layers);
+    if let Some(p) = points.iter().find(|p| p.layer == Layer::RawSend && p.size <= 64) {
+        let rtt = Duration::from_nanos((2.0 * p.median_us * 1e3) as u64);
+        let x = portability_verbs::datapath::crossover::crossover_from(
+            portability_verbs::datapath::crossover::copy_curve(),
+            rtt,
+        );
+        println!("# copy/zero-copy crossover chosen for this peer: {} (copy curve of this process, round trip {:.2} us of this run)", fmt_size(x), 2.0 * p.median_us);
+    }
+    match MAD_PROBED_THRESHOLD.get() {
+        Some(&usize::MAX) => println!("# madeleine's transport probe: zero-copy never pays to this peer (large packs copied through the bulk lane)"),
+        Some(&t) => println!("# madeleine's transport probe: packs of {} and more go zero-copy to this peer", fmt_size(t)),
+        None => {}
+    }
+    let out = args.out.clone().unwrap_or_else(|| {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        PathBuf::from("results").join(format!("stack-{t}"))
+    });
+    let meta = format!(
+        "{{\"provider\":\"{:?}\",\"wait\":\"{:?}\",\"timer_ns\":{timer:.1},\"floor_ns\":{}}}",
+        args.provider,
+        args.wait,
+        floor.map(|f| format!("{f:.1}")).unwrap_or_else(|| "null".into())
+    );
+    write_results(&out, points, &meta).map_err(|e| format!("writing {}: {e}", out.display()))?;
+    println!("# results (JSON, CSV, latency.svg, bandwidth.svg) in {}", out.display());
+    Ok(())
+}

@@ -1,0 +1,134 @@
+//! The `ucx` layer: UCX's `ucx_perftest`, started for each block and read back.
+
+use crate::*;
+
+/// How long one ucx_perftest run may take before the run fails.
+pub(crate) const UCX_LIMIT: Duration = Duration::from_secs(120);
+
+/// What one ucx_perftest run reported.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct UcxResult {
+    /// Median one-way latency (its `50.0_percentile_lat`, us).
+    pub(crate) p50_us: f64,
+    /// Overall bandwidth (its `overall_bw`, in MiB/s there), GB/s.
+    pub(crate) gbps: f64,
+}
+
+/// Reads ucx_perftest's `-v` output: a CSV header line starting with `iterations,` and the
+/// values on the line after it, found by column name.
+pub(crate) fn parse_ucx_csv(out: &str) -> Result<UcxResult, String> {
+    let lines: Vec<&str> = out.lines().map(str::trim).collect();
+    let at = lines.iter().rposition(|l| l.starts_with("iterations,")).ok_or("no CSV header in its output")?;
+    let values = lines.get(at + 1).ok_or("no CSV values after its header")?;
+    let (names, values): (Vec<&str>, Vec<&str>) = (lines[at].split(',').collect(), values.split(',').collect());
+    if names.len() != values.len() {
+        return Err(format!("{} CSV columns but {} values", names.len(), values.len()));
+    }
+    let column = |name: &str| -> Result<f64, String> {
+        let i = names.iter().position(|n| *n == name).ok_or_else(|| format!("no {name} column"))?;
+        let v: f64 = values[i].parse().map_err(|_| format!("{name} is not a number: {:?}", values[i]))?;
+        if v.is_finite() && v >= 0.0 {
+            Ok(v)
+        } else {
+            Err(format!("{name} out of range: {v}"))
+        }
+    };
+    Ok(UcxResult { p50_us: column("50.0_percentile_lat")?, gbps: column("overall_bw")? * 1_048_576.0 / 1e9 })
+}
+
+/// Whether `ucx_perftest` is on the PATH.
+pub(crate) fn ucx_perftest_found() -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("ucx_perftest").is_file()))
+}
+
+/// A `ucx_perftest` command, pinned to `cpu` (with taskset) if given, over shared memory
+/// unless `UCX_TLS` says otherwise.
+pub(crate) fn ucx_command(cpu: Option<usize>) -> Command {
+    let mut c = match cpu {
+        Some(cpu) => {
+            let mut c = Command::new("taskset");
+            c.args(["-c", &cpu.to_string(), "ucx_perftest"]);
+            c
+        }
+        None => Command::new("ucx_perftest"),
+    };
+    if std::env::var_os("UCX_TLS").is_none() {
+        c.env("UCX_TLS", "posix,cma,self");
+    }
+    c
+}
+
+/// Runs one ucx_perftest `test` of `n` iterations (after `warm` unrecorded ones) between a
+/// server and a client process, pinned to the server's and the client's CPUs of `cpus`
+/// (client, server) if given. The client is retried while the server is still coming up.
+pub(crate) fn run_ucx(
+    test: &str,
+    size: usize,
+    n: u64,
+    warm: u64,
+    cpus: Option<(usize, usize)>,
+) -> Result<UcxResult, String> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("finding a free port: {e}"))?
+        .port()
+        .to_string();
+    let log = std::env::temp_dir().join(format!("stack-bench-ucx-{}-{port}", std::process::id()));
+    let mut server = ucx_command(cpus.map(|c| c.1))
+        .args(["-p", &port])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("starting ucx_perftest: {e}"))?;
+    let started = Instant::now();
+    let result = loop {
+        let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let mut client = ucx_command(cpus.map(|c| c.0))
+            .args(["127.0.0.1", "-p", &port, "-t", test, "-s", &size.to_string()])
+            .args(["-n", &n.max(1).to_string(), "-w", &warm.to_string(), "-v"])
+            .stdout(file.try_clone().map_err(|e| e.to_string())?)
+            .stderr(file)
+            .spawn()
+            .map_err(|e| format!("starting ucx_perftest: {e}"))?;
+        let status = wait_child(&mut client, UCX_LIMIT);
+        let out = std::fs::read_to_string(&log).unwrap_or_default();
+        match status {
+            Some(st) if st.success() => break parse_ucx_csv(&out).map_err(|e| format!("ucx_perftest {test}: {e}")),
+            // Not listening yet: the client gives up at once; try again for a while.
+            Some(_) if matches!(server.try_wait(), Ok(None)) && started.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Some(st) => {
+                let tail: Vec<&str> = out.lines().rev().take(3).collect();
+                break Err(format!("ucx_perftest {test} failed ({st}): {}", tail.join(" / ")));
+            }
+            None => break Err(format!("ucx_perftest {test} took over {UCX_LIMIT:?}")),
+        }
+    };
+    if wait_child(&mut server, Duration::from_secs(10)).is_none() {
+        log::warn!("the ucx_perftest server did not end; killed");
+    }
+    let _ = std::fs::remove_file(&log);
+    result
+}
+
+/// One of the UCX layer's blocks: tells the server to sleep on the layer's link, runs UCX
+/// (`run`), then wakes the server.
+pub(crate) fn ucx_block(
+    block: Block,
+    links: &mut [Box<dyn Link>],
+    run: impl FnOnce() -> Result<UcxResult, String>,
+) -> Result<UcxResult, String> {
+    let (Block::Latency { link, .. } | Block::Stream { link, .. }) = block else {
+        return Err("not a measuring block".into());
+    };
+    block.announce(links[0].as_mut())?;
+    let got = run();
+    // Woken either way, so that a failure ends the run cleanly on both sides; UCX's own
+    // failure is the one reported.
+    links[link].put([0, 0]);
+    let woken = links[link].send(CONTROL);
+    let got = got?;
+    woken.map(|()| got)
+}
