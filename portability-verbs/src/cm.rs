@@ -441,6 +441,10 @@ fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> VerbsError + '_ {
 
 /// Longest a wait for clients sleeps before the handshakes' own deadlines are looked at.
 const ACCEPT_SLICE: Duration = Duration::from_millis(50);
+/// Handshakes a listener keeps in progress at most: clients beyond are closed at once (each
+/// waits at most the handshake timeout, so a flood of silent clients cannot grow the table
+/// without bound).
+const MAX_PENDING: usize = 1024;
 
 impl Listener {
     /// Binds a listener. A unix socket file left at the path by a process that is gone is
@@ -506,7 +510,19 @@ impl Listener {
             {
                 let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
                 while let Some(stream) = self.inner.try_accept().map_err(io_err("accept"))? {
-                    stream.set_nonblocking(true).map_err(io_err("a nonblocking bootstrap socket"))?;
+                    // A client's own failure, or a flood of clients past what the table holds,
+                    // costs that client its connection (closed at once), not the listener.
+                    if pending.len() >= MAX_PENDING {
+                        log::warn!(
+                            "bootstrap on {}: {MAX_PENDING} handshakes in progress, refusing a client",
+                            self.addr
+                        );
+                        continue;
+                    }
+                    if let Err(e) = stream.set_nonblocking(true) {
+                        log::debug!("bootstrap on {}: a client's socket: {e}", self.addr);
+                        continue;
+                    }
                     pending.push(Handshake {
                         stream,
                         dec: FrameDecoder::default(),
