@@ -197,6 +197,21 @@ enum Stream {
 }
 
 impl Stream {
+    /// `ours` with the IP this stream's peer reached us at, and `theirs` with the IP we reached
+    /// the peer at, where an endpoint leaves its TCP transport's IP unspecified.
+    fn fill_ips(&self, ours: EndpointInfo) -> EndpointInfo {
+        match self.addrs().0 {
+            Some(local) => ours.with_tcp_ip(local.ip()),
+            None => ours,
+        }
+    }
+    fn fill_peer_ip(&self, theirs: EndpointInfo) -> EndpointInfo {
+        match self.addrs().1 {
+            Some(peer) => theirs.with_tcp_ip(peer.ip()),
+            None => theirs,
+        }
+    }
+
     fn addrs(&self) -> (Option<SocketAddr>, Option<SocketAddr>) {
         match self {
             Stream::Unix(_) => (None, None),
@@ -371,12 +386,14 @@ impl Handshake {
             if let Some(frame) = self.dec.next_frame()? {
                 match (frame, self.qp.is_some()) {
                     (Frame::Hello { endpoint, private: peer_private }, false) => {
+                        let endpoint = self.stream.fill_peer_ip(endpoint);
                         match spec.create(pd).and_then(|(qp, cq)| {
                             qp.modify(QpTransition::Rtr(RtrAttr::new(endpoint)))?;
                             Ok((qp, cq))
                         }) {
                             Ok((qp, cq)) => {
-                                let accept = Frame::Accept { endpoint: qp.endpoint(), private: private.to_vec() };
+                                let endpoint = self.stream.fill_ips(qp.endpoint());
+                                let accept = Frame::Accept { endpoint, private: private.to_vec() };
                                 self.out.extend_from_slice(&accept.encode());
                                 self.qp = Some((qp, cq, peer_private));
                                 self.flush()?;
@@ -626,10 +643,11 @@ fn handshake(
     deadline: Deadline,
 ) -> Result<Connection> {
     let (qp, cq) = spec.create(pd)?;
-    write_frame(&mut stream, &Frame::Hello { endpoint: qp.endpoint(), private: private.to_vec() }, deadline)?;
+    let endpoint = stream.fill_ips(qp.endpoint());
+    write_frame(&mut stream, &Frame::Hello { endpoint, private: private.to_vec() }, deadline)?;
     let mut dec = FrameDecoder::default();
     let (server, peer_private) = match read_frame(&mut stream, &mut dec, deadline)? {
-        Frame::Accept { endpoint, private } => (endpoint, private),
+        Frame::Accept { endpoint, private } => (stream.fill_peer_ip(endpoint), private),
         Frame::Reject(why) => return Err(VerbsError::Refused(format!("the listener rejected the connection: {why}"))),
         other => return Err(VerbsError::Protocol(format!("expected ACCEPT, got {other:?}"))),
     };

@@ -4,6 +4,8 @@
 //! Plain data and a byte codec, no I/O: the connection manager ([`crate::cm`]) moves the bytes.
 //! Decoding validates everything, because the bytes come from a peer.
 
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+
 use crate::error::{Result, VerbsError};
 
 /// Connection information of the software provider: where the peer finds our shared segments.
@@ -31,6 +33,24 @@ pub struct SoftEndpoint {
     pub send_cq_bell: u32,
     /// Doorbell slot of the completion queue that gets our receive completions.
     pub recv_cq_bell: u32,
+    /// Host identity ([`crate::soft::host_identity`]): a peer with another one is reached
+    /// over TCP, never through shared memory.
+    pub host: u64,
+    /// Where the owner's TCP transport accepts connections. An unspecified IP (the owner
+    /// listens on every interface) is filled in by whoever knows how the peer reached it
+    /// ([`EndpointInfo::with_tcp_ip`]), else taken as this host's loopback.
+    pub tcp: SocketAddr,
+    /// The owner asks for the TCP transport even where memory could be shared.
+    pub tcp_only: bool,
+}
+
+impl SoftEndpoint {
+    /// True when a queue pair connecting this endpoint and `other` must use TCP: they are on
+    /// different hosts (or PID namespaces), or either side asks for it. Both sides decide the
+    /// same.
+    pub fn needs_tcp(&self, other: &SoftEndpoint) -> bool {
+        self.host != other.host || self.tcp_only || other.tcp_only
+    }
 }
 
 /// Connection information of the hardware provider (InfiniBand or RoCE addressing).
@@ -62,10 +82,10 @@ pub enum EndpointInfo {
 }
 
 const MAGIC: [u8; 4] = *b"PVEP";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 const KIND_SOFT: u8 = 1;
 const KIND_HW: u8 = 2;
-const SOFT_BODY: usize = 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 4;
+const SOFT_BODY: usize = 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 16 + 2 + 1;
 const HW_BODY: usize = 2 + 16 + 1 + 1 + 4 + 4 + 1;
 /// Bytes of the header before the body.
 const HEADER: usize = 4 + 1 + 1 + 2;
@@ -79,6 +99,17 @@ impl EndpointInfo {
             EndpointInfo::Soft(s) => s.qpn,
             EndpointInfo::Hardware(h) => h.qpn,
         }
+    }
+
+    /// The endpoint with `ip` as its TCP address's IP where that is unspecified: the
+    /// connection manager passes the address its peer reached it at.
+    pub fn with_tcp_ip(mut self, ip: IpAddr) -> EndpointInfo {
+        if let EndpointInfo::Soft(s) = &mut self {
+            if s.tcp.ip().is_unspecified() && !ip.is_unspecified() {
+                s.tcp.set_ip(ip);
+            }
+        }
+        self
     }
 
     /// Encodes to the wire form: magic, version, kind, body length, little-endian body.
@@ -101,6 +132,14 @@ impl EndpointInfo {
                 out.extend_from_slice(&s.rq_slot.to_le_bytes());
                 out.extend_from_slice(&s.send_cq_bell.to_le_bytes());
                 out.extend_from_slice(&s.recv_cq_bell.to_le_bytes());
+                out.extend_from_slice(&s.host.to_le_bytes());
+                let ip = match s.tcp.ip() {
+                    IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+                    IpAddr::V6(v6) => v6,
+                };
+                out.extend_from_slice(&ip.octets());
+                out.extend_from_slice(&s.tcp.port().to_le_bytes());
+                out.push(s.tcp_only as u8);
             }
             EndpointInfo::Hardware(h) => {
                 out.push(KIND_HW);
@@ -150,6 +189,17 @@ impl EndpointInfo {
                     rq_slot: r.u32(),
                     send_cq_bell: r.u32(),
                     recv_cq_bell: r.u32(),
+                    host: r.u64(),
+                    tcp: {
+                        let ip = Ipv6Addr::from(<[u8; 16]>::try_from(r.take(16)).expect("16 bytes"));
+                        let ip = ip.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(ip));
+                        SocketAddr::new(ip, r.u16())
+                    },
+                    tcp_only: match r.u8() {
+                        0 => false,
+                        1 => true,
+                        _ => return Err(bad("invalid transport flag")),
+                    },
                 };
                 if s.pid == 0 || s.ctrl_fd < 0 || s.qp_fd < 0 {
                     return Err(bad("invalid process id or descriptor"));
@@ -219,9 +269,10 @@ mod tests {
             any::<u32>(),
             any::<u32>(),
             any::<[u32; 3]>(),
+            (any::<u64>(), any::<[u8; 4]>(), any::<u16>(), any::<bool>()),
         )
-            .prop_map(|(pid, start_time, ctx_id, ctrl_fd, qp_fd, qpn, ring_bytes, pd, [rq_slot, s, r])| {
-                EndpointInfo::Soft(SoftEndpoint {
+            .prop_map(
+                |(
                     pid,
                     start_time,
                     ctx_id,
@@ -230,11 +281,27 @@ mod tests {
                     qpn,
                     ring_bytes,
                     pd,
-                    rq_slot,
-                    send_cq_bell: s,
-                    recv_cq_bell: r,
-                })
-            })
+                    [rq_slot, s, r],
+                    (host, ip, port, tcp_only),
+                )| {
+                    EndpointInfo::Soft(SoftEndpoint {
+                        pid,
+                        start_time,
+                        ctx_id,
+                        ctrl_fd,
+                        qp_fd,
+                        qpn,
+                        ring_bytes,
+                        pd,
+                        rq_slot,
+                        send_cq_bell: s,
+                        recv_cq_bell: r,
+                        host,
+                        tcp: SocketAddr::from((ip, port)),
+                        tcp_only,
+                    })
+                },
+            )
     }
 
     fn hw() -> impl Strategy<Value = EndpointInfo> {
@@ -252,7 +319,7 @@ mod tests {
         }
 
         #[test]
-        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..120)) {
             let _ = EndpointInfo::decode(&bytes);
         }
 

@@ -98,6 +98,15 @@ impl Context {
         }
     }
 
+    /// The software provider's tunables (None for the hardware provider).
+    pub fn soft_config(&self) -> Option<&SoftConfig> {
+        match &self.0 {
+            CtxImpl::Soft(c) => Some(&c.config),
+            #[cfg(feature = "hardware")]
+            CtxImpl::Hw(_) => None,
+        }
+    }
+
     /// Allocates a protection domain.
     pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
         Ok(ProtectionDomain(match &self.0 {

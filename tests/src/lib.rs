@@ -8,15 +8,26 @@ use portability_verbs::*;
 /// Every wait in a test gives up after this long, so a bug fails a test instead of hanging CI.
 pub const WAIT: Duration = Duration::from_secs(10);
 
-/// The contexts to run a conformance test on: the software provider always, the hardware one
+/// The contexts to run a conformance test on: the software provider always (over shared memory
+/// and over its TCP transport), the hardware one
 /// when compiled in and a device exists (otherwise the reason it is skipped is printed).
 pub fn contexts() -> Vec<Context> {
-    let mut v = vec![Context::open(Provider::Software).expect("software provider opens")];
+    let mut v = vec![
+        Context::open(Provider::Software).expect("software provider opens"),
+        Context::open_soft(SoftConfig { tcp_only: true, ..SoftConfig::default() })
+            .expect("software provider over TCP opens"),
+    ];
     match Context::open(Provider::Hardware) {
         Ok(c) => v.push(c),
         Err(e) => eprintln!("skipping the hardware provider: {e}"),
     }
     v
+}
+
+/// True for a software context whose queue pairs talk over its TCP transport (no shared
+/// memory with the peer: nothing completes at post, no windows onto peer memory).
+pub fn over_tcp(ctx: &Context) -> bool {
+    ctx.soft_config().is_some_and(|c| c.tcp_only)
 }
 
 /// Two connected queue pairs of one context, each with its own completion queue, and one

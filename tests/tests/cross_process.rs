@@ -388,6 +388,9 @@ fn a_bad_client_fails_only_its_own_bootstrap() {
         rq_slot: 0,
         send_cq_bell: 0,
         recv_cq_bell: 0,
+        host: soft::host_identity(),
+        tcp: "127.0.0.1:1".parse().unwrap(),
+        tcp_only: false,
     });
     let mut liar = std::os::unix::net::UnixStream::connect(&path).unwrap();
     liar.write_all(&cm::Frame::Hello { endpoint: fake, private: vec![] }.encode()).unwrap();

@@ -27,6 +27,14 @@ pub struct SoftConfig {
     /// large sends from it) of at least this many bytes offer their back half to the peer's
     /// polling thread (0: never).
     pub assist_min: usize,
+    /// Use the TCP transport even between processes that could share memory.
+    pub tcp_only: bool,
+    /// Where the TCP transport accepts connections; None: every IPv4 interface, on a port
+    /// the kernel picks.
+    pub tcp_addr: Option<std::net::SocketAddr>,
+    /// A TCP peer silent for this long (no frame, not even a keep-alive) is taken as gone:
+    /// its queue pairs go to error.
+    pub tcp_timeout: Duration,
 }
 
 impl Default for SoftConfig {
@@ -36,13 +44,17 @@ impl Default for SoftConfig {
             copy_threshold: 8 * 1024,
             spin: Duration::from_micros(50),
             assist_min: 32 * 1024,
+            tcp_only: false,
+            tcp_addr: None,
+            tcp_timeout: Duration::from_secs(2),
         }
     }
 }
 
 impl SoftConfig {
-    /// Reads overrides from `PV_SOFT_RING_BYTES`, `PV_SOFT_COPY_THRESHOLD`, `PV_SOFT_SPIN_US`
-    /// and `PV_SOFT_ASSIST_MIN` (a value that does not parse is an error naming it).
+    /// Reads overrides from `PV_SOFT_RING_BYTES`, `PV_SOFT_COPY_THRESHOLD`, `PV_SOFT_SPIN_US`,
+    /// `PV_SOFT_ASSIST_MIN`, `PV_SOFT_TRANSPORT` (`auto` or `tcp`), `PV_SOFT_TCP_ADDR` and
+    /// `PV_SOFT_TCP_TIMEOUT_MS` (a value that does not parse is an error naming it).
     pub fn from_env() -> Result<Self> {
         use crate::env::parse;
         let mut c = SoftConfig::default();
@@ -58,10 +70,22 @@ impl SoftConfig {
         if let Some(v) = parse("PV_SOFT_ASSIST_MIN", "bytes")? {
             c.assist_min = v;
         }
+        match crate::env::text("PV_SOFT_TRANSPORT")?.as_deref() {
+            None | Some("auto") => {}
+            Some("tcp") => c.tcp_only = true,
+            Some(v) => return Err(VerbsError::invalid(format!("PV_SOFT_TRANSPORT={v:?}: expected auto or tcp"))),
+        }
+        c.tcp_addr = parse("PV_SOFT_TCP_ADDR", "an address such as 10.0.0.1:0")?;
+        if let Some(v) = parse("PV_SOFT_TCP_TIMEOUT_MS", "milliseconds")? {
+            c.tcp_timeout = Duration::from_millis(v);
+        }
         Ok(c)
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
+        if self.tcp_timeout < Duration::from_millis(100) {
+            return Err(VerbsError::invalid("tcp_timeout under 100 ms would fail live peers"));
+        }
         if !self.ring_bytes.is_power_of_two() || self.ring_bytes < 8192 || self.ring_bytes > (1 << 30) {
             return Err(VerbsError::invalid(format!(
                 "ring_bytes {} must be a power of two in 8 KiB..1 GiB",

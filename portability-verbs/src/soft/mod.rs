@@ -13,17 +13,22 @@
 //!   would make without either CPU is then shared by both instead of made by one.
 //! - Waiting: busy polling needs no syscalls; a sleeper arms its queue's doorbell and producers
 //!   signal its eventfd only then.
+//! - Between processes that cannot share memory (another host or PID namespace, see `host`),
+//!   or when asked, queue pairs carry the same verbs as frames over TCP (`tcp`), answered by a
+//!   per-process progress thread as a NIC would.
 
 mod assist;
 mod backstop;
 mod cq;
 mod ctx;
+mod host;
 mod layout;
 mod peer;
 mod qp;
 mod segment;
 mod spin;
 pub(crate) mod sys;
+pub mod tcp;
 pub mod wire;
 
 pub use assist::{counts as shared_copies, SharedCopies};
@@ -32,6 +37,7 @@ pub(crate) use cq::CqInner;
 pub(crate) use ctx::unique_id;
 pub(crate) use ctx::CtxInner;
 pub use ctx::SoftConfig;
+pub use host::identity as host_identity;
 pub use peer::SoftWindow;
 pub(crate) use qp::{QpInner, SrqInner};
 pub use segment::page_size;

@@ -26,6 +26,8 @@ use super::segment::{qp_name, Segment};
 use super::spin::SpinLock;
 use super::sys;
 use super::wire::{self, status, Descriptor, RecordHeader, RecordKind, FIELDS_BYTES};
+
+mod tcp;
 use crate::endpoint::{EndpointInfo, SoftEndpoint};
 use crate::error::{Result, VerbsError};
 use crate::types::*;
@@ -85,6 +87,8 @@ enum SqStage {
     Waiting,
     /// Its record is in the peer's ring at `start..end` (produced-byte counts), at ring offset `off`.
     InRing { start: u64, end: u64, off: usize, target_placed: bool },
+    /// Sent over TCP, waiting for its response (`tcp`).
+    OnWire,
     /// Finished with this status.
     Done(WcStatus),
 }
@@ -180,6 +184,8 @@ struct QpCore {
     /// Periodic passes since the last one that reaped (see [`QpInner::periodic_reap_due`]).
     quiet_passes: u32,
     last_liveness: Instant,
+    /// The TCP transport's state when the peer is reached over TCP (`remote` is then None).
+    tcp: Option<Box<tcp::TcpSide>>,
 }
 
 /// A software queue pair.
@@ -209,6 +215,10 @@ pub struct QpInner {
     assist_jobs: AtomicU64,
     /// The share of a shared copy this side takes as the copier (`assist::next_share`).
     copier_share: AtomicU32,
+    /// Connected over TCP (read without the lock by polls).
+    over_tcp: AtomicBool,
+    /// A TCP connection from our peer that arrived before our ready-to-receive transition.
+    parked: Mutex<Option<(std::net::TcpStream, crate::soft::tcp::frame::Frame)>>,
 }
 
 type LocalQps = Mutex<std::collections::HashMap<(u64, u32), std::sync::Weak<QpInner>>>;
@@ -343,6 +353,7 @@ impl QpInner {
                 idle_polls: 0,
                 quiet_passes: 0,
                 last_liveness: Instant::now(),
+                tcp: None,
             }),
             peek_head: AtomicU64::new(0),
             sq_busy: AtomicBool::new(false),
@@ -351,6 +362,8 @@ impl QpInner {
             helper_peer: Mutex::new(None),
             assist_jobs: AtomicU64::new(0),
             copier_share: AtomicU32::new(assist::EVEN_SHARE),
+            over_tcp: AtomicBool::new(false),
+            parked: Mutex::new(None),
         });
         send_cq.attach(&qp);
         recv_cq.attach(&qp);
@@ -388,6 +401,9 @@ impl QpInner {
             rq_slot: self.rq_slot,
             send_cq_bell: self.send_cq.bell_slot,
             recv_cq_bell: self.recv_cq.bell_slot,
+            host: super::host::identity(),
+            tcp: self.tcp_listen_addr(),
+            tcp_only: self.ctx.config.tcp_only,
         }
     }
 
@@ -417,12 +433,17 @@ impl QpInner {
                         "a software QP can only connect to a software endpoint".into(),
                     ));
                 };
-                let remote = self.connect(&info)?;
                 core.min_rnr_timer = attr.min_rnr_timer & 31;
                 self.header().min_rnr_timer.store(core.min_rnr_timer as u32, Ordering::Relaxed);
-                self.watch_peer(&remote.peer, true);
-                *self.helper_peer.lock().expect("helper peer lock") = Some(remote.peer.clone());
-                core.remote = Some(remote);
+                if self.wants_tcp(&info) {
+                    self.connect_tcp(&mut core, &info)?;
+                    self.over_tcp.store(true, Ordering::Release);
+                } else {
+                    let remote = self.connect(&info)?;
+                    self.watch_peer(&remote.peer, true);
+                    *self.helper_peer.lock().expect("helper peer lock") = Some(remote.peer.clone());
+                    core.remote = Some(remote);
+                }
                 self.set_state(&mut core, QpState::ReadyToReceive);
             }
             (QpState::ReadyToReceive, QpTransition::Rts(attr)) => {
@@ -471,6 +492,8 @@ impl QpInner {
 
     fn reset(&self, core: &mut QpCore) {
         *self.helper_peer.lock().expect("helper peer lock") = None;
+        self.tcp_close(core);
+        self.over_tcp.store(false, Ordering::Release);
         QpSeg(&self.seg).assist().state.store(0, Ordering::Release);
         if let Some(r) = core.remote.take() {
             self.watch_peer(&r.peer, false);
@@ -542,6 +565,7 @@ impl QpInner {
             return;
         }
         self.set_state(core, QpState::Error);
+        self.tcp_error(core);
         if let Some(r) = &core.remote {
             // Records still in the peer's ring must never be delivered now.
             if let Some(first) = core.sq.iter().find_map(|e| match e.stage {
@@ -634,6 +658,11 @@ impl QpInner {
     /// Posts send-queue requests and starts them at once where the ring and ordering allow.
     pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
         let mut core = self.core.lock();
+        if core.tcp.is_some() {
+            let r = self.tcp_post_send(&mut core, wrs);
+            drop(core);
+            return r;
+        }
         if let [wr] = wrs {
             if let Some(done) = self.post_write_at_once(&mut core, wr) {
                 return done;
@@ -740,7 +769,7 @@ impl QpInner {
             WrOpcode::RdmaRead | WrOpcode::RdmaWrite | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
         );
         let mut core = self.core.lock();
-        if !one_sided || !core.sq.is_empty() || core.state != QpState::ReadyToSend {
+        if !one_sided || !core.sq.is_empty() || core.state != QpState::ReadyToSend || core.tcp.is_some() {
             drop(core);
             return self.post_send(std::slice::from_ref(wr)).map(|()| Posted::Pending);
         }
@@ -800,7 +829,7 @@ impl QpInner {
             ))));
         }
         let mut core = self.core.lock();
-        if !core.sq.is_empty() || core.state != QpState::ReadyToSend {
+        if !core.sq.is_empty() || core.state != QpState::ReadyToSend || core.tcp.is_some() {
             return None;
         }
         let stage = match self.remote_write_access(&core, rkey, remote_addr, len as u64) {
@@ -820,6 +849,9 @@ impl QpInner {
         let core = self.core.lock();
         if !matches!(core.state, QpState::ReadyToSend) {
             return Err(VerbsError::InvalidState(format!("mapping a peer's memory in {:?} (needs RTS)", core.state)));
+        }
+        if core.tcp.is_some() {
+            return Ok(None); // the peer's memory is on another host
         }
         let refused = |st: WcStatus| {
             VerbsError::invalid(format!(
@@ -1677,6 +1709,9 @@ impl QpInner {
     /// One progress pass for the queue `cq`; its completions go to `sink` (the poller hands them
     /// straight to its caller), others to their queues.
     pub(crate) fn progress(&self, cq: &CqInner, sink: &mut Out) {
+        if self.over_tcp.load(Ordering::Acquire) {
+            return self.tcp_progress(cq, sink);
+        }
         self.help_peer();
         let recv_side = std::ptr::eq(cq, &*self.recv_cq);
         let send_side = std::ptr::eq(cq, &*self.send_cq);
@@ -1719,6 +1754,14 @@ impl QpInner {
             }
         }
         self.publish_peek(&core);
+        self.hand_out(cq, sink, &out);
+        drop(core);
+    }
+
+    /// Hands a pass's completions over, for the queue `cq` that drove it to `sink`.
+    fn hand_out(&self, cq: &CqInner, sink: &mut Out, out: &Out) {
+        let recv_side = std::ptr::eq(cq, &*self.recv_cq);
+        let send_side = std::ptr::eq(cq, &*self.send_cq);
         // Send-queue completions first: a receive found in this pass may have been sent in
         // answer to one of our requests that this pass also found consumed (causal order, as
         // on a wire where the acknowledgement precedes the answer).
@@ -1741,7 +1784,6 @@ impl QpInner {
                 self.recv_cq.push(std::iter::once(wc));
             }
         }
-        drop(core);
     }
 
     /// Whether a periodic pass should reap. With only unsignaled requests in flight nobody
@@ -1773,7 +1815,12 @@ impl QpInner {
         // periodic slow pass, when ring space or queue slots are needed, or by a later signaled one.
         let waiting = core.exec_next < core.sq.len();
         self.sq_busy.store(core.signaled_outstanding > 0 || waiting, Ordering::Relaxed);
-        if waiting && core.state == QpState::ReadyToSend && !self.backstop_watched.load(Ordering::Relaxed) {
+        // Over TCP the engine starts waiting requests (when the socket takes more).
+        if waiting
+            && core.state == QpState::ReadyToSend
+            && core.tcp.is_none()
+            && !self.backstop_watched.load(Ordering::Relaxed)
+        {
             self.hand_to_backstop();
         }
     }
@@ -1833,6 +1880,9 @@ impl QpInner {
     /// True if a progress pass for `cq` would find something to do.
     pub(crate) fn work_pending(&self, cq: &CqInner) -> bool {
         let core = self.core.lock();
+        if core.tcp.is_some() {
+            return false; // the engine pushes what arrives, waking sleepers
+        }
         if std::ptr::eq(cq, &*self.recv_cq) && !core.inbound_dead {
             let off = wire::ring_offset(core.cons_head, self.ring_bytes);
             if self.ring().publish(off).load(Ordering::Acquire) == wire::publish_word(core.cons_head) {
@@ -1858,6 +1908,12 @@ impl QpInner {
     pub(crate) fn check_peer_now(&self) {
         let mut core = self.core.lock();
         let mut out = Out::new();
+        if core.tcp.is_some() {
+            self.tcp_drive(&mut core, &mut out);
+            self.publish_peek(&core);
+            self.deliver(&out);
+            return;
+        }
         core.last_liveness = Instant::now();
         // After a sleep, probe receiver-not-ready at once: a request the peer has no receive
         // for wakes nobody, and polls after a sleep are too few for the periodic passes.
@@ -1891,6 +1947,7 @@ impl QpInner {
         *self.helper_peer.lock().expect("helper peer lock") = None;
         let mut core = self.core.lock();
         self.header().state.store(QP_DESTROYED, Ordering::Release);
+        self.tcp_close(&mut core);
         if let Some(r) = core.remote.take() {
             self.watch_peer(&r.peer, false);
         }

@@ -1,0 +1,912 @@
+//! A queue pair over the TCP transport: the requester and responder of the verbs carried as
+//! frames (`soft::tcp::frame`) on one connection per queue-pair pair.
+//!
+//! - Requester: every request gets the next sequence number and goes out as one frame, its
+//!   data gathered from registered memory by the kernel (`sendmsg`). It stays in `sent` until
+//!   its response: acknowledgements are cumulative (an ack, read response, atomic response or
+//!   nak for sequence `s` also completes every send and write before `s`), so completions come
+//!   in posting order as on an RC queue pair. A receiver-not-ready nak rewinds: after the
+//!   responder's timer, everything from the nak'd request is sent again, `rnr_retry` times.
+//! - Responder: requests are taken in sequence order; the checks are the ring transport's
+//!   (receive capacity, local keys of receives, the queue pair's access flags, remote keys with
+//!   rights, bounds and protection domain); data is read straight into the target (a write's
+//!   last 8 bytes after the rest). After refusing a request it drops everything until that
+//!   request comes again (only a receiver-not-ready one does), as a responder drops packets
+//!   after a nak.
+//! - Liveness: a closed connection, a peer silent past `SoftConfig::tcp_timeout` (idle
+//!   connections carry keep-alives) or a process gone fails the queue pair; an orderly `Bye`
+//!   (the peer's queue pair destroyed or in error) fails it only if requests are outstanding.
+//!
+//! Driven under the queue pair's lock by posts, completion-queue polls and the per-process
+//! engine thread (`soft::tcp::engine`), whichever comes first.
+
+use std::collections::VecDeque;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use super::{local_qp, status_of, Out, QpCore, QpInner, SqEntry, SqStage};
+use crate::endpoint::SoftEndpoint;
+use crate::error::{Result, VerbsError};
+use crate::soft::ctx::local_copy;
+use crate::soft::tcp::engine::engine;
+use crate::soft::tcp::frame::{seq_before, Frame, Kind, NakCode, FLAG_IMM};
+use crate::soft::tcp::link::{self, Dest, Placement, Rx, Tx, TxError};
+use crate::soft::wire::status;
+use crate::types::*;
+
+/// How long a connecting side waits for the peer's listener.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an accepting side waits for its peer to connect once it is ready to receive.
+const ACCEPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// New requests wait while this many bytes are queued for the socket.
+const TX_LIMIT: usize = 8 << 20;
+/// Frames one pass reads at most (bounds how long it holds the queue pair's lock).
+const FRAMES_PER_PASS: usize = 256;
+
+/// A request on the wire, kept until its response (a receiver-not-ready rewind sends it again).
+struct Sent {
+    seq: u32,
+    wr: SendWr,
+    inline: Option<Vec<u8>>,
+}
+
+/// What follows once the body of the frame being read is in place.
+enum Then {
+    Nothing,
+    /// A write: acknowledge it.
+    Ack(u32),
+    /// A send or write-with-immediate: its receive completes.
+    Receive {
+        wr: RecvWr,
+        opcode: WcOpcode,
+        imm: Option<u32>,
+        len: u32,
+        seq: u32,
+    },
+    /// The read at the head of `sent` completes.
+    ReadDone,
+}
+
+/// A receiver-not-ready rewind in progress.
+struct Rnr {
+    seq: u32,
+    naks: u32,
+    /// When the rewind is sent; None once it was.
+    resend_at: Option<Instant>,
+}
+
+/// The connection and its socket's registration with the engine.
+struct Conn {
+    sock: TcpStream,
+    token: u64,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Ok(e) = engine(None) {
+            e.unregister(&self.sock, self.token);
+        }
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// The TCP state of a queue pair connected over TCP.
+pub(super) struct TcpSide {
+    peer: SoftEndpoint,
+    conn: Option<Conn>,
+    /// When the side was set up: an accepting side gives its peer `ACCEPT_TIMEOUT` to connect.
+    since: Instant,
+    tx: Tx,
+    rx: Rx,
+    reading: Option<(Placement, Then)>,
+    // Requester.
+    next_seq: u32,
+    sent: VecDeque<Sent>,
+    rnr: Option<Rnr>,
+    // Responder.
+    expect_seq: u32,
+    /// After refusing this request, everything else is dropped until it comes again.
+    dropping_until: Option<u32>,
+    ack_due: Option<u32>,
+    last_rx: Instant,
+    last_tx: Instant,
+    /// The connection is over: nothing more arrives or leaves.
+    gone: bool,
+    /// Counted in the engine's urgent tick (a rewind timer runs).
+    urgent: bool,
+}
+
+impl TcpSide {
+    fn new(peer: SoftEndpoint) -> Box<TcpSide> {
+        let now = Instant::now();
+        Box::new(TcpSide {
+            peer,
+            conn: None,
+            since: now,
+            tx: Tx::default(),
+            rx: Rx::default(),
+            reading: None,
+            next_seq: 1,
+            sent: VecDeque::new(),
+            rnr: None,
+            expect_seq: 1,
+            dropping_until: None,
+            ack_due: None,
+            last_rx: now,
+            last_tx: now,
+            gone: false,
+            urgent: false,
+        })
+    }
+
+    fn set_urgent(&mut self, on: bool) {
+        if self.urgent != on {
+            self.urgent = on;
+            if let Ok(e) = engine(None) {
+                e.urgent(on);
+            }
+        }
+    }
+
+    /// Closes the connection, after a best-effort flush of what is queued and a `Bye`.
+    fn close(&mut self, keys: impl Fn(u32, u64, u64, AccessFlags) -> bool) {
+        if let Some(c) = self.conn.take() {
+            self.tx.push_header(&Frame::new(Kind::Bye, 0));
+            let _ = self.tx.flush(&c.sock, keys);
+        }
+        self.tx.clear();
+        self.reading = None;
+        self.gone = true;
+        self.set_urgent(false);
+    }
+}
+
+impl Drop for TcpSide {
+    fn drop(&mut self) {
+        self.set_urgent(false);
+    }
+}
+
+/// The address to connect for `peer`: its listener, on loopback when it did not say which IP.
+fn peer_addr(peer: &SoftEndpoint) -> SocketAddr {
+    let mut a = peer.tcp;
+    if a.ip().is_unspecified() {
+        a.set_ip(match a.ip() {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        });
+    }
+    a
+}
+
+impl QpInner {
+    /// True when the queue pair must reach `peer` over TCP (see [`SoftEndpoint::needs_tcp`]).
+    pub(super) fn wants_tcp(&self, peer: &SoftEndpoint) -> bool {
+        peer.host != crate::soft::host::identity() || peer.tcp_only || self.ctx.config.tcp_only
+    }
+
+    /// Where our engine listens (the engine starts on first use).
+    pub(super) fn tcp_listen_addr(&self) -> SocketAddr {
+        match engine(self.ctx.config.tcp_addr) {
+            Ok(e) => e.addr,
+            Err(e) => {
+                log::warn!("{e}; peers on other hosts cannot reach this queue pair");
+                SocketAddr::from(([0, 0, 0, 0], 0))
+            }
+        }
+    }
+
+    /// Connects to `peer` over TCP (the ready-to-receive transition). Of the two queue pairs,
+    /// the one with the smaller (context, queue-pair number) connects; the other adopts the
+    /// connection when the engine hands it over (now, if it arrived already).
+    pub(super) fn connect_tcp(&self, core: &mut QpCore, peer: &SoftEndpoint) -> Result<()> {
+        let mut side = TcpSide::new(*peer);
+        if (self.ctx.id, self.qpn) < (peer.ctx_id, peer.qpn) {
+            let addr = peer_addr(peer);
+            let mut sock = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(|e| {
+                VerbsError::PeerUnreachable(format!("TCP transport of queue pair {} at {addr}: {e}", peer.qpn))
+            })?;
+            let mut hello = Frame::new(Kind::Hello, 0);
+            hello.raddr = peer.ctx_id;
+            hello.rkey = peer.qpn;
+            hello.operand = self.ctx.id;
+            hello.imm = self.qpn;
+            hello.swap = crate::soft::host::identity();
+            std::io::Write::write_all(&mut sock, &hello.encode())
+                .map_err(|e| VerbsError::PeerUnreachable(format!("TCP transport hello to {addr}: {e}")))?;
+            side.conn = Some(self.register_conn(sock)?);
+        } else {
+            let parked = self.parked.lock().expect("parked connection lock").take();
+            if let Some((sock, hello)) = parked {
+                if hello.operand == peer.ctx_id && hello.imm == peer.qpn {
+                    side.conn = Some(self.register_conn(sock)?);
+                }
+            }
+        }
+        core.tcp = Some(side);
+        Ok(())
+    }
+
+    fn register_conn(&self, sock: TcpStream) -> Result<Conn> {
+        link::tune(&sock).map_err(|e| VerbsError::PeerUnreachable(format!("TCP transport socket: {e}")))?;
+        let me =
+            local_qp(self.ctx.id, self.qpn).ok_or_else(|| VerbsError::InvalidState("queue pair is gone".into()))?;
+        let token = engine(self.ctx.config.tcp_addr)?.register(&sock, me)?;
+        Ok(Conn { sock, token })
+    }
+
+    /// The engine's hand-over of a connection whose hello names one of our queue pairs.
+    pub(crate) fn accept_tcp(sock: TcpStream, hello: &Frame) {
+        let Some(qp) = local_qp(hello.raddr, hello.rkey).and_then(|w| w.upgrade()) else {
+            log::debug!("TCP transport: a hello for queue pair {} that does not exist", hello.rkey);
+            return;
+        };
+        let mut core = qp.core.lock();
+        let waiting = core.tcp.as_ref().is_some_and(|t| t.conn.is_none() && !t.gone);
+        if waiting {
+            let side = core.tcp.as_ref().expect("checked");
+            if side.peer.ctx_id != hello.operand || side.peer.qpn != hello.imm {
+                log::warn!("TCP transport: queue pair {} refused a connection from another peer", qp.qpn);
+                return;
+            }
+            match qp.register_conn(sock) {
+                Ok(c) => core.tcp.as_mut().expect("checked").conn = Some(c),
+                Err(e) => log::warn!("TCP transport: {e}"),
+            }
+            let mut out = Out::new();
+            qp.tcp_drive(&mut core, &mut out);
+            qp.deliver_tcp(&mut core, out);
+        } else if matches!(core.state, QpState::Reset | QpState::Init) {
+            // Its peer got here first: kept until our ready-to-receive transition.
+            *qp.parked.lock().expect("parked connection lock") = Some((sock, *hello));
+        }
+    }
+
+    /// Posts send-queue requests on a TCP queue pair.
+    pub(super) fn tcp_post_send(&self, core: &mut QpCore, wrs: &[SendWr]) -> Result<()> {
+        let mut out = Out::new();
+        let mut result = Ok(());
+        for wr in wrs {
+            if let Err(e) = self.check_send(core, wr) {
+                result = Err(e);
+                break;
+            }
+            core.signaled_outstanding += wr.flags.signaled as usize;
+            let mut entry = SqEntry {
+                wr_id: wr.wr_id,
+                opcode: wr.opcode,
+                signaled: wr.flags.signaled,
+                byte_len: if wr.opcode.is_atomic() { 8 } else { wr.byte_len() as u32 },
+                stage: SqStage::Waiting,
+                waiting: None,
+            };
+            if core.state == QpState::Error {
+                entry.stage = SqStage::Done(WcStatus::WrFlushErr);
+                core.sq.push_back(entry);
+                core.exec_next = core.sq.len();
+                continue;
+            }
+            let inline = if wr.flags.inline && wr.opcode != WrOpcode::RdmaRead && !wr.opcode.is_atomic() {
+                super::Inline::Owned(super::inline_bytes(wr))
+            } else {
+                super::Inline::No
+            };
+            entry.waiting = Some(Box::new((wr.clone(), inline)));
+            core.sq.push_back(entry);
+        }
+        self.tcp_drive(core, &mut out);
+        self.end_post(core, &mut out);
+        result
+    }
+
+    /// One pass: reads and handles what arrived, starts waiting requests, writes what is
+    /// queued. Completions go to `out`.
+    pub(super) fn tcp_drive(&self, core: &mut QpCore, out: &mut Out) {
+        let Some(mut t) = core.tcp.take() else { return };
+        self.tcp_pass(core, &mut t, out);
+        if core.tcp.is_none() {
+            core.tcp = Some(t);
+        }
+        self.retire(core, out);
+    }
+
+    fn tcp_pass(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
+        if t.conn.is_none() {
+            if t.gone {
+                self.fail_waiting_after_loss(core, t, out);
+            }
+            return;
+        }
+        let now = Instant::now();
+        for _ in 0..FRAMES_PER_PASS {
+            let Some(c) = &t.conn else { break };
+            if let Some((p, _)) = &mut t.reading {
+                match t.rx.body(&c.sock, p) {
+                    Ok(true) => {
+                        let (_, then) = t.reading.take().expect("reading");
+                        self.finish(core, t, then, out);
+                        continue;
+                    }
+                    Ok(false) => break,
+                    Err(e) => return self.lost(core, t, out, &e.to_string(), false),
+                }
+            }
+            match t.rx.header(&c.sock) {
+                Ok(Some(h)) => {
+                    t.last_rx = now;
+                    match Frame::decode(&h) {
+                        Ok(f) => self.on_frame(core, t, f, out),
+                        Err(e) => return self.protocol_failure(core, t, out, &e.to_string()),
+                    }
+                    if t.gone {
+                        return;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => return self.lost(core, t, out, &e.to_string(), false),
+            }
+        }
+        if let Some(seq) = t.ack_due.take() {
+            t.tx.push_header(&Frame::new(Kind::Ack, seq));
+        }
+        if let Some(r) = &mut t.rnr {
+            if r.resend_at.is_some_and(|at| now >= at) {
+                r.resend_at = None;
+                t.set_urgent(false);
+                for s in &t.sent {
+                    emit(&mut t.tx, s);
+                }
+            }
+        }
+        self.tcp_execute(core, t, out);
+        self.flush(core, t, out);
+    }
+
+    /// Writes what the socket takes now.
+    fn flush(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
+        let Some(c) = &t.conn else { return };
+        if t.tx.is_empty() {
+            return;
+        }
+        let keys = self.keys(core);
+        let r = t.tx.flush(&c.sock, |k, a, l, need| keys.check(k, a, l, need, self.pd));
+        drop(keys);
+        match r {
+            Ok(_) => t.last_tx = Instant::now(),
+            Err(TxError::Io(e)) => self.lost(core, t, out, &e.to_string(), false),
+            Err(TxError::Unregistered) => {
+                log::error!("QP {}: a region with data in flight was deregistered", self.qpn);
+                self.complete_front(core, t, WcStatus::LocProtErr);
+                self.fail(core, t, out);
+            }
+        }
+    }
+
+    /// Starts waiting requests in order while the connection takes them.
+    fn tcp_execute(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
+        while core.exec_next < core.sq.len() && core.state == QpState::ReadyToSend {
+            if t.conn.is_none() || t.rnr.is_some() || t.tx.queued() >= TX_LIMIT {
+                return;
+            }
+            let idx = core.exec_next;
+            let Some(pending) = core.sq[idx].waiting.take() else {
+                core.exec_next += 1;
+                continue;
+            };
+            let (wr, inline) = *pending;
+            let inline = match inline {
+                super::Inline::Owned(v) => Some(v),
+                _ => None,
+            };
+            let need_local = match wr.opcode {
+                WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
+                    AccessFlags::LOCAL_WRITE
+                }
+                _ => AccessFlags::NONE,
+            };
+            if inline.is_none() && !self.keys(core).check_all(&wr.sg_list, need_local, self.pd) {
+                core.sq[idx].stage = SqStage::Done(WcStatus::LocProtErr);
+                core.exec_next += 1;
+                return self.fail(core, t, out);
+            }
+            let s = Sent { seq: t.next_seq, wr, inline };
+            t.next_seq = t.next_seq.wrapping_add(1);
+            emit(&mut t.tx, &s);
+            t.sent.push_back(s);
+            core.sq[idx].stage = SqStage::OnWire;
+            core.exec_next += 1;
+        }
+    }
+
+    fn on_frame(&self, core: &mut QpCore, t: &mut TcpSide, f: Frame, out: &mut Out) {
+        match f.kind {
+            Kind::Keepalive => {}
+            Kind::Bye => self.lost(core, t, out, "the peer queue pair closed", true),
+            Kind::Hello => self.protocol_failure(core, t, out, "a second hello"),
+            k if k.is_request() => self.respond(core, t, f, out),
+            _ => self.on_response(core, t, f, out),
+        }
+    }
+
+    /// Refuses request `f`: a nak, and everything after it dropped until it comes again.
+    fn refuse(&self, t: &mut TcpSide, f: &Frame, code: NakCode) {
+        t.ack_due = None; // implied by the nak
+        let mut nak = Frame::new(Kind::Nak, f.seq);
+        nak.nak = Some(code);
+        t.tx.push_header(&nak);
+        t.dropping_until = Some(f.seq);
+        t.reading = Some((Placement::discard(f.data_len() as usize), Then::Nothing));
+    }
+
+    fn respond(&self, core: &mut QpCore, t: &mut TcpSide, f: Frame, out: &mut Out) {
+        if let Some(s) = t.dropping_until {
+            if f.seq != s {
+                t.reading = Some((Placement::discard(f.data_len() as usize), Then::Nothing));
+                return;
+            }
+            t.dropping_until = None;
+        }
+        if f.seq != t.expect_seq {
+            return self.protocol_failure(core, t, out, &format!("request {} where {} was due", f.seq, t.expect_seq));
+        }
+        let keys = self.keys(core);
+        let len = f.len as u64;
+        match f.kind {
+            Kind::Send => {
+                let Some(wr) = self.take_receive(core) else {
+                    return self.refuse_not_ready(core, t, &f);
+                };
+                if len > wr.capacity() {
+                    out.push((
+                        false,
+                        self.recv_wc(wr.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, f.len, None, t.peer.qpn),
+                    ));
+                    self.count_consumed(1);
+                    self.refuse(t, &f, NakCode::InvalidRequest);
+                    return self.fail(core, t, out);
+                }
+                let mut dests = smallvec::SmallVec::<[Dest; 4]>::new();
+                let mut left = len;
+                for s in &wr.sg_list {
+                    if left == 0 {
+                        break;
+                    }
+                    let n = left.min(s.length as u64);
+                    if !keys.check(s.lkey, s.addr, n, AccessFlags::LOCAL_WRITE, self.pd) {
+                        drop(keys);
+                        out.push((
+                            false,
+                            self.recv_wc(wr.wr_id, WcStatus::LocProtErr, WcOpcode::Recv, f.len, None, t.peer.qpn),
+                        ));
+                        self.count_consumed(1);
+                        self.refuse(t, &f, NakCode::OperationError);
+                        return self.fail(core, t, out);
+                    }
+                    dests.push(Dest::Mem(s.addr, n as usize));
+                    left -= n;
+                }
+                t.expect_seq = t.expect_seq.wrapping_add(1);
+                let then = Then::Receive { wr, opcode: WcOpcode::Recv, imm: f.imm(), len: f.len, seq: f.seq };
+                t.reading = Some((Placement::new(dests), then));
+            }
+            Kind::Write => {
+                let refused = self.refusal(core, &keys, &f, AccessFlags::REMOTE_WRITE, len);
+                drop(keys);
+                if let Some(code) = refused {
+                    t.expect_seq = t.expect_seq.wrapping_add(1);
+                    return self.refuse(t, &f, code);
+                }
+                let then = if f.flags & FLAG_IMM != 0 {
+                    let Some(wr) = self.take_receive(core) else {
+                        return self.refuse_not_ready(core, t, &f);
+                    };
+                    Then::Receive { wr, opcode: WcOpcode::RecvRdmaWithImm, imm: f.imm(), len: f.len, seq: f.seq }
+                } else {
+                    Then::Ack(f.seq)
+                };
+                t.expect_seq = t.expect_seq.wrapping_add(1);
+                t.reading = Some((Placement::write_to(f.raddr, f.len as usize, true), then));
+            }
+            Kind::ReadReq => {
+                let refused = self.refusal(core, &keys, &f, AccessFlags::REMOTE_READ, len);
+                drop(keys);
+                t.expect_seq = t.expect_seq.wrapping_add(1);
+                if let Some(code) = refused {
+                    return self.refuse(t, &f, code);
+                }
+                t.ack_due = None;
+                let mut resp = Frame::new(Kind::ReadResp, f.seq);
+                resp.len = f.len;
+                t.tx.push_header(&resp);
+                t.tx.push_mem(f.raddr, f.len as usize, f.rkey, AccessFlags::REMOTE_READ);
+            }
+            _ => {
+                // Compare-and-swap, fetch-and-add.
+                t.expect_seq = t.expect_seq.wrapping_add(1);
+                let refused = if f.raddr.is_multiple_of(8) {
+                    self.refusal(core, &keys, &f, AccessFlags::REMOTE_ATOMIC, 8)
+                } else {
+                    Some(NakCode::InvalidRequest)
+                };
+                drop(keys);
+                if let Some(code) = refused {
+                    return self.refuse(t, &f, code);
+                }
+                let cas = f.kind == Kind::CmpSwap;
+                let ran = crate::soft::peer::with_atomic_lock(
+                    &self.ctx.ctrl().header().atomic_lock,
+                    self.ctx.lock_tag,
+                    || {
+                        // SAFETY: 8 aligned bytes of a live registration granting remote atomics
+                        // (checked above under our lock, which holds off deregistration); every
+                        // atomic on this context's memory runs under this lock.
+                        let word = unsafe { &*(f.raddr as usize as *const std::sync::atomic::AtomicU64) };
+                        let old = word.load(std::sync::atomic::Ordering::Acquire);
+                        let new = if cas {
+                            if old == f.operand {
+                                f.swap
+                            } else {
+                                old
+                            }
+                        } else {
+                            old.wrapping_add(f.operand)
+                        };
+                        word.store(new, std::sync::atomic::Ordering::Release);
+                        old
+                    },
+                );
+                match ran {
+                    Ok(old) => {
+                        t.ack_due = None;
+                        let mut resp = Frame::new(Kind::AtomicResp, f.seq);
+                        resp.operand = old;
+                        t.tx.push_header(&resp);
+                    }
+                    Err(_) => self.refuse(t, &f, NakCode::OperationError),
+                }
+            }
+        }
+    }
+
+    /// Why a one-sided request `f` of `len` bytes needing `need` is refused, if it is: the
+    /// queue pair's access flags (an invalid request, as IBA has it), then the key, bounds,
+    /// rights and protection domain (an access error). A zero-byte read or write names no
+    /// memory: no key is checked (IBA C9-88).
+    fn refusal(
+        &self,
+        core: &QpCore,
+        keys: &crate::soft::ctx::LocalKeys,
+        f: &Frame,
+        need: AccessFlags,
+        len: u64,
+    ) -> Option<NakCode> {
+        if !core.access.contains(need) {
+            return Some(NakCode::InvalidRequest);
+        }
+        if len == 0 || keys.remote(f.rkey, f.raddr, len, need, self.pd) {
+            return None;
+        }
+        Some(NakCode::AccessError)
+    }
+
+    /// No receive for request `f`: a receiver-not-ready nak carrying our timer.
+    fn refuse_not_ready(&self, core: &QpCore, t: &mut TcpSide, f: &Frame) {
+        t.ack_due = None;
+        let mut nak = Frame::new(Kind::Nak, f.seq);
+        nak.nak = Some(NakCode::ReceiverNotReady);
+        nak.imm = core.min_rnr_timer as u32;
+        t.tx.push_header(&nak);
+        t.dropping_until = Some(f.seq);
+        t.reading = Some((Placement::discard(f.data_len() as usize), Then::Nothing));
+    }
+
+    /// Takes the receive the next message fills (our queue's, or the shared one's).
+    fn take_receive(&self, core: &mut QpCore) -> Option<RecvWr> {
+        match &self.srq {
+            None => core.rq.pop_front(),
+            Some(s) => s.queue.lock().expect("srq lock").pop_front(),
+        }
+    }
+
+    fn finish(&self, core: &mut QpCore, t: &mut TcpSide, then: Then, out: &mut Out) {
+        match then {
+            Then::Nothing => {}
+            Then::Ack(seq) => t.ack_due = Some(seq),
+            Then::Receive { wr, opcode, imm, len, seq } => {
+                self.count_consumed(1);
+                out.push((false, self.recv_wc(wr.wr_id, WcStatus::Success, opcode, len, imm, t.peer.qpn)));
+                t.ack_due = Some(seq);
+            }
+            Then::ReadDone => self.complete_front(core, t, WcStatus::Success),
+        }
+    }
+
+    fn on_response(&self, core: &mut QpCore, t: &mut TcpSide, f: Frame, out: &mut Out) {
+        // Everything before it is done: only sends and writes are answered that way.
+        while let Some(s) = t.sent.front() {
+            if !seq_before(s.seq, f.seq) {
+                break;
+            }
+            if !matches!(
+                s.wr.opcode,
+                WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
+            ) {
+                return self.protocol_failure(core, t, out, "a read or atomic left unanswered");
+            }
+            self.complete_front(core, t, WcStatus::Success);
+        }
+        let Some(s) = t.sent.front() else {
+            // Answers to requests flushed meanwhile; nothing else is acceptable.
+            if f.kind == Kind::Ack {
+                return;
+            }
+            return self.protocol_failure(core, t, out, &format!("a {:?} for no request", f.kind));
+        };
+        if s.seq != f.seq {
+            if f.kind == Kind::Ack {
+                return; // an ack for requests already completed by a later answer
+            }
+            return self.protocol_failure(
+                core,
+                t,
+                out,
+                &format!("an answer for request {} where {} is due", f.seq, s.seq),
+            );
+        }
+        let opcode = s.wr.opcode;
+        match f.kind {
+            Kind::Ack => {
+                if matches!(opcode, WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd) {
+                    return self.protocol_failure(core, t, out, "a read or atomic acknowledged without its data");
+                }
+                self.complete_front(core, t, WcStatus::Success);
+            }
+            Kind::ReadResp => {
+                if opcode != WrOpcode::RdmaRead || f.len as u64 != s.wr.byte_len() {
+                    return self.protocol_failure(core, t, out, "a read response that does not match its request");
+                }
+                let keys = self.keys(core);
+                let ok = keys.check_all(&s.wr.sg_list, AccessFlags::LOCAL_WRITE, self.pd);
+                drop(keys);
+                if !ok {
+                    t.reading = Some((Placement::discard(f.len as usize), Then::Nothing));
+                    self.complete_front(core, t, WcStatus::LocProtErr);
+                    return self.fail(core, t, out);
+                }
+                let dests: smallvec::SmallVec<[Dest; 4]> =
+                    s.wr.sg_list.iter().map(|g| Dest::Mem(g.addr, g.length as usize)).collect();
+                t.reading = Some((Placement::new(dests), Then::ReadDone));
+            }
+            Kind::AtomicResp => {
+                if !opcode.is_atomic() {
+                    return self.protocol_failure(core, t, out, "an atomic response to another request");
+                }
+                let g = s.wr.sg_list[0];
+                let keys = self.keys(core);
+                let bytes = f.operand.to_ne_bytes();
+                // SAFETY: 8 bytes of a checked local registration with local write.
+                let ok = keys.check(g.lkey, g.addr, 8, AccessFlags::LOCAL_WRITE, self.pd)
+                    && unsafe { local_copy(g.addr as usize as *mut u8, bytes.as_ptr(), 8) };
+                drop(keys);
+                self.complete_front(core, t, if ok { WcStatus::Success } else { WcStatus::LocProtErr });
+                if !ok {
+                    self.fail(core, t, out);
+                }
+            }
+            _ => match f.nak.expect("decoded naks carry a code") {
+                NakCode::ReceiverNotReady => {
+                    let naks = match &t.rnr {
+                        Some(r) if r.seq == f.seq => r.naks + 1,
+                        _ => 1,
+                    };
+                    if core.rts.rnr_retry != 7 && naks > core.rts.rnr_retry as u32 {
+                        self.complete_front(core, t, WcStatus::RnrRetryExcErr);
+                        return self.fail(core, t, out);
+                    }
+                    let timer = rnr_timer_duration(f.imm as u8);
+                    t.rnr = Some(Rnr { seq: f.seq, naks, resend_at: Some(Instant::now() + timer) });
+                    t.set_urgent(true);
+                }
+                code => {
+                    let st = match code {
+                        NakCode::InvalidRequest => status::REM_INV_REQ,
+                        NakCode::AccessError => status::REM_ACCESS,
+                        _ => status::REM_OP,
+                    };
+                    self.complete_front(core, t, status_of(st));
+                    self.fail(core, t, out);
+                }
+            },
+        }
+    }
+
+    /// The request at the head of `sent` finished with `st`.
+    fn complete_front(&self, core: &mut QpCore, t: &mut TcpSide, st: WcStatus) {
+        if t.sent.pop_front().is_none() {
+            return;
+        }
+        if t.rnr.is_some() && st.is_success() {
+            t.rnr = None;
+            t.set_urgent(false);
+        }
+        if let Some(e) = core.sq.iter_mut().find(|e| e.stage == SqStage::OnWire) {
+            e.stage = SqStage::Done(st);
+        }
+    }
+
+    /// A request of ours failed: the queue pair goes to error (flushing the rest) and the
+    /// connection closes with a `Bye`.
+    fn fail(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
+        if !t.gone {
+            let keys = self.keys(core);
+            t.close(|k, a, l, need| keys.check(k, a, l, need, self.pd));
+        }
+        t.sent.clear();
+        t.rnr = None;
+        self.enter_error(core, out);
+    }
+
+    fn protocol_failure(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out, why: &str) {
+        log::error!("QP {}: malformed traffic from the peer over TCP: {why}; moving to error", self.qpn);
+        if let Some(e) = core.sq.iter_mut().find(|e| !matches!(e.stage, SqStage::Done(_))) {
+            e.stage = SqStage::Done(WcStatus::GeneralErr);
+        }
+        self.fail(core, t, out);
+    }
+
+    /// The connection ended. A broken one (no `Bye`: the process died, the link went down)
+    /// fails the queue pair at once; an orderly end only if requests are outstanding, which
+    /// can never be answered now (later requests fail when they start).
+    fn lost(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out, why: &str, orderly: bool) {
+        log::debug!("QP {}: TCP connection to queue pair {} ended: {why}", self.qpn, t.peer.qpn);
+        t.conn = None;
+        t.tx.clear();
+        t.reading = None;
+        t.gone = true;
+        t.set_urgent(false);
+        let outstanding = core.sq.iter().any(|e| !matches!(e.stage, SqStage::Done(_)));
+        if !orderly || outstanding {
+            self.fail_waiting_after_loss(core, t, out);
+            if core.state != QpState::Error {
+                self.enter_error(core, out);
+            }
+        }
+    }
+
+    /// With the connection gone, the oldest outstanding request ran out of retries.
+    fn fail_waiting_after_loss(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
+        if core.state == QpState::Error {
+            return;
+        }
+        if let Some(e) = core.sq.iter_mut().find(|e| !matches!(e.stage, SqStage::Done(_))) {
+            e.stage = SqStage::Done(WcStatus::RetryExcErr);
+            t.sent.clear();
+            self.enter_error(core, out);
+        }
+    }
+
+    /// The engine's call when the socket has something for us.
+    pub(crate) fn tcp_event(&self) {
+        let mut core = self.core.lock();
+        let mut out = Out::new();
+        self.tcp_drive(&mut core, &mut out);
+        self.deliver_tcp(&mut core, out);
+    }
+
+    /// Hands completions to their queues under the lock (per-QP completion order across
+    /// threads); a queue they overran fails the queue pair before anyone can see the overrun.
+    fn deliver_tcp(&self, core: &mut QpCore, out: Out) {
+        self.deliver(&out);
+        if (self.send_cq.overrun() || self.recv_cq.overrun()) && core.state != QpState::Error {
+            let mut flushed = Out::new();
+            self.enter_error(core, &mut flushed);
+            self.deliver(&flushed);
+        }
+        self.publish_peek(core);
+    }
+
+    /// The engine's periodic call: keep-alives, liveness, timers, and whatever a missed
+    /// wake-up left.
+    pub(crate) fn tcp_tick(&self, now: Instant) {
+        let mut core = self.core.lock();
+        let mut out = Out::new();
+        if let Some(mut t) = core.tcp.take() {
+            let timeout = self.ctx.config.tcp_timeout;
+            if t.conn.is_none() && !t.gone && now.duration_since(t.since) > ACCEPT_TIMEOUT {
+                self.lost(&mut core, &mut t, &mut out, "the peer never connected", false);
+            } else if t.conn.is_some() && now.duration_since(t.last_rx) > timeout {
+                let why = format!("the peer was silent for {timeout:?}");
+                self.lost(&mut core, &mut t, &mut out, &why, false);
+            } else if t.conn.is_some() && now.duration_since(t.last_tx) >= timeout / 4 {
+                t.tx.push_header(&Frame::new(Kind::Keepalive, 0));
+            }
+            self.tcp_pass(&mut core, &mut t, &mut out);
+            if core.tcp.is_none() {
+                core.tcp = Some(t);
+            }
+            self.retire(&mut core, &mut out);
+        }
+        self.deliver_tcp(&mut core, out);
+    }
+
+    /// Closes the connection of a queue pair leaving the TCP transport (destroyed or reset),
+    /// telling the peer.
+    pub(super) fn tcp_close(&self, core: &mut QpCore) {
+        if let Some(mut t) = core.tcp.take() {
+            let keys = self.keys(core);
+            t.close(|k, a, l, need| keys.check(k, a, l, need, self.pd));
+        }
+    }
+
+    /// Closes the connection of a queue pair that went to error (its peer learns at once).
+    pub(super) fn tcp_error(&self, core: &mut QpCore) {
+        if let Some(mut t) = core.tcp.take() {
+            if !t.gone {
+                let keys = self.keys(core);
+                t.close(|k, a, l, need| keys.check(k, a, l, need, self.pd));
+            }
+            t.sent.clear();
+            core.tcp = Some(t);
+        }
+    }
+
+    /// A completion-queue poll's pass over a TCP queue pair (if no other thread is on it).
+    pub(super) fn tcp_progress(&self, cq: &super::CqInner, sink: &mut Out) {
+        let Some(mut core) = self.core.try_lock() else {
+            return;
+        };
+        let mut out = Out::new();
+        if cq.overrun() && core.state != QpState::Error {
+            self.enter_error(&mut core, &mut out);
+        }
+        self.tcp_drive(&mut core, &mut out);
+        self.publish_peek(&core);
+        self.hand_out(cq, sink, &out);
+        drop(core);
+    }
+}
+
+/// Queues the frame of a request, its data gathered from where it is.
+fn emit(tx: &mut Tx, s: &Sent) {
+    let wr = &s.wr;
+    let mut f = Frame::new(Kind::Send, s.seq);
+    f.raddr = wr.remote_addr;
+    f.rkey = wr.rkey;
+    let carries_data = match wr.opcode {
+        WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => {
+            f.kind = if matches!(wr.opcode, WrOpcode::Send | WrOpcode::SendWithImm) { Kind::Send } else { Kind::Write };
+            if matches!(wr.opcode, WrOpcode::SendWithImm | WrOpcode::RdmaWriteWithImm) {
+                f.flags = FLAG_IMM;
+                f.imm = wr.imm;
+            }
+            true
+        }
+        WrOpcode::RdmaRead => {
+            f.kind = Kind::ReadReq;
+            false
+        }
+        WrOpcode::AtomicCmpAndSwp => {
+            f.kind = Kind::CmpSwap;
+            f.operand = wr.compare_add;
+            f.swap = wr.swap;
+            false
+        }
+        WrOpcode::AtomicFetchAndAdd => {
+            f.kind = Kind::FetchAdd;
+            f.operand = wr.compare_add;
+            false
+        }
+    };
+    f.len = if wr.opcode.is_atomic() { 0 } else { wr.byte_len() as u32 };
+    tx.push_header(&f);
+    if carries_data {
+        match &s.inline {
+            Some(bytes) => tx.push_bytes(bytes),
+            None => {
+                for g in &wr.sg_list {
+                    tx.push_mem(g.addr, g.length as usize, g.lkey, AccessFlags::NONE);
+                }
+            }
+        }
+    }
+}

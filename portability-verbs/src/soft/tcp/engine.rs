@@ -1,0 +1,215 @@
+//! The transport's progress thread, one per process: it accepts the connections peers open to
+//! our queue pairs, and drives every connection whose socket has something for it, so that a
+//! responder answers (places writes, serves reads and atomics, takes sends into receives)
+//! without its application calling in, as a NIC does. Asleep in epoll while nothing happens;
+//! wakes on a coarse tick for keep-alives, liveness and retry timers.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use super::frame::{Frame, Kind, HEADER};
+use crate::error::{Result, VerbsError};
+use crate::soft::qp::QpInner;
+
+const LISTENER: u64 = 0;
+/// Tick while nothing is urgent (keep-alives and liveness need no finer).
+const TICK: Duration = Duration::from_millis(50);
+/// Tick while a retry timer runs (receiver-not-ready timers start at 10 us).
+const URGENT_TICK: Duration = Duration::from_millis(1);
+/// A peer that connected must say which queue pair it wants within this long.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections at most waiting for their hello.
+const MAX_HELLOS: usize = 1024;
+
+/// The process's transport engine.
+pub(crate) struct Engine {
+    /// Where peers connect.
+    pub addr: SocketAddr,
+    epoll: OwnedFd,
+    links: Mutex<HashMap<u64, Weak<QpInner>>>,
+    next_token: AtomicU64,
+    /// Queue pairs with a retry timer running: the tick is fine-grained while non-zero.
+    urgent: AtomicUsize,
+}
+
+static ENGINE: OnceLock<std::result::Result<&'static Engine, String>> = OnceLock::new();
+
+/// The engine, started on first use (binding `addr`: `PV_SOFT_TCP_ADDR`, else every IPv4
+/// interface on a port the kernel picks).
+pub(crate) fn engine(addr: Option<SocketAddr>) -> Result<&'static Engine> {
+    ENGINE
+        .get_or_init(|| start(addr.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)))).map_err(|e| e.to_string()))
+        .as_ref()
+        .copied()
+        .map_err(|e| VerbsError::PeerUnreachable(format!("the TCP transport could not start: {e}")))
+}
+
+fn start(addr: SocketAddr) -> Result<&'static Engine> {
+    let listener = TcpListener::bind(addr).map_err(|e| VerbsError::PeerUnreachable(format!("bind {addr}: {e}")))?;
+    listener.set_nonblocking(true).map_err(|e| VerbsError::PeerUnreachable(format!("listener: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
+    let epoll = crate::soft::sys::epoll_create()?;
+    ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, listener.as_raw_fd(), libc::EPOLLIN as u32, LISTENER)?;
+    let engine: &'static Engine = Box::leak(Box::new(Engine {
+        addr,
+        epoll,
+        links: Mutex::new(HashMap::new()),
+        next_token: AtomicU64::new(1),
+        urgent: AtomicUsize::new(0),
+    }));
+    std::thread::Builder::new()
+        .name("pv-tcp".into())
+        .spawn(move || engine.run(listener))
+        .map_err(|e| VerbsError::Exhausted(format!("cannot start the TCP progress thread: {e}")))?;
+    log::debug!("TCP transport listening on {addr}");
+    Ok(engine)
+}
+
+fn ctl(epfd: RawFd, op: i32, fd: RawFd, events: u32, token: u64) -> Result<()> {
+    let mut ev = libc::epoll_event { events, u64: token };
+    // SAFETY: `ev` is a valid epoll_event; both descriptors are open.
+    if unsafe { libc::epoll_ctl(epfd, op, fd, &mut ev) } < 0 {
+        return Err(VerbsError::last_os("epoll_ctl"));
+    }
+    Ok(())
+}
+
+/// A connection waiting for its hello.
+struct Greeting {
+    stream: TcpStream,
+    got: Vec<u8>,
+    since: Instant,
+}
+
+impl Engine {
+    /// Watches `sock` for `qp` (edge-triggered: whoever is woken reads until the socket is
+    /// empty). Returns the token that `unregister` takes.
+    pub fn register(&self, sock: &TcpStream, qp: Weak<QpInner>) -> Result<u64> {
+        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+        self.links.lock().expect("engine links").insert(token, qp);
+        let events = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
+        if let Err(e) = ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, sock.as_raw_fd(), events, token) {
+            self.links.lock().expect("engine links").remove(&token);
+            return Err(e);
+        }
+        Ok(token)
+    }
+
+    pub fn unregister(&self, sock: &TcpStream, token: u64) {
+        crate::soft::sys::epoll_del(self.epoll.as_raw_fd(), sock.as_raw_fd());
+        self.links.lock().expect("engine links").remove(&token);
+    }
+
+    /// A queue pair's retry timer started (`true`) or stopped.
+    pub fn urgent(&self, on: bool) {
+        if on {
+            self.urgent.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.urgent.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    fn qp(&self, token: u64) -> Option<Arc<QpInner>> {
+        self.links.lock().expect("engine links").get(&token).and_then(Weak::upgrade)
+    }
+
+    fn run(&self, listener: TcpListener) {
+        let mut greetings: HashMap<u64, Greeting> = HashMap::new();
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+        let mut last_tick = Instant::now();
+        loop {
+            let tick = if self.urgent.load(Ordering::Relaxed) > 0 { URGENT_TICK } else { TICK };
+            let wait = tick.saturating_sub(last_tick.elapsed());
+            // SAFETY: `events` is writable for its length.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.epoll.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    events.len() as i32,
+                    wait.as_millis().max(if wait.is_zero() { 0 } else { 1 }) as i32,
+                )
+            };
+            for ev in &events[..n.max(0) as usize] {
+                let token = ev.u64;
+                if token == LISTENER {
+                    self.accept_all(&listener, &mut greetings);
+                } else if let Some(g) = greetings.get_mut(&token) {
+                    match read_hello(g) {
+                        Ok(None) => {}
+                        Ok(Some(hello)) => {
+                            let g = greetings.remove(&token).expect("greeting present");
+                            crate::soft::sys::epoll_del(self.epoll.as_raw_fd(), g.stream.as_raw_fd());
+                            QpInner::accept_tcp(g.stream, &hello);
+                        }
+                        Err(e) => {
+                            log::debug!("dropping a TCP transport connection: {e}");
+                            greetings.remove(&token);
+                        }
+                    }
+                } else if let Some(qp) = self.qp(token) {
+                    qp.tcp_event();
+                }
+            }
+            if last_tick.elapsed() >= tick {
+                last_tick = Instant::now();
+                let qps: Vec<_> = self.links.lock().expect("engine links").values().filter_map(Weak::upgrade).collect();
+                for qp in qps {
+                    qp.tcp_tick(last_tick);
+                }
+                greetings.retain(|_, g| g.since.elapsed() < HELLO_TIMEOUT);
+            }
+        }
+    }
+
+    fn accept_all(&self, listener: &TcpListener, greetings: &mut HashMap<u64, Greeting>) {
+        loop {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    if greetings.len() >= MAX_HELLOS || stream.set_nonblocking(true).is_err() {
+                        log::warn!("refusing a TCP transport connection from {from}: too many waiting for their hello");
+                        continue;
+                    }
+                    let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+                    let events = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+                    if ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, stream.as_raw_fd(), events, token).is_ok() {
+                        greetings
+                            .insert(token, Greeting { stream, got: Vec::with_capacity(HEADER), since: Instant::now() });
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Out of descriptors and the like: back off rather than spin.
+                    log::warn!("TCP transport accept: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Reads a connection's first frame; `Ok(None)` until all of it arrived.
+fn read_hello(g: &mut Greeting) -> std::io::Result<Option<Frame>> {
+    let mut buf = [0u8; HEADER];
+    let want = HEADER - g.got.len();
+    match g.stream.read(&mut buf[..want]) {
+        Ok(0) => return Err(super::link::closed()),
+        Ok(n) => g.got.extend_from_slice(&buf[..n]),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    if g.got.len() < HEADER {
+        return Ok(None);
+    }
+    let f = Frame::decode(&g.got[..].try_into().expect("a header")).map_err(std::io::Error::other)?;
+    if f.kind != Kind::Hello {
+        return Err(std::io::Error::other(format!("first frame is a {:?}, not a hello", f.kind)));
+    }
+    Ok(Some(f))
+}
