@@ -9,7 +9,7 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
  -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
  -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
 cargo build --release --target "$target"
-targets=${1:-"ring_record endpoint_info bootstrap_frames fc_chunk mad_wire sdp_wire"}
+targets=${1:-"ring_record endpoint_info bootstrap_frames fc_chunk mad_wire sdp_wire tcp_frame"}
 for t in $targets; do
     mkdir -p "corpus/$t"
     # libFuzzer exits non-zero on a crash, a panic or a leak: that fails this script.

@@ -122,6 +122,8 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 pub struct ReadmeExamples;
 
 pub mod diff;
+pub mod hosts;
+pub mod peer_client;
 pub mod peer_proto;
 pub mod soak;
 

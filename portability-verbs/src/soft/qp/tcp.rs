@@ -720,6 +720,17 @@ impl QpInner {
         }
     }
 
+    /// Puts back the receive that a message cut short had taken, so that it is flushed (or
+    /// filled later) rather than lost.
+    fn restore_receive(&self, core: &mut QpCore, t: &mut TcpSide) {
+        if let Some((_, Then::Receive { wr, .. })) = t.reading.take() {
+            match &self.srq {
+                None => core.rq.push_front(wr),
+                Some(s) => s.queue.lock().expect("srq lock").push_front(wr),
+            }
+        }
+    }
+
     /// The request at the head of `sent` finished with `st`.
     fn complete_front(&self, core: &mut QpCore, t: &mut TcpSide, st: WcStatus) {
         if t.sent.pop_front().is_none() {
@@ -737,6 +748,7 @@ impl QpInner {
     /// A request of ours failed: the queue pair goes to error (flushing the rest) and the
     /// connection closes with a `Bye`.
     fn fail(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
+        self.restore_receive(core, t);
         if !t.gone {
             let keys = self.keys(core);
             t.close(|k, a, l, need| keys.check(k, a, l, need, self.pd));
@@ -759,6 +771,7 @@ impl QpInner {
     /// can never be answered now (later requests fail when they start).
     fn lost(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out, why: &str, orderly: bool) {
         log::debug!("QP {}: TCP connection to queue pair {} ended: {why}", self.qpn, t.peer.qpn);
+        self.restore_receive(core, t);
         t.conn = None;
         t.tx.clear();
         t.reading = None;
@@ -841,6 +854,7 @@ impl QpInner {
     /// Closes the connection of a queue pair that went to error (its peer learns at once).
     pub(super) fn tcp_error(&self, core: &mut QpCore) {
         if let Some(mut t) = core.tcp.take() {
+            self.restore_receive(core, &mut t);
             if !t.gone {
                 let keys = self.keys(core);
                 t.close(|k, a, l, need| keys.check(k, a, l, need, self.pd));
@@ -908,5 +922,141 @@ fn emit(tx: &mut Tx, s: &Sent) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::time::{Duration, Instant};
+
+    use crate::soft::tcp::frame::{Frame, Kind, NakCode, HEADER};
+    use crate::*;
+
+    /// A queue pair over TCP whose peer is the test's own socket (a hand-made peer), which has
+    /// read the hello.
+    struct Fake {
+        _ctx: Context,
+        cq: CompletionQueue,
+        qp: QueuePair,
+        mr: MemoryRegion,
+        peer: TcpStream,
+    }
+
+    fn fake() -> Fake {
+        let ctx = Context::open_soft(SoftConfig { tcp_only: true, ..SoftConfig::default() }).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(64).unwrap();
+        let qp = pd.create_qp(&QpInit::new(&cq)).unwrap();
+        let mr = pd.register(vec![0u8; 8192].into_boxed_slice(), AccessFlags::ALL).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let EndpointInfo::Soft(mut ep) = qp.endpoint() else { unreachable!("a software queue pair") };
+        // The larger context id: our queue pair connects to the fake.
+        (ep.ctx_id, ep.qpn, ep.tcp) = (u64::MAX, 77, listener.local_addr().unwrap());
+        qp.modify(QpTransition::Init { access: AccessFlags::ALL, port: 1 }).unwrap();
+        qp.modify(QpTransition::Rtr(RtrAttr::new(EndpointInfo::Soft(ep)))).unwrap();
+        qp.modify(QpTransition::Rts(RtsAttr::default())).unwrap();
+        let (mut peer, _) = listener.accept().unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut hello = [0u8; HEADER];
+        peer.read_exact(&mut hello).unwrap();
+        assert_eq!(Frame::decode(&hello).unwrap().kind, Kind::Hello);
+        Fake { _ctx: ctx, cq, qp, mr, peer }
+    }
+
+    /// The next frame from the queue pair other than a keep-alive.
+    fn next_frame(peer: &mut TcpStream) -> Frame {
+        loop {
+            let mut h = [0u8; HEADER];
+            peer.read_exact(&mut h).unwrap();
+            let f = Frame::decode(&h).unwrap();
+            if f.kind != Kind::Keepalive {
+                return f;
+            }
+        }
+    }
+
+    fn wait_for_error(f: &Fake) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while f.qp.state() != QpState::Error {
+            assert!(Instant::now() < deadline, "the queue pair never failed");
+            let _ = f.cq.poll(&mut [WorkCompletion::EMPTY; 4]);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_write_whose_key_or_bounds_lie_is_refused_and_writes_nothing() {
+        let mut f = fake();
+        let mut w = Frame::new(Kind::Write, 1);
+        (w.raddr, w.rkey, w.len) = (f.mr.addr() + 8192 - 8, f.mr.rkey(), 64);
+        f.peer.write_all(&w.encode()).unwrap();
+        f.peer.write_all(&[0xee; 64]).unwrap();
+        let nak = next_frame(&mut f.peer);
+        assert_eq!((nak.kind, nak.seq, nak.nak), (Kind::Nak, 1, Some(NakCode::AccessError)));
+        // Another key entirely, then a request that skips a sequence number.
+        let mut w = Frame::new(Kind::Write, 2);
+        (w.raddr, w.rkey, w.len) = (f.mr.addr(), f.mr.rkey() ^ 0x100, 8);
+        f.peer.write_all(&w.encode()).unwrap();
+        f.peer.write_all(&[0xee; 8]).unwrap();
+        let mut buf = vec![0u8; 8192];
+        f.mr.read(0, &mut buf);
+        assert!(buf.iter().all(|&b| b == 0), "nothing may be written");
+        assert_eq!(f.qp.state(), QpState::ReadyToSend, "a responder refusing a request stays usable");
+    }
+
+    #[test]
+    fn a_malformed_header_fails_the_queue_pair() {
+        let mut f = fake();
+        let mut h = Frame::new(Kind::Ack, 1).encode();
+        h[0] = 99;
+        f.peer.write_all(&h).unwrap();
+        wait_for_error(&f);
+        assert_eq!(next_frame(&mut f.peer).kind, Kind::Bye);
+    }
+
+    #[test]
+    fn a_send_longer_than_the_receive_is_a_length_error_on_both_sides() {
+        let mut f = fake();
+        f.qp.post_recv(&[RecvWr::new(5, &[f.mr.sge(0, 64)])]).unwrap();
+        let mut s = Frame::new(Kind::Send, 1);
+        s.len = 1000;
+        f.peer.write_all(&s.encode()).unwrap();
+        f.peer.write_all(&[1u8; 1000]).unwrap();
+        let nak = next_frame(&mut f.peer);
+        assert_eq!((nak.kind, nak.nak), (Kind::Nak, Some(NakCode::InvalidRequest)));
+        let mut wc = [WorkCompletion::EMPTY; 1];
+        assert_eq!(f.cq.poll_blocking(&mut wc, Duration::from_secs(10)).unwrap(), 1);
+        assert_eq!((wc[0].wr_id, wc[0].status), (5, WcStatus::LocLenErr));
+        assert_eq!(f.qp.state(), QpState::Error);
+        let mut buf = vec![0u8; 8192];
+        f.mr.read(0, &mut buf);
+        assert!(buf.iter().all(|&b| b == 0), "nothing may be written");
+    }
+
+    #[test]
+    fn a_peer_that_stops_mid_frame_fails_the_queue_pair_and_flushes() {
+        let mut f = fake();
+        f.qp.post_recv(&[RecvWr::new(5, &[f.mr.sge(0, 4096)])]).unwrap();
+        let mut s = Frame::new(Kind::Send, 1);
+        s.len = 1000;
+        f.peer.write_all(&s.encode()).unwrap();
+        f.peer.write_all(&[1u8; 10]).unwrap();
+        drop(f.peer);
+        let mut wc = [WorkCompletion::EMPTY; 1];
+        assert_eq!(f.cq.poll_blocking(&mut wc, Duration::from_secs(10)).unwrap(), 1);
+        assert_eq!((wc[0].wr_id, wc[0].status), (5, WcStatus::WrFlushErr));
+        assert_eq!(f.qp.state(), QpState::Error);
+    }
+
+    #[test]
+    fn answers_for_requests_never_made_fail_the_queue_pair() {
+        let mut f = fake();
+        let mut r = Frame::new(Kind::ReadResp, 9);
+        r.len = 16;
+        f.peer.write_all(&r.encode()).unwrap();
+        f.peer.write_all(&[7u8; 16]).unwrap();
+        wait_for_error(&f);
     }
 }
