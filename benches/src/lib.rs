@@ -1,6 +1,7 @@
 //! Helpers shared by the benchmark programs: sizes, CPU pinning, memory and timer measurement,
-//! and bounded busy-waiting.
+//! bounded busy-waiting, and two namespace "hosts" on one machine (also used by the tests).
 
+pub mod hosts;
 pub mod plot;
 
 use std::time::{Duration, Instant};

@@ -121,8 +121,9 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 #[doc = include_str!("../../README.md")]
 pub struct ReadmeExamples;
 
+/// Two namespace hosts joined by a veth pair (the benchmark programs' helper).
+pub use benches::hosts;
 pub mod diff;
-pub mod hosts;
 pub mod peer_client;
 pub mod peer_proto;
 pub mod soak;

@@ -182,6 +182,11 @@ struct Args {
     /// Client: the server's address.
     #[arg(long)]
     connect: Option<String>,
+    /// Run client and server on two "hosts" made of namespaces joined by a veth pair (needs
+    /// root): the layers then cross a machine boundary (the software provider over TCP). Layers
+    /// default to raw-send, raw-wwi, pipe and tcp (Madeleine and UCX run on one host only).
+    #[arg(long)]
+    netns: bool,
     /// Internal: the Madeleine rendezvous directory shared with the spawned peer.
     #[arg(long, hide = true)]
     mad_dir: Option<PathBuf>,
@@ -532,6 +537,43 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
     Ok(points)
 }
 
+/// `--netns`: the server on one namespace host, the client (which reports) on the other.
+fn run_across_namespaces(args: &Args) -> Result<(), String> {
+    let hosts = benches::hosts::TwoHosts::new()?;
+    let addr = format!("{}:7500", hosts.b.ip);
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let exe = exe.to_str().ok_or("the program's path is not UTF-8")?;
+    let mut passed: Vec<String> = std::env::args().skip(1).filter(|a| a != "--netns").collect();
+    if !passed.iter().any(|a| a == "--layers" || a.starts_with("--layers=")) {
+        passed.push("--layers=raw-send,raw-wwi,pipe,tcp".into());
+    }
+    if args.out.is_none() {
+        // The client runs with a private /tmp, but the results folder is relative to the
+        // current directory, which it shares.
+        let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        passed.push(format!("--out=results/stack-netns-{stamp}"));
+    }
+    let mut server = benches::hosts::TwoHosts::command(&hosts.b, exe)
+        .args(&passed)
+        .args(["--role", "server", "--listen", &addr])
+        .spawn()
+        .map_err(|e| format!("starting the server: {e}"))?;
+    let status = benches::hosts::TwoHosts::command(&hosts.a, exe)
+        .args(&passed)
+        .args(["--role", "client", "--connect", &addr])
+        .status()
+        .map_err(|e| format!("starting the client: {e}"));
+    let server_status = wait_child(&mut server, Duration::from_secs(10));
+    if server_status.is_none() {
+        let _ = server.kill();
+        let _ = server.wait();
+    }
+    match status? {
+        st if st.success() => Ok(()),
+        st => Err(format!("the client ended with {st}; the server with {server_status:?}")),
+    }
+}
+
 fn main() {
     env_logger::init();
     let args = Args::parse();
@@ -567,12 +609,16 @@ fn run(args: &Args) -> Result<(), String> {
         }
         Role::Client => {
             let addr = args.connect.clone().ok_or("--role client needs --connect ADDR")?;
+            if !args.no_pin {
+                pin_to_cpu(args.cpus[0]);
+            }
             if args.layers.iter().any(|l| l.is_madeleine()) && args.mad_dir.is_none() {
                 return Err("the madeleine layer runs on one host only (drop it with --layers)".into());
             }
             let points = client_main(args, &addr, &mut None)?;
             report(args, &points, None)
         }
+        Role::Both if args.netns => run_across_namespaces(args),
         Role::Both => {
             let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
             let floor = (ncpu > 1 && !args.no_pin)

@@ -1879,9 +1879,12 @@ impl QpInner {
 
     /// True if a progress pass for `cq` would find something to do.
     pub(crate) fn work_pending(&self, cq: &CqInner) -> bool {
-        let core = self.core.lock();
+        let mut core = self.core.lock();
         if core.tcp.is_some() {
-            return false; // the engine pushes what arrives, waking sleepers
+            // About to sleep: the engine reads our input from now on and pushes what arrives,
+            // waking the sleeper.
+            self.tcp_to_engine(&mut core);
+            return false;
         }
         if std::ptr::eq(cq, &*self.recv_cq) && !core.inbound_dead {
             let off = wire::ring_offset(core.cons_head, self.ring_bytes);

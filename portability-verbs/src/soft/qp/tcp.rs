@@ -29,7 +29,7 @@ use crate::endpoint::SoftEndpoint;
 use crate::error::{Result, VerbsError};
 use crate::soft::ctx::local_copy;
 use crate::soft::tcp::engine::engine;
-use crate::soft::tcp::frame::{seq_before, Frame, Kind, NakCode, FLAG_IMM};
+use crate::soft::tcp::frame::{seq_before, Frame, Kind, NakCode, FLAG_ACK, FLAG_IMM};
 use crate::soft::tcp::link::{self, Dest, Placement, Rx, Tx, TxError};
 use crate::soft::wire::status;
 use crate::types::*;
@@ -40,6 +40,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const ACCEPT_TIMEOUT: Duration = Duration::from_secs(10);
 /// New requests wait while this many bytes are queued for the socket.
 const TX_LIMIT: usize = 8 << 20;
+/// Input is the engine's again once no application thread polled for this long.
+const POLLER_GONE: Duration = Duration::from_millis(1);
 /// Frames one pass reads at most (bounds how long it holds the queue pair's lock).
 const FRAMES_PER_PASS: usize = 256;
 
@@ -108,12 +110,18 @@ pub(super) struct TcpSide {
     /// After refusing this request, everything else is dropped until it comes again.
     dropping_until: Option<u32>,
     ack_due: Option<u32>,
+    /// An application pass left `ack_due` for its next post to carry; the next pass sends it.
+    ack_held: bool,
     last_rx: Instant,
     last_tx: Instant,
     /// The connection is over: nothing more arrives or leaves.
     gone: bool,
-    /// Counted in the engine's urgent tick (a rewind timer runs).
+    /// Counted in the engine's urgent tick (a rewind timer runs, or input is left to a poller).
     urgent: bool,
+    /// The engine is woken for our input (else an application thread polls it).
+    engine_reads: bool,
+    /// When an application thread last polled us.
+    last_poll: Instant,
 }
 
 impl TcpSide {
@@ -132,13 +140,40 @@ impl TcpSide {
             expect_seq: 1,
             dropping_until: None,
             ack_due: None,
+            ack_held: false,
             last_rx: now,
             last_tx: now,
             gone: false,
             urgent: false,
+            engine_reads: true,
+            last_poll: now,
         })
     }
 
+    /// Queues a frame, carrying the acknowledgement that is due (nothing else need carry it).
+    fn push(&mut self, mut f: Frame) {
+        if let Some(seq) = self.ack_due.take() {
+            f.flags |= FLAG_ACK;
+            f.ack = seq;
+            self.ack_held = false;
+        }
+        self.tx.push_header(&f);
+    }
+
+    /// Hands our input to the engine (`true`) or to polling application threads.
+    fn engine_reads(&mut self, on: bool) {
+        if self.engine_reads == on {
+            return;
+        }
+        if let (Some(c), Ok(e)) = (&self.conn, engine(None)) {
+            self.engine_reads = on;
+            e.watch_input(&c.sock, c.token, on);
+            // While a poller has it, the engine's fine tick takes it back once polls stop.
+            e.urgent(!on);
+        }
+    }
+
+    /// Counts in the engine's fine tick while a rewind timer runs.
     fn set_urgent(&mut self, on: bool) {
         if self.urgent != on {
             self.urgent = on;
@@ -150,8 +185,9 @@ impl TcpSide {
 
     /// Closes the connection, after a best-effort flush of what is queued and a `Bye`.
     fn close(&mut self, keys: impl Fn(u32, u64, u64, AccessFlags) -> bool) {
+        self.engine_reads(true);
         if let Some(c) = self.conn.take() {
-            self.tx.push_header(&Frame::new(Kind::Bye, 0));
+            self.push(Frame::new(Kind::Bye, 0));
             let _ = self.tx.flush(&c.sock, keys);
         }
         self.tx.clear();
@@ -164,6 +200,7 @@ impl TcpSide {
 impl Drop for TcpSide {
     fn drop(&mut self) {
         self.set_urgent(false);
+        self.engine_reads(true);
     }
 }
 
@@ -294,7 +331,19 @@ impl QpInner {
             entry.waiting = Some(Box::new((wr.clone(), inline)));
             core.sq.push_back(entry);
         }
-        self.tcp_drive(core, &mut out);
+        // Only what posting needs: start the requests and write. Reading is for polls and
+        // the engine (a read here would be a wasted system call per message in a stream).
+        if let Some(mut t) = core.tcp.take() {
+            if t.conn.is_some() {
+                self.tcp_execute(core, &mut t, &mut out);
+                self.flush(core, &mut t, &mut out);
+            } else if t.gone {
+                self.fail_waiting_after_loss(core, &mut t, &mut out);
+            }
+            if core.tcp.is_none() {
+                core.tcp = Some(t);
+            }
+        }
         self.end_post(core, &mut out);
         result
     }
@@ -302,15 +351,21 @@ impl QpInner {
     /// One pass: reads and handles what arrived, starts waiting requests, writes what is
     /// queued. Completions go to `out`.
     pub(super) fn tcp_drive(&self, core: &mut QpCore, out: &mut Out) {
+        self.tcp_drive_by(core, out, false);
+    }
+
+    /// A pass; `by_poller` when an application thread polling its completions runs it (it may
+    /// leave an acknowledgement for its next request to carry).
+    fn tcp_drive_by(&self, core: &mut QpCore, out: &mut Out, by_poller: bool) {
         let Some(mut t) = core.tcp.take() else { return };
-        self.tcp_pass(core, &mut t, out);
+        self.tcp_pass(core, &mut t, out, by_poller);
         if core.tcp.is_none() {
             core.tcp = Some(t);
         }
         self.retire(core, out);
     }
 
-    fn tcp_pass(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
+    fn tcp_pass(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out, by_poller: bool) {
         if t.conn.is_none() {
             if t.gone {
                 self.fail_waiting_after_loss(core, t, out);
@@ -346,19 +401,29 @@ impl QpInner {
                 Err(e) => return self.lost(core, t, out, &e.to_string(), false),
             }
         }
-        if let Some(seq) = t.ack_due.take() {
-            t.tx.push_header(&Frame::new(Kind::Ack, seq));
-        }
         if let Some(r) = &mut t.rnr {
             if r.resend_at.is_some_and(|at| now >= at) {
                 r.resend_at = None;
                 t.set_urgent(false);
-                for s in &t.sent {
-                    emit(&mut t.tx, s);
+                let sent = std::mem::take(&mut t.sent);
+                for s in &sent {
+                    emit(t, s);
                 }
+                t.sent = sent;
             }
         }
         self.tcp_execute(core, t, out);
+        // An acknowledgement nothing carried: a poller keeps it for one pass (a ping-pong's
+        // answer carries it: one system call per message, not two); then it goes alone.
+        if let Some(seq) = t.ack_due {
+            if by_poller && !t.ack_held {
+                t.ack_held = true;
+            } else {
+                t.ack_due = None;
+                t.ack_held = false;
+                t.tx.push_header(&Frame::new(Kind::Ack, seq));
+            }
+        }
         self.flush(core, t, out);
     }
 
@@ -411,7 +476,7 @@ impl QpInner {
             }
             let s = Sent { seq: t.next_seq, wr, inline };
             t.next_seq = t.next_seq.wrapping_add(1);
-            emit(&mut t.tx, &s);
+            emit(t, &s);
             t.sent.push_back(s);
             core.sq[idx].stage = SqStage::OnWire;
             core.exec_next += 1;
@@ -419,6 +484,12 @@ impl QpInner {
     }
 
     fn on_frame(&self, core: &mut QpCore, t: &mut TcpSide, f: Frame, out: &mut Out) {
+        if f.flags & FLAG_ACK != 0 {
+            self.acknowledged(core, t, f.ack, out);
+            if t.gone {
+                return;
+            }
+        }
         match f.kind {
             Kind::Keepalive => {}
             Kind::Bye => self.lost(core, t, out, "the peer queue pair closed", true),
@@ -433,7 +504,7 @@ impl QpInner {
         t.ack_due = None; // implied by the nak
         let mut nak = Frame::new(Kind::Nak, f.seq);
         nak.nak = Some(code);
-        t.tx.push_header(&nak);
+        t.push(nak);
         t.dropping_until = Some(f.seq);
         t.reading = Some((Placement::discard(f.data_len() as usize), Then::Nothing));
     }
@@ -517,7 +588,7 @@ impl QpInner {
                 t.ack_due = None;
                 let mut resp = Frame::new(Kind::ReadResp, f.seq);
                 resp.len = f.len;
-                t.tx.push_header(&resp);
+                t.push(resp);
                 t.tx.push_mem(f.raddr, f.len as usize, f.rkey, AccessFlags::REMOTE_READ);
             }
             _ => {
@@ -560,7 +631,7 @@ impl QpInner {
                         t.ack_due = None;
                         let mut resp = Frame::new(Kind::AtomicResp, f.seq);
                         resp.operand = old;
-                        t.tx.push_header(&resp);
+                        t.push(resp);
                     }
                     Err(_) => self.refuse(t, &f, NakCode::OperationError),
                 }
@@ -595,7 +666,7 @@ impl QpInner {
         let mut nak = Frame::new(Kind::Nak, f.seq);
         nak.nak = Some(NakCode::ReceiverNotReady);
         nak.imm = core.min_rnr_timer as u32;
-        t.tx.push_header(&nak);
+        t.push(nak);
         t.dropping_until = Some(f.seq);
         t.reading = Some((Placement::discard(f.data_len() as usize), Then::Nothing));
     }
@@ -618,6 +689,23 @@ impl QpInner {
                 t.ack_due = Some(seq);
             }
             Then::ReadDone => self.complete_front(core, t, WcStatus::Success),
+        }
+    }
+
+    /// A piggybacked acknowledgement: every request up to `seq` is done (reads and atomics
+    /// among them were answered before it, in stream order).
+    fn acknowledged(&self, core: &mut QpCore, t: &mut TcpSide, seq: u32, out: &mut Out) {
+        while let Some(s) = t.sent.front() {
+            if seq_before(seq, s.seq) {
+                return;
+            }
+            if !matches!(
+                s.wr.opcode,
+                WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
+            ) {
+                return self.protocol_failure(core, t, out, "a read or atomic acknowledged without its data");
+            }
+            self.complete_front(core, t, WcStatus::Success);
         }
     }
 
@@ -772,6 +860,7 @@ impl QpInner {
     fn lost(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out, why: &str, orderly: bool) {
         log::debug!("QP {}: TCP connection to queue pair {} ended: {why}", self.qpn, t.peer.qpn);
         self.restore_receive(core, t);
+        t.engine_reads(true);
         t.conn = None;
         t.tx.clear();
         t.reading = None;
@@ -795,6 +884,18 @@ impl QpInner {
             e.stage = SqStage::Done(WcStatus::RetryExcErr);
             t.sent.clear();
             self.enter_error(core, out);
+        }
+    }
+
+    /// Hands our input to the engine (an application thread is about to sleep).
+    pub(super) fn tcp_to_engine(&self, core: &mut QpCore) {
+        if let Some(t) = core.tcp.as_mut() {
+            t.engine_reads(true);
+            if t.ack_held {
+                let mut out = Out::new();
+                self.tcp_drive(core, &mut out);
+                self.deliver(&out);
+            }
         }
     }
 
@@ -825,15 +926,18 @@ impl QpInner {
         let mut out = Out::new();
         if let Some(mut t) = core.tcp.take() {
             let timeout = self.ctx.config.tcp_timeout;
+            if !t.engine_reads && now.duration_since(t.last_poll) >= POLLER_GONE {
+                t.engine_reads(true);
+            }
             if t.conn.is_none() && !t.gone && now.duration_since(t.since) > ACCEPT_TIMEOUT {
                 self.lost(&mut core, &mut t, &mut out, "the peer never connected", false);
             } else if t.conn.is_some() && now.duration_since(t.last_rx) > timeout {
                 let why = format!("the peer was silent for {timeout:?}");
                 self.lost(&mut core, &mut t, &mut out, &why, false);
             } else if t.conn.is_some() && now.duration_since(t.last_tx) >= timeout / 4 {
-                t.tx.push_header(&Frame::new(Kind::Keepalive, 0));
+                t.push(Frame::new(Kind::Keepalive, 0));
             }
-            self.tcp_pass(&mut core, &mut t, &mut out);
+            self.tcp_pass(&mut core, &mut t, &mut out, false);
             if core.tcp.is_none() {
                 core.tcp = Some(t);
             }
@@ -873,7 +977,11 @@ impl QpInner {
         if cq.overrun() && core.state != QpState::Error {
             self.enter_error(&mut core, &mut out);
         }
-        self.tcp_drive(&mut core, &mut out);
+        if let Some(t) = core.tcp.as_mut() {
+            t.last_poll = Instant::now();
+            t.engine_reads(false);
+        }
+        self.tcp_drive_by(&mut core, &mut out, true);
         self.publish_peek(&core);
         self.hand_out(cq, sink, &out);
         drop(core);
@@ -881,7 +989,7 @@ impl QpInner {
 }
 
 /// Queues the frame of a request, its data gathered from where it is.
-fn emit(tx: &mut Tx, s: &Sent) {
+fn emit(t: &mut TcpSide, s: &Sent) {
     let wr = &s.wr;
     let mut f = Frame::new(Kind::Send, s.seq);
     f.raddr = wr.remote_addr;
@@ -912,13 +1020,13 @@ fn emit(tx: &mut Tx, s: &Sent) {
         }
     };
     f.len = if wr.opcode.is_atomic() { 0 } else { wr.byte_len() as u32 };
-    tx.push_header(&f);
+    t.push(f);
     if carries_data {
         match &s.inline {
-            Some(bytes) => tx.push_bytes(bytes),
+            Some(bytes) => t.tx.push_bytes(bytes),
             None => {
                 for g in &wr.sg_list {
-                    tx.push_mem(g.addr, g.length as usize, g.lkey, AccessFlags::NONE);
+                    t.tx.push_mem(g.addr, g.length as usize, g.lkey, AccessFlags::NONE);
                 }
             }
         }

@@ -100,6 +100,17 @@ impl Engine {
         Ok(token)
     }
 
+    /// Whether the engine is woken for input on `sock` (`false` while an application thread
+    /// polls it: waking a second thread for what the poller reads itself costs a context
+    /// switch per message). Writability always wakes it. Re-arming reports data already there.
+    pub fn watch_input(&self, sock: &TcpStream, token: u64, on: bool) {
+        let input = if on { (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 } else { 0 };
+        let events = input | (libc::EPOLLOUT | libc::EPOLLET) as u32;
+        if let Err(e) = ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_MOD, sock.as_raw_fd(), events, token) {
+            log::warn!("TCP transport: cannot change what wakes the engine: {e}");
+        }
+    }
+
     pub fn unregister(&self, sock: &TcpStream, token: u64) {
         crate::soft::sys::epoll_del(self.epoll.as_raw_fd(), sock.as_raw_fd());
         self.links.lock().expect("engine links").remove(&token);

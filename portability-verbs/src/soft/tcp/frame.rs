@@ -9,7 +9,8 @@
 //! ```text
 //! 0  kind u8    1 flags u8    2 status u16 (naks only)   4 seq u32
 //! 8  len u32 (data that follows: sends, writes, read responses; the asked length: read requests)
-//! 12 rkey u32   16 imm u32    20 reserved u32 (0)
+//! 12 rkey u32   16 imm u32    20 ack u32 (with FLAG_ACK: every request of the receiver's up to
+//!                                        this one is done, piggybacked on any frame)
 //! 24 raddr u64  32 operand u64 (compare or add; an atomic's old value)   40 swap u64
 //! ```
 //! A hello names the target queue pair (raddr = context id, rkey = queue-pair number) and the
@@ -82,6 +83,8 @@ impl Kind {
 
 /// The immediate field is set (SEND or WRITE with immediate).
 pub const FLAG_IMM: u8 = 1;
+/// The `ack` field is set: an acknowledgement riding on the frame.
+pub const FLAG_ACK: u8 = 2;
 
 /// Why a responder refused a request (a nak's `status`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,6 +135,8 @@ pub struct Frame {
     pub operand: u64,
     /// Swap value of a compare-and-swap.
     pub swap: u64,
+    /// With `FLAG_ACK`: the sender, as a responder, has done every request of ours up to this.
+    pub ack: u32,
 }
 
 /// Why a header was refused.
@@ -143,8 +148,8 @@ pub enum FrameError {
     /// Flags this kind cannot have.
     #[error("unknown flags {0:#x}")]
     UnknownFlags(u8),
-    /// The reserved word is not zero.
-    #[error("reserved bytes are not zero")]
+    /// An acknowledgement field without its flag.
+    #[error("ack field set without its flag")]
     Reserved,
     /// A length this kind cannot have (over 2 GiB, or any on a frame without data).
     #[error("{0:?} frame with a length of {1}")]
@@ -160,7 +165,7 @@ pub enum FrameError {
 impl Frame {
     /// A frame of `kind` with every other field zero.
     pub fn new(kind: Kind, seq: u32) -> Frame {
-        Frame { kind, flags: 0, nak: None, seq, len: 0, rkey: 0, imm: 0, raddr: 0, operand: 0, swap: 0 }
+        Frame { kind, flags: 0, nak: None, seq, len: 0, rkey: 0, imm: 0, raddr: 0, operand: 0, swap: 0, ack: 0 }
     }
 
     /// Bytes of data that follow the header.
@@ -186,6 +191,7 @@ impl Frame {
         b[8..12].copy_from_slice(&self.len.to_le_bytes());
         b[12..16].copy_from_slice(&self.rkey.to_le_bytes());
         b[16..20].copy_from_slice(&self.imm.to_le_bytes());
+        b[20..24].copy_from_slice(&self.ack.to_le_bytes());
         b[24..32].copy_from_slice(&self.raddr.to_le_bytes());
         b[32..40].copy_from_slice(&self.operand.to_le_bytes());
         b[40..48].copy_from_slice(&self.swap.to_le_bytes());
@@ -198,10 +204,13 @@ impl Frame {
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         let kind = Kind::from_u8(b[0]).ok_or(FrameError::UnknownKind(b[0]))?;
         let flags = b[1];
-        if flags & !FLAG_IMM != 0 || (flags != 0 && !matches!(kind, Kind::Send | Kind::Write)) {
+        if flags & !(FLAG_IMM | FLAG_ACK) != 0
+            || (flags & FLAG_IMM != 0 && !matches!(kind, Kind::Send | Kind::Write))
+            || (flags & FLAG_ACK != 0 && kind == Kind::Hello)
+        {
             return Err(FrameError::UnknownFlags(flags));
         }
-        if u32_at(20) != 0 {
+        if flags & FLAG_ACK == 0 && u32_at(20) != 0 {
             return Err(FrameError::Reserved);
         }
         let status = u16::from_le_bytes([b[2], b[3]]);
@@ -229,6 +238,7 @@ impl Frame {
             raddr: u64_at(24),
             operand: u64_at(32),
             swap: u64_at(40),
+            ack: u32_at(20),
         })
     }
 }
@@ -244,13 +254,25 @@ mod tests {
     use proptest::prelude::*;
 
     fn frame() -> impl Strategy<Value = Frame> {
-        (1u8..=12, any::<bool>(), 1u16..=4, any::<u32>(), 0..=MAX_MESSAGE, any::<[u32; 2]>(), any::<[u64; 3]>())
-            .prop_map(|(k, imm, nak, seq, len, [rkey, im], [raddr, operand, swap])| {
+        (
+            1u8..=12,
+            any::<bool>(),
+            1u16..=4,
+            any::<u32>(),
+            0..=MAX_MESSAGE,
+            any::<[u32; 2]>(),
+            any::<[u64; 3]>(),
+            any::<Option<u32>>(),
+        )
+            .prop_map(|(k, imm, nak, seq, len, [rkey, im], [raddr, operand, swap], ack)| {
                 let kind = Kind::from_u8(k).unwrap();
                 let carries = matches!(kind, Kind::Send | Kind::Write | Kind::ReadResp | Kind::ReadReq);
+                let ack = ack.filter(|_| kind != Kind::Hello);
                 Frame {
                     kind,
-                    flags: if imm && matches!(kind, Kind::Send | Kind::Write) { FLAG_IMM } else { 0 },
+                    flags: if imm && matches!(kind, Kind::Send | Kind::Write) { FLAG_IMM } else { 0 }
+                        | if ack.is_some() { FLAG_ACK } else { 0 },
+                    ack: ack.unwrap_or(0),
                     nak: (kind == Kind::Nak).then(|| NakCode::from_u16(nak).unwrap()),
                     seq,
                     len: if carries { len } else { 0 },
