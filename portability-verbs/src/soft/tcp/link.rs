@@ -123,6 +123,12 @@ impl Tx {
             let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
             if n < 0 {
                 let e = io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EFAULT) {
+                    // Pages held by `protect` (an AZ-SDP buffer in flight): the kernel cannot
+                    // read them, the provider's copy can (through /proc/self/mem).
+                    self.bounce_batch()?;
+                    continue;
+                }
                 return match e.kind() {
                     io::ErrorKind::WouldBlock => Ok(false),
                     io::ErrorKind::Interrupted => continue,
@@ -132,6 +138,30 @@ impl Tx {
             self.advance(n as usize);
         }
         Ok(true)
+    }
+
+    /// Replaces the registered-memory pieces of the next batch by copies of their unwritten
+    /// bytes, read the way the provider reads held pages.
+    fn bounce_batch(&mut self) -> Result<(), TxError> {
+        for i in 0..self.pieces.len().min(IOV_BATCH) {
+            let skip = if i == 0 { self.front_done } else { 0 };
+            if let Piece::Mem { addr, len, .. } = self.pieces[i] {
+                let mut copy = vec![0u8; len - skip];
+                // SAFETY: a registered range the caller's `granted` check covered in this
+                // flush; `copy` is ours.
+                let ok = unsafe {
+                    super::super::ctx::local_copy(copy.as_mut_ptr(), (addr as usize + skip) as *const u8, len - skip)
+                };
+                if !ok {
+                    return Err(TxError::Unregistered);
+                }
+                self.pieces[i] = Piece::Bytes(copy);
+                if i == 0 {
+                    self.front_done = 0;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn advance(&mut self, mut n: usize) {
