@@ -684,21 +684,7 @@ impl QpInner {
             } else {
                 Inline::No
             };
-            core.signaled_outstanding += wr.flags.signaled as usize;
-            let mut entry = SqEntry {
-                wr_id: wr.wr_id,
-                opcode: wr.opcode,
-                signaled: wr.flags.signaled,
-                byte_len: if wr.opcode.is_atomic() { 8 } else { wr.byte_len() as u32 },
-                stage: SqStage::Waiting,
-                waiting: None,
-            };
-            if core.state == QpState::Error {
-                entry.stage = SqStage::Done(WcStatus::WrFlushErr);
-                core.sq.push_back(entry);
-                core.exec_next = core.sq.len();
-                continue;
-            }
+            let Some(mut entry) = self.admit(&mut core, wr) else { continue };
             // Nothing waits ahead of it: start it straight from the caller's request.
             let started = if core.exec_next == core.sq.len() {
                 self.start_with_retry(&mut core, wr, &inline, &mut out)
@@ -722,6 +708,27 @@ impl QpInner {
         self.end_post(&mut core, &mut out);
         drop(core);
         result
+    }
+
+    /// A checked request's send-queue entry, counted; None when the queue pair is in error
+    /// (then it is queued flushed, to be reported in order).
+    fn admit(&self, core: &mut QpCore, wr: &SendWr) -> Option<SqEntry> {
+        core.signaled_outstanding += wr.flags.signaled as usize;
+        let mut entry = SqEntry {
+            wr_id: wr.wr_id,
+            opcode: wr.opcode,
+            signaled: wr.flags.signaled,
+            byte_len: if wr.opcode.is_atomic() { 8 } else { wr.byte_len() as u32 },
+            stage: SqStage::Waiting,
+            waiting: None,
+        };
+        if core.state == QpState::Error {
+            entry.stage = SqStage::Done(WcStatus::WrFlushErr);
+            core.sq.push_back(entry);
+            core.exec_next = core.sq.len();
+            return None;
+        }
+        Some(entry)
     }
 
     /// Queues a request that started (or finished) at post.

@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::{local_qp, status_of, Out, QpCore, QpInner, SqEntry, SqStage};
+use super::{local_qp, status_of, Out, QpCore, QpInner, SqStage};
 use crate::endpoint::SoftEndpoint;
 use crate::error::{Result, VerbsError};
 use crate::soft::ctx::local_copy;
@@ -308,21 +308,7 @@ impl QpInner {
                 result = Err(e);
                 break;
             }
-            core.signaled_outstanding += wr.flags.signaled as usize;
-            let mut entry = SqEntry {
-                wr_id: wr.wr_id,
-                opcode: wr.opcode,
-                signaled: wr.flags.signaled,
-                byte_len: if wr.opcode.is_atomic() { 8 } else { wr.byte_len() as u32 },
-                stage: SqStage::Waiting,
-                waiting: None,
-            };
-            if core.state == QpState::Error {
-                entry.stage = SqStage::Done(WcStatus::WrFlushErr);
-                core.sq.push_back(entry);
-                core.exec_next = core.sq.len();
-                continue;
-            }
+            let Some(mut entry) = self.admit(core, wr) else { continue };
             let inline = if wr.flags.inline && wr.opcode != WrOpcode::RdmaRead && !wr.opcode.is_atomic() {
                 super::Inline::Owned(super::inline_bytes(wr))
             } else {
