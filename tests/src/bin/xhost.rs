@@ -124,6 +124,9 @@ fn sdp_echo(bind: &str) -> std::io::Result<()> {
         s.write_all(&buf[..n])?;
         total += n as u64;
     }
+    // An AZ-SDP write's buffer is the socket's until `flush` (the peer may still be reading
+    // it), and `buf` is freed when this returns.
+    s.flush()?;
     s.shutdown(std::net::Shutdown::Write)?;
     println!("echoed {total} bytes to {from}");
     Ok(())
@@ -149,6 +152,7 @@ fn sdp_client(addr: &str, bytes: usize) {
             for chunk in data.chunks(100_003) {
                 w.write_all(chunk).unwrap();
             }
+            w.flush().unwrap(); // (AZ-SDP) `data` is freed when this thread ends
             w.shutdown(std::net::Shutdown::Write).unwrap();
         }
     });
