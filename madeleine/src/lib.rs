@@ -39,6 +39,7 @@
 
 mod channel;
 mod probe;
+pub mod rendezvous;
 mod session;
 mod wait;
 pub mod wire;

@@ -2,8 +2,9 @@
 //! that connects every pair of processes for each channel.
 //!
 //! The rendezvous goes through a directory every process can reach (a shared file system, or
-//! `/tmp` on one host): rank `r` listens on `DIR/rank-r.sock`; for each pair the higher rank
-//! connects to the lower. Channels are created collectively, in the same order everywhere, and
+//! `/tmp` on one host): rank `r` listens on `DIR/rank-r.sock`; or, for jobs across hosts,
+//! through rank 0 at a TCP address (`root`, see `rendezvous`): every rank listens on a TCP port
+//! and learns the others' from rank 0. For each pair the higher rank connects to the lower. Channels are created collectively, in the same order everywhere, and
 //! pairs are connected in one global order, which cannot deadlock.
 
 use std::collections::HashMap;
@@ -24,8 +25,13 @@ pub struct SessionConfig {
     pub rank: usize,
     /// Number of processes.
     pub size: usize,
-    /// Directory of the rendezvous sockets (shared by the group).
+    /// Directory of the rendezvous sockets (shared by the group; unused with `root`).
     pub rendezvous_dir: PathBuf,
+    /// Rank 0's TCP address for a job across hosts (`MAD_ROOT=host:port` in `from_env`): rank
+    /// 0 listens there, every rank registers its own TCP address and gets everyone's. Pairs on
+    /// one host still talk through shared memory; pairs on different hosts over the software
+    /// provider's TCP transport (or the hardware provider).
+    pub root: Option<std::net::SocketAddr>,
     /// This job's key, sent in every connection handshake: a rank of another job that finds
     /// our sockets (the same directory, by mistake) is turned away, never connected. From the
     /// launcher's job id in `from_env`; empty by default.
@@ -64,6 +70,7 @@ impl SessionConfig {
             rank,
             size,
             rendezvous_dir: rendezvous_dir.into(),
+            root: None,
             job: String::new(),
             strategy: FlowStrategy::POLLED,
             timeout: Duration::from_secs(30),
@@ -124,6 +131,11 @@ impl SessionConfig {
         };
         let mut cfg = SessionConfig::new(rank, size, dir);
         cfg.job = job;
+        if let Some(root) = get("MAD_ROOT")? {
+            use std::net::ToSocketAddrs;
+            let addr = root.to_socket_addrs().ok().and_then(|mut a| a.next());
+            cfg.root = Some(addr.ok_or_else(|| MadError::Invalid(format!("MAD_ROOT={root:?}: expected host:port")))?);
+        }
         if let Some(t) = env::parse("MAD_RENDEZVOUS_THRESHOLD", "bytes")? {
             cfg.rendezvous_threshold = Some(t);
         }
@@ -164,6 +176,8 @@ pub(crate) struct SessionInner {
     pub pd: ProtectionDomain,
     pub regcache: Arc<RegistrationCache>,
     listener: Mutex<cm::Listener>,
+    /// Where each rank listens.
+    peers: Vec<cm::CmAddr>,
     next_channel: Mutex<u32>,
     /// Connections accepted ahead of their turn: (channel, rank) -> connection.
     stash: Mutex<HashMap<(u32, usize), cm::Connection>>,
@@ -190,11 +204,32 @@ impl Session {
         if cfg.size == 0 || cfg.rank >= cfg.size {
             return Err(MadError::Invalid(format!("rank {} outside a group of {}", cfg.rank, cfg.size)));
         }
-        std::fs::create_dir_all(&cfg.rendezvous_dir)
-            .map_err(|e| MadError::Invalid(format!("rendezvous directory {}: {e}", cfg.rendezvous_dir.display())))?;
         let ctx = Context::open_default()?;
         let pd = ctx.alloc_pd()?;
-        let listener = cm::Listener::bind(&cm::CmAddr::Unix(sock(&cfg.rendezvous_dir, cfg.rank)))?;
+        let (listener, peers) = match cfg.root {
+            Some(root) => {
+                let listener = cm::Listener::bind(&cm::CmAddr::Tcp(std::net::SocketAddr::from(([0, 0, 0, 0], 0))))?;
+                let cm::CmAddr::Tcp(local) = listener.local_addr().clone() else {
+                    unreachable!("a TCP listener has a TCP address")
+                };
+                let me = crate::rendezvous::Registration {
+                    job_tag: job_tag(&cfg.job),
+                    rank: cfg.rank,
+                    size: cfg.size,
+                    addr: local,
+                };
+                let table = crate::rendezvous::exchange(root, me, cfg.timeout)?;
+                (listener, table.into_iter().map(cm::CmAddr::Tcp).collect())
+            }
+            None => {
+                std::fs::create_dir_all(&cfg.rendezvous_dir).map_err(|e| {
+                    MadError::Invalid(format!("rendezvous directory {}: {e}", cfg.rendezvous_dir.display()))
+                })?;
+                let listener = cm::Listener::bind(&cm::CmAddr::Unix(sock(&cfg.rendezvous_dir, cfg.rank)))?;
+                let peers = (0..cfg.size).map(|r| cm::CmAddr::Unix(sock(&cfg.rendezvous_dir, r))).collect();
+                (listener, peers)
+            }
+        };
         let regcache = Arc::new(RegistrationCache::new(&pd, 1 << 30));
         Ok(Session {
             inner: Arc::new(SessionInner {
@@ -203,6 +238,7 @@ impl Session {
                 pd,
                 regcache,
                 listener: Mutex::new(listener),
+                peers,
                 next_channel: Mutex::new(0),
                 stash: Mutex::new(HashMap::new()),
             }),
@@ -256,7 +292,7 @@ impl Session {
     }
 
     fn connect(&self, channel: u32, peer: usize) -> Result<cm::Connection> {
-        let addr = cm::CmAddr::Unix(sock(&self.inner.cfg.rendezvous_dir, peer));
+        let addr = self.inner.peers[peer].clone();
         // The peer may not listen yet: ranks start together, not in order.
         let conn = cm::connect_retrying(
             &addr,

@@ -62,6 +62,7 @@ impl Drop for Running {
 }
 
 const PV_PEER: &str = env!("CARGO_BIN_EXE_pv_peer");
+const MAD_RING: &str = env!("CARGO_BIN_EXE_mad_ring");
 const XHOST: &str = env!("CARGO_BIN_EXE_xhost");
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -145,4 +146,28 @@ fn a_pulled_link_fails_the_queue_pair_within_the_bound() {
     assert!(report.starts_with("failed: state Error, 4 of 4 receives flushed"), "{report}");
     // The silence limit (2 s) plus the engine's tick.
     assert!(elapsed < Duration::from_millis(2600), "took {elapsed:?}: {report}");
+}
+
+/// A Madeleine job of four ranks, two per host, meeting through rank 0 (`MAD_ROOT`): the pairs
+/// on one host talk through shared memory, the others over TCP; the ring example checks every
+/// byte and rank 0 says so.
+#[test]
+fn a_madeleine_job_spans_two_hosts() {
+    let Some(h) = two_hosts_or_skip("a_madeleine_job_spans_two_hosts") else { return };
+    let root = format!("{}:7600", h.a.ip);
+    let env = [("MAD_SIZE", "4"), ("MAD_ROOT", root.as_str()), ("MAD_JOB", "two-hosts")];
+    // Both ranks of a host in one PID namespace: they are one host's processes.
+    let script = "MAD_RANK=$1 \"$0\" & MAD_RANK=$2 \"$0\"; s=$?; wait $! && exit $s";
+    let mut b = Running::start(&h.b, "sh", &["-c", script, MAD_RING, "2", "3"], &env);
+    let mut a = Running::start(&h.a, "sh", &["-c", script, MAD_RING, "0", "1"], &env);
+    let mut lines = Vec::new();
+    while let Ok(l) = a.lines.recv_timeout(LIMIT) {
+        lines.push(l);
+        if lines.last().is_some_and(|l| l.starts_with("ring of")) {
+            break;
+        }
+    }
+    assert_eq!(lines.last().map(String::as_str), Some("ring of 4 ranks: ok"), "{lines:?}");
+    assert!(a.wait(LIMIT), "host A's ranks failed: {lines:?}");
+    assert!(b.wait(LIMIT), "host B's ranks failed");
 }

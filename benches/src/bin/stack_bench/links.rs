@@ -332,8 +332,18 @@ pub(crate) fn flow_strategy() -> Result<datapath::FlowStrategy, String> {
     }
 }
 
-pub(crate) fn mad_link(layer: Layer, rank: usize, dir: PathBuf, in_flight: usize) -> Result<MadLink, String> {
+/// A Madeleine session of two ranks meeting in `dir` (one host) or, with `root`, through rank 0
+/// at that TCP address (across hosts).
+pub(crate) fn mad_link(
+    layer: Layer,
+    rank: usize,
+    dir: PathBuf,
+    root: Option<std::net::SocketAddr>,
+    in_flight: usize,
+) -> Result<MadLink, String> {
     let mut cfg = SessionConfig::new(rank, 2, dir);
+    cfg.root = root;
+    cfg.job = format!("stack-bench-{}", layer.name());
     // The session's one timeout bounds its rendezvous as well as its waits for messages.
     cfg.timeout = SETUP;
     cfg.wait_limit = Some(SETUP);

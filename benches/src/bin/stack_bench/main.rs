@@ -184,7 +184,7 @@ struct Args {
     connect: Option<String>,
     /// Run client and server on two "hosts" made of namespaces joined by a veth pair (needs
     /// root): the layers then cross a machine boundary (the software provider over TCP). Layers
-    /// default to raw-send, raw-wwi, pipe and tcp (Madeleine and UCX run on one host only).
+    /// default to raw-send, raw-wwi, pipe, madeleine and tcp (UCX runs on one host only).
     #[arg(long)]
     netns: bool,
     /// Internal: the Madeleine rendezvous directory shared with the spawned peer.
@@ -434,8 +434,16 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
                     .map_err(|e| context(e.to_string()))?,
             ),
             l if l.is_madeleine() => {
-                let dir = args.mad_dir.as_ref().ok_or("madeleine needs the shared directory (same host only)")?;
-                Box::new(mad_link(l, 1, dir.join(l.name()), args.in_flight as usize).map_err(context)?)
+                // One host: the shared directory, the client rank 0. Across hosts: the server
+                // is rank 0 and serves the root rendezvous on the ports after its own.
+                let link = match &args.mad_dir {
+                    Some(dir) => mad_link(l, 1, dir.join(l.name()), None, args.in_flight as usize),
+                    None => {
+                        let root = mad_root(local, &args.layers, l);
+                        mad_link(l, 0, PathBuf::new(), Some(root), args.in_flight as usize)
+                    }
+                };
+                Box::new(link.map_err(context)?)
             }
             _ => {
                 let (s, _) = tcp.accept().map_err(|e| context(e.to_string()))?;
@@ -446,6 +454,13 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
         links.push(link);
     }
     serve(&mut links, &args.layers)
+}
+
+/// Where a Madeleine layer's root rendezvous meets across hosts: the server's address, a port
+/// per layer after the bootstrap's two.
+fn mad_root(server: std::net::SocketAddr, layers: &[Layer], layer: Layer) -> std::net::SocketAddr {
+    let i = layers.iter().position(|&l| l == layer).unwrap_or(0) as u16;
+    std::net::SocketAddr::new(server.ip(), server.port() + 2 + i)
 }
 
 /// A port that is free, with the next one free too: the bootstrap's and the verbs connection
@@ -509,8 +524,13 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                     .map_err(|e| context(e.to_string()))?,
             ),
             l if l.is_madeleine() => {
-                let dir = args.mad_dir.as_ref().ok_or("madeleine needs a shared directory (same host only)")?;
-                Box::new(mad_link(l, 0, dir.join(l.name()), args.in_flight as usize).map_err(context)?)
+                let link = match &args.mad_dir {
+                    Some(dir) => mad_link(l, 0, dir.join(l.name()), None, args.in_flight as usize),
+                    None => {
+                        mad_link(l, 1, PathBuf::new(), Some(mad_root(sock, &args.layers, l)), args.in_flight as usize)
+                    }
+                };
+                Box::new(link.map_err(context)?)
             }
             _ => {
                 let deadline = Instant::now() + SETUP;
@@ -545,7 +565,7 @@ fn run_across_namespaces(args: &Args) -> Result<(), String> {
     let exe = exe.to_str().ok_or("the program's path is not UTF-8")?;
     let mut passed: Vec<String> = std::env::args().skip(1).filter(|a| a != "--netns").collect();
     if !passed.iter().any(|a| a == "--layers" || a.starts_with("--layers=")) {
-        passed.push("--layers=raw-send,raw-wwi,pipe,tcp".into());
+        passed.push("--layers=raw-send,raw-wwi,pipe,madeleine,tcp".into());
     }
     if args.out.is_none() {
         // The client runs with a private /tmp, but the results folder is relative to the
@@ -611,9 +631,6 @@ fn run(args: &Args) -> Result<(), String> {
             let addr = args.connect.clone().ok_or("--role client needs --connect ADDR")?;
             if !args.no_pin {
                 pin_to_cpu(args.cpus[0]);
-            }
-            if args.layers.iter().any(|l| l.is_madeleine()) && args.mad_dir.is_none() {
-                return Err("the madeleine layer runs on one host only (drop it with --layers)".into());
             }
             let points = client_main(args, &addr, &mut None)?;
             report(args, &points, None)

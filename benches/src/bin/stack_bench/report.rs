@@ -115,10 +115,15 @@ pub(crate) fn svg_plot(points: &[Point], title: &str, value: impl Fn(&Point) -> 
 pub(crate) fn report(args: &Args, points: &[Point], floor: Option<f64>) -> Result<(), String> {
     let timer = timer_cost_ns();
     println!(
-        "# stack_bench: {} provider, two processes on one host, {:?} waiting",
+        "# stack_bench: {} provider, {}, {:?} waiting",
         match args.provider {
             ProviderArg::Software => "software",
             ProviderArg::Hardware => "hardware",
+        },
+        if args.mad_dir.is_some() || args.role == Role::Both {
+            "two processes on one host".to_string()
+        } else {
+            format!("client and server apart (server {})", args.connect.as_deref().unwrap_or("?"))
         },
         args.wait
     );
