@@ -1,16 +1,9 @@
-//! Software reliable-connected queue pairs and shared receive queues.
+//! Software reliable-connected queue pairs and shared receive queues: what both transports
+//! share (the state machine, the send and receive queues, the checks of a request, completions
+//! in posting order) here; how requests move in `ring` (a peer on this host: shared rings and
+//! direct copies) and `tcp` (any other peer: frames over TCP).
 //!
-//! Each queue pair owns a segment with its state and an inbound ring. The peer's requester writes
-//! records (sends, writes-with-immediate) into that ring; our responder consumes them when a
-//! completion queue is polled or a receive is posted. One-sided operations (RDMA write, read,
-//! atomics, and the data of large writes-with-immediate) are carried out by the requester itself
-//! on the responder's registered memory, after checking the responder's published keys: the
-//! responder's CPU takes no part, as with a NIC, except that a polling responder may push the
-//! back half of a large read (`assist`).
-//!
-//! Ordering: requests of one queue pair run in posting order. A one-sided request waits until
-//! every earlier ring record has been consumed, so the responder sees effects in order, as an RC
-//! responder processes packets in PSN order. Completions are reported in posting order.
+//! Ordering: requests of one queue pair run in posting order and complete in it.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -27,10 +20,14 @@ use super::spin::SpinLock;
 use super::sys;
 use super::wire::{self, status, Descriptor, RecordHeader, RecordKind, FIELDS_BYTES};
 
+mod ring;
 mod tcp;
+
 use crate::endpoint::{EndpointInfo, SoftEndpoint};
 use crate::error::{Result, VerbsError};
 use crate::types::*;
+pub(crate) use ring::qp_seg_gone;
+use ring::{cancel_from, Remote, RnrTrack};
 
 /// A shared receive queue.
 pub struct SrqInner {
@@ -112,44 +109,6 @@ struct SqEntry {
     byte_len: u32,
     stage: SqStage,
     waiting: Option<Box<(SendWr, Inline)>>,
-}
-
-struct Remote {
-    info: SoftEndpoint,
-    peer: Arc<PeerCtx>,
-    /// Shared with the windows onto the peer's memory (they read its state).
-    seg: Arc<Segment>,
-    ring_bytes: usize,
-    /// The peer queue pair itself when it lives in this process: a requester waiting for its
-    /// records to be consumed can run the responder's side itself.
-    local: Option<std::sync::Weak<QpInner>>,
-}
-
-impl Remote {
-    fn seg(&self) -> QpSeg<'_> {
-        QpSeg(&self.seg)
-    }
-    fn ring(&self) -> RingView {
-        RingView { base: self.seg().ring(), bytes: self.ring_bytes }
-    }
-    /// True once the peer queue pair is in error or destroyed: as a responder it answers
-    /// nothing more.
-    fn peer_qp_gone(&self) -> bool {
-        qp_seg_gone(&self.seg)
-    }
-}
-
-/// True once the queue pair whose segment `seg` is went into error or was destroyed.
-#[inline]
-pub(crate) fn qp_seg_gone(seg: &Segment) -> bool {
-    let state = QpSeg(seg).header().state.load(Ordering::Acquire);
-    state == qp_state_code(QpState::Error) || state == QP_DESTROYED
-}
-
-struct RnrTrack {
-    start: u64,
-    naks: u32,
-    last: Instant,
 }
 
 struct QpCore {
@@ -371,12 +330,9 @@ impl QpInner {
         Ok(qp)
     }
 
-    fn ring(&self) -> RingView {
-        RingView { base: QpSeg(&self.seg).ring(), bytes: self.ring_bytes }
-    }
-
-    fn header(&self) -> &super::layout::QpHeader {
-        QpSeg(&self.seg).header()
+    /// Connected over the TCP transport.
+    pub fn over_tcp(&self) -> bool {
+        self.over_tcp.load(Ordering::Acquire)
     }
 
     pub fn caps(&self) -> QpCaps {
@@ -462,32 +418,6 @@ impl QpInner {
         self.deliver(&flushed);
         drop(core);
         Ok(())
-    }
-
-    fn connect(&self, info: &SoftEndpoint) -> Result<Remote> {
-        if !info.ring_bytes.is_power_of_two() || (info.ring_bytes as usize) < 8192 {
-            return Err(VerbsError::Protocol(format!("peer ring of {} bytes is not a valid ring", info.ring_bytes)));
-        }
-        if self.ctx.ctrl().bell(0).is_none() {
-            unreachable!("control segment always has doorbells");
-        }
-        let peer = self.ctx.peer(info)?;
-        if peer.ctrl().bell(info.send_cq_bell as usize).is_none()
-            || peer.ctrl().bell(info.recv_cq_bell as usize).is_none()
-            || peer.ctrl().rq(info.rq_slot as usize).is_none()
-        {
-            return Err(VerbsError::Protocol("peer endpoint names slots out of range".into()));
-        }
-        let fd = peer.fetch(info.qp_fd).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
-        let ring_bytes = info.ring_bytes as usize;
-        let seg = Arc::new(Segment::map_fetched(fd, &qp_name(info.ctx_id, info.qpn), RING_OFFSET + ring_bytes)?);
-        let local = if peer.same_process { local_qp(info.ctx_id, info.qpn) } else { None };
-        let remote = Remote { info: *info, peer, seg, ring_bytes, local };
-        let h = remote.seg().header();
-        if h.magic.load(Ordering::Acquire) != QP_MAGIC || h.qpn.load(Ordering::Relaxed) != info.qpn {
-            return Err(VerbsError::Protocol("peer queue-pair segment does not match its endpoint".into()));
-        }
-        Ok(remote)
     }
 
     fn reset(&self, core: &mut QpCore) {
@@ -745,27 +675,6 @@ impl QpInner {
         self.deliver(out); // under the lock: per-QP completion order across threads
     }
 
-    /// The polled message path's request: an inline RDMA write with nothing ahead of it in the
-    /// send queue (empty, so no ring record of ours waits to be placed first). It is carried
-    /// out now and reported at once (the general path would queue it, find it done and retire
-    /// it at once). None, with nothing done: take the general path.
-    #[inline]
-    fn post_write_at_once(&self, core: &mut QpCore, wr: &SendWr) -> Option<Result<()>> {
-        if wr.opcode != WrOpcode::RdmaWrite
-            || !wr.flags.inline
-            || !core.sq.is_empty()
-            || core.state != QpState::ReadyToSend
-        {
-            return None;
-        }
-        if let Err(e) = self.check_send(core, wr) {
-            return Some(Err(e));
-        }
-        let stage = self.run_one_sided(core, wr, &Inline::Borrowed);
-        self.report_at_once(core, wr.wr_id, wr.byte_len() as u32, wr.flags.signaled, stage);
-        Some(Ok(()))
-    }
-
     /// One one-sided request (RDMA read or write, an atomic) carried out now if nothing is
     /// queued ahead of it; a success is reported only by the return value (no completion, as
     /// if unsignaled and known done), a failure as any failed request is (a completion, and
@@ -790,83 +699,6 @@ impl QpInner {
                 Ok(Posted::Pending)
             }
         }
-    }
-
-    /// Reports an RDMA write carried out at post time with an empty send queue, as retiring it
-    /// would: a success only if `signaled` (straight to the completion queue: nothing is
-    /// queued ahead of it); a failure always, and it fails the queue pair.
-    fn report_at_once(&self, core: &mut QpCore, wr_id: u64, byte_len: u32, signaled: bool, stage: SqStage) {
-        if stage != SqStage::Done(WcStatus::Success) {
-            self.fail_at_once(core, wr_id, WrOpcode::RdmaWrite, byte_len, stage);
-        } else if signaled {
-            let opcode = WrOpcode::RdmaWrite.completion_opcode();
-            let wc = WorkCompletion {
-                wr_id,
-                status: WcStatus::Success,
-                opcode,
-                byte_len,
-                imm: None,
-                qp_num: self.qpn,
-                src_qp: 0,
-            };
-            // Under our lock: per-QP completion order across threads.
-            self.send_cq.push(std::iter::once(wc));
-        }
-    }
-
-    /// An RDMA write of `parts` put end to end, inline, carried out now if nothing is queued
-    /// ahead of it: what [`QpInner::post_send`] would do with the same write over SGEs naming
-    /// the parts, with no request to build and walk (the polled message path's frames), through
-    /// the same checks as any one-sided request, and reported at once. None, with nothing done:
-    /// post it as a request.
-    #[inline]
-    pub fn write_inline_list_at_once(
-        &self,
-        wr_id: u64,
-        parts: &[&[u8]],
-        remote_addr: u64,
-        rkey: u32,
-        signaled: bool,
-    ) -> Option<Result<()>> {
-        let len: usize = parts.iter().map(|p| p.len()).sum();
-        if len > self.caps.max_inline_data as usize {
-            return Some(Err(VerbsError::invalid(format!(
-                "{len} inline bytes over max_inline_data {}",
-                self.caps.max_inline_data
-            ))));
-        }
-        let mut core = self.core.lock();
-        if !core.sq.is_empty() || core.state != QpState::ReadyToSend || core.tcp.is_some() {
-            return None;
-        }
-        let stage = match self.remote_write_access(&core, rkey, remote_addr, len as u64) {
-            Ok(None) => SqStage::Done(WcStatus::Success),
-            // SAFETY: the parts are caller memory, valid during this call.
-            Ok(Some(access)) => SqStage::Done(unsafe { access.write_parts(parts) }.err().unwrap_or(WcStatus::Success)),
-            Err(st) => SqStage::Done(st),
-        };
-        self.report_at_once(&mut core, wr_id, len as u32, signaled, stage);
-        Some(Ok(()))
-    }
-
-    /// A window onto `len` bytes at `remote_addr` of the connected peer's region `rkey`, for
-    /// writes with plain stores (see [`super::peer::SoftWindow`]); None where the region is
-    /// not in a provider segment. Checked as an RDMA write is: a refusal is an error.
-    pub fn map_remote_write(&self, remote_addr: u64, len: u64, rkey: u32) -> Result<Option<super::peer::SoftWindow>> {
-        let core = self.core.lock();
-        if !matches!(core.state, QpState::ReadyToSend) {
-            return Err(VerbsError::InvalidState(format!("mapping a peer's memory in {:?} (needs RTS)", core.state)));
-        }
-        if core.tcp.is_some() {
-            return Ok(None); // the peer's memory is on another host
-        }
-        let refused = |st: WcStatus| {
-            VerbsError::invalid(format!(
-                "peer refused a window of {len} bytes at {remote_addr:#x} key {rkey:#x}: {st:?}"
-            ))
-        };
-        let r = self.peer_grants(&core, AccessFlags::REMOTE_WRITE).map_err(refused)?;
-        r.peer.window(rkey, remote_addr, len, r.info.pd, r.seg.clone()).map_err(refused)
     }
 
     /// Reports a request carried out at post time that failed (unsignaled or not) and fails
@@ -913,41 +745,6 @@ impl QpInner {
         Ok(())
     }
 
-    /// Carries out waiting requests in order, as far as ring space and ordering allow.
-    fn execute(&self, core: &mut QpCore, out: &mut Out) {
-        while core.exec_next < core.sq.len() && core.state == QpState::ReadyToSend {
-            let idx = core.exec_next;
-            let Some(pending) = core.sq[idx].waiting.take() else {
-                core.exec_next += 1; // already finished (flushed)
-                continue;
-            };
-            match self.start_with_retry(core, &pending.0, &pending.1, out) {
-                None => {
-                    core.sq[idx].waiting = Some(pending);
-                    return;
-                }
-                Some(stage) => {
-                    core.sq[idx].stage = stage;
-                    self.account_started(core, stage, out);
-                }
-            }
-        }
-    }
-
-    /// Starts a request; if the ring is full or ordering holds it back, harvests what the peer
-    /// consumed (only harvested space is reused: its status words are still to be read) and
-    /// tries once more. None: it must wait.
-    fn start_with_retry(&self, core: &mut QpCore, wr: &SendWr, inline: &Inline, out: &mut Out) -> Option<SqStage> {
-        if let Some(stage) = self.start(core, wr, inline) {
-            return Some(stage);
-        }
-        let before = (core.reaped, core.in_ring_data);
-        if !self.reap(core, out) || (core.reaped, core.in_ring_data) == before {
-            return None;
-        }
-        self.start(core, wr, inline)
-    }
-
     /// Bookkeeping after the request at `exec_next` started.
     fn account_started(&self, core: &mut QpCore, stage: SqStage, out: &mut Out) {
         core.exec_next += 1;
@@ -959,390 +756,6 @@ impl QpInner {
             SqStage::Done(st) if !st.is_success() => self.fail_sending(core, out),
             _ => {}
         }
-    }
-
-    /// Starts one request: places its ring record, or carries out a one-sided operation. None
-    /// if it cannot start now (ring full, or ordering behind earlier records).
-    fn start(&self, core: &mut QpCore, wr: &SendWr, inline: &Inline) -> Option<SqStage> {
-        match wr.opcode {
-            WrOpcode::Send | WrOpcode::SendWithImm => self.start_send(core, wr, inline),
-            WrOpcode::RdmaWriteWithImm => {
-                if core.in_ring_data > 0 && !self.wwi_is_ring_inline(core, wr) {
-                    return None; // its data placement must follow earlier records
-                }
-                self.start_write_imm(core, wr, inline)
-            }
-            _ => {
-                if core.in_ring_data > 0 {
-                    return None; // one-sided requests follow earlier ring records
-                }
-                Some(self.run_one_sided(core, wr, inline))
-            }
-        }
-    }
-
-    /// True when a write-with-immediate goes through the ring with its data: small, and the
-    /// target is user memory of another process (one record beats a cross-memory-attach call).
-    /// Into memory we reach with plain stores (provider segments, same-process memory) the data
-    /// is stored directly and only a notification goes through the ring: no copy left for the
-    /// responder, and nothing for later one-sided requests to wait for.
-    fn wwi_is_ring_inline(&self, core: &QpCore, wr: &SendWr) -> bool {
-        let Some(r) = &core.remote else {
-            return false;
-        };
-        wr.byte_len() as usize <= self.ctx.config.copy_threshold && !r.peer.stores_directly(wr.rkey)
-    }
-
-    /// Places a record in the peer's ring: `fill` writes the payload. Returns the stage, or
-    /// None if the ring has no room now.
-    fn place_record(
-        &self,
-        core: &mut QpCore,
-        header: RecordHeader,
-        fill: impl FnOnce(*mut u8) -> Result<(), WcStatus>,
-    ) -> Option<SqStage> {
-        let r = core.remote.as_ref()?;
-        let ring = r.ring();
-        let ring_bytes = r.ring_bytes;
-        let size = header.record_size();
-        if size > wire::max_record(ring_bytes) {
-            return Some(SqStage::Done(WcStatus::LocQpOpErr));
-        }
-        let placement = wire::place(core.produced, core.reaped, ring_bytes, size)?;
-        // `place` keeps the record inside the ring and clear of unconsumed bytes.
-        if let Err(st) = fill(ring.payload(placement.at, &header)) {
-            return Some(SqStage::Done(st));
-        }
-        ring.status(placement.at).store(status::OK, Ordering::Relaxed);
-        ring.write_fields(placement.at, &header);
-        let start = core.produced + (placement.advance - size) as u64;
-        if let Some(pad_at) = placement.pad_at {
-            let pad = RecordHeader {
-                kind: RecordKind::Pad,
-                flags: 0,
-                sge_count: 0,
-                len: (ring_bytes - pad_at) as u32,
-                imm: 0,
-                rkey: 0,
-                raddr: 0,
-            };
-            ring.write_fields(pad_at, &pad);
-            // Record first (at 0), then the pad that leads the consumer to it.
-            ring.publish(placement.at).store(wire::publish_word(start), Ordering::Release);
-            ring.publish(pad_at).store(wire::publish_word(core.produced), Ordering::Release);
-        } else {
-            ring.publish(placement.at).store(wire::publish_word(start), Ordering::Release);
-        }
-        core.produced += placement.advance as u64;
-        r.peer.ring_bell(r.info.recv_cq_bell);
-        let target_placed = header.kind != RecordKind::WriteImmNotify;
-        Some(SqStage::InRing { start, end: core.produced, off: placement.at, target_placed })
-    }
-
-    fn start_send(&self, core: &mut QpCore, wr: &SendWr, inline: &Inline) -> Option<SqStage> {
-        let len = wr.byte_len() as u32;
-        let flags = if wr.opcode == WrOpcode::SendWithImm { wire::FLAG_IMM } else { 0 };
-        let mut h =
-            RecordHeader { kind: RecordKind::SendInline, flags, sge_count: 0, len, imm: wr.imm, rkey: 0, raddr: 0 };
-        let is_inline = !matches!(inline, Inline::No);
-        let keys = self.keys(core);
-        if !is_inline && !keys.check_all(&wr.sg_list, AccessFlags::NONE, self.pd) {
-            return Some(SqStage::Done(WcStatus::LocProtErr));
-        }
-        if is_inline || len as usize <= self.ctx.config.copy_threshold {
-            return self.place_record(core, h, |dst| self.gather_into(&keys, dst, inline, &wr.sg_list));
-        }
-        let count = wr.sg_list.iter().filter(|s| s.length > 0).count();
-        if count > wire::MAX_DESC {
-            return Some(SqStage::Done(WcStatus::LocQpOpErr));
-        }
-        h.kind = RecordKind::SendDescriptors;
-        h.sge_count = count as u16;
-        self.place_record(core, h, |dst| {
-            for (i, s) in wr.sg_list.iter().filter(|s| s.length > 0).enumerate() {
-                let d = Descriptor { addr: s.addr, len: s.length, key: s.lkey }.encode();
-                // SAFETY: `dst` has room for sge_count descriptors (the record was sized so).
-                unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), dst.add(i * wire::DESC_BYTES), wire::DESC_BYTES) };
-            }
-            Ok(())
-        })
-    }
-
-    /// Copies a request's data (inline bytes, or its checked local SGEs) to `dst`.
-    fn gather_into(&self, keys: &LocalKeys, dst: *mut u8, inline: &Inline, sges: &[Sge]) -> Result<(), WcStatus> {
-        let need = match inline {
-            Inline::Owned(data) => {
-                // SAFETY: `dst` has room for the whole message (the record was sized by its length).
-                unsafe { crate::copy::copy_bytes(dst, data.as_ptr(), data.len()) };
-                return Ok(());
-            }
-            Inline::Borrowed => None,
-            Inline::No => Some(AccessFlags::NONE),
-        };
-        self.each_local_piece(keys, sges, need, |off, addr, len| {
-            // SAFETY: the piece is a checked local registration, or inline caller memory valid
-            // during post_send; `dst` has room for the sum of the SGE lengths.
-            if unsafe { local_copy(dst.add(off), addr as *const u8, len) } {
-                Ok(())
-            } else {
-                Err(WcStatus::LocProtErr)
-            }
-        })
-    }
-
-    /// Walks a local SGE list, calling `f(message_offset, address, length)` for each piece.
-    /// With `need`, each piece is first checked against `keys` (which keeps it registered
-    /// throughout); without, the SGEs are inline caller memory and are not looked up.
-    fn each_local_piece(
-        &self,
-        keys: &LocalKeys,
-        sges: &[Sge],
-        need: Option<AccessFlags>,
-        mut f: impl FnMut(usize, usize, usize) -> Result<(), WcStatus>,
-    ) -> Result<(), WcStatus> {
-        let mut off = 0usize;
-        for s in sges {
-            if let Some(need) = need {
-                if !keys.check(s.lkey, s.addr, s.length as u64, need, self.pd) {
-                    return Err(WcStatus::LocProtErr);
-                }
-            }
-            f(off, s.addr as usize, s.length as usize)?;
-            off += s.length as usize;
-        }
-        Ok(())
-    }
-
-    fn start_write_imm(&self, core: &mut QpCore, wr: &SendWr, inline: &Inline) -> Option<SqStage> {
-        let len = wr.byte_len() as u32;
-        let keys = self.keys(core);
-        if matches!(inline, Inline::No) && !keys.check_all(&wr.sg_list, AccessFlags::NONE, self.pd) {
-            return Some(SqStage::Done(WcStatus::LocProtErr));
-        }
-        let header = |kind| RecordHeader {
-            kind,
-            flags: wire::FLAG_IMM,
-            sge_count: 0,
-            len,
-            imm: wr.imm,
-            rkey: wr.rkey,
-            raddr: wr.remote_addr,
-        };
-        if self.wwi_is_ring_inline(core, wr) {
-            let h = header(RecordKind::WriteImmInline);
-            return self.place_record(core, h, |dst| self.gather_into(&keys, dst, inline, &wr.sg_list));
-        }
-        // Room for the notification first, so the data is written exactly once.
-        let r = core.remote.as_ref()?;
-        let h = header(RecordKind::WriteImmNotify);
-        wire::place(core.produced, core.reaped, r.ring_bytes, h.record_size())?;
-        if let SqStage::Done(st) = self.run_one_sided(core, wr, inline) {
-            if !st.is_success() {
-                return Some(SqStage::Done(st));
-            }
-        }
-        self.place_record(core, h, |_| Ok(()))
-    }
-
-    /// The responder's first checks of a one-sided request: a live peer queue pair that grants
-    /// `need` remote rights. The peer's state and rights are read, not its key table.
-    #[inline]
-    fn peer_grants<'c>(&self, core: &'c QpCore, need: AccessFlags) -> Result<&'c Remote, WcStatus> {
-        let Some(r) = &core.remote else {
-            return Err(WcStatus::RetryExcErr);
-        };
-        if r.peer_qp_gone() {
-            // No answer comes: the requester's retries run out.
-            return Err(WcStatus::RetryExcErr);
-        }
-        let peer_qp_access = AccessFlags::from_bits_truncate(r.seg().header().access.load(Ordering::Relaxed));
-        if !peer_qp_access.contains(need) {
-            return Err(WcStatus::RemInvReqErr);
-        }
-        Ok(r)
-    }
-
-    /// The checked destination of an RDMA write of `len` bytes from inline data: None for a
-    /// zero-byte write, which names no memory.
-    #[inline]
-    fn remote_write_access<'c>(
-        &self,
-        core: &'c QpCore,
-        rkey: u32,
-        remote_addr: u64,
-        len: u64,
-    ) -> Result<Option<super::peer::RemoteAccess<'c>>, WcStatus> {
-        let r = self.peer_grants(core, AccessFlags::REMOTE_WRITE)?;
-        if len == 0 {
-            return Ok(None);
-        }
-        r.peer.access(rkey, remote_addr, len, AccessFlags::REMOTE_WRITE, r.info.pd).map(Some)
-    }
-
-    /// Carries out a one-sided request on the peer's memory; returns its final stage.
-    fn run_one_sided(&self, core: &QpCore, wr: &SendWr, inline: &Inline) -> SqStage {
-        let (need_remote, need_local) = match wr.opcode {
-            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => (AccessFlags::REMOTE_WRITE, AccessFlags::NONE),
-            WrOpcode::RdmaRead => (AccessFlags::REMOTE_READ, AccessFlags::LOCAL_WRITE),
-            _ => (AccessFlags::REMOTE_ATOMIC, AccessFlags::LOCAL_WRITE),
-        };
-        let r = match self.peer_grants(core, need_remote) {
-            Ok(r) => r,
-            Err(st) => return SqStage::Done(st),
-        };
-        let keys = self.keys(core);
-        if matches!(inline, Inline::No) && !keys.check_all(&wr.sg_list, need_local, self.pd) {
-            return SqStage::Done(WcStatus::LocProtErr);
-        }
-        let len = wr.byte_len();
-        if wr.opcode.is_atomic() && !wr.remote_addr.is_multiple_of(8) {
-            return SqStage::Done(WcStatus::RemInvReqErr);
-        }
-        if len == 0 && !wr.opcode.is_atomic() {
-            // A zero-byte read or write names no memory: the responder checks neither key nor
-            // address (IBA C9-88), which makes it a keep-alive or a completion fence.
-            return SqStage::Done(WcStatus::Success);
-        }
-        let access = match r.peer.access(wr.rkey, wr.remote_addr, len, need_remote, r.info.pd) {
-            Ok(a) => a,
-            Err(st) => return SqStage::Done(st),
-        };
-        let result = match wr.opcode {
-            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => match inline {
-                // SAFETY: inline bytes are ours.
-                Inline::Owned(d) => unsafe { access.write_from(0, d.as_ptr(), d.len(), false) },
-                // SAFETY (both arms): the pieces are checked local registrations, or inline SGEs
-                // naming caller memory valid during post_send.
-                Inline::Borrowed => self.each_local_piece(&keys, &wr.sg_list, None, |off, addr, len| unsafe {
-                    access.write_from(off, addr as *const u8, len, false)
-                }),
-                Inline::No => {
-                    self.each_local_piece(&keys, &wr.sg_list, Some(AccessFlags::NONE), |off, addr, len| unsafe {
-                        access.write_from(off, addr as *const u8, len, wr.flags.streaming)
-                    })
-                }
-            },
-            WrOpcode::RdmaRead => {
-                let one_piece = wr.sg_list.len() == 1;
-                self.each_local_piece(&keys, &wr.sg_list, Some(AccessFlags::LOCAL_WRITE), |off, addr, len| {
-                    let dst = addr as *mut u8;
-                    // SAFETY (both): the piece is a checked local registration with LOCAL_WRITE.
-                    let shared = one_piece
-                        .then(|| unsafe { self.pull_shared(r, &access, dst, len, wr.rkey, need_remote) })
-                        .flatten();
-                    shared.unwrap_or_else(|| unsafe { access.read_into(off, dst, len) })
-                })
-            }
-            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
-                let (cmp_add, swap, cas) = (wr.compare_add, wr.swap, wr.opcode == WrOpcode::AtomicCmpAndSwp);
-                access
-                    .atomic(|old| {
-                        if cas {
-                            if old == cmp_add {
-                                swap
-                            } else {
-                                old
-                            }
-                        } else {
-                            old.wrapping_add(cmp_add)
-                        }
-                    })
-                    .and_then(|old| {
-                        let s = wr.sg_list[0];
-                        let bytes = old.to_ne_bytes();
-                        let writable = keys.check(s.lkey, s.addr, 8, AccessFlags::LOCAL_WRITE, self.pd);
-                        // SAFETY: checked local registration of 8 writable bytes.
-                        let copied = writable && unsafe { local_copy(s.addr as usize as *mut u8, bytes.as_ptr(), 8) };
-                        copied.then_some(()).ok_or(WcStatus::LocProtErr)
-                    })
-            }
-            _ => Err(WcStatus::GeneralErr),
-        };
-        SqStage::Done(match result {
-            Ok(()) => WcStatus::Success,
-            Err(st) => st,
-        })
-    }
-
-    /// True if a pull of `len` bytes by cross-memory attach (a read, or a large send's data) is
-    /// worth sharing with the peer.
-    fn worth_sharing(&self, len: usize) -> bool {
-        let min = self.ctx.config.assist_min;
-        min > 0 && len >= min
-    }
-
-    /// Pulls the whole `len` bytes of `access` (registered in the peer under `key` with `need`)
-    /// into `dst`, offering the back half to the peer (see `assist`): the peer's polling thread
-    /// pushes it while we copy the front half, or we copy it too. None (nothing copied) if the
-    /// range is not in another process's user memory or too short to be worth sharing.
-    ///
-    /// # Safety
-    /// `dst` must be valid for writes of `len` bytes (a checked local registration).
-    unsafe fn pull_shared(
-        &self,
-        r: &Remote,
-        access: &super::peer::RemoteAccess<'_>,
-        dst: *mut u8,
-        len: usize,
-        key: u32,
-        need: AccessFlags,
-    ) -> Option<Result<(), WcStatus>> {
-        let src = access.cross_process_addr().filter(|_| self.worth_sharing(len) && len == access.len())?;
-        // Jobs of one queue pair are sequential (its lock), so a plain load and store do (a
-        // lost update would only lose one job's lesson).
-        let share = self.copier_share.load(Ordering::Relaxed);
-        let split = assist::split_point(len as u64, share);
-        let job = assist::Job { src, dst: dst as u64, len: len as u64, split, key, need: need.bits() };
-        let id = self.assist_jobs.fetch_add(1, Ordering::Relaxed) + 1;
-        let offer = assist::open(r.seg().assist(), id, &job);
-        let split = split as usize;
-        let started = Instant::now();
-        // SAFETY: the front part of the caller's range.
-        let front = unsafe { access.read_into(0, dst, split) };
-        let front_took = started.elapsed();
-        // Settled whatever the front's outcome: no helper write may land after we return.
-        let back = offer.settle(ASSIST_TIMEOUT, || r.peer.alive());
-        if let (Ok(()), Ok((Back::Helper, waited))) = (&front, &back) {
-            self.copier_share.store(assist::next_share(share, front_took, *waited), Ordering::Relaxed);
-        }
-        Some(front.and_then(|()| match back.map(|(b, _)| b) {
-            Ok(Back::Helper) => Ok(()),
-            // SAFETY: the back part of the caller's range.
-            Ok(Back::Copier | Back::HelperFailed) => unsafe { access.read_into(split, dst.add(split), len - split) },
-            Err(Stuck::HelperGone | Stuck::TimedOut) => Err(WcStatus::RetryExcErr),
-            Err(Stuck::Corrupt) => Err(WcStatus::RemOpErr),
-        }))
-    }
-
-    /// Pushes the back half of a shared copy our peer offers now, if it offers one (one load
-    /// of the assist line when it does not).
-    #[inline]
-    pub(crate) fn help_peer(&self) {
-        if let Some(taken) = assist::try_take(QpSeg(&self.seg).assist()) {
-            self.help(taken);
-        }
-    }
-
-    /// Pushes the back half of a copy our peer offered (see `assist`), if it names memory we
-    /// registered for it; reports the outcome on the line either way.
-    fn help(&self, taken: assist::Taken<'_>) {
-        let peer = self.helper_peer.lock().expect("helper peer lock").clone();
-        let job = taken.job;
-        let (off, len) = job.back();
-        // Never waits for a deregistration (we hold no queue-pair lock here): it may itself wait
-        // for the copier's access to end, which waits for us. The copier then copies the half
-        // itself.
-        let keys = self.ctx.try_local_keys();
-        let ok = peer.zip(keys).is_some_and(|(p, keys)| {
-            let need = AccessFlags::from_bits_truncate(job.need);
-            let src = job.src.checked_add(off);
-            let fits = src.is_some_and(|src| keys.check(job.key, src, len, need, self.pd));
-            // SAFETY: the source range was checked against our registration of it, which `keys`
-            // keeps registered until the copy is done.
-            fits && unsafe { p.push(job.dst.wrapping_add(off), (job.src + off) as usize as *const u8, len as usize) }
-                .is_ok()
-        });
-        taken.finish(ok);
     }
 
     /// Reports finished requests in order: errors always, successes when signaled.
@@ -1369,347 +782,6 @@ impl QpInner {
             core.sq.pop_front();
             core.signaled_outstanding -= signaled as usize;
             core.exec_next = core.exec_next.saturating_sub(1);
-        }
-    }
-
-    /// Requester side: learn which records the peer consumed, detect receiver-not-ready and a
-    /// dead peer, run what was waiting.
-    fn progress_outbound(&self, core: &mut QpCore, out: &mut Out) {
-        if self.reap(core, out) {
-            self.execute(core, out);
-        }
-        self.retire(core, out);
-    }
-
-    /// Turns the records the peer consumed into finished requests and watches the head record
-    /// for receiver-not-ready. Returns false if the QP went to error.
-    fn reap(&self, core: &mut QpCore, out: &mut Out) -> bool {
-        if core.in_ring > 0 {
-            let Some(r) = &core.remote else { return true };
-            if let Some(target) = r.local.as_ref().and_then(std::sync::Weak::upgrade) {
-                // Same process: do the responder's work now rather than wait for its thread.
-                target.drive_inbound();
-            }
-            let consumed = r.seg().consumer().consumed.load(Ordering::Acquire);
-            core.reaped = consumed;
-            let ring = r.ring();
-            let mut error = None;
-            for e in core.sq.iter_mut() {
-                let SqStage::InRing { start, end, off, target_placed } = e.stage else {
-                    if matches!(e.stage, SqStage::Waiting) {
-                        break;
-                    }
-                    continue;
-                };
-                if end > consumed {
-                    // Not consumed: receiver-not-ready if it heads the ring and no receive waits.
-                    core.head_waits = core.head_waits.wrapping_add(1);
-                    let probe = core.head_waits.is_multiple_of(64);
-                    let taken = r.seg().consumer().taking.load(Ordering::Acquire) > start;
-                    if probe && start == consumed && !taken {
-                        let rq = r.peer.ctrl().rq(r.info.rq_slot as usize).expect("validated at connect");
-                        let empty = rq.posted.load(Ordering::Acquire) <= rq.consumed.load(Ordering::Acquire);
-                        if empty {
-                            let timer =
-                                rnr_timer_duration(r.seg().header().min_rnr_timer.load(Ordering::Relaxed) as u8);
-                            let now = Instant::now();
-                            let t = core.rnr.get_or_insert(RnrTrack { start, naks: 0, last: now });
-                            if t.start != start {
-                                *t = RnrTrack { start, naks: 0, last: now };
-                            }
-                            if now.duration_since(t.last) >= timer {
-                                t.naks += 1;
-                                t.last = now;
-                            }
-                            if core.rts.rnr_retry != 7 && t.naks > core.rts.rnr_retry as u32 && cancel_from(r, start) {
-                                e.stage = SqStage::Done(WcStatus::RnrRetryExcErr);
-                                error = Some(());
-                            }
-                        }
-                    }
-                    break;
-                }
-                let st = status_of(ring.status(off).load(Ordering::Acquire));
-                e.stage = SqStage::Done(st);
-                core.in_ring -= 1;
-                core.in_ring_data -= target_placed as usize;
-                if !st.is_success() {
-                    error = Some(());
-                    break;
-                }
-            }
-            if error.is_some() {
-                self.fail_sending(core, out);
-                return false;
-            }
-        }
-        true
-    }
-
-    /// Responder side: consume records from our ring into posted receives.
-    fn progress_inbound(&self, core: &mut QpCore, out: &mut Out) {
-        if !matches!(core.state, QpState::ReadyToReceive | QpState::ReadyToSend) || core.inbound_dead {
-            return;
-        }
-        let ring = self.ring();
-        let mut consumed_any = false;
-        for _ in 0..64 {
-            let off = wire::ring_offset(core.cons_head, self.ring_bytes);
-            // `off` is a record boundary: we only ever advance by validated record sizes.
-            if ring.publish(off).load(Ordering::Acquire) != wire::publish_word(core.cons_head) {
-                break;
-            }
-            let fields = ring.read_fields(off);
-            let h = match RecordHeader::decode(&fields, off, self.ring_bytes) {
-                Ok(h) => h,
-                Err(e) => {
-                    log::error!("QP {}: malformed record from the peer: {e}; moving to error", self.qpn);
-                    self.enter_error(core, out);
-                    return;
-                }
-            };
-            if h.kind == RecordKind::Pad {
-                core.cons_head += h.len as u64;
-                consumed_any = true;
-                continue;
-            }
-            // The receive to fill: looked at in place (it leaves the queue only once used); one
-            // of a shared receive queue is taken out, and put back if unused.
-            let mut from_srq = None;
-            let recv = match &self.srq {
-                None => core.rq.front(),
-                Some(s) => {
-                    from_srq = s.queue.lock().expect("srq lock").pop_front();
-                    from_srq.as_ref()
-                }
-            };
-            let Some(recv) = recv else {
-                break; // receiver not ready
-            };
-            // Cancel handshake, hot half: announce the take, then look for a cancel. The
-            // producer's half (`cancel_from`) stores the cancel, runs a membarrier, then reads
-            // `taking`: one of the two sides always sees the other.
-            let consumer = QpSeg(&self.seg).consumer();
-            consumer.taking.store(core.cons_head + 1, Ordering::Relaxed);
-            sys::producer_barrier();
-            let cancel = self.header().cancel_from.load(Ordering::Acquire);
-            if cancel != 0 && cancel - 1 <= core.cons_head {
-                consumer.taking.store(core.cons_head, Ordering::Relaxed);
-                self.put_back_receive(from_srq);
-                core.inbound_dead = true;
-                break;
-            }
-            // The decoder checked that the record lies inside the ring.
-            let payload = ring.payload(off, &h);
-            let (result, keep_receive) = self.deliver_record(core, &h, payload, recv);
-            let src_qp = core.remote.as_ref().map(|r| r.info.qpn).unwrap_or(0);
-            let imm = (h.flags & wire::FLAG_IMM != 0).then_some(h.imm);
-            let opcode = if matches!(h.kind, RecordKind::WriteImmInline | RecordKind::WriteImmNotify) {
-                WcOpcode::RecvRdmaWithImm
-            } else {
-                WcOpcode::Recv
-            };
-            let (code, local_status) = match result {
-                Ok(()) => (status::OK, WcStatus::Success),
-                Err(code) => {
-                    ring.status(off).store(code, Ordering::Release);
-                    (code, if code == status::REM_INV_REQ { WcStatus::LocLenErr } else { WcStatus::LocProtErr })
-                }
-            };
-            if keep_receive {
-                self.put_back_receive(from_srq);
-            } else {
-                let wr_id = recv.wr_id;
-                if self.srq.is_none() {
-                    core.rq.pop_front();
-                }
-                self.count_consumed(1);
-                out.push((false, self.recv_wc(wr_id, local_status, opcode, h.len, imm, src_qp)));
-            }
-            core.cons_head += h.record_size() as u64;
-            consumed_any = true;
-            if keep_receive {
-                continue;
-            }
-            if code != status::OK {
-                QpSeg(&self.seg).consumer().consumed.store(core.cons_head, Ordering::Release);
-                self.enter_error(core, out);
-                return;
-            }
-        }
-        if consumed_any {
-            QpSeg(&self.seg).consumer().consumed.store(core.cons_head, Ordering::Release);
-            if let Some(r) = &core.remote {
-                r.peer.ring_bell(r.info.send_cq_bell);
-            }
-        }
-    }
-
-    /// Leaves an unused receive at the head of its queue: our own queue's is still there; one
-    /// `taken` from the shared queue goes back to its front.
-    fn put_back_receive(&self, taken: Option<RecvWr>) {
-        if let (Some(s), Some(wr)) = (&self.srq, taken) {
-            s.queue.lock().expect("srq lock").push_front(wr);
-        }
-    }
-
-    /// Carries out one claimed record. Returns the record status code (Err for failures) and
-    /// whether the receive goes back unused (the requester could not supply its data).
-    fn deliver_record(
-        &self,
-        core: &QpCore,
-        h: &RecordHeader,
-        payload: *const u8,
-        recv: &RecvWr,
-    ) -> (Result<(), u32>, bool) {
-        let keys = self.keys(core);
-        match h.kind {
-            RecordKind::SendInline => {
-                if h.len as u64 > recv.capacity() {
-                    return (Err(status::REM_INV_REQ), false);
-                }
-                (
-                    self.scatter(&keys, recv, h.len as usize, |dst, off, n| {
-                        // SAFETY: `off + n <= len` and the payload holds `len` bytes inside the ring.
-                        if unsafe { local_copy(dst, payload.add(off), n) } {
-                            Ok(())
-                        } else {
-                            Err(status::REM_ACCESS)
-                        }
-                    }),
-                    false,
-                )
-            }
-            RecordKind::SendDescriptors => {
-                if h.len as u64 > recv.capacity() {
-                    return (Err(status::REM_INV_REQ), false);
-                }
-                let mut raw = [0u8; wire::MAX_DESC * wire::DESC_BYTES];
-                let n = h.payload_len();
-                // SAFETY: the payload holds `n` descriptor bytes inside the ring.
-                unsafe { std::ptr::copy_nonoverlapping(payload, raw.as_mut_ptr(), n) };
-                let descs = match wire::decode_descriptors(&raw[..n], h.len) {
-                    Ok(d) => d,
-                    Err(_) => return (Err(status::REM_INV_REQ), false),
-                };
-                let Some(r) = &core.remote else {
-                    return (Err(status::REM_OP), true);
-                };
-                let res = self.pull_descriptors(&keys, r, &descs, recv);
-                match res {
-                    Ok(()) => (Ok(()), false),
-                    // The requester's own memory failed it: its local protection error; our
-                    // receive was not consumed.
-                    Err(_) => (Err(status::REM_OP), true),
-                }
-            }
-            RecordKind::WriteImmInline => {
-                if !core.access.contains(AccessFlags::REMOTE_WRITE) {
-                    return (Err(status::REM_ACCESS), false);
-                }
-                if h.len == 0 {
-                    return (Ok(()), false); // names no memory: no key to check (IBA C9-88)
-                }
-                if !keys.remote(h.rkey, h.raddr, h.len as u64, AccessFlags::REMOTE_WRITE, self.pd) {
-                    return (Err(status::REM_ACCESS), false);
-                }
-                // SAFETY: the destination is a live registration with remote write (checked
-                // against `keys`); the payload holds `len` bytes inside the ring.
-                let placed = unsafe { local_copy(h.raddr as usize as *mut u8, payload, h.len as usize) };
-                (placed.then_some(()).ok_or(status::REM_ACCESS), false)
-            }
-            RecordKind::WriteImmNotify => (Ok(()), false),
-            RecordKind::Pad => (Ok(()), true),
-        }
-    }
-
-    /// Copies the requester's descriptors into our receive SGEs, one copy.
-    fn pull_descriptors(&self, keys: &LocalKeys, r: &Remote, descs: &[Descriptor], recv: &RecvWr) -> Result<(), u32> {
-        let total: usize = descs.iter().map(|d| d.len as usize).sum();
-        // Walk source and destination lists together.
-        let mut si = 0usize;
-        let mut s_off = 0usize;
-        let mut accesses = Vec::with_capacity(descs.len());
-        for d in descs {
-            let a =
-                r.peer.access(d.key, d.addr, d.len as u64, AccessFlags::NONE, r.info.pd).map_err(|_| status::REM_OP)?;
-            accesses.push(a);
-        }
-        self.scatter(keys, recv, total, |dst, _off, mut n| {
-            if let ([d], [a]) = (descs, &accesses[..]) {
-                // SAFETY: `dst` is a checked receive SGE with room for `n` bytes (all of `a`'s
-                // range, or `pull_shared` declines).
-                if let Some(done) = unsafe { self.pull_shared(r, a, dst, n, d.key, AccessFlags::NONE) } {
-                    return done.map_err(|_| status::REM_OP);
-                }
-            }
-            let mut dst = dst;
-            while n > 0 {
-                let a = &accesses[si];
-                let take = (a.len() - s_off).min(n);
-                // SAFETY: `dst` is inside a checked receive SGE with room for `n` bytes.
-                unsafe { a.read_into(s_off, dst, take) }.map_err(|_| status::REM_OP)?;
-                // SAFETY: advancing within the same checked SGE.
-                dst = unsafe { dst.add(take) };
-                n -= take;
-                s_off += take;
-                if s_off == a.len() {
-                    si += 1;
-                    s_off = 0;
-                }
-            }
-            Ok(())
-        })
-    }
-
-    /// Scatters `len` bytes into a receive's SGEs: `copy(dst, message_offset, n)` fills each piece.
-    fn scatter(
-        &self,
-        keys: &LocalKeys,
-        recv: &RecvWr,
-        len: usize,
-        mut copy: impl FnMut(*mut u8, usize, usize) -> Result<(), u32>,
-    ) -> Result<(), u32> {
-        let mut off = 0usize;
-        for s in &recv.sg_list {
-            if off == len {
-                break;
-            }
-            let n = (s.length as usize).min(len - off);
-            if !keys.check(s.lkey, s.addr, n as u64, AccessFlags::LOCAL_WRITE, self.pd) {
-                return Err(status::REM_OP);
-            }
-            copy(s.addr as usize as *mut u8, off, n)?;
-            off += n;
-        }
-        Ok(())
-    }
-
-    /// Checks peer liveness and the peer QP's state; fails the connection if it is gone.
-    fn check_peer(&self, core: &mut QpCore, out: &mut Out) {
-        let Some(r) = &core.remote else { return };
-        let peer_qp_gone = r.peer_qp_gone();
-        let peer_alive = r.peer.alive();
-        let peer_qpn = r.info.qpn;
-        if peer_qp_gone || !peer_alive {
-            // What the peer sent before it went, and what it consumed of ours, still counts.
-            self.progress_inbound(core, out);
-            if !self.reap(core, out) {
-                return;
-            }
-            self.retire(core, out);
-        }
-        let outstanding = core.sq.iter().any(|e| !matches!(e.stage, SqStage::Done(_)));
-        // A dead process fails the connection at once. A live peer whose QP broke is noticed
-        // only by a request that needs it, as a real responder would (transport retries run out).
-        let gone = !peer_alive || (peer_qp_gone && outstanding);
-        if gone && core.state != QpState::Error {
-            log::debug!("QP {}: peer QP {peer_qpn} is gone; moving to error", self.qpn);
-            // The oldest outstanding request timed out; the rest are flushed.
-            if let Some(e) = core.sq.iter_mut().find(|e| !matches!(e.stage, SqStage::Done(_))) {
-                e.stage = SqStage::Done(WcStatus::RetryExcErr);
-            }
-            self.enter_error(core, out);
         }
     }
 
@@ -1793,27 +865,6 @@ impl QpInner {
         }
     }
 
-    /// Whether a periodic pass should reap. With only unsignaled requests in flight nobody
-    /// waits for their completions: reaping them reads the peer's consumed count, a line the
-    /// peer writes on every message, and doing that on every periodic pass (about once per
-    /// message in a ping-pong) costs a cache miss here and makes the peer's next write of it
-    /// wait for the line to come back. They are still retired on every `PERIODIC_REAP_EVERY`th
-    /// pass (which also probes for receiver-not-ready and errors), when the queue is half
-    /// full, and when a request needs ring space or a queue slot.
-    fn periodic_reap_due(&self, core: &mut QpCore) -> bool {
-        if core.in_ring == 0 {
-            return false;
-        }
-        core.quiet_passes += 1;
-        if core.quiet_passes >= PERIODIC_REAP_EVERY || core.sq.len() * 2 >= self.caps.max_send_wr as usize {
-            core.quiet_passes = 0;
-            // Rare enough to probe receiver-not-ready on every one.
-            core.head_waits = u32::MAX;
-            return true;
-        }
-        false
-    }
-
     /// Publishes the lock-free hints from the locked state. On every post and progress pass:
     /// inlined, with the rare hand-over to the backstop out of line.
     fn publish_peek(&self, core: &QpCore) {
@@ -1872,18 +923,6 @@ impl QpInner {
         waiting
     }
 
-    /// Runs the responder side if no other thread is on this queue pair.
-    fn drive_inbound(&self) {
-        let Some(mut core) = self.core.try_lock() else {
-            return;
-        };
-        let mut out = Out::new();
-        self.progress_inbound(&mut core, &mut out);
-        self.publish_peek(&core);
-        self.deliver(&out); // under the lock: per-QP completion order across threads
-        drop(core);
-    }
-
     /// True if a progress pass for `cq` would find something to do.
     pub(crate) fn work_pending(&self, cq: &CqInner) -> bool {
         let mut core = self.core.lock();
@@ -1937,20 +976,6 @@ impl QpInner {
         drop(core);
     }
 
-    /// Makes the peer's death wake sleepers of both queues (`on`), or stops it. A peer in this
-    /// process has no pidfd to watch: it cannot die while we run.
-    fn watch_peer(&self, peer: &PeerCtx, on: bool) {
-        if let Some(pidfd) = peer.pidfd() {
-            for cq in [&self.send_cq, &self.recv_cq] {
-                if on {
-                    cq.watch(pidfd)
-                } else {
-                    cq.unwatch(pidfd)
-                }
-            }
-        }
-    }
-
     /// Marks the QP destroyed for its peer and detaches it from its queues, which hold it until
     /// then (the public queue pair calls this when its last clone drops).
     pub fn destroy(&self) {
@@ -1982,18 +1007,6 @@ fn add_as_only_writer(c: &AtomicU64, n: u64) {
     c.store(c.load(Ordering::Relaxed) + n, Ordering::Release);
 }
 
-/// Cancel handshake, rare half: cancels the peer's records from ring position `pos` on.
-/// Returns true if the record at `pos` was not taken (so it never will be); false if the
-/// consumer had already taken it (it will complete normally).
-fn cancel_from(r: &Remote, pos: u64) -> bool {
-    let cancel = &r.seg().header().cancel_from;
-    if cancel.load(Ordering::Relaxed) == 0 {
-        cancel.store(pos + 1, Ordering::Relaxed);
-    }
-    sys::sleeper_barrier();
-    r.seg().consumer().taking.load(Ordering::Acquire) <= pos
-}
-
 /// Copies an inline request's data out of the caller's buffers.
 fn inline_bytes(wr: &SendWr) -> Vec<u8> {
     let mut v = Vec::with_capacity(wr.byte_len() as usize);
@@ -2003,57 +1016,6 @@ fn inline_bytes(wr: &SendWr) -> Vec<u8> {
         v.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize) });
     }
     v
-}
-
-/// A ring mapped in this process, with bounds-checked access to its record words.
-#[derive(Clone, Copy)]
-struct RingView {
-    base: *mut u8,
-    bytes: usize,
-}
-
-impl RingView {
-    fn check(&self, off: usize) {
-        assert!(
-            off.is_multiple_of(wire::RECORD_ALIGN) && off + wire::RECORD_ALIGN <= self.bytes,
-            "record offset outside the ring"
-        );
-    }
-    /// The publish word of the record at `off`.
-    fn publish(&self, off: usize) -> &AtomicU64 {
-        self.check(off);
-        // SAFETY: in bounds (checked), 8-byte aligned (the ring is page-aligned plus a multiple of
-        // 64 bytes), in a mapping that outlives the view's users; any bits are a valid AtomicU64.
-        unsafe { &*(self.base.add(off) as *const AtomicU64) }
-    }
-    /// The status word of the record at `off`.
-    fn status(&self, off: usize) -> &AtomicU32 {
-        self.check(off);
-        // SAFETY: as for `publish`, 4 bytes at a 4-aligned offset inside the header.
-        unsafe { &*(self.base.add(off + wire::STATUS_OFFSET) as *const AtomicU32) }
-    }
-    /// Writes the decoded fields of a header (from byte 8 of a record; a send's stop before
-    /// its status word and payload).
-    fn write_fields(&self, off: usize, h: &RecordHeader) {
-        self.check(off);
-        let b = h.encode();
-        // SAFETY: at most 32 bytes at off+8, inside the record's first line, which is inside
-        // the ring (checked above).
-        unsafe { crate::copy::copy_bytes(self.base.add(off + 8), b.as_ptr(), h.fields_len()) };
-    }
-    /// Copies the decoded fields of the header at `off`.
-    fn read_fields(&self, off: usize) -> [u8; FIELDS_BYTES] {
-        self.check(off);
-        let mut b = [0u8; FIELDS_BYTES];
-        // SAFETY: as in `write_fields`.
-        unsafe { std::ptr::copy_nonoverlapping(self.base.add(off + 8), b.as_mut_ptr(), FIELDS_BYTES) };
-        b
-    }
-    /// Pointer to the payload of the record with header `h` at `off`.
-    fn payload(&self, off: usize, h: &RecordHeader) -> *mut u8 {
-        assert!(off + h.record_size() <= self.bytes, "record outside the ring");
-        self.base.wrapping_add(off + h.header_bytes())
-    }
 }
 
 #[cfg(test)]

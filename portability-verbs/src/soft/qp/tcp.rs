@@ -84,11 +84,16 @@ struct Conn {
 }
 
 impl Drop for Conn {
+    /// Ends the connection with a FIN after what was written; what the peer sent that nobody
+    /// read is read and dropped first, since closing a socket with unread data resets the
+    /// connection, and a reset can overtake the peer's reading of our last frames.
     fn drop(&mut self) {
         if let Ok(e) = engine(None) {
             e.unregister(&self.sock, self.token);
         }
-        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        let _ = self.sock.shutdown(std::net::Shutdown::Write);
+        let mut sink = [0u8; 4096];
+        while matches!(std::io::Read::read(&mut &self.sock, &mut sink), Ok(n) if n > 0) {}
     }
 }
 
