@@ -544,6 +544,18 @@ impl QueuePair {
             QpImpl::Hw(q) => EndpointInfo::Hardware(q.endpoint()),
         }
     }
+    /// Whether the peer is reached over a network (the hardware provider, or the software
+    /// provider over TCP): a request then completes only once the peer answered it, so a peer
+    /// that goes away fails requests still on the way. On one host the software provider
+    /// carries requests out into the peer's memory itself.
+    pub fn over_network(&self) -> bool {
+        match &self.0 .0 {
+            QpImpl::Soft(q) => q.over_tcp(),
+            #[cfg(feature = "hardware")]
+            QpImpl::Hw(_) => true,
+        }
+    }
+
     /// Current state.
     pub fn state(&self) -> QpState {
         match &self.0 .0 {

@@ -348,11 +348,19 @@ pub(crate) struct Conn {
     pub(super) notices: NoticeBoard,
 }
 
+/// How long a closing connection waits for its peer's `Bye` (see [`Conn`]'s drop).
+const BYE_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Drop for Conn {
     /// Tells the peer this end is closed (a `Bye` after everything sent before), so that a
-    /// receive of its waiting for more from us fails at once instead of timing out. Best
-    /// effort: nothing is waited for, and a pipe with no room now sends nothing.
+    /// receive of its waiting for more from us fails at once instead of timing out; then
+    /// lingers until the peer's `Bye` (or a failure, at most [`BYE_LINGER`]), reading and
+    /// dropping what it still sends, when the peer is across a network: a rank that left while
+    /// a peer still wrote to it (the acknowledgements of our last messages) would fail that
+    /// peer's writes, which complete only once answered. SPMD programs close their channels in
+    /// the same order, so the wait is the time the peer takes to get there.
     fn drop(&mut self) {
+        let peer = self.peer;
         let io = self.io.get_mut();
         if io.failed.is_some() || io.closed {
             return;
@@ -362,7 +370,29 @@ impl Drop for Conn {
             Ok(taken && io.pipe.staged() == 0)
         });
         if !matches!(sent, Ok(true)) {
-            log::debug!("madeleine: could not tell rank {} that this end closed: {sent:?}", self.peer);
+            log::debug!("madeleine: could not tell rank {peer} that this end closed: {sent:?}");
+            return;
+        }
+        if !io.pipe.qp().over_network() {
+            return; // on one host every write of the peer's landed when it was posted
+        }
+        let deadline = std::time::Instant::now() + BYE_LINGER;
+        loop {
+            match io.next_in_pipe(Pump::Drain, |_| ()) {
+                Ok(Ok(())) => continue,
+                Ok(Err(_)) => {
+                    if std::time::Instant::now() >= deadline {
+                        log::debug!("madeleine: rank {peer} did not close its end within {BYE_LINGER:?}");
+                        return;
+                    }
+                    if io.pipe.progress().is_err() {
+                        return;
+                    }
+                    std::thread::yield_now();
+                }
+                // The peer's Bye, or the connection's end.
+                Err(_) => return,
+            }
         }
     }
 }

@@ -1163,8 +1163,9 @@ mod tests {
                     const N: u64 = 20_000;
                     let deadline = Instant::now() + Duration::from_secs(60);
                     let (mut next, mut got) = (0u64, 0u64);
-                    while next < N || got < N {
-                        assert!(Instant::now() < deadline, "stalled: sent {next}, got {got}");
+                    // Until everything accepted left too: `staged` says what the pipe still holds.
+                    while next < N || got < N || p.staged() > 0 {
+                        assert!(Instant::now() < deadline, "{s:?} stalled: sent {next}, got {got}: {:?}", p.stats());
                         if next < N {
                             let len = if next % 3 == 0 {
                                 s.max_message()
