@@ -7,6 +7,18 @@ use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
+/// Mounts a private `/tmp` and runs the program (`$0`), keeping `$PV_HOST_KEEP` reachable
+/// (opened before the mount, bound back after it through `/proc/self/fd`).
+const PRIVATE_TMP: &str = r#"
+if [ -n "$PV_HOST_KEEP" ]; then exec 5<"$PV_HOST_KEEP" || exit 1; fi
+mount -t tmpfs tmpfs /tmp || exit 1
+if [ -n "$PV_HOST_KEEP" ]; then
+    mkdir -p "$PV_HOST_KEEP" && mount --bind /proc/self/fd/5 "$PV_HOST_KEEP" || exit 1
+    exec 5<&-
+fi
+exec "$0" "$@"
+"#;
+
 /// One of the two hosts.
 pub struct Host {
     /// Its network namespace's name.
@@ -82,10 +94,17 @@ impl TwoHosts {
 
     /// A command that runs `program` on `host`: in its network namespace, in a new PID and
     /// mount namespace with its own `/tmp`. Killing the command kills everything it started.
+    /// A program under `/tmp` (a build directory there) stays reachable: its directory is
+    /// bound back into the private `/tmp` (env `PV_HOST_KEEP` names another directory to keep,
+    /// for a program that starts others).
     pub fn command(host: &Host, program: &str) -> Command {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &host.netns, "unshare", "--pid", "--mount", "--fork", "--kill-child", "--mount-proc"])
-            .args(["sh", "-c", "mount -t tmpfs tmpfs /tmp && exec \"$0\" \"$@\"", program]);
+            .args(["sh", "-c", PRIVATE_TMP, program]);
+        let dir = std::path::Path::new(program).parent().filter(|d| d.starts_with("/tmp"));
+        if let Some(d) = dir {
+            c.env("PV_HOST_KEEP", d);
+        }
         c
     }
 

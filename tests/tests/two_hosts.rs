@@ -155,7 +155,8 @@ fn a_pulled_link_fails_the_queue_pair_within_the_bound() {
 fn a_madeleine_job_spans_two_hosts() {
     let Some(h) = two_hosts_or_skip("a_madeleine_job_spans_two_hosts") else { return };
     let root = format!("{}:7600", h.a.ip);
-    let env = [("MAD_SIZE", "4"), ("MAD_ROOT", root.as_str()), ("MAD_JOB", "two-hosts")];
+    let keep = std::path::Path::new(MAD_RING).parent().unwrap().to_str().unwrap();
+    let env = [("MAD_SIZE", "4"), ("MAD_ROOT", root.as_str()), ("MAD_JOB", "two-hosts"), ("PV_HOST_KEEP", keep)];
     // Both ranks of a host in one PID namespace: they are one host's processes.
     let script = "MAD_RANK=$1 \"$0\" & MAD_RANK=$2 \"$0\"; s=$?; wait $! && exit $s";
     let mut b = Running::start(&h.b, "sh", &["-c", script, MAD_RING, "2", "3"], &env);

@@ -125,6 +125,8 @@ pub(super) struct TcpSide {
     urgent: bool,
     /// The engine is woken for our input (else an application thread polls it).
     engine_reads: bool,
+    /// The engine is woken when the socket takes more (bytes wait in `tx`).
+    engine_writes: bool,
     /// When an application thread last polled us.
     last_poll: Instant,
 }
@@ -151,6 +153,7 @@ impl TcpSide {
             gone: false,
             urgent: false,
             engine_reads: true,
+            engine_writes: false,
             last_poll: now,
         })
     }
@@ -172,9 +175,20 @@ impl TcpSide {
         }
         if let (Some(c), Ok(e)) = (&self.conn, engine(None)) {
             self.engine_reads = on;
-            e.watch_input(&c.sock, c.token, on);
+            e.watch(&c.sock, c.token, on, self.engine_writes);
             // While a poller has it, the engine's fine tick takes it back once polls stop.
             e.urgent(!on);
+        }
+    }
+
+    /// Has the engine woken when the socket takes more (`true` while bytes wait in `tx`).
+    fn engine_writes(&mut self, on: bool) {
+        if self.engine_writes == on {
+            return;
+        }
+        if let (Some(c), Ok(e)) = (&self.conn, engine(None)) {
+            self.engine_writes = on;
+            e.watch(&c.sock, c.token, self.engine_reads, on);
         }
     }
 
@@ -428,7 +442,10 @@ impl QpInner {
         let r = t.tx.flush(&c.sock, |k, a, l, need| keys.check(k, a, l, need, self.pd));
         drop(keys);
         match r {
-            Ok(_) => t.last_tx = Instant::now(),
+            Ok(all) => {
+                t.last_tx = Instant::now();
+                t.engine_writes(!all);
+            }
             Err(TxError::Io(e)) => self.lost(core, t, out, &e.to_string(), false),
             Err(TxError::Unregistered) => {
                 log::error!("QP {}: a region with data in flight was deregistered", self.qpn);

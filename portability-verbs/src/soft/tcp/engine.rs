@@ -92,7 +92,7 @@ impl Engine {
     pub fn register(&self, sock: &TcpStream, qp: Weak<QpInner>) -> Result<u64> {
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         self.links.lock().expect("engine links").insert(token, qp);
-        let events = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
+        let events = (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
         if let Err(e) = ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, sock.as_raw_fd(), events, token) {
             self.links.lock().expect("engine links").remove(&token);
             return Err(e);
@@ -100,12 +100,18 @@ impl Engine {
         Ok(token)
     }
 
-    /// Whether the engine is woken for input on `sock` (`false` while an application thread
-    /// polls it: waking a second thread for what the poller reads itself costs a context
-    /// switch per message). Writability always wakes it. Re-arming reports data already there.
-    pub fn watch_input(&self, sock: &TcpStream, token: u64, on: bool) {
-        let input = if on { (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 } else { 0 };
-        let events = input | (libc::EPOLLOUT | libc::EPOLLET) as u32;
+    /// What wakes the engine for `sock`: its input (`false` while an application thread polls
+    /// it: waking a second thread for what the poller reads itself costs a context switch per
+    /// message), its writability (only while bytes wait for room: every acknowledgement of
+    /// the kernel's would wake it otherwise). Re-arming reports what is there already.
+    pub fn watch(&self, sock: &TcpStream, token: u64, input: bool, output: bool) {
+        let mut events = libc::EPOLLET as u32;
+        if input {
+            events |= (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+        }
+        if output {
+            events |= libc::EPOLLOUT as u32;
+        }
         if let Err(e) = ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_MOD, sock.as_raw_fd(), events, token) {
             log::warn!("TCP transport: cannot change what wakes the engine: {e}");
         }
