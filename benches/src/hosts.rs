@@ -8,12 +8,13 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Mounts a private `/tmp` and runs the program (`$0`), keeping `$PV_HOST_KEEP` reachable
-/// (opened before the mount, bound back after it through `/proc/self/fd`).
+/// (opened before the mount, bound back after it through `/proc/self/fd`; not canonicalized,
+/// which would resolve the descriptor's path in the new `/tmp`).
 const PRIVATE_TMP: &str = r#"
 if [ -n "$PV_HOST_KEEP" ]; then exec 5<"$PV_HOST_KEEP" || exit 1; fi
 mount -t tmpfs tmpfs /tmp || exit 1
 if [ -n "$PV_HOST_KEEP" ]; then
-    mkdir -p "$PV_HOST_KEEP" && mount --bind /proc/self/fd/5 "$PV_HOST_KEEP" || exit 1
+    mkdir -p "$PV_HOST_KEEP" && mount --no-canonicalize --bind /proc/self/fd/5 "$PV_HOST_KEEP" || exit 1
     exec 5<&-
 fi
 exec "$0" "$@"
