@@ -49,7 +49,24 @@ const FRAMES_PER_PASS: usize = 256;
 struct Sent {
     seq: u32,
     wr: SendWr,
-    inline: Option<Vec<u8>>,
+    inline: Option<InlineBytes>,
+}
+
+/// Inline data kept for a request (small ones without an allocation).
+type InlineBytes = smallvec::SmallVec<[u8; 64]>;
+
+/// A request's inline data, copied out of the caller's memory (valid during the post only).
+fn inline_copy(wr: &SendWr) -> Option<InlineBytes> {
+    if !wr.flags.inline || wr.opcode == WrOpcode::RdmaRead || wr.opcode.is_atomic() {
+        return None;
+    }
+    let mut v = InlineBytes::with_capacity(wr.byte_len() as usize);
+    for s in &wr.sg_list {
+        // SAFETY: inline SGEs name caller memory valid for the duration of post_send, during
+        // which this runs.
+        v.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize) });
+    }
+    Some(v)
 }
 
 /// What follows once the body of the frame being read is in place.
@@ -322,23 +339,30 @@ impl QpInner {
     pub(super) fn tcp_post_send(&self, core: &mut QpCore, wrs: &[SendWr]) -> Result<()> {
         let mut out = Out::new();
         let mut result = Ok(());
+        let mut side = core.tcp.take();
         for wr in wrs {
             if let Err(e) = self.check_send(core, wr) {
                 result = Err(e);
                 break;
             }
-            let Some(mut entry) = self.admit(core, wr) else { continue };
-            let inline = if wr.flags.inline && wr.opcode != WrOpcode::RdmaRead && !wr.opcode.is_atomic() {
-                super::Inline::Owned(super::inline_bytes(wr))
-            } else {
-                super::Inline::No
-            };
-            entry.waiting = Some(Box::new((wr.clone(), inline)));
+            let Some(entry) = self.admit(core, wr) else { continue };
+            let inline = inline_copy(wr);
             core.sq.push_back(entry);
+            let idx = core.sq.len() - 1;
+            // Nothing waits ahead of it: it starts now, kept only as its resend needs.
+            match side.as_mut() {
+                Some(t) if core.exec_next == idx && self.can_start(core, t) => {
+                    self.tcp_start(core, t, idx, wr.clone(), inline, &mut out)
+                }
+                _ => {
+                    let inline = inline.map_or(super::Inline::No, |v| super::Inline::Owned(v.into_vec()));
+                    core.sq[idx].waiting = Some(Box::new((wr.clone(), inline)));
+                }
+            }
         }
         // Only what posting needs: start the requests and write. Reading is for polls and
         // the engine (a read here would be a wasted system call per message in a stream).
-        if let Some(mut t) = core.tcp.take() {
+        if let Some(mut t) = side {
             if t.conn.is_some() {
                 self.tcp_execute(core, &mut t, &mut out);
                 self.flush(core, &mut t, &mut out);
@@ -455,12 +479,14 @@ impl QpInner {
         }
     }
 
+    /// Whether a request may start now (else it waits for the connection, a rewind, or room).
+    fn can_start(&self, core: &QpCore, t: &TcpSide) -> bool {
+        core.state == QpState::ReadyToSend && t.conn.is_some() && t.rnr.is_none() && t.tx.queued() < TX_LIMIT
+    }
+
     /// Starts waiting requests in order while the connection takes them.
     fn tcp_execute(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
-        while core.exec_next < core.sq.len() && core.state == QpState::ReadyToSend {
-            if t.conn.is_none() || t.rnr.is_some() || t.tx.queued() >= TX_LIMIT {
-                return;
-            }
+        while core.exec_next < core.sq.len() && self.can_start(core, t) {
             let idx = core.exec_next;
             let Some(pending) = core.sq[idx].waiting.take() else {
                 core.exec_next += 1;
@@ -468,27 +494,39 @@ impl QpInner {
             };
             let (wr, inline) = *pending;
             let inline = match inline {
-                super::Inline::Owned(v) => Some(v),
+                super::Inline::Owned(v) => Some(InlineBytes::from_vec(v)),
                 _ => None,
             };
-            let need_local = match wr.opcode {
-                WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
-                    AccessFlags::LOCAL_WRITE
-                }
-                _ => AccessFlags::NONE,
-            };
-            if inline.is_none() && !self.keys(core).check_all(&wr.sg_list, need_local, self.pd) {
-                core.sq[idx].stage = SqStage::Done(WcStatus::LocProtErr);
-                core.exec_next += 1;
-                return self.fail(core, t, out);
-            }
-            let s = Sent { seq: t.next_seq, wr, inline };
-            t.next_seq = t.next_seq.wrapping_add(1);
-            emit(t, &s);
-            t.sent.push_back(s);
-            core.sq[idx].stage = SqStage::OnWire;
-            core.exec_next += 1;
+            self.tcp_start(core, t, idx, wr, inline, out);
         }
+    }
+
+    /// Starts the request at `idx` (the next to start): checks its local memory, sends its
+    /// frame, keeps it until answered.
+    fn tcp_start(
+        &self,
+        core: &mut QpCore,
+        t: &mut TcpSide,
+        idx: usize,
+        wr: SendWr,
+        inline: Option<InlineBytes>,
+        out: &mut Out,
+    ) {
+        let need_local = match wr.opcode {
+            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => AccessFlags::LOCAL_WRITE,
+            _ => AccessFlags::NONE,
+        };
+        if inline.is_none() && !self.keys(core).check_all(&wr.sg_list, need_local, self.pd) {
+            core.sq[idx].stage = SqStage::Done(WcStatus::LocProtErr);
+            core.exec_next += 1;
+            return self.fail(core, t, out);
+        }
+        let s = Sent { seq: t.next_seq, wr, inline };
+        t.next_seq = t.next_seq.wrapping_add(1);
+        emit(t, &s);
+        t.sent.push_back(s);
+        core.sq[idx].stage = SqStage::OnWire;
+        core.exec_next += 1;
     }
 
     fn on_frame(&self, core: &mut QpCore, t: &mut TcpSide, f: Frame, out: &mut Out) {

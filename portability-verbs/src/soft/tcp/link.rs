@@ -296,11 +296,16 @@ pub(crate) struct Rx {
     stage: Box<[u8]>,
     start: usize,
     end: usize,
+    /// The last read took less than it asked for: the socket was empty then. The next read
+    /// of this pass is skipped (it would almost always find nothing: a system call per
+    /// message saved); data that came meanwhile is read by the next pass, which its arrival
+    /// triggers (the engine's edge-triggered wake-up) or a poll makes.
+    drained: bool,
 }
 
 impl Default for Rx {
     fn default() -> Self {
-        Rx { stage: vec![0u8; STAGE_BYTES].into_boxed_slice(), start: 0, end: 0 }
+        Rx { stage: vec![0u8; STAGE_BYTES].into_boxed_slice(), start: 0, end: 0, drained: false }
     }
 }
 
@@ -327,6 +332,7 @@ impl Rx {
                 libc::recv(sock.as_raw_fd(), room.as_mut_ptr() as *mut libc::c_void, room.len(), libc::MSG_DONTWAIT)
             };
             if n > 0 {
+                self.drained = (n as usize) < room.len();
                 self.end += n as usize;
                 return Ok(true);
             }
@@ -342,10 +348,15 @@ impl Rx {
         }
     }
 
+    /// True (once) when the socket was found empty by this pass's last read.
+    fn was_drained(&mut self) -> bool {
+        std::mem::replace(&mut self.drained, false)
+    }
+
     /// The next frame header, if all of it has arrived.
     pub fn header(&mut self, sock: &TcpStream) -> io::Result<Option<[u8; HEADER]>> {
         while self.end - self.start < HEADER {
-            if !self.fill(sock)? {
+            if self.was_drained() || !self.fill(sock)? {
                 return Ok(None);
             }
         }
@@ -365,6 +376,9 @@ impl Rx {
                 let n = p.take_from(self.stage[self.start..].as_ptr(), self.end - self.start)?;
                 self.start += n;
                 continue;
+            }
+            if self.was_drained() {
+                return Ok(false);
             }
             let direct = !p.bounce && p.left() >= DIRECT_MIN && matches!(p.dests[p.idx], Dest::Mem(..));
             if !direct {
@@ -386,6 +400,8 @@ impl Rx {
             // SAFETY: the destinations are registered memory the caller keeps registered.
             let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
             if n > 0 {
+                let asked: usize = iov.iter().map(|v| v.iov_len).sum();
+                self.drained = (n as usize) < asked;
                 p.advance(n as usize)?;
                 continue;
             }
