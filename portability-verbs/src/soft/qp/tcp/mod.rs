@@ -1,13 +1,13 @@
 //! A queue pair over the TCP transport: the requester and responder of the verbs carried as
 //! frames (`soft::tcp::frame`) on one connection per queue-pair pair.
 //!
-//! - Requester: every request gets the next sequence number and goes out as one frame, its
+//! - Requester (`requester`): every request gets the next sequence number and goes out as one frame, its
 //!   data gathered from registered memory by the kernel (`sendmsg`). It stays in `sent` until
 //!   its response: acknowledgements are cumulative (an ack, read response, atomic response or
 //!   nak for sequence `s` also completes every send and write before `s`), so completions come
 //!   in posting order as on an RC queue pair. A receiver-not-ready nak rewinds: after the
 //!   responder's timer, everything from the nak'd request is sent again, `rnr_retry` times.
-//! - Responder: requests are taken in sequence order; the checks are the ring transport's
+//! - Responder (`responder`): requests are taken in sequence order; the checks are the ring transport's
 //!   (receive capacity, local keys of receives, the queue pair's access flags, remote keys with
 //!   rights, bounds and protection domain); data is read straight into the target (a write's
 //!   last 8 bytes after the rest). After refusing a request it drops everything until that
@@ -24,6 +24,9 @@ use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
+mod requester;
+mod responder;
+
 use super::{local_qp, status_of, Out, QpCore, QpInner, SqStage};
 use crate::endpoint::SoftEndpoint;
 use crate::error::{Result, VerbsError};
@@ -33,6 +36,7 @@ use crate::soft::tcp::frame::{seq_before, Frame, Kind, NakCode, FLAG_ACK, FLAG_I
 use crate::soft::tcp::link::{self, Dest, Placement, Rx, Tx, TxError};
 use crate::soft::wire::status;
 use crate::types::*;
+use requester::emit;
 
 /// How long a connecting side waits for the peer's listener.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -54,20 +58,6 @@ struct Sent {
 
 /// Inline data kept for a request (small ones without an allocation).
 type InlineBytes = smallvec::SmallVec<[u8; 64]>;
-
-/// A request's inline data, copied out of the caller's memory (valid during the post only).
-fn inline_copy(wr: &SendWr) -> Option<InlineBytes> {
-    if !wr.flags.inline || wr.opcode == WrOpcode::RdmaRead || wr.opcode.is_atomic() {
-        return None;
-    }
-    let mut v = InlineBytes::with_capacity(wr.byte_len() as usize);
-    for s in &wr.sg_list {
-        // SAFETY: inline SGEs name caller memory valid for the duration of post_send, during
-        // which this runs.
-        v.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize) });
-    }
-    Some(v)
-}
 
 /// What follows once the body of the frame being read is in place.
 enum Then {
@@ -335,48 +325,6 @@ impl QpInner {
         }
     }
 
-    /// Posts send-queue requests on a TCP queue pair.
-    pub(super) fn tcp_post_send(&self, core: &mut QpCore, wrs: &[SendWr]) -> Result<()> {
-        let mut out = Out::new();
-        let mut result = Ok(());
-        let mut side = core.tcp.take();
-        for wr in wrs {
-            if let Err(e) = self.check_send(core, wr) {
-                result = Err(e);
-                break;
-            }
-            let Some(entry) = self.admit(core, wr) else { continue };
-            let inline = inline_copy(wr);
-            core.sq.push_back(entry);
-            let idx = core.sq.len() - 1;
-            // Nothing waits ahead of it: it starts now, kept only as its resend needs.
-            match side.as_mut() {
-                Some(t) if core.exec_next == idx && self.can_start(core, t) => {
-                    self.tcp_start(core, t, idx, wr.clone(), inline, &mut out)
-                }
-                _ => {
-                    let inline = inline.map_or(super::Inline::No, |v| super::Inline::Owned(v.into_vec()));
-                    core.sq[idx].waiting = Some(Box::new((wr.clone(), inline)));
-                }
-            }
-        }
-        // Only what posting needs: start the requests and write. Reading is for polls and
-        // the engine (a read here would be a wasted system call per message in a stream).
-        if let Some(mut t) = side {
-            if t.conn.is_some() {
-                self.tcp_execute(core, &mut t, &mut out);
-                self.flush(core, &mut t, &mut out);
-            } else if t.gone {
-                self.fail_waiting_after_loss(core, &mut t, &mut out);
-            }
-            if core.tcp.is_none() {
-                core.tcp = Some(t);
-            }
-        }
-        self.end_post(core, &mut out);
-        result
-    }
-
     /// One pass: reads and handles what arrived, starts waiting requests, writes what is
     /// queued. Completions go to `out`.
     pub(super) fn tcp_drive(&self, core: &mut QpCore, out: &mut Out) {
@@ -479,56 +427,6 @@ impl QpInner {
         }
     }
 
-    /// Whether a request may start now (else it waits for the connection, a rewind, or room).
-    fn can_start(&self, core: &QpCore, t: &TcpSide) -> bool {
-        core.state == QpState::ReadyToSend && t.conn.is_some() && t.rnr.is_none() && t.tx.queued() < TX_LIMIT
-    }
-
-    /// Starts waiting requests in order while the connection takes them.
-    fn tcp_execute(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
-        while core.exec_next < core.sq.len() && self.can_start(core, t) {
-            let idx = core.exec_next;
-            let Some(pending) = core.sq[idx].waiting.take() else {
-                core.exec_next += 1;
-                continue;
-            };
-            let (wr, inline) = *pending;
-            let inline = match inline {
-                super::Inline::Owned(v) => Some(InlineBytes::from_vec(v)),
-                _ => None,
-            };
-            self.tcp_start(core, t, idx, wr, inline, out);
-        }
-    }
-
-    /// Starts the request at `idx` (the next to start): checks its local memory, sends its
-    /// frame, keeps it until answered.
-    fn tcp_start(
-        &self,
-        core: &mut QpCore,
-        t: &mut TcpSide,
-        idx: usize,
-        wr: SendWr,
-        inline: Option<InlineBytes>,
-        out: &mut Out,
-    ) {
-        let need_local = match wr.opcode {
-            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => AccessFlags::LOCAL_WRITE,
-            _ => AccessFlags::NONE,
-        };
-        if inline.is_none() && !self.keys(core).check_all(&wr.sg_list, need_local, self.pd) {
-            core.sq[idx].stage = SqStage::Done(WcStatus::LocProtErr);
-            core.exec_next += 1;
-            return self.fail(core, t, out);
-        }
-        let s = Sent { seq: t.next_seq, wr, inline };
-        t.next_seq = t.next_seq.wrapping_add(1);
-        emit(t, &s);
-        t.sent.push_back(s);
-        core.sq[idx].stage = SqStage::OnWire;
-        core.exec_next += 1;
-    }
-
     fn on_frame(&self, core: &mut QpCore, t: &mut TcpSide, f: Frame, out: &mut Out) {
         if f.flags & FLAG_ACK != 0 {
             self.acknowledged(core, t, f.ack, out);
@@ -542,340 +440,6 @@ impl QpInner {
             Kind::Hello => self.protocol_failure(core, t, out, "a second hello"),
             k if k.is_request() => self.respond(core, t, f, out),
             _ => self.on_response(core, t, f, out),
-        }
-    }
-
-    /// Refuses request `f`: a nak, and everything after it dropped until it comes again.
-    fn refuse(&self, t: &mut TcpSide, f: &Frame, code: NakCode) {
-        t.ack_due = None; // implied by the nak
-        let mut nak = Frame::new(Kind::Nak, f.seq);
-        nak.nak = Some(code);
-        t.push(nak);
-        t.dropping_until = Some(f.seq);
-        t.reading = Some((Placement::discard(f.data_len() as usize), Then::Nothing));
-    }
-
-    fn respond(&self, core: &mut QpCore, t: &mut TcpSide, f: Frame, out: &mut Out) {
-        if let Some(s) = t.dropping_until {
-            if f.seq != s {
-                t.reading = Some((Placement::discard(f.data_len() as usize), Then::Nothing));
-                return;
-            }
-            t.dropping_until = None;
-        }
-        if f.seq != t.expect_seq {
-            return self.protocol_failure(core, t, out, &format!("request {} where {} was due", f.seq, t.expect_seq));
-        }
-        let keys = self.keys(core);
-        let len = f.len as u64;
-        match f.kind {
-            Kind::Send => {
-                let Some(wr) = self.take_receive(core) else {
-                    return self.refuse_not_ready(core, t, &f);
-                };
-                if len > wr.capacity() {
-                    out.push((
-                        false,
-                        self.recv_wc(wr.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, f.len, None, t.peer.qpn),
-                    ));
-                    self.count_consumed(1);
-                    self.refuse(t, &f, NakCode::InvalidRequest);
-                    return self.fail(core, t, out);
-                }
-                let mut dests = smallvec::SmallVec::<[Dest; 4]>::new();
-                let mut left = len;
-                for s in &wr.sg_list {
-                    if left == 0 {
-                        break;
-                    }
-                    let n = left.min(s.length as u64);
-                    if !keys.check(s.lkey, s.addr, n, AccessFlags::LOCAL_WRITE, self.pd) {
-                        drop(keys);
-                        out.push((
-                            false,
-                            self.recv_wc(wr.wr_id, WcStatus::LocProtErr, WcOpcode::Recv, f.len, None, t.peer.qpn),
-                        ));
-                        self.count_consumed(1);
-                        self.refuse(t, &f, NakCode::OperationError);
-                        return self.fail(core, t, out);
-                    }
-                    dests.push(Dest::Mem(s.addr, n as usize));
-                    left -= n;
-                }
-                t.expect_seq = t.expect_seq.wrapping_add(1);
-                let then = Then::Receive { wr, opcode: WcOpcode::Recv, imm: f.imm(), len: f.len, seq: f.seq };
-                t.reading = Some((Placement::new(dests), then));
-            }
-            Kind::Write => {
-                let refused = self.refusal(core, &keys, &f, AccessFlags::REMOTE_WRITE, len);
-                drop(keys);
-                if let Some(code) = refused {
-                    t.expect_seq = t.expect_seq.wrapping_add(1);
-                    return self.refuse(t, &f, code);
-                }
-                let then = if f.flags & FLAG_IMM != 0 {
-                    let Some(wr) = self.take_receive(core) else {
-                        return self.refuse_not_ready(core, t, &f);
-                    };
-                    Then::Receive { wr, opcode: WcOpcode::RecvRdmaWithImm, imm: f.imm(), len: f.len, seq: f.seq }
-                } else {
-                    Then::Ack(f.seq)
-                };
-                t.expect_seq = t.expect_seq.wrapping_add(1);
-                t.reading = Some((Placement::write_to(f.raddr, f.len as usize, true), then));
-            }
-            Kind::ReadReq => {
-                let refused = self.refusal(core, &keys, &f, AccessFlags::REMOTE_READ, len);
-                drop(keys);
-                t.expect_seq = t.expect_seq.wrapping_add(1);
-                if let Some(code) = refused {
-                    return self.refuse(t, &f, code);
-                }
-                t.ack_due = None;
-                let mut resp = Frame::new(Kind::ReadResp, f.seq);
-                resp.len = f.len;
-                t.push(resp);
-                t.tx.push_mem(f.raddr, f.len as usize, f.rkey, AccessFlags::REMOTE_READ);
-            }
-            _ => {
-                // Compare-and-swap, fetch-and-add.
-                t.expect_seq = t.expect_seq.wrapping_add(1);
-                let refused = if f.raddr.is_multiple_of(8) {
-                    self.refusal(core, &keys, &f, AccessFlags::REMOTE_ATOMIC, 8)
-                } else {
-                    Some(NakCode::InvalidRequest)
-                };
-                drop(keys);
-                if let Some(code) = refused {
-                    return self.refuse(t, &f, code);
-                }
-                let cas = f.kind == Kind::CmpSwap;
-                let ran = crate::soft::peer::with_atomic_lock(
-                    &self.ctx.ctrl().header().atomic_lock,
-                    self.ctx.lock_tag,
-                    || {
-                        // SAFETY: 8 aligned bytes of a live registration granting remote atomics
-                        // (checked above under our lock, which holds off deregistration); every
-                        // atomic on this context's memory runs under this lock.
-                        let word = unsafe { &*(f.raddr as usize as *const std::sync::atomic::AtomicU64) };
-                        let old = word.load(std::sync::atomic::Ordering::Acquire);
-                        let new = if cas {
-                            if old == f.operand {
-                                f.swap
-                            } else {
-                                old
-                            }
-                        } else {
-                            old.wrapping_add(f.operand)
-                        };
-                        word.store(new, std::sync::atomic::Ordering::Release);
-                        old
-                    },
-                );
-                match ran {
-                    Ok(old) => {
-                        t.ack_due = None;
-                        let mut resp = Frame::new(Kind::AtomicResp, f.seq);
-                        resp.operand = old;
-                        t.push(resp);
-                    }
-                    Err(_) => self.refuse(t, &f, NakCode::OperationError),
-                }
-            }
-        }
-    }
-
-    /// Why a one-sided request `f` of `len` bytes needing `need` is refused, if it is: the
-    /// queue pair's access flags (an invalid request, as IBA has it), then the key, bounds,
-    /// rights and protection domain (an access error). A zero-byte read or write names no
-    /// memory: no key is checked (IBA C9-88).
-    fn refusal(
-        &self,
-        core: &QpCore,
-        keys: &crate::soft::ctx::LocalKeys,
-        f: &Frame,
-        need: AccessFlags,
-        len: u64,
-    ) -> Option<NakCode> {
-        if !core.access.contains(need) {
-            return Some(NakCode::InvalidRequest);
-        }
-        if len == 0 || keys.remote(f.rkey, f.raddr, len, need, self.pd) {
-            return None;
-        }
-        Some(NakCode::AccessError)
-    }
-
-    /// No receive for request `f`: a receiver-not-ready nak carrying our timer.
-    fn refuse_not_ready(&self, core: &QpCore, t: &mut TcpSide, f: &Frame) {
-        t.ack_due = None;
-        let mut nak = Frame::new(Kind::Nak, f.seq);
-        nak.nak = Some(NakCode::ReceiverNotReady);
-        nak.imm = core.min_rnr_timer as u32;
-        t.push(nak);
-        t.dropping_until = Some(f.seq);
-        t.reading = Some((Placement::discard(f.data_len() as usize), Then::Nothing));
-    }
-
-    /// Takes the receive the next message fills (our queue's, or the shared one's).
-    fn take_receive(&self, core: &mut QpCore) -> Option<RecvWr> {
-        match &self.srq {
-            None => core.rq.pop_front(),
-            Some(s) => s.queue.lock().expect("srq lock").pop_front(),
-        }
-    }
-
-    fn finish(&self, core: &mut QpCore, t: &mut TcpSide, then: Then, out: &mut Out) {
-        match then {
-            Then::Nothing => {}
-            Then::Ack(seq) => t.ack_due = Some(seq),
-            Then::Receive { wr, opcode, imm, len, seq } => {
-                self.count_consumed(1);
-                out.push((false, self.recv_wc(wr.wr_id, WcStatus::Success, opcode, len, imm, t.peer.qpn)));
-                t.ack_due = Some(seq);
-            }
-            Then::ReadDone => self.complete_front(core, t, WcStatus::Success),
-        }
-    }
-
-    /// A piggybacked acknowledgement: every request up to `seq` is done (reads and atomics
-    /// among them were answered before it, in stream order).
-    fn acknowledged(&self, core: &mut QpCore, t: &mut TcpSide, seq: u32, out: &mut Out) {
-        while let Some(s) = t.sent.front() {
-            if seq_before(seq, s.seq) {
-                return;
-            }
-            if !matches!(
-                s.wr.opcode,
-                WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
-            ) {
-                return self.protocol_failure(core, t, out, "a read or atomic acknowledged without its data");
-            }
-            self.complete_front(core, t, WcStatus::Success);
-        }
-    }
-
-    fn on_response(&self, core: &mut QpCore, t: &mut TcpSide, f: Frame, out: &mut Out) {
-        // Everything before it is done: only sends and writes are answered that way.
-        while let Some(s) = t.sent.front() {
-            if !seq_before(s.seq, f.seq) {
-                break;
-            }
-            if !matches!(
-                s.wr.opcode,
-                WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
-            ) {
-                return self.protocol_failure(core, t, out, "a read or atomic left unanswered");
-            }
-            self.complete_front(core, t, WcStatus::Success);
-        }
-        let Some(s) = t.sent.front() else {
-            // Answers to requests flushed meanwhile; nothing else is acceptable.
-            if f.kind == Kind::Ack {
-                return;
-            }
-            return self.protocol_failure(core, t, out, &format!("a {:?} for no request", f.kind));
-        };
-        if s.seq != f.seq {
-            if f.kind == Kind::Ack {
-                return; // an ack for requests already completed by a later answer
-            }
-            return self.protocol_failure(
-                core,
-                t,
-                out,
-                &format!("an answer for request {} where {} is due", f.seq, s.seq),
-            );
-        }
-        let opcode = s.wr.opcode;
-        match f.kind {
-            Kind::Ack => {
-                if matches!(opcode, WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd) {
-                    return self.protocol_failure(core, t, out, "a read or atomic acknowledged without its data");
-                }
-                self.complete_front(core, t, WcStatus::Success);
-            }
-            Kind::ReadResp => {
-                if opcode != WrOpcode::RdmaRead || f.len as u64 != s.wr.byte_len() {
-                    return self.protocol_failure(core, t, out, "a read response that does not match its request");
-                }
-                let keys = self.keys(core);
-                let ok = keys.check_all(&s.wr.sg_list, AccessFlags::LOCAL_WRITE, self.pd);
-                drop(keys);
-                if !ok {
-                    t.reading = Some((Placement::discard(f.len as usize), Then::Nothing));
-                    self.complete_front(core, t, WcStatus::LocProtErr);
-                    return self.fail(core, t, out);
-                }
-                let dests: smallvec::SmallVec<[Dest; 4]> =
-                    s.wr.sg_list.iter().map(|g| Dest::Mem(g.addr, g.length as usize)).collect();
-                t.reading = Some((Placement::new(dests), Then::ReadDone));
-            }
-            Kind::AtomicResp => {
-                if !opcode.is_atomic() {
-                    return self.protocol_failure(core, t, out, "an atomic response to another request");
-                }
-                let g = s.wr.sg_list[0];
-                let keys = self.keys(core);
-                let bytes = f.operand.to_ne_bytes();
-                // SAFETY: 8 bytes of a checked local registration with local write.
-                let ok = keys.check(g.lkey, g.addr, 8, AccessFlags::LOCAL_WRITE, self.pd)
-                    && unsafe { local_copy(g.addr as usize as *mut u8, bytes.as_ptr(), 8) };
-                drop(keys);
-                self.complete_front(core, t, if ok { WcStatus::Success } else { WcStatus::LocProtErr });
-                if !ok {
-                    self.fail(core, t, out);
-                }
-            }
-            _ => match f.nak.expect("decoded naks carry a code") {
-                NakCode::ReceiverNotReady => {
-                    let naks = match &t.rnr {
-                        Some(r) if r.seq == f.seq => r.naks + 1,
-                        _ => 1,
-                    };
-                    if core.rts.rnr_retry != 7 && naks > core.rts.rnr_retry as u32 {
-                        self.complete_front(core, t, WcStatus::RnrRetryExcErr);
-                        return self.fail(core, t, out);
-                    }
-                    let timer = rnr_timer_duration(f.imm as u8);
-                    t.rnr = Some(Rnr { seq: f.seq, naks, resend_at: Some(Instant::now() + timer) });
-                    t.set_urgent(true);
-                }
-                code => {
-                    let st = match code {
-                        NakCode::InvalidRequest => status::REM_INV_REQ,
-                        NakCode::AccessError => status::REM_ACCESS,
-                        _ => status::REM_OP,
-                    };
-                    self.complete_front(core, t, status_of(st));
-                    self.fail(core, t, out);
-                }
-            },
-        }
-    }
-
-    /// Puts back the receive that a message cut short had taken, so that it is flushed (or
-    /// filled later) rather than lost.
-    fn restore_receive(&self, core: &mut QpCore, t: &mut TcpSide) {
-        if let Some((_, Then::Receive { wr, .. })) = t.reading.take() {
-            match &self.srq {
-                None => core.rq.push_front(wr),
-                Some(s) => s.queue.lock().expect("srq lock").push_front(wr),
-            }
-        }
-    }
-
-    /// The request at the head of `sent` finished with `st`.
-    fn complete_front(&self, core: &mut QpCore, t: &mut TcpSide, st: WcStatus) {
-        if t.sent.pop_front().is_none() {
-            return;
-        }
-        if t.rnr.is_some() && st.is_success() {
-            t.rnr = None;
-            t.set_urgent(false);
-        }
-        if let Some(e) = core.sq.iter_mut().find(|e| e.stage == SqStage::OnWire) {
-            e.stage = SqStage::Done(st);
         }
     }
 
@@ -1031,51 +595,6 @@ impl QpInner {
         self.publish_peek(&core);
         self.hand_out(cq, sink, &out);
         drop(core);
-    }
-}
-
-/// Queues the frame of a request, its data gathered from where it is.
-fn emit(t: &mut TcpSide, s: &Sent) {
-    let wr = &s.wr;
-    let mut f = Frame::new(Kind::Send, s.seq);
-    f.raddr = wr.remote_addr;
-    f.rkey = wr.rkey;
-    let carries_data = match wr.opcode {
-        WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => {
-            f.kind = if matches!(wr.opcode, WrOpcode::Send | WrOpcode::SendWithImm) { Kind::Send } else { Kind::Write };
-            if matches!(wr.opcode, WrOpcode::SendWithImm | WrOpcode::RdmaWriteWithImm) {
-                f.flags = FLAG_IMM;
-                f.imm = wr.imm;
-            }
-            true
-        }
-        WrOpcode::RdmaRead => {
-            f.kind = Kind::ReadReq;
-            false
-        }
-        WrOpcode::AtomicCmpAndSwp => {
-            f.kind = Kind::CmpSwap;
-            f.operand = wr.compare_add;
-            f.swap = wr.swap;
-            false
-        }
-        WrOpcode::AtomicFetchAndAdd => {
-            f.kind = Kind::FetchAdd;
-            f.operand = wr.compare_add;
-            false
-        }
-    };
-    f.len = if wr.opcode.is_atomic() { 0 } else { wr.byte_len() as u32 };
-    t.push(f);
-    if carries_data {
-        match &s.inline {
-            Some(bytes) => t.tx.push_bytes(bytes),
-            None => {
-                for g in &wr.sg_list {
-                    t.tx.push_mem(g.addr, g.length as usize, g.lkey, AccessFlags::NONE);
-                }
-            }
-        }
     }
 }
 
