@@ -1,18 +1,19 @@
 //! A queue pair over the TCP transport: the requester and responder of the verbs carried as
 //! frames (`soft::tcp::frame`) on one connection per queue-pair pair.
 //!
-//! - Requester (`requester`): every request gets the next sequence number and goes out as one frame, its
-//!   data gathered from registered memory by the kernel (`sendmsg`). It stays in `sent` until
-//!   its response: acknowledgements are cumulative (an ack, read response, atomic response or
-//!   nak for sequence `s` also completes every send and write before `s`), so completions come
-//!   in posting order as on an RC queue pair. A receiver-not-ready nak rewinds: after the
-//!   responder's timer, everything from the nak'd request is sent again, `rnr_retry` times.
-//! - Responder (`responder`): requests are taken in sequence order; the checks are the ring transport's
-//!   (receive capacity, local keys of receives, the queue pair's access flags, remote keys with
-//!   rights, bounds and protection domain); data is read straight into the target (a write's
-//!   last 8 bytes after the rest). After refusing a request it drops everything until that
-//!   request comes again (only a receiver-not-ready one does), as a responder drops packets
-//!   after a nak.
+//! - Requester (`requester`): every request gets the next sequence number and goes out as one
+//!   frame, its data gathered from registered memory by the kernel (`sendmsg`). It stays in
+//!   `sent` until its response: acknowledgements are cumulative (an ack, a read or atomic
+//!   response, a nak, or an ack riding on any frame, for sequence `s` also completes every send
+//!   and write before `s`), so completions come in posting order as on an RC queue pair. A
+//!   receiver-not-ready nak rewinds: after the responder's timer, everything from the nak'd
+//!   request is sent again, `rnr_retry` times.
+//! - Responder (`responder`): requests are taken in sequence order; the checks are the ring
+//!   transport's (receive capacity, local keys of receives, the queue pair's access flags,
+//!   remote keys with rights, bounds and protection domain); data is read straight into the
+//!   target (a write's last 8 bytes after the rest). After refusing a request it drops
+//!   everything until that request comes again (only a receiver-not-ready one does), as a
+//!   responder drops packets after a nak.
 //! - Liveness: a closed connection, a peer silent past `SoftConfig::tcp_timeout` (idle
 //!   connections carry keep-alives) or a process gone fails the queue pair; an orderly `Bye`
 //!   (the peer's queue pair destroyed or in error) fails it only if requests are outstanding.
