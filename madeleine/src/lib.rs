@@ -38,6 +38,7 @@
 //! never sleeps). The library never calls `may::config()` and never requires coroutines.
 
 mod channel;
+mod pmix;
 mod probe;
 pub mod rendezvous;
 mod session;

@@ -32,6 +32,12 @@ pub struct SessionConfig {
     /// one host still talk through shared memory; pairs on different hosts over the software
     /// provider's TCP transport (or the hardware provider).
     pub root: Option<std::net::SocketAddr>,
+    /// Meet through the launcher's PMIx server (`MAD_BOOTSTRAP=pmix`: Open MPI's `mpirun`,
+    /// `srun --mpi=pmix`): every rank publishes the TCP address it listens on, at `listen_ip`
+    /// (`MAD_LISTEN_IP`; default: the source address of this host's default route).
+    pub pmix: bool,
+    /// The IP a rank publishes for its peers when meeting through PMIx.
+    pub listen_ip: Option<std::net::IpAddr>,
     /// This job's key, sent in every connection handshake: a rank of another job that finds
     /// our sockets (the same directory, by mistake) is turned away, never connected. From the
     /// launcher's job id in `from_env`; empty by default.
@@ -71,6 +77,8 @@ impl SessionConfig {
             size,
             rendezvous_dir: rendezvous_dir.into(),
             root: None,
+            pmix: false,
+            listen_ip: None,
             job: String::new(),
             strategy: FlowStrategy::POLLED,
             timeout: Duration::from_secs(30),
@@ -131,6 +139,14 @@ impl SessionConfig {
         };
         let mut cfg = SessionConfig::new(rank, size, dir);
         cfg.job = job;
+        match get("MAD_BOOTSTRAP")?.as_deref() {
+            None | Some("dir") | Some("root") => {}
+            Some("pmix") => cfg.pmix = true,
+            Some(v) => return Err(MadError::Invalid(format!("MAD_BOOTSTRAP={v:?}: dir, root or pmix"))),
+        }
+        if let Some(ip) = get("MAD_LISTEN_IP")? {
+            cfg.listen_ip = Some(ip.parse().map_err(|_| MadError::Invalid(format!("MAD_LISTEN_IP={ip:?}: an IP")))?);
+        }
         if let Some(root) = get("MAD_ROOT")? {
             use std::net::ToSocketAddrs;
             let addr = root.to_socket_addrs().ok().and_then(|mut a| a.next());
@@ -219,6 +235,15 @@ impl Session {
                     addr: local,
                 };
                 let table = crate::rendezvous::exchange(root, me, cfg.timeout)?;
+                (listener, table.into_iter().map(cm::CmAddr::Tcp).collect())
+            }
+            None if cfg.pmix => {
+                let listener = cm::Listener::bind(&cm::CmAddr::Tcp(std::net::SocketAddr::from(([0, 0, 0, 0], 0))))?;
+                let cm::CmAddr::Tcp(local) = listener.local_addr().clone() else {
+                    unreachable!("a TCP listener has a TCP address")
+                };
+                let ip = cfg.listen_ip.unwrap_or_else(crate::pmix::local_ip);
+                let table = crate::pmix::exchange(std::net::SocketAddr::new(ip, local.port()), cfg.rank, cfg.size)?;
                 (listener, table.into_iter().map(cm::CmAddr::Tcp).collect())
             }
             None => {

@@ -91,12 +91,18 @@ fn have_mpirun() -> bool {
 /// Starts `mpirun -np <ranks>` of the ring example (bounded by `timeout 120`), with no
 /// Madeleine variable set but `MAD_RENDEZVOUS` if given.
 fn mpirun_ring(ranks: usize, rendezvous: Option<&std::path::Path>) -> Child {
+    mpirun_ring_with(ranks, rendezvous, &[])
+}
+
+/// [`mpirun_ring`] with more `mpirun` arguments.
+fn mpirun_ring_with(ranks: usize, rendezvous: Option<&std::path::Path>, extra: &[&str]) -> Child {
     let mut c = Command::new("timeout");
     c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()])
+        .args(extra)
         .arg(env!("CARGO_BIN_EXE_mad_ring"))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    for v in ["MAD_RANK", "MAD_SIZE", "MAD_RENDEZVOUS", "MAD_JOB"] {
+    for v in ["MAD_RANK", "MAD_SIZE", "MAD_RENDEZVOUS", "MAD_JOB", "MAD_BOOTSTRAP", "MAD_ROOT"] {
         c.env_remove(v);
     }
     if let Some(dir) = rendezvous {
@@ -137,6 +143,25 @@ fn two_mpirun_jobs_at_once_stay_apart() {
         for job in jobs {
             ring_succeeded(job, 2);
         }
+    }
+}
+
+/// With `MAD_BOOTSTRAP=pmix`, the ranks of an `mpirun` job meet through its PMIx server (each
+/// publishes its TCP address; the job could span hosts), two jobs at once staying apart.
+#[test]
+fn mpirun_jobs_meet_through_pmix() {
+    if have_mpirun() {
+        let jobs = [
+            mpirun_ring_with(3, None, &["-x", "MAD_BOOTSTRAP=pmix"]),
+            mpirun_ring_with(2, None, &["-x", "MAD_BOOTSTRAP=pmix"]),
+        ];
+        ring_succeeded_all(jobs, [3, 2]);
+    }
+}
+
+fn ring_succeeded_all<const N: usize>(jobs: [Child; N], ranks: [usize; N]) {
+    for (job, n) in jobs.into_iter().zip(ranks) {
+        ring_succeeded(job, n);
     }
 }
 
