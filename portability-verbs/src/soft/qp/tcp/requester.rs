@@ -101,33 +101,41 @@ impl QpInner {
     /// A piggybacked acknowledgement: every request up to `seq` is done (reads and atomics
     /// among them were answered before it, in stream order).
     pub(super) fn acknowledged(&self, core: &mut QpCore, t: &mut TcpSide, seq: u32, out: &mut Out) {
+        let why = "a read or atomic acknowledged without its data";
+        self.complete_acknowledged(core, t, out, |s| !seq_before(seq, s), why);
+    }
+
+    /// Completes the sends and writes at the head of `sent` whose sequence `done` accepts (an
+    /// acknowledgement covers them, or a later request's answer). A read or atomic among them
+    /// never got its own answer: a protocol failure (`why`), and false.
+    fn complete_acknowledged(
+        &self,
+        core: &mut QpCore,
+        t: &mut TcpSide,
+        out: &mut Out,
+        done: impl Fn(u32) -> bool,
+        why: &str,
+    ) -> bool {
         while let Some(s) = t.sent.front() {
-            if seq_before(seq, s.seq) {
-                return;
+            if !done(s.seq) {
+                return true;
             }
             if !matches!(
                 s.wr.opcode,
                 WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
             ) {
-                return self.protocol_failure(core, t, out, "a read or atomic acknowledged without its data");
+                self.protocol_failure(core, t, out, why);
+                return false;
             }
             self.complete_front(core, t, WcStatus::Success);
         }
+        true
     }
 
     pub(super) fn on_response(&self, core: &mut QpCore, t: &mut TcpSide, f: Frame, out: &mut Out) {
         // Everything before it is done: only sends and writes are answered that way.
-        while let Some(s) = t.sent.front() {
-            if !seq_before(s.seq, f.seq) {
-                break;
-            }
-            if !matches!(
-                s.wr.opcode,
-                WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
-            ) {
-                return self.protocol_failure(core, t, out, "a read or atomic left unanswered");
-            }
-            self.complete_front(core, t, WcStatus::Success);
+        if !self.complete_acknowledged(core, t, out, |s| seq_before(s, f.seq), "a read or atomic left unanswered") {
+            return;
         }
         let Some(s) = t.sent.front() else {
             // Answers to requests flushed meanwhile; nothing else is acceptable.

@@ -33,13 +33,7 @@ impl QpInner {
                     return self.refuse_not_ready(core, t, &f);
                 };
                 if len > wr.capacity() {
-                    out.push((
-                        false,
-                        self.recv_wc(wr.wr_id, WcStatus::LocLenErr, WcOpcode::Recv, f.len, None, t.peer.qpn),
-                    ));
-                    self.count_consumed(1);
-                    self.refuse(t, &f, NakCode::InvalidRequest);
-                    return self.fail(core, t, out);
+                    return self.fail_receive(core, t, &f, &wr, WcStatus::LocLenErr, NakCode::InvalidRequest, out);
                 }
                 let mut dests = smallvec::SmallVec::<[Dest; 4]>::new();
                 let mut left = len;
@@ -50,13 +44,7 @@ impl QpInner {
                     let n = left.min(s.length as u64);
                     if !keys.check(s.lkey, s.addr, n, AccessFlags::LOCAL_WRITE, self.pd) {
                         drop(keys);
-                        out.push((
-                            false,
-                            self.recv_wc(wr.wr_id, WcStatus::LocProtErr, WcOpcode::Recv, f.len, None, t.peer.qpn),
-                        ));
-                        self.count_consumed(1);
-                        self.refuse(t, &f, NakCode::OperationError);
-                        return self.fail(core, t, out);
+                        return self.fail_receive(core, t, &f, &wr, WcStatus::LocProtErr, NakCode::OperationError, out);
                     }
                     dests.push(Dest::Mem(s.addr, n as usize));
                     left -= n;
@@ -163,6 +151,25 @@ impl QpInner {
             return None;
         }
         Some(NakCode::AccessError)
+    }
+
+    /// A send that the receive `wr` cannot take (too long, or its memory refused): the receive
+    /// completes with `status`, the requester is refused with `code`, the queue pair fails.
+    #[allow(clippy::too_many_arguments)]
+    fn fail_receive(
+        &self,
+        core: &mut QpCore,
+        t: &mut TcpSide,
+        f: &Frame,
+        wr: &RecvWr,
+        status: WcStatus,
+        code: NakCode,
+        out: &mut Out,
+    ) {
+        out.push((false, self.recv_wc(wr.wr_id, status, WcOpcode::Recv, f.len, None, t.peer.qpn)));
+        self.count_consumed(1);
+        self.refuse(t, f, code);
+        self.fail(core, t, out);
     }
 
     /// No receive for request `f`: a receiver-not-ready nak carrying our timer.
