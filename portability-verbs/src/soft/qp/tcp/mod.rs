@@ -100,8 +100,13 @@ impl Drop for Conn {
             e.unregister(&self.sock, self.token);
         }
         let _ = self.sock.shutdown(std::net::Shutdown::Write);
+        // What is there now, bounded: a peer that keeps sending cannot hold the caller here.
         let mut sink = [0u8; 4096];
-        while matches!(std::io::Read::read(&mut &self.sock, &mut sink), Ok(n) if n > 0) {}
+        for _ in 0..256 {
+            if !matches!(std::io::Read::read(&mut &self.sock, &mut sink), Ok(n) if n > 0) {
+                break;
+            }
+        }
     }
 }
 
