@@ -176,11 +176,17 @@ fn madrun_starts_a_job_and_ends_it_when_a_rank_fails() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && stdout.contains("[0] ring of 3 ranks: ok"), "{}\n{stdout}", out.status);
+    // Rank 1 fails once rank 0 is up (a file says so; 5 s at most), so that both said it.
+    let flag = std::env::temp_dir().join(format!("madrun-up-{}", std::process::id()));
+    let script = "echo up; if [ \"$MAD_RANK\" = 1 ]; then for i in $(seq 500); do [ -e \"$0\" ] && break; \
+                  sleep 0.01; done; exit 3; fi; touch \"$0\"; sleep 60";
     let start = Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_madrun"))
-        .args(["-n", "2", "/bin/sh", "-c", "echo up; [ \"$MAD_RANK\" = 1 ] && exit 3; sleep 60"])
+        .args(["-n", "2", "/bin/sh", "-c", script])
+        .arg(&flag)
         .output()
         .unwrap();
+    let _ = std::fs::remove_file(&flag);
     assert_eq!(out.status.code(), Some(1));
     assert!(start.elapsed() < Duration::from_secs(10), "the other rank was not ended");
     let stdout = String::from_utf8_lossy(&out.stdout);
