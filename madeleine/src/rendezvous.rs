@@ -174,6 +174,8 @@ fn serve(root: SocketAddr, me: Registration, deadline: Instant) -> Result<Vec<So
                 t[0].set_ip(local.ip());
             }
         }
+        // A rank that stops reading cannot hold the root (and so the job) here.
+        s.set_write_timeout(Some(Duration::from_secs(5))).map_err(io("sending the table"))?;
         s.write_all(&encode_table(&t)).map_err(io("sending the table"))?;
     }
     if table[0].ip().is_unspecified() {

@@ -355,7 +355,8 @@ impl QpInner {
             }
             return;
         }
-        let now = Instant::now();
+        // A poller's pass was just stamped (`tcp_progress`): one clock read per poll.
+        let now = if by_poller { t.last_poll } else { Instant::now() };
         for _ in 0..FRAMES_PER_PASS {
             let Some(c) = &t.conn else { break };
             if let Some((p, _)) = &mut t.reading {
@@ -452,6 +453,13 @@ impl QpInner {
     /// A request of ours failed: the queue pair goes to error (flushing the rest) and the
     /// connection closes with a `Bye`.
     fn fail(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
+        self.shut(core, t);
+        self.enter_error(core, out);
+    }
+
+    /// Ends the connection (a `Bye` after what is queued, if it still stands) and forgets the
+    /// requests on it; a receive a message cut short had taken goes back to its queue.
+    fn shut(&self, core: &mut QpCore, t: &mut TcpSide) {
         self.restore_receive(core, t);
         if !t.gone {
             let keys = self.keys(core);
@@ -459,7 +467,6 @@ impl QpInner {
         }
         t.sent.clear();
         t.rnr = None;
-        self.enter_error(core, out);
     }
 
     fn protocol_failure(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out, why: &str) {
@@ -566,20 +573,14 @@ impl QpInner {
     /// telling the peer.
     pub(super) fn tcp_close(&self, core: &mut QpCore) {
         if let Some(mut t) = core.tcp.take() {
-            let keys = self.keys(core);
-            t.close(|k, a, l, need| keys.check(k, a, l, need, self.pd));
+            self.shut(core, &mut t);
         }
     }
 
     /// Closes the connection of a queue pair that went to error (its peer learns at once).
     pub(super) fn tcp_error(&self, core: &mut QpCore) {
         if let Some(mut t) = core.tcp.take() {
-            self.restore_receive(core, &mut t);
-            if !t.gone {
-                let keys = self.keys(core);
-                t.close(|k, a, l, need| keys.check(k, a, l, need, self.pd));
-            }
-            t.sent.clear();
+            self.shut(core, &mut t);
             core.tcp = Some(t);
         }
     }
