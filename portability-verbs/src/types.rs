@@ -136,6 +136,17 @@ pub struct SendFlags {
     /// stores (see [`crate::copy::copy_streaming`] for when that pays); a NIC ignores it. It
     /// never changes what the request does.
     pub streaming: bool,
+    /// For RDMA writes without immediate: complete once the provider no longer
+    /// reads the request's local buffers, which may be before the target has the data
+    /// (libfabric's `FI_INJECT_COMPLETE`). The data still lands, in order, unless the
+    /// connection fails, which then fails the queue pair as usual. Over the software
+    /// provider's TCP transport that saves a round trip per request for a caller that waits
+    /// for its buffer (the data is in the kernel's socket buffer); elsewhere a write completes
+    /// as it always does (shared memory places it at once; a NIC reports the target's
+    /// acknowledgement). Other requests ignore it (a write with immediate takes a receive at
+    /// the target, which may refuse it for want of one and have it sent again from its
+    /// buffer).
+    pub inject_complete: bool,
 }
 
 /// A send-queue work request.
@@ -239,6 +250,12 @@ impl SendWr {
     #[inline]
     pub fn streaming(mut self, streaming: bool) -> Self {
         self.flags.streaming = streaming;
+        self
+    }
+    /// Sets [`SendFlags::inject_complete`].
+    #[inline]
+    pub fn inject_complete(mut self, on: bool) -> Self {
+        self.flags.inject_complete = on;
         self
     }
     /// Total bytes named by the SGE list.

@@ -437,6 +437,43 @@ fn inline_list_writes_land_their_parts_end_to_end_and_report_as_writes() {
     });
 }
 
+/// A write asking to complete at injection (`SendFlags::inject_complete`) lands whole and in
+/// order with what follows it, its buffer reusable once it completed, and keeps its place in
+/// the completion order behind a request that waits for its answer.
+#[test]
+fn writes_completed_at_injection_land_in_order() {
+    each(|ctx| {
+        let p = pair(ctx, 1 << 16);
+        for round in 0..8u64 {
+            let want = pattern(round, 8192);
+            p.mr_a.write(0, &want);
+            let wr = SendWr::write(round, &[p.mr_a.sge(0, 8192)], p.mr_b.addr() + 8192, p.mr_b.rkey());
+            p.a.post_send(&[wr.inject_complete(true)]).unwrap();
+            assert_eq!(wait_one(&p.cq_a).wr_id, round);
+            p.mr_a.write(0, &[0xEE; 8192]); // reusable once completed
+                                            // A send behind it finds the write's data in place.
+            p.b.post_recv(&[RecvWr::new(round, &[p.mr_b.sge(0, 8)])]).unwrap();
+            p.a.post_send(&[SendWr::send(100 + round, &[p.mr_a.sge(0, 8)])]).unwrap();
+            assert_eq!(wait_one(&p.cq_b).wr_id, round);
+            assert_eq!(wait_one(&p.cq_a).wr_id, 100 + round);
+            let mut got = vec![0u8; 8192];
+            p.mr_b.read(8192, &mut got);
+            assert_eq!(got, want, "round {round}");
+        }
+        // Behind a send waiting for its receive: completes after it.
+        p.a.post_send(&[SendWr::send(20, &[p.mr_a.sge(0, 4)])]).unwrap();
+        let wr = SendWr::write(21, &[p.mr_a.sge(0, 64)], p.mr_b.addr() + 4096, p.mr_b.rkey());
+        p.a.post_send(&[wr.inject_complete(true)]).unwrap();
+        assert_quiet(&p.cq_a, Duration::from_millis(30));
+        p.b.post_recv(&[RecvWr::new(2, &[p.mr_b.sge(0, 64)])]).unwrap();
+        let wcs = wait_n(&p.cq_a, 2);
+        assert_eq!(
+            wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+            [(20, WcStatus::Success), (21, WcStatus::Success)]
+        );
+    });
+}
+
 /// A zero-byte read or write names no memory, so the responder validates neither key nor
 /// address (IBA C9-88): the usual keep-alive, or a fence whose completion covers earlier
 /// unsignaled requests. The QP's own remote-access rights still apply.

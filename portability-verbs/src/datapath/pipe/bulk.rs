@@ -129,7 +129,10 @@ impl MsgPipe {
             let imm = total as u32 | IMM_BULK | if place.wrapped { IMM_WRAPPED } else { 0 };
             SendWr::write_with_imm(0, &sges, peer.addr + place.offset, peer.rkey, imm)
         };
-        let wr = SendWr { flags: SendFlags { streaming: self.bulk_streaming, ..wr.flags }, ..wr };
+        // The chunk's buffers are free once the provider wrote them out: the ring's flow
+        // control says when the peer has read the chunk.
+        let wr =
+            SendWr { flags: SendFlags { streaming: self.bulk_streaming, inject_complete: true, ..wr.flags }, ..wr };
         match self.post_user(wr) {
             Ok(token) => {
                 if credit {

@@ -124,7 +124,7 @@ impl MsgPipe {
     #[inline]
     pub(super) fn post_inline_counted(&mut self, wr: SendWr) -> Result<()> {
         self.post_counted(|qp, wr_id, signaled| {
-            let mut wr = wr.inline(true).signaled(signaled);
+            let mut wr = wr.inline(true).signaled(signaled).inject_complete(true);
             wr.wr_id = wr_id;
             qp.post_send(&[wr])
         })
@@ -220,7 +220,10 @@ impl MsgPipe {
         let sge = b.sge();
         let inline = sge.length as usize <= self.inline_max;
         let id = staged_wr_id(b.into_index(), self.unsignaled + 1);
-        self.qp.post_send(&[SendWr::write(id, &[sge], peer.addr + place.offset, peer.rkey).inline(inline)])?;
+        // Its staging buffer is free once the provider wrote it out (the ring's flow control,
+        // not this completion, says when the peer has read it).
+        let wr = SendWr::write(id, &[sge], peer.addr + place.offset, peer.rkey).inline(inline).inject_complete(true);
+        self.qp.post_send(&[wr])?;
         self.unsignaled = 0;
         self.outstanding += 1;
         self.stats.transfers += 1;

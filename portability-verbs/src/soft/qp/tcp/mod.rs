@@ -415,7 +415,7 @@ impl QpInner {
     fn flush(&self, core: &mut QpCore, t: &mut TcpSide, out: &mut Out) {
         let Some(c) = &t.conn else { return };
         if t.tx.is_empty() {
-            return;
+            return self.complete_injected(core, t);
         }
         let keys = self.keys(core);
         let r = t.tx.flush(&c.sock, |k, a, l, need| keys.check(k, a, l, need, self.pd));
@@ -424,6 +424,9 @@ impl QpInner {
             Ok(all) => {
                 t.last_tx = Instant::now();
                 t.engine_writes(!all);
+                if all {
+                    self.complete_injected(core, t);
+                }
             }
             Err(TxError::Io(e)) => self.lost(core, t, out, &e.to_string(), false),
             Err(TxError::Unregistered) => {
@@ -737,6 +740,53 @@ mod tests {
         r.len = 16;
         f.peer.write_all(&r.encode()).unwrap();
         f.peer.write_all(&[7u8; 16]).unwrap();
+        wait_for_error(&f);
+    }
+
+    /// Polls until `n` completions came (or 10 s passed) and returns their ids.
+    fn completions(f: &Fake, n: usize) -> Vec<u64> {
+        let mut ids = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while ids.len() < n && Instant::now() < deadline {
+            let mut wc = [WorkCompletion::EMPTY; 4];
+            let n = f.cq.poll(&mut wc).unwrap();
+            for c in &wc[..n] {
+                assert_eq!(c.status, WcStatus::Success, "{c:?}");
+                ids.push(c.wr_id);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        ids
+    }
+
+    #[test]
+    fn a_write_completed_at_injection_needs_no_answer_but_keeps_posting_order() {
+        let mut f = fake();
+        let mut data = [0u8; 64];
+        // A plain write waits for its acknowledgement, and holds back the one behind it.
+        f.qp.post_send(&[SendWr::write(1, &[f.mr.sge(0, 64)], 0x1000, 5)]).unwrap();
+        f.qp.post_send(&[SendWr::write(2, &[f.mr.sge(64, 64)], 0x1000, 5).inject_complete(true)]).unwrap();
+        let first = next_frame(&mut f.peer);
+        f.peer.read_exact(&mut data).unwrap();
+        assert_eq!(next_frame(&mut f.peer).kind, Kind::Write);
+        f.peer.read_exact(&mut data).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let mut wc = [WorkCompletion::EMPTY; 4];
+        assert_eq!(f.cq.poll(&mut wc).unwrap(), 0, "nothing completes before the first write's answer");
+        f.peer.write_all(&Frame::new(Kind::Ack, first.seq).encode()).unwrap();
+        assert_eq!(completions(&f, 2), [1, 2]);
+        // Alone, it completes while the peer says nothing.
+        f.qp.post_send(&[SendWr::write(3, &[f.mr.sge(0, 64)], 0x1000, 5).inject_complete(true)]).unwrap();
+        let third = next_frame(&mut f.peer);
+        f.peer.read_exact(&mut data).unwrap();
+        assert_eq!(completions(&f, 1), [3]);
+        // The peer acknowledging it later is no news; refusing it fails the queue pair.
+        f.peer.write_all(&Frame::new(Kind::Ack, third.seq).encode()).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(f.qp.state(), QpState::ReadyToSend);
+        let mut nak = Frame::new(Kind::Nak, third.seq);
+        nak.nak = Some(NakCode::AccessError);
+        f.peer.write_all(&nak.encode()).unwrap();
         wait_for_error(&f);
     }
 }

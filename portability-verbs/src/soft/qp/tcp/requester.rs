@@ -132,10 +132,41 @@ impl QpInner {
         true
     }
 
+    /// Completes the writes at the head of `sent` that asked to complete once their buffers
+    /// are free ([`crate::SendFlags::inject_complete`]): called when everything queued was
+    /// written to the socket, so no frame reads the caller's memory any more. In posting
+    /// order: a request ahead of them that waits for its answer (a send the receiver may
+    /// refuse and have sent again, a read, an atomic, a plain write) holds them back. Their
+    /// acknowledgement, later, finds them gone.
+    pub(super) fn complete_injected(&self, core: &mut QpCore, t: &mut TcpSide) {
+        debug_assert!(t.tx.is_empty());
+        while let Some(s) = t.sent.front() {
+            // (A write with immediate takes a receive at the target, which may refuse it for
+            // want of one and have it sent again from its buffer: it waits for its answer.)
+            if !(s.wr.opcode == WrOpcode::RdmaWrite && s.wr.flags.inject_complete) || t.rnr.is_some() {
+                return;
+            }
+            self.complete_front(core, t, WcStatus::Success);
+        }
+    }
+
+    /// Whether request `seq` was sent and is no longer kept: a write completed at injection
+    /// (answers to every other request complete it, and come once).
+    fn was_injected(&self, t: &TcpSide, seq: u32) -> bool {
+        seq_before(seq, t.next_seq) && t.sent.front().is_none_or(|s| seq_before(seq, s.seq))
+    }
+
     pub(super) fn on_response(&self, core: &mut QpCore, t: &mut TcpSide, f: Frame, out: &mut Out) {
         // Everything before it is done: only sends and writes are answered that way.
         if !self.complete_acknowledged(core, t, out, |s| seq_before(s, f.seq), "a read or atomic left unanswered") {
             return;
+        }
+        if f.kind == Kind::Nak && self.was_injected(t, f.seq) {
+            // The target refused a write that completed when it was written to the socket: the
+            // caller was told it succeeded, so the queue pair must fail (as when the
+            // connection breaks after such a completion).
+            log::error!("QP {}: the target refused a write completed at injection ({:?})", self.qpn, f.nak);
+            return self.fail(core, t, out);
         }
         let Some(s) = t.sent.front() else {
             // Answers to requests flushed meanwhile; nothing else is acceptable.
