@@ -33,9 +33,10 @@
 //! [`Channel::begin_packing`] to that rank (once, naming the message and what differed); the
 //! connection goes on.
 //!
-//! Blocking waits yield to the `may` scheduler inside a coroutine, and spin then sleep on an OS
-//! thread, for [`SessionConfig::spin`] (200 us by default; zero sleeps at once, `Duration::MAX`
-//! never sleeps). The library never calls `may::config()` and never requires coroutines.
+//! Blocking waits yield to the `may` scheduler inside a coroutine; on an OS thread they poll
+//! while the thread has a CPU to itself and sleep on completion events while more threads are
+//! ready to run than there are CPUs ([`Spin::Adaptive`], the default of
+//! [`SessionConfig::spin`]), or spin for a fixed time ([`Spin::For`]). The library never calls `may::config()` and never requires coroutines.
 
 mod channel;
 mod pmix;
@@ -46,7 +47,7 @@ mod wait;
 pub mod wire;
 
 pub use channel::{Channel, LaterPack, Packer, PendingSend, Unpacker};
-pub use session::{Session, SessionConfig};
+pub use session::{Session, SessionConfig, Spin};
 
 use portability_verbs::VerbsError;
 

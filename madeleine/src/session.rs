@@ -60,13 +60,25 @@ pub struct SessionConfig {
     /// are copied through it in chunks of a quarter of it, the sender's copy in and the
     /// receiver's copy out overlapping (`MAD_BULK_RING` in `from_env`).
     pub bulk_ring_bytes: usize,
-    /// How long a blocking call on an OS thread polls before it sleeps on the connections'
-    /// completion queues (a coroutine yields instead). Waking a sleeping thread costs about
-    /// 30 us here against 0.3 us for a polled message, so the default, 200 us, spins through
-    /// the usual gaps of a busy exchange and sleeps through idle ones. `Duration::ZERO` sleeps
-    /// at once (more ranks than cores); `Duration::MAX` never sleeps (a core per waiting
-    /// thread, the lowest latency). `MAD_SPIN_US` in `from_env`.
-    pub spin: Duration,
+    /// How a blocking call on an OS thread waits (a coroutine yields instead): by default it
+    /// polls while its thread has a CPU to itself and sleeps on the connections' completion
+    /// queues while more threads are ready to run than there are CPUs; or it spins for a fixed
+    /// time. `MAD_SPIN_US` in `from_env`.
+    pub spin: Spin,
+}
+
+/// How a blocking call on an OS thread waits for its event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spin {
+    /// Poll while the thread has a CPU to itself (for up to 10 ms, after which a wake-up costs
+    /// about 1% of the wait); while threads ready to run outnumber the CPUs (more ranks or
+    /// threads than cores, looked at every millisecond), yield the CPU at every poll and sleep
+    /// after 1 ms. Waking a sleeping thread costs 30-100 us here against 0.3 us for a polled
+    /// message: `benches/src/bin/mad_waiting.rs` measures the choice (docs/PERFORMANCE.md).
+    Adaptive,
+    /// Poll this long, then sleep: `Duration::ZERO` sleeps at once, `Duration::MAX` never
+    /// sleeps.
+    For(Duration),
 }
 
 impl SessionConfig {
@@ -85,7 +97,7 @@ impl SessionConfig {
             wait_limit: None,
             rendezvous_threshold: None,
             bulk_ring_bytes: 2 << 20,
-            spin: crate::wait::DEFAULT_SPIN,
+            spin: Spin::Adaptive,
         }
     }
 
@@ -175,14 +187,16 @@ impl SessionConfig {
     }
 }
 
-/// A spin phase as `MAD_SPIN_US` gives it: microseconds, or `max` to never sleep.
-fn parse_spin(v: &str) -> Result<Duration> {
+/// A way of waiting as `MAD_SPIN_US` gives it: `auto`, microseconds, or `max` to never sleep.
+fn parse_spin(v: &str) -> Result<Spin> {
     match v.trim() {
-        "max" => Ok(Duration::MAX),
-        us => us
-            .parse::<u64>()
-            .map(Duration::from_micros)
-            .map_err(|_| MadError::Invalid(format!("MAD_SPIN_US={v:?}: microseconds, or \"max\" to never sleep"))),
+        "auto" => Ok(Spin::Adaptive),
+        "max" => Ok(Spin::For(Duration::MAX)),
+        us => us.parse::<u64>().map(|us| Spin::For(Duration::from_micros(us))).map_err(|_| {
+            MadError::Invalid(format!(
+                "MAD_SPIN_US={v:?}: \"auto\", microseconds of polling before sleeping, or \"max\" to never sleep"
+            ))
+        }),
     }
 }
 
@@ -406,13 +420,14 @@ mod tests {
 
     #[test]
     fn the_spin_phase_is_microseconds_or_max_and_anything_else_is_refused() {
-        assert_eq!(parse_spin("0").unwrap(), Duration::ZERO);
-        assert_eq!(parse_spin(" 150 ").unwrap(), Duration::from_micros(150));
-        assert_eq!(parse_spin("max").unwrap(), Duration::MAX);
+        assert_eq!(parse_spin("0").unwrap(), Spin::For(Duration::ZERO));
+        assert_eq!(parse_spin(" 150 ").unwrap(), Spin::For(Duration::from_micros(150)));
+        assert_eq!(parse_spin("max").unwrap(), Spin::For(Duration::MAX));
+        assert_eq!(parse_spin("auto").unwrap(), Spin::Adaptive);
         for bad in ["", "-1", "1.5", "200us", "forever"] {
             let e = parse_spin(bad).unwrap_err().to_string();
             assert!(e.contains("MAD_SPIN_US"), "{bad:?}: {e}");
         }
-        assert_eq!(SessionConfig::new(0, 1, "").spin, crate::wait::DEFAULT_SPIN);
+        assert_eq!(SessionConfig::new(0, 1, "").spin, Spin::Adaptive);
     }
 }

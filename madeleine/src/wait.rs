@@ -1,14 +1,18 @@
 //! How Madeleine waits: inside a `may` coroutine it yields to the scheduler; on an OS thread it
-//! spins for a while (waking a sleeping process costs tens of microseconds, a polled message a
-//! fraction of one), then sleeps on the completion queues' descriptors where the awaited event
-//! raises a completion (a message, bulk data, a read of ours), else naps briefly. Before it
-//! sleeps it tells each connection's pipe (a polled pipe's peer then raises a completion for
-//! its next message, which would otherwise raise none).
+//! polls while the thread has a CPU to itself (waking a sleeping process costs tens of
+//! microseconds, a polled message a fraction of one) for up to 10 ms (a wake-up then costs
+//! about 1% of the wait); while threads ready to run outnumber the CPUs
+//! ([`portability_verbs::cores`]: more ranks or threads than cores) it yields its CPU at every
+//! poll, and sleeps after 1 ms. It sleeps on the completion queues' descriptors (where the
+//! awaited event raises a completion: a message, bulk data, a read of ours; else it naps
+//! briefly). Before it sleeps it tells
+//! each connection's pipe (a polled pipe's peer then raises a completion for its next message,
+//! which would otherwise raise none).
 //!
-//! The spin phase is the session's [`crate::SessionConfig::spin`]: zero sleeps at once (an
-//! oversubscribed node), `Duration::MAX` never sleeps (a core per waiting thread, the lowest
-//! latency). The clock is read only every 64 polls while spinning: a wait that ends quickly
-//! (the common case, and the one latency depends on) never pays for it.
+//! That is the session's [`crate::Spin::Adaptive`], the default; [`crate::Spin::For`] spins for
+//! a fixed time instead (zero sleeps at once, `Duration::MAX` never sleeps). The clock is read
+//! only every 64 polls while spinning: a wait that ends quickly (the common case, and the one
+//! latency depends on) never pays for it.
 
 use std::time::{Duration, Instant};
 
@@ -16,11 +20,16 @@ use portability_verbs::CompletionQueue;
 use smallvec::SmallVec;
 
 use crate::channel::Conn;
-use crate::{MadError, Result};
+use crate::{MadError, Result, Spin};
 
-/// Spin phase before sleeping by default: several times what waking a sleeping thread costs
-/// here (about 30 us), so a message that comes soon never pays for a wake-up.
-pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(200);
+/// How long an adaptive wait polls, yielding its CPU at every poll, while threads ready to run
+/// outnumber the CPUs, before it sleeps: waking costs 30-100 us here, so a shorter wait (a
+/// partner that computes between messages on the same CPU) is cheaper yielding; a longer one
+/// sleeps and leaves the CPU to others.
+const CONTENDED_SPIN: Duration = Duration::from_millis(1);
+/// How long an adaptive wait polls while its thread has a CPU to itself: past it, a wake-up
+/// costs at most about 1% of the wait, and an idle rank stops burning its CPU.
+const IDLE_SPIN: Duration = Duration::from_millis(10);
 /// Polls between clock reads while spinning.
 const CHECK_EVERY: u32 = 64;
 /// Longest sleep on completion queues: bounds what a wake-up taken by another thread sleeping
@@ -35,7 +44,7 @@ const NAP: Duration = Duration::from_micros(20);
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Patience {
     pub timeout: Duration,
-    pub spin: Duration,
+    pub spin: Spin,
 }
 
 /// One blocking wait.
@@ -43,10 +52,12 @@ pub(crate) struct Waiter {
     /// Set at the first clock read.
     start: Option<Instant>,
     timeout: Duration,
-    spin: Duration,
+    spin: Spin,
     what: &'static str,
     polls: u32,
     sleeping: bool,
+    /// Threads ready to run outnumbered the CPUs at the last look ([`Spin::Adaptive`]).
+    contended: bool,
     /// Whether the wait runs in a coroutine, looked up at the first pause (a thread-local
     /// lookup a spinning waiter need not repeat on every poll).
     in_coroutine: Option<bool>,
@@ -56,8 +67,17 @@ impl Waiter {
     #[inline]
     pub fn new(p: Patience, what: &'static str) -> Waiter {
         // No spin phase: sleep from the first pause.
-        let sleeping = p.spin.is_zero();
-        Waiter { start: None, timeout: p.timeout, spin: p.spin, what, polls: 0, sleeping, in_coroutine: None }
+        let sleeping = p.spin == Spin::For(Duration::ZERO);
+        Waiter {
+            start: None,
+            timeout: p.timeout,
+            spin: p.spin,
+            what,
+            polls: 0,
+            sleeping,
+            contended: false,
+            in_coroutine: None,
+        }
     }
 
     /// Called when a poll found nothing and no completion will say when to look again:
@@ -79,7 +99,13 @@ impl Waiter {
                 return Err(MadError::Timeout(format!("{} ({:?})", self.what, self.timeout)));
             }
             left = self.timeout - waited;
-            self.sleeping = waited >= self.spin;
+            (self.sleeping, self.contended) = match self.spin {
+                Spin::Adaptive => {
+                    let contended = portability_verbs::cores::oversubscribed(now);
+                    (waited >= if contended { CONTENDED_SPIN } else { IDLE_SPIN }, contended)
+                }
+                Spin::For(spin) => (waited >= spin, false),
+            };
         }
         if *self.in_coroutine.get_or_insert_with(may::coroutine::is_coroutine) {
             // Yielding alone can starve coroutines queued behind two waiters that keep yielding
@@ -95,7 +121,7 @@ impl Waiter {
             // queues; a pause instruction (about 25 ns here) would only delay seeing the event.
             // Past the first polls, other threads of this CPU get it now and then: with more
             // busy threads than CPUs, the one that would end this wait may be waiting for it.
-            if portability_verbs::spin_yields(self.polls) {
+            if self.contended || portability_verbs::spin_yields(self.polls) {
                 std::thread::yield_now();
             }
         } else if conns.is_empty() {
@@ -117,7 +143,7 @@ mod tests {
     use super::*;
 
     fn waiter(spin: Duration) -> Waiter {
-        Waiter::new(Patience { timeout: Duration::from_secs(10), spin }, "a test")
+        Waiter::new(Patience { timeout: Duration::from_secs(10), spin: Spin::For(spin) }, "a test")
     }
 
     #[test]
@@ -135,7 +161,8 @@ mod tests {
             w.pause().unwrap();
         }
         assert!(!w.sleeping);
-        let mut w = Waiter::new(Patience { timeout: Duration::from_millis(20), spin: Duration::MAX }, "a test");
+        let mut w =
+            Waiter::new(Patience { timeout: Duration::from_millis(20), spin: Spin::For(Duration::MAX) }, "a test");
         let t = Instant::now();
         let e = loop {
             if let Err(e) = w.pause() {
@@ -159,5 +186,30 @@ mod tests {
             w.pause().unwrap();
         }
         assert!(w.sleeping, "still spinning after the spin phase");
+    }
+
+    #[test]
+    fn an_adaptive_wait_yields_then_sleeps_while_threads_ready_to_run_outnumber_the_cpus() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let spinners: Vec<_> = (0..8 * cpus)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        let mut w = Waiter::new(Patience { timeout: Duration::from_secs(10), spin: Spin::Adaptive }, "a test");
+        let t = Instant::now();
+        while !w.sleeping && t.elapsed() < Duration::from_secs(5) {
+            w.pause().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        spinners.into_iter().for_each(|t| t.join().unwrap());
+        assert!(w.contended && w.sleeping, "still polling with {} threads spinning on {cpus} CPUs", 8 * cpus);
     }
 }

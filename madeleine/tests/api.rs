@@ -37,7 +37,7 @@ thread_local! {
     /// The flow strategy of the groups this test thread makes (None: the default).
     static FLOW: std::cell::Cell<Option<FlowStrategy>> = const { std::cell::Cell::new(None) };
     /// The spin phase of the groups this test thread makes (None: the default).
-    static SPIN: std::cell::Cell<Option<Duration>> = const { std::cell::Cell::new(None) };
+    static SPIN: std::cell::Cell<Option<Spin>> = const { std::cell::Cell::new(None) };
 }
 
 /// Runs `f` with groups whose pipes use `strategy`.
@@ -693,7 +693,7 @@ fn every_flow_strategy_carries_every_size_and_wakes_sleeping_receivers() {
 /// wait costs next to no CPU.
 #[test]
 fn a_session_that_never_spins_carries_every_protocol_and_sleeps_at_once() {
-    SPIN.set(Some(Duration::ZERO));
+    SPIN.set(Some(Spin::For(Duration::ZERO)));
     for threshold in [SMALL, usize::MAX] {
         every_size_with(threshold);
     }

@@ -34,6 +34,7 @@
 
 pub mod cm;
 pub mod copy;
+pub mod cores;
 pub mod datapath;
 pub mod endpoint;
 pub mod env;

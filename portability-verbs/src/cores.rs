@@ -1,0 +1,117 @@
+//! Whether the CPUs this process may run on are oversubscribed now: more runnable threads on
+//! the machine than CPUs for them. A waiting thread polls while it has a CPU to itself (a
+//! wake-up costs tens of microseconds, a poll a fraction of one) and sleeps on completion
+//! events when threads that are ready to run would otherwise queue behind it (more ranks or
+//! threads than cores), as Madeleine over VIA chose its waiting by the state of the threads.
+//!
+//! The runnable count is the kernel's, from `/proc/loadavg` (all runnable tasks of the
+//! machine, the reader included); the CPUs are those `available_parallelism` reports
+//! (affinity and cgroup quota). One sample per process serves every waiting thread for
+//! [`SAMPLE_EVERY`]: a read costs a few microseconds.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// How long one sample of the runnable count serves.
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(1);
+
+/// Whether `runnable` threads (the asker among them) are more than `cpus` can run at once.
+#[inline]
+pub fn decide(runnable: u32, cpus: u32) -> bool {
+    runnable > cpus
+}
+
+/// The runnable count from `/proc/loadavg`'s text ("0.42 1.41 1.60 2/345 12345": the fourth
+/// field's first number).
+pub fn runnable_from_loadavg(text: &str) -> Option<u32> {
+    let field = text.split_ascii_whitespace().nth(3)?;
+    field.split_once('/')?.0.parse().ok()
+}
+
+struct Census {
+    epoch: Instant,
+    cpus: u32,
+    /// Nanoseconds after `epoch` of the last sample (0: none yet), taken by one thread at a
+    /// time (the one whose compare-exchange moved it).
+    sampled_at: AtomicU64,
+    oversubscribed: AtomicBool,
+}
+
+fn census() -> &'static Census {
+    static CENSUS: OnceLock<Census> = OnceLock::new();
+    CENSUS.get_or_init(|| Census {
+        epoch: Instant::now(),
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        sampled_at: AtomicU64::new(0),
+        oversubscribed: AtomicBool::new(false),
+    })
+}
+
+/// Whether this machine's CPUs are oversubscribed at `now` (a sample at most
+/// [`SAMPLE_EVERY`] old; where `/proc/loadavg` cannot be read, never).
+pub fn oversubscribed(now: Instant) -> bool {
+    let c = census();
+    let at = (now.saturating_duration_since(c.epoch).as_nanos() as u64).max(1);
+    let last = c.sampled_at.load(Ordering::Relaxed);
+    if last != 0 && at.saturating_sub(last) < SAMPLE_EVERY.as_nanos() as u64 {
+        return c.oversubscribed.load(Ordering::Relaxed);
+    }
+    if c.sampled_at.compare_exchange(last, at, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+        let runnable = std::fs::read_to_string("/proc/loadavg").ok().and_then(|t| runnable_from_loadavg(&t));
+        c.oversubscribed.store(runnable.is_some_and(|r| decide(r, c.cpus)), Ordering::Relaxed);
+    }
+    c.oversubscribed.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runnable_count_is_the_fourth_fields_numerator() {
+        assert_eq!(runnable_from_loadavg("0.42 1.41 1.60 2/345 12345\n"), Some(2));
+        assert_eq!(runnable_from_loadavg("0.00 0.00 0.00 17/1024 1"), Some(17));
+        for bad in ["", "0.42 1.41 1.60", "0.42 1.41 1.60 x/345 1", "0.42 1.41 1.60 345 1"] {
+            assert_eq!(runnable_from_loadavg(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn more_runnable_threads_than_cpus_is_oversubscribed() {
+        assert!(!decide(1, 2));
+        assert!(!decide(2, 2));
+        assert!(decide(3, 2));
+        assert!(decide(5, 4));
+    }
+
+    #[test]
+    fn the_machine_can_be_asked_and_a_sample_serves_a_while() {
+        let now = Instant::now();
+        let first = oversubscribed(now);
+        // Within the sample's life the answer cannot change.
+        assert_eq!(oversubscribed(now + SAMPLE_EVERY / 2), first);
+        // A sample taken while 8 more threads per CPU spin sees them.
+        let cpus = census().cpus as usize;
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let spinners: Vec<_> = (0..8 * cpus)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut seen = false;
+        while !seen && Instant::now() < deadline {
+            std::thread::sleep(SAMPLE_EVERY * 2);
+            seen = oversubscribed(Instant::now());
+        }
+        stop.store(true, Ordering::Relaxed);
+        spinners.into_iter().for_each(|t| t.join().unwrap());
+        assert!(seen, "{} spinning threads on {cpus} CPUs never counted as oversubscribed", 8 * cpus);
+    }
+}
