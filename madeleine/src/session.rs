@@ -32,9 +32,12 @@ pub struct SessionConfig {
     /// one host still talk through shared memory; pairs on different hosts over the software
     /// provider's TCP transport (or the hardware provider).
     pub root: Option<std::net::SocketAddr>,
-    /// Meet through the launcher's PMIx server (`MAD_BOOTSTRAP=pmix`: Open MPI's `mpirun`,
-    /// `srun --mpi=pmix`): every rank publishes the TCP address it listens on, at `listen_ip`
-    /// (`MAD_LISTEN_IP`; default: the source address of this host's default route).
+    /// Meet through the launcher's PMIx server (Open MPI's `mpirun`, `srun --mpi=pmix`):
+    /// every rank publishes the TCP address it listens on, at `listen_ip` (`MAD_LISTEN_IP`;
+    /// default: the source address of this host's default route). `from_env` chooses it where
+    /// the launcher set `PMIX_NAMESPACE` and `PMIX_RANK` and libpmix loads, unless
+    /// `MAD_ROOT`, `MAD_RENDEZVOUS` or `MAD_BOOTSTRAP=dir|root` say otherwise
+    /// (`MAD_BOOTSTRAP=pmix` insists).
     pub pmix: bool,
     /// The IP a rank publishes for its peers when meeting through PMIx.
     pub listen_ip: Option<std::net::IpAddr>,
@@ -151,8 +154,17 @@ impl SessionConfig {
         };
         let mut cfg = SessionConfig::new(rank, size, dir);
         cfg.job = job;
+        // The launcher's PMIx server unless told otherwise: it spans hosts, where a directory
+        // does not.
         match get("MAD_BOOTSTRAP")?.as_deref() {
-            None | Some("dir") | Some("root") => {}
+            None if get("MAD_RENDEZVOUS")?.is_none() && crate::pmix::offered() => {
+                cfg.pmix = crate::pmix::load().is_some();
+                if !cfg.pmix {
+                    log::warn!("madeleine: the launcher offers PMIx but libpmix cannot be loaded: ranks meet through a directory, on this host only");
+                }
+            }
+            None => {}
+            Some("dir") | Some("root") => {}
             Some("pmix") => cfg.pmix = true,
             Some(v) => return Err(MadError::Invalid(format!("MAD_BOOTSTRAP={v:?}: dir, root or pmix"))),
         }
@@ -257,7 +269,12 @@ impl Session {
                     unreachable!("a TCP listener has a TCP address")
                 };
                 let ip = cfg.listen_ip.unwrap_or_else(crate::pmix::local_ip);
-                let table = crate::pmix::exchange(std::net::SocketAddr::new(ip, local.port()), cfg.rank, cfg.size)?;
+                let table = crate::pmix::exchange(
+                    std::net::SocketAddr::new(ip, local.port()),
+                    cfg.rank,
+                    cfg.size,
+                    cfg.timeout,
+                )?;
                 (listener, table.into_iter().map(cm::CmAddr::Tcp).collect())
             }
             None => {

@@ -96,6 +96,11 @@ fn mpirun_ring(ranks: usize, rendezvous: Option<&std::path::Path>) -> Child {
 
 /// [`mpirun_ring`] with more `mpirun` arguments.
 fn mpirun_ring_with(ranks: usize, rendezvous: Option<&std::path::Path>, extra: &[&str]) -> Child {
+    mpirun_ring_cmd(ranks, rendezvous, extra).spawn().unwrap()
+}
+
+/// The command [`mpirun_ring_with`] starts.
+fn mpirun_ring_cmd(ranks: usize, rendezvous: Option<&std::path::Path>, extra: &[&str]) -> Command {
     let mut c = Command::new("timeout");
     c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()])
         .args(extra)
@@ -108,7 +113,7 @@ fn mpirun_ring_with(ranks: usize, rendezvous: Option<&std::path::Path>, extra: &
     if let Some(dir) = rendezvous {
         c.env("MAD_RENDEZVOUS", dir);
     }
-    c.spawn().unwrap()
+    c
 }
 
 /// Waits for a ring job and checks that it ended well and said so.
@@ -133,29 +138,44 @@ fn mpirun_starts_a_madeleine_job() {
     }
 }
 
-/// Two `mpirun` jobs of the same program started at once on one host, no Madeleine variable
-/// set: each finds its own ranks (the launcher's job id names the rendezvous directory and
-/// rides in every handshake), and both succeed.
+/// Two `mpirun` jobs of the same program started at once on one host, meeting through a
+/// directory (`MAD_BOOTSTRAP=dir`, no other Madeleine variable): each finds its own ranks (the
+/// launcher's job id names the rendezvous directory and rides in every handshake), and both
+/// succeed.
 #[test]
 fn two_mpirun_jobs_at_once_stay_apart() {
     if have_mpirun() {
-        let jobs = [mpirun_ring(2, None), mpirun_ring(2, None)];
+        let dir = ["-x", "MAD_BOOTSTRAP=dir"];
+        let jobs = [mpirun_ring_with(2, None, &dir), mpirun_ring_with(2, None, &dir)];
         for job in jobs {
             ring_succeeded(job, 2);
         }
     }
 }
 
-/// With `MAD_BOOTSTRAP=pmix`, the ranks of an `mpirun` job meet through its PMIx server (each
-/// publishes its TCP address; the job could span hosts), two jobs at once staying apart.
+/// With no Madeleine variable set, the ranks of an `mpirun` job meet through its PMIx server
+/// (each publishes its TCP address; the job could span hosts): no rendezvous directory is
+/// made. Two jobs at once stay apart.
 #[test]
-fn mpirun_jobs_meet_through_pmix() {
+fn mpirun_jobs_meet_through_pmix_by_default() {
     if have_mpirun() {
-        let jobs = [
-            mpirun_ring_with(3, None, &["-x", "MAD_BOOTSTRAP=pmix"]),
-            mpirun_ring_with(2, None, &["-x", "MAD_BOOTSTRAP=pmix"]),
-        ];
+        let tmp = std::env::temp_dir().join(format!("mad-pmix-tmp-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        let with_tmp = |n: usize| {
+            let mut c = mpirun_ring_cmd(n, None, &[]);
+            c.env("TMPDIR", &tmp);
+            c.spawn().unwrap()
+        };
+        let jobs = [with_tmp(3), with_tmp(2)];
         ring_succeeded_all(jobs, [3, 2]);
+        let dirs: Vec<_> = std::fs::read_dir(&tmp)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("madeleine-"))
+            .collect();
+        let _ = std::fs::remove_dir_all(&tmp);
+        assert!(dirs.is_empty(), "the ranks met through a directory: {dirs:?}");
     }
 }
 
