@@ -75,9 +75,10 @@ pub struct SessionConfig {
 pub enum Spin {
     /// Poll while the thread has a CPU to itself (for up to 10 ms, after which a wake-up costs
     /// about 1% of the wait); while threads ready to run outnumber the CPUs (more ranks or
-    /// threads than cores, looked at every millisecond), yield the CPU at every poll and sleep
-    /// after 1 ms. Waking a sleeping thread costs 30-100 us here against 0.3 us for a polled
-    /// message: `benches/src/bin/mad_waiting.rs` measures the choice (docs/PERFORMANCE.md).
+    /// threads than cores, looked at every millisecond), sleep after 1 ms. Waking a sleeping
+    /// thread costs 30-280 us here against 0.3 us for a polled message, and a polling thread
+    /// yields its CPU now and then: `benches/src/bin/mad_waiting.rs` measures the choice
+    /// (docs/PERFORMANCE.md).
     Adaptive,
     /// Poll this long, then sleep: `Duration::ZERO` sleeps at once, `Duration::MAX` never
     /// sleeps.
