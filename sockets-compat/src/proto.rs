@@ -365,6 +365,22 @@ impl<S> Proto<S> {
         Some(n)
     }
 
+    /// Copies queued stream bytes into `buf` as [`Proto::read_queued`] does, leaving them
+    /// queued (a peek); stops at a SrcAvail.
+    pub fn peek_queued(&self, buf: &mut [u8]) -> usize {
+        let mut n = 0;
+        for item in &self.rx {
+            let RxItem::Bytes(v, off) = item else { break };
+            let k = (buf.len() - n).min(v.len() - off);
+            copy_slice(&mut buf[n..n + k], &v[*off..*off + k]);
+            n += k;
+            if n == buf.len() {
+                break;
+            }
+        }
+        n
+    }
+
     /// Notes that the SrcAvail at the front has been read up to `end`; drops it once read to
     /// its end.
     pub fn consume_front_src(&mut self, end: u32) {
@@ -528,6 +544,24 @@ mod tests {
         assert_eq!(&buf, b"hello wo");
         assert_eq!(read_all(&mut p.b), b"rld");
         assert!(p.b.rx().is_empty());
+    }
+
+    #[test]
+    fn a_peek_copies_across_messages_and_leaves_the_bytes_queued() {
+        let mut p = Pair::new();
+        p.a_to_b(Message::Data(b"abc")).unwrap();
+        let mut one = [0u8; 1];
+        p.b.read_queued(&mut one, |_| false);
+        p.a_to_b(Message::Data(b"defg")).unwrap();
+        p.a_to_b(Message::SrcAvail(advert(64))).unwrap();
+        let mut buf = [0u8; 5];
+        assert_eq!(p.b.peek_queued(&mut buf), 5);
+        assert_eq!(&buf, b"bcdef");
+        let mut big = [0u8; 32];
+        assert_eq!(p.b.peek_queued(&mut big), 6, "up to the SrcAvail");
+        assert_eq!(&big[..6], b"bcdefg");
+        assert_eq!(read_all(&mut p.b), b"bcdefg");
+        assert_eq!(p.b.peek_queued(&mut big), 0, "a SrcAvail in front");
     }
 
     #[test]

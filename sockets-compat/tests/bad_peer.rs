@@ -127,6 +127,9 @@ fn an_abort_is_a_reset() {
         p.send(&encode(1, Message::Abort), T).unwrap();
     });
     assert_eq!(s.read(&mut [0u8; 8]).unwrap_err().kind(), ErrorKind::ConnectionReset);
+    // The failure is the socket's pending error once (`SO_ERROR`), then cleared.
+    assert_eq!(s.take_error().unwrap().map(|e| e.kind()), Some(ErrorKind::ConnectionReset));
+    assert!(s.take_error().unwrap().is_none());
 }
 
 const PAGE: usize = 4096;

@@ -487,3 +487,82 @@ fn accept_without_a_client_times_out_or_would_block() {
     l.set_nonblocking(true).unwrap();
     assert_eq!(l.accept().err().unwrap().kind(), ErrorKind::WouldBlock);
 }
+
+/// `peek` returns what the next read returns and takes nothing, in every design and for bytes
+/// that came zero-copy; at end of stream it returns 0; nonblocking, `WouldBlock`.
+#[test]
+fn peek_shows_the_next_bytes_and_leaves_them() {
+    for design in [Design::Bsdp, Design::Zsdp, Design::AzSdp] {
+        let cfg = SdpConfig { design, zcopy_threshold: 16 * 1024, ..SdpConfig::default() };
+        let (c, mut s) = pair(cfg, SdpConfig::default());
+        let mut rng = Rng(design as u64 + 7);
+        let lens = [5usize, 4096, 200 * 1024];
+        let all: Vec<Vec<u8>> = lens.iter().map(|&n| rng.bytes(n)).collect();
+        // Zero-copy writes wait for the reader: from a thread of their own.
+        let sent = all.clone();
+        let writer = thread::spawn(move || {
+            let mut c = c;
+            for d in &sent {
+                c.write_all(d).unwrap();
+            }
+            c
+        });
+        for data in &all {
+            let len = data.len();
+            let mut got = vec![0u8; len];
+            let mut at = 0;
+            while at < len {
+                let mut peeked = vec![0u8; len - at];
+                let n = s.peek(&mut peeked).unwrap();
+                assert!(n > 0, "{design:?}: peek at {at} of {len}");
+                assert_eq!(peeked[..n], data[at..at + n], "{design:?}: peeked at {at}");
+                let mut again = vec![0u8; n];
+                assert_eq!(s.peek(&mut again).unwrap(), n, "{design:?}: a second peek sees as much");
+                let r = s.read(&mut got[at..at + n]).unwrap();
+                assert_eq!(got[at..at + r], data[at..at + r], "{design:?}: read after peek at {at}");
+                at += r;
+            }
+        }
+        let c = writer.join().unwrap();
+        s.set_nonblocking(true).unwrap();
+        assert_eq!(s.peek(&mut [0u8; 4]).unwrap_err().kind(), ErrorKind::WouldBlock);
+        s.set_nonblocking(false).unwrap();
+        drop(c);
+        assert_eq!(s.peek(&mut [0u8; 4]).unwrap(), 0, "{design:?}: EOF");
+    }
+}
+
+/// What `TcpStream` offers besides reading and writing: timeouts read back, `nodelay`,
+/// `take_error` (a failed socket's: `bad_peer.rs`), `connect_timeout`, every resolved address
+/// tried.
+#[test]
+fn tcp_stream_settings_read_back_and_connecting_tries_every_address() {
+    let (c, s) = pair(SdpConfig::default(), SdpConfig::default());
+    assert_eq!(c.read_timeout().unwrap(), Some(Duration::from_secs(20)));
+    c.set_read_timeout(None).unwrap();
+    assert_eq!(c.read_timeout().unwrap(), None);
+    assert_eq!(c.write_timeout().unwrap(), Some(Duration::from_secs(20)));
+    assert!(c.nodelay().unwrap());
+    c.set_nodelay(false).unwrap();
+    assert!(!c.nodelay().unwrap());
+    assert!(c.take_error().unwrap().is_none(), "a working socket has no pending error");
+    drop((c, s));
+
+    // connect_timeout: a listener there connects; none there is refused, not hung.
+    let l = SdpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = thread::spawn(move || l.accept_timeout(Duration::from_secs(20)).map(|(s, _)| s));
+    let c = SdpStream::connect_timeout(&addr, Duration::from_secs(10)).unwrap();
+    let s = t.join().unwrap().unwrap();
+    assert_eq!(c.peer_addr().unwrap(), s.local_addr().unwrap());
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    assert!(SdpStream::connect_timeout(&free, Duration::from_secs(5)).is_err());
+    assert_eq!(SdpStream::connect_timeout(&free, Duration::ZERO).unwrap_err().kind(), ErrorKind::InvalidInput);
+    // Every resolved address in turn: the first refuses, the second accepts.
+    let l = SdpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = thread::spawn(move || l.accept_timeout(Duration::from_secs(20)).map(|(s, _)| s));
+    let c = SdpStream::connect(&[free, addr][..]).unwrap();
+    let _s = t.join().unwrap().unwrap();
+    assert_eq!(c.peer_addr().unwrap(), addr);
+}

@@ -220,6 +220,12 @@ struct Conn {
     /// `calls` as the background engine saw it last time.
     calls_seen: u64,
     nonblocking: bool,
+    /// `set_nodelay`'s last value (SDP never holds small writes back, whatever it says).
+    nodelay: bool,
+    /// `take_error` reported `failed` already.
+    error_taken: bool,
+    /// A peek reads the front of the stream into a private buffer: no receive hold.
+    peeking: bool,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
     tx: Vec<u8>,
@@ -242,12 +248,35 @@ impl SdpStream {
         Self::connect_with(addr, SdpConfig::from_env()?)
     }
 
-    /// Connects with explicit settings.
+    /// Connects with explicit settings: tries each address `addr` resolves to in turn, as
+    /// `TcpStream::connect` does, and returns the last error if none accepts.
     pub fn connect_with(addr: impl ToSocketAddrs, config: SdpConfig) -> io::Result<SdpStream> {
         config.validate()?;
+        let mut last = None;
+        for a in addr.to_socket_addrs()? {
+            match Self::connect_one(a, config, SETUP_TIMEOUT) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| invalid("address resolves to nothing".into())))
+    }
+
+    /// Connects to `addr` with the settings from the environment, giving up after `timeout`
+    /// (connection set-up included), as `TcpStream::connect_timeout`. A zero timeout is
+    /// invalid, as in std.
+    pub fn connect_timeout(addr: &SocketAddr, timeout: Duration) -> io::Result<SdpStream> {
+        if timeout.is_zero() {
+            return Err(invalid("zero connect timeout".into()));
+        }
+        let config = SdpConfig::from_env()?;
+        config.validate()?;
+        Self::connect_one(*addr, config, timeout)
+    }
+
+    fn connect_one(addr: SocketAddr, config: SdpConfig, timeout: Duration) -> io::Result<SdpStream> {
         let rt = runtime()?;
-        let conn = cm::connect(&CmAddr::Tcp(resolve(addr)?), &rt.pd, &qp_spec(), SDP_MAGIC, SETUP_TIMEOUT)
-            .map_err(verbs_io)?;
+        let conn = cm::connect(&CmAddr::Tcp(addr), &rt.pd, &qp_spec(), SDP_MAGIC, timeout).map_err(verbs_io)?;
         if conn.peer_private != SDP_MAGIC {
             return Err(io::Error::new(io::ErrorKind::ConnectionRefused, "the listener is not an SDP socket"));
         }
@@ -298,6 +327,9 @@ impl SdpStream {
             calls: 0,
             calls_seen: 0,
             nonblocking: false,
+            nodelay: true,
+            error_taken: false,
+            peeking: false,
             read_timeout: None,
             write_timeout: None,
             tx: Vec::with_capacity(config.flow.max_message()),
@@ -381,6 +413,66 @@ impl SdpStream {
         }
         self.lock().write_timeout = t;
         Ok(())
+    }
+
+    /// The read timeout (`None`: reads wait forever).
+    pub fn read_timeout(&self) -> io::Result<Option<Duration>> {
+        Ok(self.lock().read_timeout)
+    }
+
+    /// The write timeout (`None`: writes wait forever).
+    pub fn write_timeout(&self) -> io::Result<Option<Duration>> {
+        Ok(self.lock().write_timeout)
+    }
+
+    /// Accepted for `TcpStream` compatibility: SDP never holds a small write back to join it
+    /// with the next (every write is handed to the transport at once), so there is no Nagle
+    /// algorithm to turn off; [`SdpStream::nodelay`] returns what was set.
+    pub fn set_nodelay(&self, on: bool) -> io::Result<()> {
+        self.lock().nodelay = on;
+        Ok(())
+    }
+
+    /// What [`SdpStream::set_nodelay`] set last (`true` until then: writes are never delayed).
+    pub fn nodelay(&self) -> io::Result<bool> {
+        Ok(self.lock().nodelay)
+    }
+
+    /// The error that failed the socket, once (as `SO_ERROR` reports and clears it); `None`
+    /// while it works, and after the error was taken.
+    pub fn take_error(&self) -> io::Result<Option<io::Error>> {
+        let mut c = self.lock();
+        if c.error_taken {
+            return Ok(None);
+        }
+        let Some((kind, why)) = c.failed.clone() else { return Ok(None) };
+        c.error_taken = true;
+        Ok(Some(io::Error::new(kind, why)))
+    }
+
+    /// Receives what `read` would, without taking it from the stream: the next read returns
+    /// the same bytes (as `TcpStream::peek`, `MSG_PEEK`). Waits as `read` does (nonblocking:
+    /// `WouldBlock`); 0 at end of stream.
+    pub fn peek(&self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let deadline = &Deadline::after(self.lock().read_timeout);
+        let mut pacer = Pacer::default();
+        loop {
+            {
+                let mut c = self.lock();
+                if let Some(n) = c.peek_now(buf)? {
+                    return Ok(n);
+                }
+                if c.nonblocking {
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+            }
+            pacer
+                .pause_on(deadline, "peeking", Some(&self.cq), || self.prepare_sleep())
+                .map_err(|e| self.timeout_is_would_block(e))?;
+        }
     }
 
     /// Another handle to the same socket (for example a reader thread and a writer thread).

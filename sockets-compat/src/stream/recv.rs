@@ -91,7 +91,7 @@ impl Conn {
                 }
                 if middle > 0 {
                     let dst = &mut buf[head..head + middle];
-                    let hold = self.rx_holds.may_hold();
+                    let hold = !self.peeking && self.rx_holds.may_hold();
                     let token = self.post_read(dst, a.addr + done as u64 + head as u64, a.rkey, hold, answer)?;
                     if !hold {
                         self.wait_read(token)?;
@@ -107,6 +107,30 @@ impl Conn {
                 Ok(if self.proto.eof() { ReadStep::Got(0) } else { ReadStep::Nothing })
             }
         }
+    }
+
+    /// One peek attempt: the stream's next bytes copied into `buf` and left to be read
+    /// (`Some(0)` at its end), or `None` if none have arrived. Bytes still in the pipe or
+    /// behind a SrcAvail are read into a private buffer first and queued in front of the rest.
+    pub(super) fn peek_now(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        if self.read_shut {
+            return Ok(Some(0));
+        }
+        if !matches!(self.proto.rx().front(), Some(RxItem::Bytes(..))) {
+            let mut taken = vec![0u8; buf.len()];
+            self.peeking = true;
+            let step = self.try_read(&mut taken);
+            self.peeking = false;
+            match step? {
+                ReadStep::Got(0) => return Ok(Some(0)),
+                ReadStep::Got(n) => {
+                    taken.truncate(n);
+                    self.proto.push_front_bytes(taken);
+                }
+                ReadStep::Nothing | ReadStep::BufferHeld => return Ok(None),
+            }
+        }
+        Ok(Some(self.proto.peek_queued(buf)))
     }
 
     /// Whether an AZ-SDP write of ours still holds part of `buf`.
