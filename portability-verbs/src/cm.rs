@@ -498,6 +498,12 @@ impl Listener {
         &self.addr
     }
 
+    /// The listening socket's descriptor (readable when a client connects), for an event
+    /// loop that then calls [`Listener::accept`] with a zero timeout.
+    pub fn raw_fd(&self) -> RawFd {
+        self.inner.fd()
+    }
+
     /// How long each client's bootstrap may take (default [`HANDSHAKE_TIMEOUT`]).
     pub fn set_handshake_timeout(&self, t: Duration) {
         *self.handshake_timeout.lock().unwrap_or_else(|p| p.into_inner()) = t;

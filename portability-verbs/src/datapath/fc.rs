@@ -351,6 +351,11 @@ impl RingSender {
     pub fn in_flight(&self) -> u64 {
         self.sent - self.acked
     }
+    /// Whether a chunk of the largest size fits now (half the ring free always holds one,
+    /// skipped tail included).
+    pub fn has_room_for_max(&self) -> bool {
+        self.in_flight() * 2 <= self.size
+    }
     /// Ring position after the last reservation.
     pub fn sent(&self) -> u64 {
         self.sent

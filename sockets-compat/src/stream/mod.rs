@@ -60,6 +60,7 @@ mod conn;
 mod cow;
 mod listener;
 mod pace;
+mod ready;
 mod recv;
 mod runtime;
 mod send;
@@ -68,6 +69,7 @@ use config::invalid;
 pub use config::SdpConfig;
 pub use listener::SdpListener;
 use pace::{Deadline, Pacer};
+use ready::Locked;
 use runtime::{qp_spec, resolve, runtime, verbs_io};
 
 /// How long connection setup may take.
@@ -219,6 +221,9 @@ struct Conn {
     calls: u64,
     /// `calls` as the background engine saw it last time.
     calls_seen: u64,
+    /// The descriptor event loops wait on (see the `ready` module); gone once the application
+    /// closed the socket.
+    ready: Option<ready::Readiness>,
     nonblocking: bool,
     /// `set_nodelay`'s last value (SDP never holds small writes back, whatever it says).
     nodelay: bool,
@@ -326,6 +331,7 @@ impl SdpStream {
             watched: false,
             calls: 0,
             calls_seen: 0,
+            ready: Some(ready::Readiness::new()?),
             nonblocking: false,
             nodelay: true,
             error_taken: false,
@@ -351,12 +357,12 @@ impl SdpStream {
         self.lock().prepare_sleep()
     }
 
-    fn lock(&self) -> MutexGuard<'_, Conn> {
+    fn lock(&self) -> Locked<'_> {
         // A panic while holding the lock cannot leave the protocol half-updated in a way later
         // calls would misread: every path re-checks `failed` first.
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         c.calls = c.calls.wrapping_add(1);
-        c
+        Locked(c)
     }
 
     /// The peer's address.
@@ -701,6 +707,32 @@ impl SdpStream {
     }
 }
 
+impl std::os::fd::AsRawFd for SdpStream {
+    /// A descriptor that polls readable when a read would not wait and writable when a
+    /// nonblocking write would take bytes, for `poll`, `epoll`, mio or tokio's `AsyncFd` (an
+    /// eventfd kept current by this crate's readiness thread from the first time it is asked
+    /// for; see the `ready` module). Shared by the socket's clones; closed with the socket.
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        let mut c = self.lock();
+        let Some(r) = c.ready.as_mut() else { unreachable!("open while a handle exists") };
+        let (fd, first) = (r.raw(), !std::mem::replace(&mut r.active, true));
+        drop(c);
+        if first {
+            if let Err(e) = ready::watch_socket(&self.conn) {
+                log::error!("SDP socket readiness: {e}");
+            }
+        }
+        fd
+    }
+}
+
+impl std::os::fd::AsFd for SdpStream {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        // SAFETY: the descriptor stays open while a handle of the socket exists.
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(std::os::fd::AsRawFd::as_raw_fd(self)) }
+    }
+}
+
 impl Read for SdpStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         (&*self).read(buf)
@@ -760,6 +792,8 @@ impl Drop for SdpStream {
         }
         let finished = {
             let mut c = self.lock();
+            // Event loops see the descriptor closed, as a closed socket's.
+            c.ready = None;
             c.start_close();
             c.close_finished()
         };

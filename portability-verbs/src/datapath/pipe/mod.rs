@@ -739,6 +739,26 @@ impl MsgPipe {
         self.outstanding == 0 && self.coalescer.is_empty()
     }
 
+    /// Whether a message of the pipe's largest size would likely be taken by `try_send` now
+    /// (for an event loop's "writable"; `try_send` stays the authority): the send window has a
+    /// slot, and the credits, staging buffers or ring room its strategy needs are there. Room
+    /// that comes back arrives as the peer's RDMA writes, seen by `progress`.
+    pub fn has_room(&self) -> bool {
+        if self.failed.is_some() {
+            return false;
+        }
+        let pool_free = self.send_pool.stats().in_use < self.send_pool.capacity();
+        match self.strategy {
+            FlowStrategy::Credit { .. } => {
+                self.credits.can_send_data() && self.outstanding < self.strategy.send_slots() && pool_free
+            }
+            FlowStrategy::Window { .. } => pool_free,
+            FlowStrategy::Rdma { .. } | FlowStrategy::Polled { .. } => {
+                self.ring_tx.has_room_for_max() && (self.direct_now() || self.outstanding < self.strategy.send_slots())
+            }
+        }
+    }
+
     /// Why the pipe failed, if it did.
     pub fn failure(&self) -> Option<&str> {
         self.failed.as_deref()
