@@ -10,6 +10,7 @@
 //! AZ-SDP (asynchronous zero-copy: the buffer is memory-protected until the transfer completes,
 //! so `write` and `read` return at once; see [`stream`] for the contract).
 
+pub mod discovery;
 mod engine;
 pub mod proto;
 pub mod stream;

@@ -1,0 +1,115 @@
+//! What the library accelerates, from the environment (read once): `SDP_PRELOAD`
+//! (`both`, the default; `client`; `server`; `off`), `SDP_PRELOAD_PORTS` (ports or ranges,
+//! `8000,9000-9100`; every port by default), `SDP_PRELOAD_PROBE_MS` (how long a client waits
+//! for a server's answer, 50 by default), `SDP_PRELOAD_LOG` (a `log` filter for messages on
+//! stderr, e.g. `info`; none by default). A value that does not parse turns the library off
+//! (with a message): a program must never run differently because of a typo.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub client: bool,
+    pub server: bool,
+    /// Inclusive ranges; empty: every port.
+    pub ports: Vec<(u16, u16)>,
+    pub probe: Duration,
+}
+
+impl Config {
+    const OFF: Config = Config { client: false, server: false, ports: Vec::new(), probe: Duration::ZERO };
+
+    /// Whether connections to or from `port` are accelerated.
+    pub fn port(&self, port: u16) -> bool {
+        self.ports.is_empty() || self.ports.iter().any(|&(a, b)| a <= port && port <= b)
+    }
+
+    /// Parses the settings (`get` reads a variable).
+    pub fn parse(get: impl Fn(&str) -> Option<String>) -> Result<Config, String> {
+        let (client, server) = match get("SDP_PRELOAD").as_deref().map(str::trim) {
+            None | Some("both") | Some("") => (true, true),
+            Some("client") => (true, false),
+            Some("server") => (false, true),
+            Some("off") => (false, false),
+            Some(v) => return Err(format!("SDP_PRELOAD={v:?}: both, client, server or off")),
+        };
+        let mut ports = Vec::new();
+        if let Some(list) = get("SDP_PRELOAD_PORTS") {
+            for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let bad = || format!("SDP_PRELOAD_PORTS: {item:?} is not a port or a range a-b");
+                let (a, b) = match item.split_once('-') {
+                    Some((a, b)) => (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?),
+                    None => {
+                        let p: u16 = item.parse().map_err(|_| bad())?;
+                        (p, p)
+                    }
+                };
+                if a > b {
+                    return Err(bad());
+                }
+                ports.push((a, b));
+            }
+        }
+        let probe = match get("SDP_PRELOAD_PROBE_MS") {
+            None => Duration::from_millis(50),
+            Some(v) => match v.trim().parse::<u64>() {
+                Ok(ms) if ms > 0 => Duration::from_millis(ms),
+                _ => return Err(format!("SDP_PRELOAD_PROBE_MS={v:?}: milliseconds, more than 0")),
+            },
+        };
+        Ok(Config { client, server, ports, probe })
+    }
+}
+
+/// The process's settings.
+pub fn config() -> &'static Config {
+    static CONFIG: OnceLock<Config> = OnceLock::new();
+    CONFIG.get_or_init(|| {
+        if let Some(filter) = std::env::var("SDP_PRELOAD_LOG").ok().filter(|f| !f.is_empty()) {
+            let _ = env_logger::Builder::new().parse_filters(&filter).try_init();
+        }
+        match Config::parse(|k| std::env::var(k).ok()) {
+            Ok(c) => c,
+            Err(why) => {
+                eprintln!("sdp_preload: {why}; nothing is accelerated");
+                Config::OFF
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(vars: &[(&str, &str)]) -> Result<Config, String> {
+        Config::parse(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))
+    }
+
+    #[test]
+    fn defaults_accelerate_both_roles_on_every_port() {
+        let c = parse(&[]).unwrap();
+        assert!(c.client && c.server && c.port(1) && c.port(65535));
+        assert_eq!(c.probe, Duration::from_millis(50));
+    }
+
+    #[test]
+    fn roles_ports_and_probe_time_parse_and_bad_values_are_errors() {
+        let c =
+            parse(&[("SDP_PRELOAD", "client"), ("SDP_PRELOAD_PORTS", "80, 8000-8002"), ("SDP_PRELOAD_PROBE_MS", "3")])
+                .unwrap();
+        assert!(c.client && !c.server);
+        assert!(c.port(80) && c.port(8001) && !c.port(8003) && !c.port(81));
+        assert_eq!(c.probe, Duration::from_millis(3));
+        assert!(!parse(&[("SDP_PRELOAD", "off")]).unwrap().client);
+        for bad in [
+            ("SDP_PRELOAD", "yes"),
+            ("SDP_PRELOAD_PORTS", "80-"),
+            ("SDP_PRELOAD_PORTS", "9-8"),
+            ("SDP_PRELOAD_PROBE_MS", "0"),
+        ] {
+            assert!(parse(&[bad]).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,407 @@
+//! Unmodified programs under `libsdp_preload.so`, judged by their own output: Python's
+//! `http.server` with `curl`, `iperf3`, `sockperf`, `socat`, and an asyncio event loop with
+//! hundreds of clients, both preloaded and mixed with plain peers (TCP fallback in both
+//! roles). Each side's `SDP_PRELOAD_STATS` report says whether its connections went over SDP.
+
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The library cargo built beside this test (`target/<profile>/libsdp_preload.so`).
+fn library() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let lib = dir.join("libsdp_preload.so");
+    assert!(lib.is_file(), "{} not built", lib.display());
+    lib
+}
+
+fn have(program: &str) -> bool {
+    let found = Command::new("sh").args(["-c", &format!("command -v {program}")]).output();
+    let ok = found.is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("skipped: {program} is not installed (.ci/run installs it)");
+    }
+    ok
+}
+
+/// A scratch directory, removed at the end.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let d = std::env::temp_dir().join(format!("sdp-preload-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Scratch(d)
+    }
+    fn path(&self, f: &str) -> PathBuf {
+        self.0.join(f)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A free TCP port whose UDP twin is free too.
+fn free_port() -> u16 {
+    loop {
+        let p = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if UdpSocket::bind(("127.0.0.1", p)).is_ok() {
+            return p;
+        }
+    }
+}
+
+/// Waits until something listens on `port` (a bind that finds the port taken), at most 20 s.
+fn wait_listening(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        assert!(Instant::now() < deadline, "nothing listens on port {port}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A program, preloaded or not, reporting to `stats`.
+fn command(program: &str, args: &[&str], preload: bool, stats: &Path) -> Command {
+    let mut c = Command::new("timeout");
+    c.arg("120").arg(program).args(args);
+    settings(c, preload, stats)
+}
+
+/// A server: not under `timeout` (dropping it kills it), so that it gets a Ctrl-C alone.
+fn server_command(program: &str, args: &[&str], preload: bool, stats: &Path) -> Command {
+    let mut c = Command::new(program);
+    c.args(args);
+    settings(c, preload, stats)
+}
+
+fn settings(mut c: Command, preload: bool, stats: &Path) -> Command {
+    c.env("SDP_PRELOAD_STATS", stats);
+    c.env_remove("LD_PRELOAD");
+    if preload {
+        c.env("LD_PRELOAD", library());
+    }
+    c
+}
+
+/// A server process, killed when dropped.
+struct Server(Child);
+
+impl Server {
+    /// Interrupts the server (SIGINT, as Ctrl-C: it exits through its own handler, and its
+    /// exit report is written) and waits at most 10 s for it to end.
+    fn interrupt(mut self) {
+        // SAFETY: signals our own child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.0.try_wait().unwrap().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn server(mut c: Command) -> Server {
+    Server(c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap())
+}
+
+fn run(mut c: Command) -> Output {
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{c:?}: {}\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// The sum of one counter over a stats file's lines (every process that reported).
+fn stat(stats: &Path, key: &str) -> u64 {
+    let text = std::fs::read_to_string(stats).unwrap_or_default();
+    text.split_whitespace()
+        .filter_map(|f| f.strip_prefix(&format!("{key}=")))
+        .filter_map(|v| v.parse::<u64>().ok())
+        .sum()
+}
+
+/// Waits (at most 10 s) for a server killed or finished to have written its report.
+fn wait_stats(stats: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_to_string(stats).unwrap_or_default().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn random_file(path: &Path, bytes: usize) -> Vec<u8> {
+    let mut data = vec![0u8; bytes];
+    std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut data).unwrap();
+    std::fs::write(path, &data).unwrap();
+    data
+}
+
+/// `python3 -m http.server` serving a 256 MiB file and `curl` fetching it, byte for byte:
+/// both preloaded (over SDP), and each mixed case (over TCP, neither side noticing).
+#[test]
+fn http_server_and_curl_in_every_combination() {
+    if !have("python3") || !have("curl") {
+        return;
+    }
+    let s = Scratch::new("http");
+    let www = s.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    let data = random_file(&www.join("f.bin"), 256 << 20);
+    for (server_preloaded, client_preloaded) in [(true, true), (false, true), (true, false)] {
+        let port = free_port();
+        let (sstats, cstats) = (s.path("server.stats"), s.path("client.stats"));
+        let _ = std::fs::remove_file(&sstats);
+        let _ = std::fs::remove_file(&cstats);
+        let mut c = server_command(
+            "python3",
+            &["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1"],
+            server_preloaded,
+            &sstats,
+        );
+        c.current_dir(&www);
+        let srv = server(c);
+        wait_listening(port);
+        let out = s.path("got.bin");
+        let url = format!("http://127.0.0.1:{port}/f.bin");
+        run(command("curl", &["-sS", "--fail", "-o", out.to_str().unwrap(), &url], client_preloaded, &cstats));
+        let got = std::fs::read(&out).unwrap();
+        assert!(
+            got == data,
+            "server preloaded {server_preloaded}, client {client_preloaded}: {} bytes differ",
+            got.len()
+        );
+        // curl's own report (it exited); the server's once it is ended.
+        let case = format!("server preloaded {server_preloaded}, client {client_preloaded}");
+        if client_preloaded {
+            let (sdp, tcp) = (stat(&cstats, "sdp_connect"), stat(&cstats, "tcp_connect"));
+            assert_eq!((sdp, tcp), if server_preloaded { (1, 0) } else { (0, 1) }, "{case}: curl's connections");
+        }
+        srv.interrupt();
+        if server_preloaded {
+            wait_stats(&sstats);
+            let (sdp, tcp) = (stat(&sstats, "sdp_accept"), stat(&sstats, "tcp_accept"));
+            let report = std::fs::read_to_string(&sstats).unwrap_or_default();
+            assert_eq!((sdp, tcp), if client_preloaded { (1, 0) } else { (0, 1) }, "{case}: the server's: {report:?}");
+        }
+    }
+}
+
+/// iperf3, client and server preloaded (its throughput in its own report), and a preloaded
+/// client with a plain server.
+#[test]
+fn iperf3_preloaded_and_mixed() {
+    if !have("iperf3") {
+        return;
+    }
+    let s = Scratch::new("iperf3");
+    for server_preloaded in [true, false] {
+        let port = free_port();
+        let (sstats, cstats) = (s.path("s.stats"), s.path("c.stats"));
+        let _ = std::fs::remove_file(&cstats);
+        let _srv = server(server_command("iperf3", &["-s", "-1", "-p", &port.to_string()], server_preloaded, &sstats));
+        wait_listening(port);
+        let out =
+            run(command("iperf3", &["-c", "127.0.0.1", "-p", &port.to_string(), "-t", "1", "-f", "m"], true, &cstats));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let receiver =
+            text.lines().find(|l| l.contains("receiver")).unwrap_or_else(|| panic!("no receiver line:\n{text}"));
+        eprintln!("iperf3, server preloaded {server_preloaded}: {receiver}");
+        assert!(!receiver.contains(" 0.00 MBytes"), "nothing moved: {receiver}");
+        let want = if server_preloaded { (2, 0) } else { (0, 2) }; // the control and the data connection
+        assert_eq!((stat(&cstats, "sdp_connect"), stat(&cstats, "tcp_connect")), want, "{text}");
+    }
+}
+
+/// sockperf's ping-pong with both ends preloaded reports its latency, beside plain TCP's.
+#[test]
+fn sockperf_ping_pong_preloaded() {
+    if !have("sockperf") {
+        return;
+    }
+    let s = Scratch::new("sockperf");
+    for preloaded in [true, false] {
+        let port = free_port();
+        let stats = s.path("c.stats");
+        let _ = std::fs::remove_file(&stats);
+        let _srv = server(server_command(
+            "sockperf",
+            &["sr", "--tcp", "-i", "127.0.0.1", "-p", &port.to_string()],
+            preloaded,
+            &s.path("s.stats"),
+        ));
+        wait_listening(port);
+        let out = run(command(
+            "sockperf",
+            &["pp", "--tcp", "-i", "127.0.0.1", "-p", &port.to_string(), "-t", "1"],
+            preloaded,
+            &stats,
+        ));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let summary =
+            text.lines().find(|l| l.contains("Summary: Latency is")).unwrap_or_else(|| panic!("no summary:\n{text}"));
+        eprintln!("sockperf, preloaded {preloaded}: {summary}");
+        assert_eq!(stat(&stats, "sdp_connect"), preloaded as u64, "{text}");
+    }
+}
+
+/// socat, preloaded, relays between a preloaded client (over SDP) and a plain echo server (over
+/// TCP): 8 MiB come back unchanged.
+#[test]
+fn socat_relays_between_a_preloaded_and_a_plain_side() {
+    if !have("socat") || !have("python3") {
+        return;
+    }
+    let s = Scratch::new("socat");
+    let (echo_port, relay_port) = (free_port(), free_port());
+    let echo = "import socket\nl=socket.create_server(('127.0.0.1',%P%))\nc,_=l.accept()\nwhile True:\n    d=c.recv(65536)\n    if not d: break\n    c.sendall(d)\nc.close()\n"
+        .replace("%P%", &echo_port.to_string());
+    let _echo = server(server_command("python3", &["-c", &echo], false, &s.path("e.stats")));
+    wait_listening(echo_port);
+    let relay_stats = s.path("relay.stats");
+    let listen = format!("TCP-LISTEN:{relay_port},bind=127.0.0.1,reuseaddr");
+    let to = format!("TCP:127.0.0.1:{echo_port}");
+    let relay = server(server_command("socat", &[&listen, &to], true, &relay_stats));
+    wait_listening(relay_port);
+    let data = random_file(&s.path("in.bin"), 8 << 20);
+    let client = "import socket,sys,threading\nd=open(sys.argv[1],'rb').read()\ns=socket.create_connection(('127.0.0.1',int(sys.argv[2])))\nt=threading.Thread(target=lambda:(s.sendall(d),s.shutdown(socket.SHUT_WR)))\nt.start()\nb=bytearray()\nwhile True:\n    x=s.recv(1<<16)\n    if not x: break\n    b+=x\nt.join()\nopen(sys.argv[3],'wb').write(b)\n";
+    let out = s.path("out.bin");
+    let cstats = s.path("c.stats");
+    run(command(
+        "python3",
+        &["-c", client, s.path("in.bin").to_str().unwrap(), &relay_port.to_string(), out.to_str().unwrap()],
+        true,
+        &cstats,
+    ));
+    assert!(std::fs::read(&out).unwrap() == data, "the relayed bytes differ");
+    assert_eq!(stat(&cstats, "sdp_connect"), 1);
+    relay.interrupt();
+    wait_stats(&relay_stats);
+    assert_eq!(
+        (stat(&relay_stats, "sdp_accept"), stat(&relay_stats, "tcp_connect")),
+        (1, 1),
+        "socat took the client over SDP and reached the plain server over TCP"
+    );
+}
+
+const ASYNC_ECHO: &str = r#"
+import asyncio, os, sys
+async def handle(r, w):
+    while True:
+        d = await r.read(65536)
+        if not d:
+            break
+        w.write(d)
+        await w.drain()
+    w.close()
+async def server(port):
+    s = await asyncio.start_server(handle, '127.0.0.1', port)
+    async with s:
+        await s.serve_forever()
+async def clients(port, n):
+    async def one(i):
+        r, w = await asyncio.open_connection('127.0.0.1', port)
+        data = os.urandom(1 + i * 997 % 200000)
+        w.write(data)
+        await w.drain()
+        got = await r.readexactly(len(data))
+        w.close()
+        return got == data
+    ok = await asyncio.gather(*[one(i) for i in range(n)])
+    print("echoed", sum(ok), "of", n)
+    sys.exit(0 if all(ok) else 1)
+port = int(sys.argv[2])
+try:
+    asyncio.run(server(port) if sys.argv[1] == 's' else clients(port, int(sys.argv[3])))
+except KeyboardInterrupt:
+    pass  # a normal exit on Ctrl-C (an uncaught one ends the process by the signal)
+"#;
+
+/// An asyncio (epoll) echo server, preloaded, with 300 concurrent preloaded clients: every byte
+/// echoed.
+#[test]
+fn an_asyncio_echo_server_with_hundreds_of_clients() {
+    if !have("python3") {
+        return;
+    }
+    let s = Scratch::new("asyncio");
+    let port = free_port();
+    let sstats = s.path("s.stats");
+    let srv = server(server_command("python3", &["-c", ASYNC_ECHO, "s", &port.to_string()], true, &sstats));
+    wait_listening(port);
+    let cstats = s.path("c.stats");
+    let out = run(command("python3", &["-c", ASYNC_ECHO, "c", &port.to_string(), "300"], true, &cstats));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "echoed 300 of 300");
+    assert_eq!(stat(&cstats, "sdp_connect"), 300);
+    srv.interrupt();
+    wait_stats(&sstats);
+    let report = std::fs::read_to_string(&sstats).unwrap_or_default();
+    assert_eq!(stat(&sstats, "sdp_accept"), 300, "{report:?}");
+}
+
+/// Garbage on an accelerated port's UDP twin is ignored, and garbage from a plain client on the
+/// TCP port is what the program sees (it answers as it would): SDP clients still get through.
+#[test]
+fn garbage_from_plain_peers_changes_nothing() {
+    if !have("python3") || !have("curl") {
+        return;
+    }
+    let s = Scratch::new("garbage");
+    let www = s.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    let data = random_file(&www.join("g.bin"), 1 << 20);
+    let port = free_port();
+    let mut c = server_command(
+        "python3",
+        &["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1"],
+        true,
+        &s.path("s.stats"),
+    );
+    c.current_dir(&www);
+    let _srv = server(c);
+    wait_listening(port);
+    let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let twin: SocketAddr = ([127, 0, 0, 1], port).into();
+    for n in [0usize, 1, 13, 15, 100, 1400] {
+        udp.send_to(&vec![0x5a; n], twin).unwrap();
+    }
+    let mut probe = sockets_compat_probe();
+    probe[4] = 9; // another version
+    udp.send_to(&probe, twin).unwrap();
+    // A plain client's garbage: the server answers it as HTTP (400), over TCP.
+    let mut tcp = std::net::TcpStream::connect(twin).unwrap();
+    std::io::Write::write_all(&mut tcp, b"\x00\x01garbage\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    tcp.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let _ = tcp.read_to_string(&mut answer);
+    assert!(answer.contains("400"), "the program's own answer to garbage: {answer:?}");
+    let out = s.path("got.bin");
+    let cstats = s.path("c.stats");
+    let url = format!("http://127.0.0.1:{port}/g.bin");
+    run(command("curl", &["-sS", "--fail", "-o", out.to_str().unwrap(), &url], true, &cstats));
+    assert!(std::fs::read(&out).unwrap() == data);
+    assert_eq!(stat(&cstats, "sdp_connect"), 1);
+}
+
+/// A well-formed probe's bytes (the discovery codec lives in `sockets-compat`).
+fn sockets_compat_probe() -> Vec<u8> {
+    let mut b = b"SDPQ\x01".to_vec();
+    b.extend_from_slice(&7u64.to_le_bytes());
+    b
+}
