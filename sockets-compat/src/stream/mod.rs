@@ -221,6 +221,8 @@ struct Conn {
     calls: u64,
     /// `calls` as the background engine saw it last time.
     calls_seen: u64,
+    /// `calls` as the readiness watcher saw it last time.
+    calls_ready: u64,
     /// The descriptor event loops wait on (see the `ready` module); gone once the application
     /// closed the socket.
     ready: Option<ready::Readiness>,
@@ -331,6 +333,7 @@ impl SdpStream {
             watched: false,
             calls: 0,
             calls_seen: 0,
+            calls_ready: 0,
             ready: Some(ready::Readiness::new()?),
             nonblocking: false,
             nodelay: true,
@@ -592,7 +595,12 @@ impl SdpStream {
                     }
                     // Our own or another socket's transfer holds the buffer: it ends without us.
                     ReadStep::BufferHeld => protect::ring_bell(),
-                    ReadStep::Nothing if c.nonblocking => return Err(io::ErrorKind::WouldBlock.into()),
+                    ReadStep::Nothing if c.nonblocking => {
+                        if c.ready.as_ref().is_some_and(|r| r.active) {
+                            ready::poke(); // the application waits for the descriptor next
+                        }
+                        return Err(io::ErrorKind::WouldBlock.into());
+                    }
                     ReadStep::Nothing => {
                         drop(c);
                         // Whatever comes next (a message, bulk data, our reads) completes.

@@ -13,7 +13,8 @@
 //! of this module, which takes in what arrived for the sockets and listeners whose descriptor
 //! was asked for and sleeps on their completion queues (the peer is told we sleep, so its next
 //! message raises a completion) or, while a socket cannot send, looks again every
-//! [`SOON`] (room comes back as a plain RDMA write, which raises nothing).
+//! [`SOON`] (room comes back as a plain RDMA write, which raises nothing). A read that finds
+//! nothing wakes it, so that it prepares for the wait that follows.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Weak;
@@ -24,7 +25,9 @@ use super::*;
 const READABLE_ONLY: u64 = u64::MAX - 1;
 /// How soon the watcher looks again at a socket that cannot send, a listener with handshakes
 /// under way, or one whose application held its lock.
-const SOON: Duration = Duration::from_micros(200);
+const SOON: Duration = Duration::from_micros(100);
+/// How long the watcher looks without sleeping after an application began to wait.
+const EAGER: Duration = Duration::from_micros(200);
 /// The watcher's longest sleep (a backstop: every awaited event wakes it).
 const BACKSTOP: Duration = Duration::from_millis(50);
 
@@ -150,9 +153,10 @@ struct Watcher {
     bell: OwnedFd,
 }
 
+static WATCHER_REF: OnceLock<Result<Watcher, String>> = OnceLock::new();
+
 fn watcher() -> io::Result<&'static Watcher> {
-    static WATCHER: OnceLock<Result<Watcher, String>> = OnceLock::new();
-    let w = WATCHER.get_or_init(|| {
+    let w = WATCHER_REF.get_or_init(|| {
         let bell = Readiness::new().map_err(|e| e.to_string())?.fd;
         std::thread::Builder::new().name("sdp-ready".into()).spawn(run).map_err(|e| e.to_string())?;
         Ok(Watcher { watched: Mutex::new(Watched::default()), bell })
@@ -191,12 +195,20 @@ struct Look {
 }
 
 /// Takes in what arrived for a socket its application is not calling into, shows its state,
-/// and prepares to sleep on it (`sleep`: the watcher is about to sleep long).
+/// and, if nothing is there to read and the watcher is about to sleep long (`sleep`), prepares
+/// to sleep on it. (Preparing tells the peer, whose next message then raises a wake-up that
+/// takes one of our receives: only once per sleep.)
 fn look_at_socket(conn: &Arc<Mutex<Conn>>, sleep: bool) -> Look {
     let Ok(mut c) = conn.try_lock() else {
         // The application is in a call: it shows the state when it leaves.
         return Look { soon: true, cq: None };
     };
+    let calls = c.calls;
+    if std::mem::replace(&mut c.calls_ready, calls) != calls {
+        // The application called since the last look and drives the socket itself (taking
+        // its lock here would only make it wait); a call that finds nothing wakes us.
+        return Look { soon: true, cq: None };
+    }
     if c.failed.is_none() && c.closing.is_none() {
         // Failures are recorded in the socket and shown as readiness; its next call reports
         // them.
@@ -210,6 +222,9 @@ fn look_at_socket(conn: &Arc<Mutex<Conn>>, sleep: bool) -> Look {
     if c.failed.is_some() || c.ready.is_none() {
         return Look { soon: false, cq: None };
     }
+    // Room to send comes back as a plain RDMA write (no completion), and requests of ours
+    // still queued (acknowledgements of what we read) start only when this process drives the
+    // queue pair: look again soon.
     let soon = !c.writable() || !c.pipe.idle();
     if c.readable() || !sleep {
         return Look { soon, cq: None };
@@ -235,6 +250,7 @@ fn run() {
         }
     };
     let mut sleep_long = false;
+    let mut last_poke: Option<Instant> = None;
     loop {
         let (sockets, listeners) = {
             let mut g = w.watched.lock().unwrap_or_else(|p| p.into_inner());
@@ -258,24 +274,46 @@ fn run() {
             soon |= again;
             fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
         }
-        // A first pass that would sleep long only prepares the sockets for it (announcing a
-        // sleep to each peer): the next pass sleeps.
-        if !soon && !sleep_long {
+        // A pass that finds nothing to do but sleep is followed by one that prepares each
+        // socket for it (announcing the sleep to its peer), then the sleep.
+        if !soon && !sleep_long && !last_poke.is_some_and(|t| t.elapsed() < EAGER) {
             sleep_long = true;
             continue;
         }
-        let timeout = if soon { SOON } else { BACKSTOP };
+        // Just after an application found nothing and began to wait, the next message is
+        // likely near: look without sleeping for a while (as a polling reader would).
+        let eager = last_poke.is_some_and(|t: Instant| t.elapsed() < EAGER);
+        let timeout = if eager {
+            Duration::ZERO
+        } else if soon {
+            SOON
+        } else {
+            BACKSTOP
+        };
         let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
         // SAFETY: `fds` is a valid array of pollfd and `ts` a valid timespec for the call.
         unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
         let mut drained = 0u64;
         // SAFETY: 8 bytes into a local; empties the bell (EAGAIN when it did not ring).
-        unsafe { libc::read(w.bell.as_raw_fd(), &mut drained as *mut u64 as *mut libc::c_void, 8) };
+        if unsafe { libc::read(w.bell.as_raw_fd(), &mut drained as *mut u64 as *mut libc::c_void, 8) } == 8 {
+            last_poke = Some(Instant::now());
+        }
+        if eager {
+            std::thread::yield_now();
+        }
         for (cq, fd) in cqs.iter().zip(&fds[1..]) {
             if fd.revents != 0 {
                 cq.ack_event();
             }
         }
         sleep_long = false;
+    }
+}
+
+/// Wakes the watcher to look at the sockets again at once (an application found nothing to
+/// read and is about to wait for its descriptor: the watcher must be prepared for that socket).
+pub(super) fn poke() {
+    if let Some(Ok(w)) = WATCHER_REF.get().map(|w| w.as_ref()) {
+        ring(w);
     }
 }

@@ -47,7 +47,11 @@ impl SdpStream {
             }
         }
         if sent == 0 {
-            self.lock().flush_pipe()?;
+            let mut c = self.lock();
+            c.flush_pipe()?;
+            if c.ready.as_ref().is_some_and(|r| r.active) {
+                ready::poke(); // the application waits for the descriptor next
+            }
             return Err(io::ErrorKind::WouldBlock.into());
         }
         if !nonblocking {
