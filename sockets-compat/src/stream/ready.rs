@@ -276,7 +276,7 @@ fn run() {
         }
         // A pass that finds nothing to do but sleep is followed by one that prepares each
         // socket for it (announcing the sleep to its peer), then the sleep.
-        if !soon && !sleep_long && !last_poke.is_some_and(|t| t.elapsed() < EAGER) {
+        if !soon && !sleep_long && last_poke.is_none_or(|t| t.elapsed() >= EAGER) {
             sleep_long = true;
             continue;
         }
