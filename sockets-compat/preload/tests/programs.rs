@@ -405,3 +405,85 @@ fn sockets_compat_probe() -> Vec<u8> {
     b.extend_from_slice(&7u64.to_le_bytes());
     b
 }
+
+/// Across two hosts (network, PID and mount namespaces joined by a veth pair): a preloaded
+/// curl on one fetches from a preloaded `http.server` on the other over SDP (the probe crosses
+/// the link, the software provider its TCP transport), and from a plain one over TCP.
+#[test]
+fn curl_and_http_server_on_two_hosts() {
+    if !have("python3") || !have("curl") {
+        return;
+    }
+    let Some(h) = benches::hosts::two_hosts_or_skip("curl_and_http_server_on_two_hosts") else { return };
+    // Outside /tmp: each host has a private one.
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("preload-hosts-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("www")).unwrap();
+    let data = random_file(&dir.join("www/f.bin"), 32 << 20);
+    for server_preloaded in [true, false] {
+        let port = 8100 + server_preloaded as u16;
+        let (sstats, cstats) = (dir.join("s.stats"), dir.join("c.stats"));
+        let _ = std::fs::remove_file(&cstats);
+        let mut srv = benches::hosts::TwoHosts::command(&h.b, "python3");
+        srv.args(["-m", "http.server", &port.to_string(), "--bind", &h.b.ip.to_string()]).current_dir(dir.join("www"));
+        let srv = server(settings(srv, server_preloaded, &sstats));
+        let out = dir.join("got.bin");
+        let fetch = format!(
+            "for i in $(seq 100); do curl -sS --fail -o {} http://{}:{port}/f.bin 2>/dev/null && exit 0; sleep 0.1; done; exit 1",
+            out.display(),
+            h.b.ip
+        );
+        let mut c = benches::hosts::TwoHosts::command(&h.a, "sh");
+        c.args(["-c", &fetch]);
+        run(settings(c, true, &cstats));
+        assert!(std::fs::read(&out).unwrap() == data, "server preloaded {server_preloaded}: the file differs");
+        // The successful attempt is the last line of the client's reports.
+        let last = std::fs::read_to_string(&cstats).unwrap_or_default().lines().last().unwrap_or_default().to_string();
+        let want = if server_preloaded { "sdp_connect=1 tcp_connect=0" } else { "sdp_connect=0 tcp_connect=1" };
+        assert!(last.contains(want), "server preloaded {server_preloaded}: curl reported {last:?}");
+        drop(srv);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A C program checks, step by step, the socket semantics programs rely on (nonblocking connect
+/// completing through POLLOUT, SO_ERROR, getpeername, F_GETFL/F_SETFL, MSG_PEEK, FIONREAD,
+/// MSG_WAITALL, MSG_DONTWAIT, an epoll set holding the socket and a pipe, dup, shutdown and
+/// EOF, EPIPE with and without MSG_NOSIGNAL): it passes over kernel TCP, and the same binary
+/// passes preloaded, over SDP.
+#[test]
+fn a_c_program_sees_the_kernels_socket_semantics() {
+    if !have("cc") {
+        return;
+    }
+    let s = Scratch::new("semantics");
+    let exe = s.path("semantics");
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/semantics.c");
+    let mut cc = Command::new("cc");
+    cc.args(["-O1", "-Wall", "-Werror", "-o", exe.to_str().unwrap(), src]);
+    run(cc);
+    for preloaded in [false, true] {
+        let port = free_port();
+        let stats = s.path(&format!("{preloaded}.stats"));
+        let srv = Command::new(&exe)
+            .args(["server", &port.to_string()])
+            .env("SDP_PRELOAD_STATS", &stats)
+            .envs(preloaded.then(|| ("LD_PRELOAD", library())))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_listening(port);
+        let client = run(command(exe.to_str().unwrap(), &["client", &port.to_string()], preloaded, &stats));
+        assert!(String::from_utf8_lossy(&client.stdout).ends_with("ALL OK\n"), "client, preloaded {preloaded}");
+        let server = srv.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&server.stdout);
+        assert!(
+            server.status.success() && text.ends_with("ALL OK\n"),
+            "server, preloaded {preloaded}:\n{text}\n{}",
+            String::from_utf8_lossy(&server.stderr)
+        );
+        let want = preloaded as u64;
+        assert_eq!((stat(&stats, "sdp_connect"), stat(&stats, "sdp_accept")), (want, want));
+    }
+}

@@ -1,0 +1,115 @@
+#define _GNU_SOURCE
+/* Socket semantics a program relies on, checked step by step; the same program must pass over
+ * kernel TCP and under libsdp_preload.so. Usage: semantics server PORT | semantics client PORT */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define CHECK(cond, what) do { if (!(cond)) { fprintf(stderr, "FAILED %s: %s (errno %d %s)\n", argv[1], what, errno, strerror(errno)); return 1; } printf("ok %s\n", what); fflush(stdout); } while (0)
+
+static volatile sig_atomic_t sigpipes;
+static void on_sigpipe(int s) { (void)s; sigpipes++; }
+
+static int recv_all(int fd, char *buf, int n) {
+    int got = 0;
+    while (got < n) {
+        int k = recv(fd, buf + got, n - got, 0);
+        if (k <= 0) return got;
+        got += k;
+    }
+    return got;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) return 2;
+    int port = atoi(argv[2]);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    char buf[256];
+    if (strcmp(argv[1], "server") == 0) {
+        int l = socket(AF_INET, SOCK_STREAM, 0);
+        int one = 1;
+        setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        CHECK(bind(l, (struct sockaddr *)&a, sizeof a) == 0, "bind");
+        CHECK(listen(l, 16) == 0, "listen");
+        struct sockaddr_in peer;
+        socklen_t pl = sizeof peer;
+        int fd = accept4(l, (struct sockaddr *)&peer, &pl, SOCK_CLOEXEC);
+        CHECK(fd >= 0 && pl == sizeof peer && peer.sin_family == AF_INET, "accept4 with the peer's address");
+        int type = 0;
+        socklen_t tl = sizeof type;
+        CHECK(getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tl) == 0 && type == SOCK_STREAM, "SO_TYPE");
+        CHECK(recv(fd, buf, 5, MSG_PEEK) == 5 && memcmp(buf, "hello", 5) == 0, "MSG_PEEK");
+        int avail = 0;
+        for (int i = 0; i < 1000 && avail < 11; i++) { ioctl(fd, FIONREAD, &avail); if (avail < 11) usleep(1000); }
+        CHECK(avail == 11, "FIONREAD");
+        CHECK(recv(fd, buf, 11, MSG_WAITALL) == 11 && memcmp(buf, "hello world", 11) == 0, "MSG_WAITALL after a peek");
+        CHECK(recv(fd, buf, 1, MSG_DONTWAIT) == -1 && (errno == EAGAIN || errno == EWOULDBLOCK), "MSG_DONTWAIT: EAGAIN");
+        /* An epoll set holding the socket and a pipe: each reports its own event. */
+        int ep = epoll_create1(EPOLL_CLOEXEC), p[2];
+        CHECK(pipe(p) == 0, "pipe");
+        struct epoll_event ev = {.events = EPOLLIN | EPOLLET, .data.fd = fd};
+        epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
+        struct epoll_event pev = {.events = EPOLLIN, .data.fd = p[0]};
+        epoll_ctl(ep, EPOLL_CTL_ADD, p[0], &pev);
+        CHECK(send(fd, "go", 2, 0) == 2, "send");
+        struct epoll_event out[4];
+        int n = epoll_wait(ep, out, 4, 10000);
+        CHECK(n == 1 && out[0].data.fd == fd, "epoll: the socket's arrival");
+        CHECK(recv(fd, buf, sizeof buf, 0) == 1 && buf[0] == 'x', "recv after epoll");
+        CHECK(write(p[1], "p", 1) == 1, "write to the pipe");
+        n = epoll_wait(ep, out, 4, 10000);
+        CHECK(n == 1 && out[0].data.fd == p[0], "epoll: the pipe's event, in the same set");
+        int d = dup(fd);
+        CHECK(d >= 0 && send(d, "dup ok", 6, 0) == 6, "send through a dup");
+        CHECK(close(d) == 0 && send(fd, "!", 1, 0) == 1, "the socket outlives its dup's close");
+        CHECK(shutdown(fd, SHUT_WR) == 0, "shutdown(SHUT_WR)");
+        CHECK(recv_all(fd, buf, 1) == 0, "EOF once the client closed");
+        /* Writing to a closed peer: EPIPE, a SIGPIPE unless MSG_NOSIGNAL. */
+        signal(SIGPIPE, on_sigpipe);
+        int r = 0;
+        for (int i = 0; i < 1000; i++) { r = send(fd, "z", 1, MSG_NOSIGNAL); if (r < 0) break; usleep(1000); }
+        CHECK(r == -1 && errno == EPIPE && sigpipes == 0, "MSG_NOSIGNAL: EPIPE, no signal");
+        CHECK(send(fd, "z", 1, 0) == -1 && errno == EPIPE && sigpipes == 1, "EPIPE raises SIGPIPE");
+        CHECK(close(fd) == 0 && close(l) == 0, "close");
+        printf("ALL OK\n");
+        return 0;
+    }
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    int r = connect(fd, (struct sockaddr *)&a, sizeof a);
+    CHECK(r == 0 || errno == EINPROGRESS, "nonblocking connect");
+    struct pollfd pf = {.fd = fd, .events = POLLOUT};
+    CHECK(poll(&pf, 1, 10000) == 1 && (pf.revents & POLLOUT), "connect completes: POLLOUT");
+    int err = -1;
+    socklen_t el = sizeof err;
+    CHECK(getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0 && err == 0, "SO_ERROR 0");
+    struct sockaddr_in peer;
+    socklen_t pl = sizeof peer;
+    CHECK(getpeername(fd, (struct sockaddr *)&peer, &pl) == 0 && ntohs(peer.sin_port) == port, "getpeername: the server's port");
+    int fl = fcntl(fd, F_GETFL);
+    CHECK(fl >= 0 && (fl & O_NONBLOCK), "F_GETFL shows O_NONBLOCK");
+    CHECK(fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) == 0 && !(fcntl(fd, F_GETFL) & O_NONBLOCK), "F_SETFL: blocking");
+    int one = 1;
+    CHECK(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) == 0, "TCP_NODELAY");
+    CHECK(send(fd, "hello world", 11, 0) == 11, "send");
+    CHECK(recv_all(fd, buf, 2) == 2 && memcmp(buf, "go", 2) == 0, "recv");
+    CHECK(send(fd, "x", 1, 0) == 1, "send after recv");
+    CHECK(recv_all(fd, buf, 7) == 7 && memcmp(buf, "dup ok!", 7) == 0, "bytes through the server's dup");
+    CHECK(recv_all(fd, buf, 1) == 0, "EOF after the server's shutdown");
+    CHECK(close(fd) == 0, "close");
+    printf("ALL OK\n");
+    return 0;
+}
