@@ -17,10 +17,11 @@
 //!
 //! Calls on accelerated descriptors (`read`, `recv`, `send`, `writev`, `sendfile`, `shutdown`,
 //! `getsockopt`, `fcntl`, `ioctl`, `dup`, `close`, ...) go to the SDP socket; everything else
-//! goes to the C library after one atomic load. Settings: [`config`]. Limits: a connection is
-//! not shared with a child after `fork` (the child must not use it); a blocking call is not
-//! interrupted by a signal (no `EINTR`); a socket registered with `epoll` before `connect`
-//! must be registered again after it.
+//! goes to the C library after one atomic load. Settings: [`config`]. A blocking receive polls
+//! briefly, then waits on the descriptor, where a signal interrupts it (`EINTR`). Limits: a
+//! connection is not shared with a child after `fork` (the child must not use it); a blocking
+//! send is not interrupted by a signal; a socket registered with `epoll` before `connect` must
+//! be registered again after it.
 
 #![allow(clippy::missing_safety_doc)] // C entry points: their contracts are the C library's.
 
@@ -33,7 +34,7 @@ mod stats;
 mod table;
 
 use std::ffi::{c_int, c_long, c_ulong, c_void};
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -501,7 +502,7 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: *mut c_void) -> c_i
         libc::FIONREAD if !arg.is_null() => {
             // What a read would return now: a nonblocking peek.
             let mut buf = vec![0u8; 256 * 1024];
-            let n = with_nonblocking(&c, true, || c.stream.peek(&mut buf)).unwrap_or(0);
+            let n = c.stream.try_peek(&mut buf).unwrap_or(0);
             // SAFETY: FIONREAD's argument is an int.
             unsafe { *(arg as *mut c_int) = n as c_int };
             0
@@ -515,35 +516,92 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: *mut c_void) -> c_i
 
 // ---- Reading and writing ----
 
-/// Runs `f` with the socket nonblocking if `dontwait` (`MSG_DONTWAIT`) and it is blocking.
-fn with_nonblocking<T>(c: &Connected, dontwait: bool, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
-    if !dontwait || c.nonblocking.load(Ordering::Relaxed) {
-        return f();
+/// How long a blocking receive polls before it waits on the descriptor (where a signal
+/// interrupts it): a wake-up costs tens of microseconds, a poll a fraction of one.
+const RECEIVE_SPIN: Duration = Duration::from_micros(50);
+
+/// One receive attempt that never waits.
+fn receive_once(c: &Connected, buf: &mut [u8], peek: bool) -> io::Result<usize> {
+    if peek {
+        c.stream.try_peek(buf)
+    } else {
+        c.stream.try_read(buf)
     }
-    c.stream.set_nonblocking(true)?;
-    let r = f();
-    let _ = c.stream.set_nonblocking(c.nonblocking.load(Ordering::Relaxed));
-    r
 }
 
-fn receive(c: &Connected, buf: &mut [u8], flags: c_int) -> ssize_t {
-    let _in = Inside::enter();
-    let dontwait = flags & libc::MSG_DONTWAIT != 0;
-    let got = with_nonblocking(c, dontwait, || {
-        if flags & libc::MSG_PEEK != 0 {
-            return c.stream.peek(buf);
+/// A blocking receive as the kernel's: polls a while, then waits on the descriptor `fd` (the
+/// socket's readiness eventfd), where a signal ends the wait with `EINTR` (the program's
+/// handler has run; `SA_RESTART` does not restart socket waits with a timeout, and a program
+/// that wants the retry loops). `SO_RCVTIMEO` ends it with `EAGAIN`.
+fn receive_blocking(c: &Connected, fd: c_int, buf: &mut [u8], peek: bool) -> io::Result<usize> {
+    let start = std::time::Instant::now();
+    let limit = c.stream.read_timeout()?;
+    let mut polls = 0u32;
+    loop {
+        match receive_once(c, buf, peek) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            other => return other,
         }
-        let mut n = (&c.stream).read(buf)?;
-        if flags & libc::MSG_WAITALL != 0 {
+        polls = polls.wrapping_add(1);
+        if !polls.is_multiple_of(64) || start.elapsed() < RECEIVE_SPIN {
+            if polls.is_multiple_of(256) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+            continue;
+        }
+        let wait_ms = match limit {
+            None => -1,
+            Some(t) => match t.checked_sub(start.elapsed()) {
+                Some(left) => left.as_millis().clamp(1, i32::MAX as u128) as c_int,
+                None => return Err(io::ErrorKind::WouldBlock.into()),
+            },
+        };
+        c.stream.about_to_wait();
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd; `poll` is not intercepted.
+        if unsafe { libc::poll(&mut p, 1, wait_ms) } < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) && (limit.is_some() || !handlers_restart()) {
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Whether every signal handler the program installed asks for `SA_RESTART` (then the kernel
+/// would have restarted a receive without a timeout that a signal interrupted; the signal that
+/// did cannot be known here, so one handler without it makes the receive return `EINTR`, which
+/// is what Python's handlers, for one, expect).
+fn handlers_restart() -> bool {
+    (1..=libc::SIGRTMAX()).filter(|&s| s != libc::SIGKILL && s != libc::SIGSTOP).all(|sig| {
+        // SAFETY: reads the disposition of `sig` into a zeroed struct.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        if unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) } != 0 {
+            return true;
+        }
+        old.sa_sigaction == libc::SIG_DFL || old.sa_sigaction == libc::SIG_IGN || old.sa_flags & libc::SA_RESTART != 0
+    })
+}
+
+fn receive(c: &Connected, fd: c_int, buf: &mut [u8], flags: c_int) -> ssize_t {
+    let _in = Inside::enter();
+    let peek = flags & libc::MSG_PEEK != 0;
+    let dontwait = flags & libc::MSG_DONTWAIT != 0 || c.nonblocking.load(Ordering::Relaxed);
+    let got = if dontwait { receive_once(c, buf, peek) } else { receive_blocking(c, fd, buf, peek) };
+    let got = got.map(|mut n| {
+        // MSG_WAITALL: the rest too, unless the stream ends, fails or a signal comes (the
+        // bytes so far are returned; the error, if any, comes next time).
+        if flags & libc::MSG_WAITALL != 0 && !peek && !dontwait {
             while n > 0 && n < buf.len() {
-                match (&c.stream).read(&mut buf[n..]) {
-                    Ok(0) => break,
+                match receive_blocking(c, fd, &mut buf[n..], false) {
+                    Ok(0) | Err(_) => break,
                     Ok(k) => n += k,
-                    Err(_) => break, // the bytes read so far; the error comes next time
                 }
             }
         }
-        Ok(n)
+        n
     });
     match got {
         Ok(n) => n as ssize_t,
@@ -557,16 +615,19 @@ fn transmit(c: &Connected, buf: &[u8], flags: c_int) -> ssize_t {
     let _in = Inside::enter();
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let blocking = !dontwait && !c.nonblocking.load(Ordering::Relaxed);
-    let sent = with_nonblocking(c, dontwait, || {
-        let mut n = (&c.stream).write(buf)?;
-        while blocking && n < buf.len() {
-            match (&c.stream).write(&buf[n..]) {
-                Ok(k) => n += k,
-                Err(_) => break, // the bytes sent so far; the error comes next time
+    let sent = if dontwait {
+        c.stream.try_write(buf)
+    } else {
+        (&c.stream).write(buf).map(|mut n| {
+            while blocking && n < buf.len() {
+                match (&c.stream).write(&buf[n..]) {
+                    Ok(k) => n += k,
+                    Err(_) => break, // the bytes sent so far; the error comes next time
+                }
             }
-        }
-        Ok(n)
-    });
+            n
+        })
+    };
     match sent {
         Ok(n) => n as ssize_t,
         Err(e) => {
@@ -600,7 +661,7 @@ unsafe fn slice<'a>(buf: *const c_void, n: size_t) -> &'a [u8] {
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
     match connected(fd) {
         // SAFETY: the caller's buffer.
-        Some(c) => receive(&c, unsafe { slice_mut(buf, n) }, 0),
+        Some(c) => receive(&c, fd, unsafe { slice_mut(buf, n) }, 0),
         // SAFETY: the caller's arguments, passed on.
         None => unsafe { (real().read)(fd, buf, n) },
     }
@@ -610,7 +671,7 @@ pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
     match connected(fd) {
         // SAFETY: the caller's buffer.
-        Some(c) => receive(&c, unsafe { slice_mut(buf, n) }, flags),
+        Some(c) => receive(&c, fd, unsafe { slice_mut(buf, n) }, flags),
         // SAFETY: the caller's arguments, passed on.
         None => unsafe { (real().recv)(fd, buf, n, flags) },
     }
@@ -633,7 +694,7 @@ pub unsafe extern "C" fn recvfrom(
                 unsafe { *len = 0 };
             }
             // SAFETY: the caller's buffer.
-            receive(&c, unsafe { slice_mut(buf, n) }, flags)
+            receive(&c, fd, unsafe { slice_mut(buf, n) }, flags)
         }
         // SAFETY: the caller's arguments, passed on.
         None => unsafe { (real().recvfrom)(fd, buf, n, flags, addr, len) },
@@ -641,7 +702,7 @@ pub unsafe extern "C" fn recvfrom(
 }
 
 /// Reads into the first non-empty buffer of `iov` (a short read, as readv may return).
-unsafe fn receive_vec(c: &Connected, iov: *const iovec, cnt: c_int, flags: c_int) -> ssize_t {
+unsafe fn receive_vec(c: &Connected, fd: c_int, iov: *const iovec, cnt: c_int, flags: c_int) -> ssize_t {
     if iov.is_null() || cnt <= 0 {
         return 0;
     }
@@ -649,7 +710,7 @@ unsafe fn receive_vec(c: &Connected, iov: *const iovec, cnt: c_int, flags: c_int
     let iovs = unsafe { std::slice::from_raw_parts(iov, cnt as usize) };
     match iovs.iter().find(|v| v.iov_len > 0) {
         // SAFETY: the caller's buffer.
-        Some(v) => receive(c, unsafe { slice_mut(v.iov_base, v.iov_len) }, flags),
+        Some(v) => receive(c, fd, unsafe { slice_mut(v.iov_base, v.iov_len) }, flags),
         None => 0,
     }
 }
@@ -680,7 +741,7 @@ unsafe fn transmit_vec(c: &Connected, iov: *const iovec, cnt: c_int, flags: c_in
 pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
     match connected(fd) {
         // SAFETY: forwarded contract.
-        Some(c) => unsafe { receive_vec(&c, iov, cnt, 0) },
+        Some(c) => unsafe { receive_vec(&c, fd, iov, cnt, 0) },
         // SAFETY: the caller's arguments, passed on.
         None => unsafe { (real().readv)(fd, iov, cnt) },
     }
@@ -695,7 +756,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
                 (*msg).msg_namelen = 0;
                 (*msg).msg_controllen = 0;
                 (*msg).msg_flags = 0;
-                receive_vec(&c, (*msg).msg_iov, (*msg).msg_iovlen as c_int, flags)
+                receive_vec(&c, fd, (*msg).msg_iov, (*msg).msg_iovlen as c_int, flags)
             }
         }
         // SAFETY: the caller's arguments, passed on.

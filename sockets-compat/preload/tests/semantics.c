@@ -20,6 +20,8 @@
 
 static volatile sig_atomic_t sigpipes;
 static void on_sigpipe(int s) { (void)s; sigpipes++; }
+static volatile sig_atomic_t alarms;
+static void on_alarm(int s) { (void)s; alarms++; }
 
 static int recv_all(int fd, char *buf, int n) {
     int got = 0;
@@ -65,6 +67,7 @@ int main(int argc, char **argv) {
         epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
         struct epoll_event pev = {.events = EPOLLIN, .data.fd = p[0]};
         epoll_ctl(ep, EPOLL_CTL_ADD, p[0], &pev);
+        usleep(1500000); /* the client's receive meanwhile is interrupted by its alarm */
         CHECK(send(fd, "go", 2, 0) == 2, "send");
         struct epoll_event out[4];
         int n = epoll_wait(ep, out, 4, 10000);
@@ -105,6 +108,12 @@ int main(int argc, char **argv) {
     int one = 1;
     CHECK(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) == 0, "TCP_NODELAY");
     CHECK(send(fd, "hello world", 11, 0) == 11, "send");
+    /* A signal whose handler does not ask for SA_RESTART ends a waiting receive: EINTR. */
+    struct sigaction sa = {0};
+    sa.sa_handler = on_alarm;
+    sigaction(SIGALRM, &sa, NULL);
+    alarm(1);
+    CHECK(recv(fd, buf, 2, 0) == -1 && errno == EINTR && alarms == 1, "EINTR from a waiting recv");
     CHECK(recv_all(fd, buf, 2) == 2 && memcmp(buf, "go", 2) == 0, "recv");
     CHECK(send(fd, "x", 1, 0) == 1, "send after recv");
     CHECK(recv_all(fd, buf, 7) == 7 && memcmp(buf, "dup ok!", 7) == 0, "bytes through the server's dup");

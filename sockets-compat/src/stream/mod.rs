@@ -463,6 +463,37 @@ impl SdpStream {
     /// the same bytes (as `TcpStream::peek`, `MSG_PEEK`). Waits as `read` does (nonblocking:
     /// `WouldBlock`); 0 at end of stream.
     pub fn peek(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.peek_impl(buf, false)
+    }
+
+    /// [`SdpStream::peek`] that never waits, whatever the socket's mode (`MSG_PEEK |
+    /// MSG_DONTWAIT`): `WouldBlock` if nothing has arrived.
+    pub fn try_peek(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.peek_impl(buf, true)
+    }
+
+    /// One read that never waits, whatever the socket's mode (`MSG_DONTWAIT`): `WouldBlock`
+    /// if nothing has arrived. Other threads' calls keep the socket's mode.
+    pub fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read_impl(buf, true)
+    }
+
+    /// One write that never waits, whatever the socket's mode (`MSG_DONTWAIT`): what flow
+    /// control takes now (copied), `WouldBlock` if nothing.
+    pub fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        self.write_impl(buf, true)
+    }
+
+    /// Tells the readiness thread that the caller is about to wait on the socket's descriptor
+    /// (after [`SdpStream::try_read`] found nothing), so that it is ready to show the next
+    /// arrival. (A nonblocking socket's `read` that finds nothing does this itself.)
+    pub fn about_to_wait(&self) {
+        if self.lock().ready.as_ref().is_some_and(|r| r.active) {
+            ready::poke();
+        }
+    }
+
+    fn peek_impl(&self, buf: &mut [u8], once: bool) -> io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);
         }
@@ -474,7 +505,7 @@ impl SdpStream {
                 if let Some(n) = c.peek_now(buf)? {
                     return Ok(n);
                 }
-                if c.nonblocking {
+                if c.nonblocking || once {
                     return Err(io::ErrorKind::WouldBlock.into());
                 }
             }
@@ -572,7 +603,7 @@ impl SdpStream {
         }
     }
 
-    fn read_impl(&self, buf: &mut [u8]) -> io::Result<usize> {
+    fn read_impl(&self, buf: &mut [u8], once: bool) -> io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);
         }
@@ -595,8 +626,8 @@ impl SdpStream {
                     }
                     // Our own or another socket's transfer holds the buffer: it ends without us.
                     ReadStep::BufferHeld => protect::ring_bell(),
-                    ReadStep::Nothing if c.nonblocking => {
-                        if c.ready.as_ref().is_some_and(|r| r.active) {
+                    ReadStep::Nothing if c.nonblocking || once => {
+                        if c.nonblocking && c.ready.as_ref().is_some_and(|r| r.active) {
                             ready::poke(); // the application waits for the descriptor next
                         }
                         return Err(io::ErrorKind::WouldBlock.into());
@@ -640,12 +671,12 @@ impl SdpStream {
         Ok(())
     }
 
-    fn write_impl(&self, buf: &[u8]) -> io::Result<usize> {
+    fn write_impl(&self, buf: &[u8], once: bool) -> io::Result<usize> {
         let (design, zcopy, nonblocking, timeout, hold_min) = {
             let c = self.lock();
             c.check_writable()?;
             let zcopy = buf.len() >= c.config.zcopy_threshold;
-            (c.effective_design(), zcopy, c.nonblocking, c.write_timeout, c.config.az_hold_min)
+            (c.effective_design(), zcopy, c.nonblocking || once, c.write_timeout, c.config.az_hold_min)
         };
         if buf.is_empty() {
             return Ok(0);
@@ -749,7 +780,7 @@ impl Read for SdpStream {
 
 impl Read for &SdpStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.read_impl(buf).map_err(|e| self.timeout_is_would_block(e))
+        self.read_impl(buf, false).map_err(|e| self.timeout_is_would_block(e))
     }
 }
 
@@ -764,7 +795,7 @@ impl Write for SdpStream {
 
 impl Write for &SdpStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.write_impl(buf).map_err(|e| self.timeout_is_would_block(e))
+        self.write_impl(buf, false).map_err(|e| self.timeout_is_would_block(e))
     }
     /// Every write hands its bytes to the transport before returning; flush drives what flow
     /// control still holds and, for AZ-SDP, waits until the peer has read every buffer written
