@@ -180,26 +180,15 @@ mod tests {
 
     #[test]
     fn an_adaptive_wait_sleeps_soon_while_threads_ready_to_run_outnumber_the_cpus() {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let spinners: Vec<_> = (0..8 * cpus)
-            .map(|_| {
-                let stop = stop.clone();
-                std::thread::spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        std::hint::spin_loop();
-                    }
-                })
-            })
-            .collect();
+        use portability_verbs::cores::Spinners;
+        let cpus = Spinners::cpus();
+        let spinners = Spinners::start(8 * cpus);
         let mut w = Waiter::new(Patience { timeout: Duration::from_secs(10), spin: Spin::Adaptive }, "a test");
         let t = Instant::now();
         while !w.sleeping && t.elapsed() < Duration::from_secs(5) {
             w.pause().unwrap();
         }
-        stop.store(true, Ordering::Relaxed);
-        spinners.into_iter().for_each(|t| t.join().unwrap());
+        drop(spinners);
         assert!(w.sleeping, "still polling with {} threads spinning on {cpus} CPUs", 8 * cpus);
     }
 }

@@ -64,6 +64,45 @@ pub fn oversubscribed(now: Instant) -> bool {
     c.oversubscribed.load(Ordering::Relaxed)
 }
 
+/// Threads that keep `n` CPUs' worth of work runnable until dropped: an oversubscribed machine,
+/// for tests and benchmarks of waiting policies.
+pub struct Spinners {
+    stop: std::sync::Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Spinners {
+    /// Starts `n` busy threads.
+    pub fn start(n: usize) -> Spinners {
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        Spinners { stop, threads }
+    }
+
+    /// The CPUs this process may use (what [`oversubscribed`] counts against).
+    pub fn cpus() -> usize {
+        census().cpus as usize
+    }
+}
+
+impl Drop for Spinners {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,26 +131,15 @@ mod tests {
         // Within the sample's life the answer cannot change.
         assert_eq!(oversubscribed(now + SAMPLE_EVERY / 2), first);
         // A sample taken while 8 more threads per CPU spin sees them.
-        let cpus = census().cpus as usize;
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let spinners: Vec<_> = (0..8 * cpus)
-            .map(|_| {
-                let stop = stop.clone();
-                std::thread::spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        std::hint::spin_loop();
-                    }
-                })
-            })
-            .collect();
+        let cpus = Spinners::cpus();
+        let spinners = Spinners::start(8 * cpus);
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut seen = false;
         while !seen && Instant::now() < deadline {
             std::thread::sleep(SAMPLE_EVERY * 2);
             seen = oversubscribed(Instant::now());
         }
-        stop.store(true, Ordering::Relaxed);
-        spinners.into_iter().for_each(|t| t.join().unwrap());
+        drop(spinners);
         assert!(seen, "{} spinning threads on {cpus} CPUs never counted as oversubscribed", 8 * cpus);
     }
 }

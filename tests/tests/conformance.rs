@@ -409,16 +409,11 @@ fn inline_list_writes_land_their_parts_end_to_end_and_report_as_writes() {
         assert_quiet(&p.cq_a, Duration::from_millis(10));
         // Behind a send waiting for its receive: completes after it, in order.
         p.mr_a.write(0, b"late");
-        p.a.post_send(&[SendWr::send(20, &[p.mr_a.sge(0, 4)])]).unwrap();
-        p.a.post_write_inline_list(21, &[b"behind", b" a send"], p.mr_b.addr() + 2048, p.mr_b.rkey(), true).unwrap();
-        p.a.post_write_inline_list(22, &[b"unsignaled"], p.mr_b.addr() + 2100, p.mr_b.rkey(), false).unwrap();
-        assert_quiet(&p.cq_a, Duration::from_millis(30));
-        p.b.post_recv(&[RecvWr::new(2, &[p.mr_b.sge(0, 64)])]).unwrap();
-        let wcs = wait_n(&p.cq_a, 2);
-        assert_eq!(
-            wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
-            [(20, WcStatus::Success), (21, WcStatus::Success)]
-        );
+        completes_behind_a_waiting_send(&p, || {
+            p.a.post_write_inline_list(21, &[b"behind", b" a send"], p.mr_b.addr() + 2048, p.mr_b.rkey(), true)
+                .unwrap();
+            p.a.post_write_inline_list(22, &[b"unsignaled"], p.mr_b.addr() + 2100, p.mr_b.rkey(), false).unwrap();
+        });
         p.a.post_send(&[SendWr::write(23, &[], 0, 0)]).unwrap(); // a signaled fence
         assert_eq!(wait_one(&p.cq_a).wr_id, 23);
         let mut got = vec![0u8; 13];
@@ -461,17 +456,26 @@ fn writes_completed_at_injection_land_in_order() {
             assert_eq!(got, want, "round {round}");
         }
         // Behind a send waiting for its receive: completes after it.
-        p.a.post_send(&[SendWr::send(20, &[p.mr_a.sge(0, 4)])]).unwrap();
-        let wr = SendWr::write(21, &[p.mr_a.sge(0, 64)], p.mr_b.addr() + 4096, p.mr_b.rkey());
-        p.a.post_send(&[wr.inject_complete(true)]).unwrap();
-        assert_quiet(&p.cq_a, Duration::from_millis(30));
-        p.b.post_recv(&[RecvWr::new(2, &[p.mr_b.sge(0, 64)])]).unwrap();
-        let wcs = wait_n(&p.cq_a, 2);
-        assert_eq!(
-            wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
-            [(20, WcStatus::Success), (21, WcStatus::Success)]
-        );
+        completes_behind_a_waiting_send(&p, || {
+            let wr = SendWr::write(21, &[p.mr_a.sge(0, 64)], p.mr_b.addr() + 4096, p.mr_b.rkey());
+            p.a.post_send(&[wr.inject_complete(true)]).unwrap();
+        });
     });
+}
+
+/// Posts a send (id 20) its receiver has no receive for, then what `behind` posts (a signaled
+/// request with id 21 first): nothing completes until the receive is posted, then 20 and 21, in
+/// that order.
+fn completes_behind_a_waiting_send(p: &Pair, behind: impl FnOnce()) {
+    p.a.post_send(&[SendWr::send(20, &[p.mr_a.sge(0, 4)])]).unwrap();
+    behind();
+    assert_quiet(&p.cq_a, Duration::from_millis(30));
+    p.b.post_recv(&[RecvWr::new(2, &[p.mr_b.sge(0, 64)])]).unwrap();
+    let wcs = wait_n(&p.cq_a, 2);
+    assert_eq!(
+        wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        [(20, WcStatus::Success), (21, WcStatus::Success)]
+    );
 }
 
 /// A zero-byte read or write names no memory, so the responder validates neither key nor
