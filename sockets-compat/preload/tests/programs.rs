@@ -433,7 +433,9 @@ fn curl_and_http_server_on_two_hosts() {
         return;
     }
     let Some(h) = benches::hosts::two_hosts_or_skip("curl_and_http_server_on_two_hosts") else { return };
-    // Outside /tmp: each host has a private one.
+    // Each host has a private /tmp: the target directory (the library, the files) stays
+    // reachable on both even where it lies under /tmp (PV_HOST_KEEP, see `benches::hosts`).
+    let target = library().parent().and_then(Path::parent).unwrap().to_path_buf();
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("preload-hosts-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("www")).unwrap();
@@ -443,7 +445,9 @@ fn curl_and_http_server_on_two_hosts() {
         let (sstats, cstats) = (dir.join("s.stats"), dir.join("c.stats"));
         let _ = std::fs::remove_file(&cstats);
         let mut srv = benches::hosts::TwoHosts::command(&h.b, "python3");
-        srv.args(["-m", "http.server", &port.to_string(), "--bind", &h.b.ip.to_string()]).current_dir(dir.join("www"));
+        srv.args(["-m", "http.server", &port.to_string(), "--bind", &h.b.ip.to_string()])
+            .current_dir(dir.join("www"))
+            .env("PV_HOST_KEEP", &target);
         let srv = server(settings(srv, server_preloaded, &sstats));
         let out = dir.join("got.bin");
         let fetch = format!(
@@ -452,7 +456,7 @@ fn curl_and_http_server_on_two_hosts() {
             h.b.ip
         );
         let mut c = benches::hosts::TwoHosts::command(&h.a, "sh");
-        c.args(["-c", &fetch]);
+        c.args(["-c", &fetch]).env("PV_HOST_KEEP", &target);
         run(settings(c, true, &cstats));
         assert!(std::fs::read(&out).unwrap() == data, "server preloaded {server_preloaded}: the file differs");
         // The successful attempt is the last line of the client's reports.
