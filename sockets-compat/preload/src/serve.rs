@@ -117,7 +117,7 @@ fn bound_socket(to: SocketAddr) -> io::Result<(TcpStream, SocketAddr)> {
     }
     // SAFETY: a new socket nothing else owns.
     let sock = unsafe { <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-    let (storage, len) = sockaddr_of(SocketAddr::new(to.ip(), 0));
+    let (storage, len) = crate::addr::sockaddr_of(SocketAddr::new(to.ip(), 0));
     // SAFETY: a valid address of `len` bytes.
     if unsafe { libc::bind(fd, &storage as *const _ as *const libc::sockaddr, len) } != 0 {
         return Err(io::Error::last_os_error());
@@ -130,7 +130,7 @@ fn bound_socket(to: SocketAddr) -> io::Result<(TcpStream, SocketAddr)> {
 fn connect_within(sock: &TcpStream, to: SocketAddr, limit: Duration) -> io::Result<()> {
     let fd = sock.as_raw_fd();
     sock.set_nonblocking(true)?;
-    let (storage, len) = sockaddr_of(to);
+    let (storage, len) = crate::addr::sockaddr_of(to);
     // SAFETY: a valid address of `len` bytes.
     if unsafe { libc::connect(fd, &storage as *const _ as *const libc::sockaddr, len) } != 0 {
         let e = io::Error::last_os_error();
@@ -147,30 +147,6 @@ fn connect_within(sock: &TcpStream, to: SocketAddr, limit: Duration) -> io::Resu
         }
     }
     sock.set_nonblocking(false)
-}
-
-fn sockaddr_of(a: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
-    // SAFETY: zeroed sockaddr storage is valid.
-    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    let len = match a {
-        SocketAddr::V4(v4) => {
-            // SAFETY: sockaddr_storage holds a sockaddr_in.
-            let s = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in) };
-            s.sin_family = libc::AF_INET as _;
-            s.sin_port = v4.port().to_be();
-            s.sin_addr.s_addr = u32::from(*v4.ip()).to_be();
-            std::mem::size_of::<libc::sockaddr_in>()
-        }
-        SocketAddr::V6(v6) => {
-            // SAFETY: sockaddr_storage holds a sockaddr_in6.
-            let s = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in6) };
-            s.sin6_family = libc::AF_INET6 as _;
-            s.sin6_port = v6.port().to_be();
-            s.sin6_addr.s6_addr = v6.ip().octets();
-            std::mem::size_of::<libc::sockaddr_in6>()
-        }
-    };
-    (ss, len as libc::socklen_t)
 }
 
 /// The thread that answers probes and rings for arrivals, for every listening socket.
