@@ -61,8 +61,10 @@ enum Layer {
     /// std::net TCP over loopback.
     Tcp,
     /// UCX, the peer the targets name: `ucx_perftest`'s tag-matching ping-pong (`tag_lat`) and
-    /// stream (`tag_bw`) over shared memory (`UCX_TLS=posix,cma,self` unless set), in a pair
-    /// of processes of its own started for each of this layer's blocks, pinned as ours are,
+    /// stream (`tag_bw`) over shared memory, at its best: each point's first round tries
+    /// `UCX_TLS=posix,self` and `posix,cma,self` (or `UCX_TLS` as set) and keeps the better;
+    /// every block runs at least 2000 round trips or 5000 messages (about 2 GiB for large
+    /// ones), its own warm-up excluded, in a pair of processes of its own, pinned as ours are,
     /// while ours sleep. Same host only; needs `ucx_perftest` (Debian: `ucx-utils`). Its
     /// latency is the 50th percentile ucx_perftest reports; it reports no p99 and no CPU time.
     Ucx,
@@ -271,6 +273,8 @@ fn measure(
                 cpu: 0.0,
             })
             .collect();
+        // UCX's transport sets for this size (latency, stream), chosen in its first round.
+        let mut ucx_tls: (Option<String>, Option<String>) = (None, None);
         for r in 0..lat_rounds.max(stream_rounds) {
             for (t, &i) in tallies.iter_mut().zip(&active) {
                 if r == 0 {
@@ -280,19 +284,32 @@ fn measure(
                 let fail = |e: String| format!("client, {}: {e}", layers[i].name());
                 if layers[i] == Layer::Ucx {
                     let cpus = (!args.no_pin).then(|| (args.cpus[0], args.cpus.get(1).copied().unwrap_or(0)));
+                    // UCX at its best: each block long enough for its steady state (its own
+                    // warm-up excluded), with the better of its transport sets.
                     if r < lat_rounds {
-                        let (warm, n) = (warmup.div_ceil(lat_rounds), share(iters, lat_rounds, r));
+                        let n = share(iters, lat_rounds, r).max(UCX_MIN_ROUND_TRIPS);
+                        let warm = warmup.div_ceil(lat_rounds).max(n / 10);
                         let block = Block::Latency { link: i, size, round_trips: 0 };
-                        let got = ucx_block(block, links, || run_ucx("tag_lat", size, n, warm, cpus)).map_err(fail)?;
+                        let (got, tls) =
+                            ucx_block(block, links, || run_ucx_best("tag_lat", size, n, warm, cpus, &mut ucx_tls.0))
+                                .map_err(fail)?;
+                        if r == 0 {
+                            log::info!("ucx {size} B latency: best with UCX_TLS={tls}");
+                        }
                         let p50 = (got.p50_us * 1e3).round().max(1.0) as u64;
                         t.hist.record_n(p50, n).ok();
                         t.round_medians.push(p50);
                     }
                     if r < stream_rounds {
-                        let messages = share(count, stream_rounds, r);
+                        let messages = ucx_stream_messages(size, share(count, stream_rounds, r));
                         let block = Block::Stream { link: i, size, messages };
-                        let got = ucx_block(block, links, || run_ucx("tag_bw", size, messages, messages / 10, cpus))
-                            .map_err(fail)?;
+                        let (got, tls) = ucx_block(block, links, || {
+                            run_ucx_best("tag_bw", size, messages, messages / 10, cpus, &mut ucx_tls.1)
+                        })
+                        .map_err(fail)?;
+                        if r == 0 {
+                            log::info!("ucx {size} B stream: best with UCX_TLS={tls}");
+                        }
                         let bytes = (messages * size as u64) as f64;
                         t.bytes += bytes;
                         t.secs += bytes / (got.gbps * 1e9).max(1.0);

@@ -42,9 +42,59 @@ pub(crate) fn ucx_perftest_found() -> bool {
         .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("ucx_perftest").is_file()))
 }
 
-/// A `ucx_perftest` command, pinned to `cpu` (with taskset) if given, over shared memory
-/// unless `UCX_TLS` says otherwise.
-pub(crate) fn ucx_command(cpu: Option<usize>) -> Command {
+/// The transport sets the layer tries, the better of them reported per point (what a UCX user
+/// tuning for this host would pick): plain shared-memory copies, and with cross-memory attach
+/// for large messages. `UCX_TLS` in the environment replaces them.
+pub(crate) const UCX_TLS_CHOICES: [&str; 2] = ["posix,self", "posix,cma,self"];
+
+/// Messages of `size` bytes UCX's stream block sends at least: a few thousand, or about 2 GiB
+/// (a few hundred milliseconds here) for large messages, so that its start-up, connection and
+/// first touches are not counted as bandwidth.
+pub(crate) fn ucx_stream_messages(size: usize, ours: u64) -> u64 {
+    ours.max(5000.min(((2u64 << 30) / size.max(1) as u64).max(100)))
+}
+
+/// Round trips UCX's latency block makes at least.
+pub(crate) const UCX_MIN_ROUND_TRIPS: u64 = 2000;
+
+/// Runs `test` with the transport set `chosen` names, or, the first time (`None`), with each
+/// ([`UCX_TLS_CHOICES`], or `UCX_TLS` alone), keeping the better (lower latency for
+/// `tag_lat`, higher bandwidth otherwise) in `chosen` for the point's later rounds. Returns the
+/// result and the set.
+pub(crate) fn run_ucx_best(
+    test: &str,
+    size: usize,
+    n: u64,
+    warm: u64,
+    cpus: Option<(usize, usize)>,
+    chosen: &mut Option<String>,
+) -> Result<(UcxResult, String), String> {
+    if let Some(tls) = chosen.clone() {
+        return run_ucx(test, size, n, warm, cpus, &tls).map(|r| (r, tls));
+    }
+    let choices: Vec<String> = match std::env::var("UCX_TLS") {
+        Ok(tls) => vec![tls],
+        Err(_) => UCX_TLS_CHOICES.iter().map(|t| t.to_string()).collect(),
+    };
+    let mut best: Option<(UcxResult, String)> = None;
+    for tls in choices {
+        let got = run_ucx(test, size, n, warm, cpus, &tls)?;
+        let better = match &best {
+            None => true,
+            Some((b, _)) if test == "tag_lat" => got.p50_us < b.p50_us,
+            Some((b, _)) => got.gbps > b.gbps,
+        };
+        if better {
+            best = Some((got, tls));
+        }
+    }
+    *chosen = best.as_ref().map(|(_, tls)| tls.clone());
+    best.ok_or_else(|| "no UCX transport set to try".into())
+}
+
+/// A `ucx_perftest` command over the transport set `tls`, pinned to `cpu` (with taskset) if
+/// given.
+pub(crate) fn ucx_command(cpu: Option<usize>, tls: &str) -> Command {
     let mut c = match cpu {
         Some(cpu) => {
             let mut c = Command::new("taskset");
@@ -53,9 +103,7 @@ pub(crate) fn ucx_command(cpu: Option<usize>) -> Command {
         }
         None => Command::new("ucx_perftest"),
     };
-    if std::env::var_os("UCX_TLS").is_none() {
-        c.env("UCX_TLS", "posix,cma,self");
-    }
+    c.env("UCX_TLS", tls);
     c
 }
 
@@ -68,6 +116,7 @@ pub(crate) fn run_ucx(
     n: u64,
     warm: u64,
     cpus: Option<(usize, usize)>,
+    tls: &str,
 ) -> Result<UcxResult, String> {
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -75,7 +124,7 @@ pub(crate) fn run_ucx(
         .port()
         .to_string();
     let log = std::env::temp_dir().join(format!("stack-bench-ucx-{}-{port}", std::process::id()));
-    let mut server = ucx_command(cpus.map(|c| c.1))
+    let mut server = ucx_command(cpus.map(|c| c.1), tls)
         .args(["-p", &port])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -84,7 +133,7 @@ pub(crate) fn run_ucx(
     let started = Instant::now();
     let result = loop {
         let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-        let mut client = ucx_command(cpus.map(|c| c.0))
+        let mut client = ucx_command(cpus.map(|c| c.0), tls)
             .args(["127.0.0.1", "-p", &port, "-t", test, "-s", &size.to_string()])
             .args(["-n", &n.max(1).to_string(), "-w", &warm.to_string(), "-v"])
             .stdout(file.try_clone().map_err(|e| e.to_string())?)
@@ -115,11 +164,11 @@ pub(crate) fn run_ucx(
 
 /// One of the UCX layer's blocks: tells the server to sleep on the layer's link, runs UCX
 /// (`run`), then wakes the server.
-pub(crate) fn ucx_block(
+pub(crate) fn ucx_block<T>(
     block: Block,
     links: &mut [Box<dyn Link>],
-    run: impl FnOnce() -> Result<UcxResult, String>,
-) -> Result<UcxResult, String> {
+    run: impl FnOnce() -> Result<T, String>,
+) -> Result<T, String> {
     let (Block::Latency { link, .. } | Block::Stream { link, .. }) = block else {
         return Err("not a measuring block".into());
     };
