@@ -18,8 +18,10 @@ for round in $(seq 1 "$ROUNDS"); do
         env "${pre[@]}" sockperf sr --tcp -i 127.0.0.1 -p $port >/dev/null 2>&1 &
         srv=$!
         sleep 0.7
-        lat=$(env "${pre[@]}" timeout 60 sockperf pp --tcp -i 127.0.0.1 -p $port -t "$SECS" 2>&1 |
-            awk '/percentile 50.000/ {p50=$NF} /percentile 99.000/ {p99=$NF} END {print "p50 " p50 " us, p99 " p99 " us"}')
+        out=$(env "${pre[@]}" timeout 60 sockperf pp --tcp -i 127.0.0.1 -p $port -t "$SECS" 2>&1)
+        lat=$(echo "$out" | awk '/percentile 50.000/ {p50=$NF} /percentile 99.000/ {p99=$NF}
+            END {if (p50 == "") print "FAILED"; else print "p50 " p50 " us, p99 " p99 " us"}')
+        [ "$lat" = FAILED ] && lat="FAILED: $(echo "$out" | tail -2 | tr '\n' ' ')"
         kill $srv 2>/dev/null || true
         wait $srv 2>/dev/null || true
         port=$((port + 1))
