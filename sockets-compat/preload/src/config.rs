@@ -1,12 +1,16 @@
 //! What the library accelerates, from the environment (read once): `SDP_PRELOAD`
 //! (`both`, the default; `client`; `server`; `off`), `SDP_PRELOAD_PORTS` (ports or ranges,
 //! `8000,9000-9100`; every port by default), `SDP_PRELOAD_PROBE_MS` (how long a client waits
-//! for a server's answer, 50 by default), `SDP_PRELOAD_LOG` (a `log` filter for messages on
-//! stderr, e.g. `info`; none by default). A value that does not parse turns the library off
-//! (with a message): a program must never run differently because of a typo.
+//! for a server's answer, 50 by default), `SDP_PRELOAD_RULES` (a rules file, see [`crate::rules`],
+//! consulted first), `SDP_PRELOAD_LOG` (a `log` filter for messages on stderr, e.g. `info`;
+//! none by default). A value that does not parse turns the library off (with a message): a
+//! program must never run differently because of a typo.
 
+use std::net::SocketAddr;
 use std::sync::OnceLock;
 use std::time::Duration;
+
+use crate::rules::{Role, Rules};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -15,10 +19,29 @@ pub struct Config {
     /// Inclusive ranges; empty: every port.
     pub ports: Vec<(u16, u16)>,
     pub probe: Duration,
+    pub rules: Rules,
 }
 
 impl Config {
-    const OFF: Config = Config { client: false, server: false, ports: Vec::new(), probe: Duration::ZERO };
+    const OFF: Config =
+        Config { client: false, server: false, ports: Vec::new(), probe: Duration::ZERO, rules: Rules::EMPTY };
+
+    /// Whether anything may be accelerated (else sockets are never looked at).
+    pub fn enabled(&self) -> bool {
+        self.client || self.server || !self.rules.is_empty()
+    }
+
+    /// Whether `program`'s connection in `role` at `addr` goes over SDP: the rules file's
+    /// first matching rule, else the roles and ports of `SDP_PRELOAD` and `SDP_PRELOAD_PORTS`.
+    pub fn accelerates(&self, program: &str, role: Role, addr: SocketAddr) -> bool {
+        self.rules.decide(program, role, addr).unwrap_or_else(|| {
+            let role_on = match role {
+                Role::Connect => self.client,
+                Role::Listen => self.server,
+            };
+            role_on && self.port(addr.port())
+        })
+    }
 
     /// Whether connections to or from `port` are accelerated.
     pub fn port(&self, port: u16) -> bool {
@@ -58,8 +81,21 @@ impl Config {
                 _ => return Err(format!("SDP_PRELOAD_PROBE_MS={v:?}: milliseconds, more than 0")),
             },
         };
-        Ok(Config { client, server, ports, probe })
+        let rules = match get("SDP_PRELOAD_RULES").filter(|p| !p.is_empty()) {
+            None => Rules::EMPTY,
+            Some(path) => {
+                let text = std::fs::read_to_string(&path).map_err(|e| format!("SDP_PRELOAD_RULES={path:?}: {e}"))?;
+                Rules::parse(&text).map_err(|e| format!("SDP_PRELOAD_RULES={path:?}: {e}"))?
+            }
+        };
+        Ok(Config { client, server, ports, probe, rules })
     }
+}
+
+/// The program's name, as `ps` shows it (`/proc/self/comm`), for the rules.
+pub fn program() -> &'static str {
+    static NAME: OnceLock<String> = OnceLock::new();
+    NAME.get_or_init(|| std::fs::read_to_string("/proc/self/comm").map(|s| s.trim().to_string()).unwrap_or_default())
 }
 
 /// The process's settings.
@@ -103,6 +139,18 @@ mod tests {
         assert!(c.port(80) && c.port(8001) && !c.port(8003) && !c.port(81));
         assert_eq!(c.probe, Duration::from_millis(3));
         assert!(!parse(&[("SDP_PRELOAD", "off")]).unwrap().client);
+        let rules = std::env::temp_dir().join(format!("sdp-preload-rules-{}", std::process::id()));
+        std::fs::write(&rules, "use tcp connect curl *:80\nuse sdp listen * *:*\n").unwrap();
+        let c = parse(&[("SDP_PRELOAD", "client"), ("SDP_PRELOAD_RULES", rules.to_str().unwrap())]).unwrap();
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert!(!c.accelerates("curl", Role::Connect, at("10.0.0.1:80")), "the rule keeps it on TCP");
+        assert!(c.accelerates("wget", Role::Connect, at("10.0.0.1:80")), "no rule: SDP_PRELOAD=client");
+        assert!(c.accelerates("nginx", Role::Listen, at("0.0.0.0:80")), "a rule enables a role SDP_PRELOAD left off");
+        std::fs::write(&rules, "use sdp sometimes * *:*\n").unwrap();
+        let e = parse(&[("SDP_PRELOAD_RULES", rules.to_str().unwrap())]).unwrap_err();
+        assert!(e.contains("SDP_PRELOAD_RULES") && e.contains("line 1"), "{e}");
+        let _ = std::fs::remove_file(&rules);
+        assert!(parse(&[("SDP_PRELOAD_RULES", "/nonexistent/rules")]).is_err());
         for bad in [
             ("SDP_PRELOAD", "yes"),
             ("SDP_PRELOAD_PORTS", "80-"),

@@ -32,6 +32,7 @@ mod io_calls;
 mod options;
 mod probe;
 mod real;
+mod rules;
 mod serve;
 mod stats;
 mod table;
@@ -51,6 +52,7 @@ use addr::{addr_from, addr_to, kernel_name};
 use config::config;
 use guard::{inside, Inside};
 use real::real;
+use rules::Role;
 use table::{Candidate, Connected, Entry};
 
 /// How long an SDP connection's set-up may take before the client falls back to TCP.
@@ -109,8 +111,7 @@ pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int
         && (proto == 0 || proto == libc::IPPROTO_TCP);
     if fd >= 0 && tcp && !inside() {
         let _in = Inside::enter();
-        let c = config();
-        if (c.client || c.server) && !stack_thread() {
+        if config().enabled() && !stack_thread() {
             table::insert(fd, Entry::Candidate(Candidate { domain }));
         }
     }
@@ -126,7 +127,8 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
             // SAFETY: the caller's address.
             let target = unsafe { addr_from(addr, len) };
             let c = config();
-            if let Some(t) = target.filter(|t| c.client && c.port(t.port()) && !t.ip().is_unspecified()) {
+            let accelerate = |t: &SocketAddr| c.accelerates(config::program(), Role::Connect, *t);
+            if let Some(t) = target.filter(|t| !t.ip().is_unspecified() && accelerate(t)) {
                 if let Some(port) = probe::sdp_port(t, c.probe) {
                     // SAFETY: `fd` is the caller's socket.
                     match unsafe { connect_sdp(fd, cand, t, port) } {
@@ -194,7 +196,7 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
             // SAFETY: the caller's (now listening) socket.
             let local = unsafe { kernel_name(fd) };
             let c = config();
-            if let Some(local) = local.filter(|l| c.server && c.port(l.port())) {
+            if let Some(local) = local.filter(|l| c.accelerates(config::program(), Role::Listen, *l)) {
                 match serve::Listening::start(local) {
                     Ok(l) => {
                         table::insert(fd, Entry::Listening(l));

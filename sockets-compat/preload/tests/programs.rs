@@ -509,3 +509,40 @@ fn a_c_program_sees_the_kernels_socket_semantics() {
         assert_eq!((stat(&stats, "sdp_connect"), stat(&stats, "sdp_accept")), (want, want));
     }
 }
+
+/// A rules file (`SDP_PRELOAD_RULES`) keeps the connections it names on TCP, both preloaded
+/// sides notwithstanding; a connection no rule names goes over SDP.
+#[test]
+fn a_rules_file_keeps_the_connections_it_names_on_tcp() {
+    if !have("python3") || !have("curl") {
+        return;
+    }
+    let s = Scratch::new("rules");
+    let www = s.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    let data = random_file(&www.join("r.bin"), 1 << 20);
+    let port = free_port();
+    let rules = s.path("rules.conf");
+    std::fs::write(&rules, format!("# curl stays on TCP to this port\nuse tcp connect curl *:{port}\n")).unwrap();
+    let mut c = server_command(
+        "python3",
+        &["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1"],
+        true,
+        &s.path("s.stats"),
+    );
+    c.current_dir(&www);
+    let _srv = server(c);
+    wait_listening(port);
+    let url = format!("http://127.0.0.1:{port}/r.bin");
+    for (ruled, want) in [(true, "sdp_connect=0 tcp_connect=1"), (false, "sdp_connect=1 tcp_connect=0")] {
+        let (out, stats) = (s.path("got.bin"), s.path(&format!("c-{ruled}.stats")));
+        let mut c = command("curl", &["-sS", "--fail", "-o", out.to_str().unwrap(), &url], true, &stats);
+        if ruled {
+            c.env("SDP_PRELOAD_RULES", &rules);
+        }
+        run(c);
+        assert!(std::fs::read(&out).unwrap() == data);
+        let report = std::fs::read_to_string(&stats).unwrap_or_default();
+        assert!(report.contains(want), "rules {ruled}: {report:?}");
+    }
+}
