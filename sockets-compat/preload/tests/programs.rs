@@ -171,6 +171,21 @@ fn random_file(path: &Path, bytes: usize) -> Vec<u8> {
     data
 }
 
+/// A preloaded `python3 -m http.server` on a free port serving `file`, `bytes` of random data,
+/// from a directory of `s`: the server, its port and the data.
+fn http_server(s: &Scratch, file: &str, bytes: usize, stats: &Path) -> (Server, u16, Vec<u8>) {
+    let www = s.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    let data = random_file(&www.join(file), bytes);
+    let port = free_port();
+    let mut c =
+        server_command("python3", &["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1"], true, stats);
+    c.current_dir(&www);
+    let srv = server(c);
+    wait_listening(port);
+    (srv, port, data)
+}
+
 /// `python3 -m http.server` serving a 256 MiB file and `curl` fetching it, byte for byte:
 /// both preloaded (over SDP), and each mixed case (over TCP, neither side noticing).
 #[test]
@@ -381,19 +396,7 @@ fn garbage_from_plain_peers_changes_nothing() {
         return;
     }
     let s = Scratch::new("garbage");
-    let www = s.path("www");
-    std::fs::create_dir_all(&www).unwrap();
-    let data = random_file(&www.join("g.bin"), 1 << 20);
-    let port = free_port();
-    let mut c = server_command(
-        "python3",
-        &["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1"],
-        true,
-        &s.path("s.stats"),
-    );
-    c.current_dir(&www);
-    let _srv = server(c);
-    wait_listening(port);
+    let (_srv, port, data) = http_server(&s, "g.bin", 1 << 20, &s.path("s.stats"));
     let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
     let twin: SocketAddr = ([127, 0, 0, 1], port).into();
     for n in [0usize, 1, 13, 15, 100, 1400] {
@@ -518,21 +521,9 @@ fn a_rules_file_keeps_the_connections_it_names_on_tcp() {
         return;
     }
     let s = Scratch::new("rules");
-    let www = s.path("www");
-    std::fs::create_dir_all(&www).unwrap();
-    let data = random_file(&www.join("r.bin"), 1 << 20);
-    let port = free_port();
+    let (_srv, port, data) = http_server(&s, "r.bin", 1 << 20, &s.path("s.stats"));
     let rules = s.path("rules.conf");
     std::fs::write(&rules, format!("# curl stays on TCP to this port\nuse tcp connect curl *:{port}\n")).unwrap();
-    let mut c = server_command(
-        "python3",
-        &["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1"],
-        true,
-        &s.path("s.stats"),
-    );
-    c.current_dir(&www);
-    let _srv = server(c);
-    wait_listening(port);
     let url = format!("http://127.0.0.1:{port}/r.bin");
     for (ruled, want) in [(true, "sdp_connect=0 tcp_connect=1"), (false, "sdp_connect=1 tcp_connect=0")] {
         let (out, stats) = (s.path("got.bin"), s.path(&format!("c-{ruled}.stats")));
