@@ -105,7 +105,12 @@ fn layers_outside_the_default_run_too_with_messages_over_several_pipe_messages()
 fn the_ucx_layer_runs_in_the_same_rounds_as_ours() {
     let out = std::env::temp_dir().join(format!("stack-bench-ucx-{}", std::process::id()));
     let args = ["--layers", "raw-send,madeleine,ucx", "--min-size", "8", "--max-size", "64", "--iters", "200"];
-    let run = stack_bench(&[&args[..], &["--rounds", "2", "--stream-bytes", "200000"]].concat(), &out);
+    // UCX's blocks run long enough for its steady state whatever the sizes asked (and try two
+    // transport sets): no duration cap may cut a size on a loaded machine.
+    let run = stack_bench(
+        &[&args[..], &["--rounds", "2", "--stream-bytes", "200000", "--duration-cap", "600"]].concat(),
+        &out,
+    );
     let (stdout, stderr) = (String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
     let found = std::env::var_os("PATH")
         .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("ucx_perftest").is_file()));
