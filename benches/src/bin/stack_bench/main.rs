@@ -29,11 +29,13 @@ use portability_verbs::*;
 
 mod blocks;
 mod links;
+mod mpi;
 mod report;
 mod ucx;
 
 use blocks::*;
 use links::*;
+use mpi::*;
 use report::*;
 use ucx::*;
 
@@ -68,6 +70,20 @@ enum Layer {
     /// while ours sleep. Same host only; needs `ucx_perftest` (Debian: `ucx-utils`). Its
     /// latency is the 50th percentile ucx_perftest reports; it reports no p99 and no CPU time.
     Ucx,
+    /// Open MPI, the default shared-memory path (`ob1` with the `vader` BTL): a ping-pong of
+    /// `MPI_Send`/`MPI_Recv` and a stream of 64 outstanding `MPI_Isend`s (`benches/peers/
+    /// mpi_pingpong.c`, compiled with `mpicc`), two ranks by `mpirun` for each of this layer's
+    /// blocks, as long as UCX's, pinned as ours are, while ours sleep. Same host only; needs
+    /// `mpicc` and `mpirun` (Debian: `libopenmpi-dev`, `openmpi-bin`). Its latency is the
+    /// median one-way of its round trips; no p99 and no CPU time.
+    Mpi,
+}
+
+impl Layer {
+    /// A peer's own program, run while ours sleep.
+    fn is_peer(self) -> bool {
+        matches!(self, Layer::Ucx | Layer::Mpi)
+    }
 }
 
 impl Layer {
@@ -101,6 +117,7 @@ impl Layer {
             Layer::MadZcopyNowait => "mad-zcopy-nowait",
             Layer::Tcp => "tcp",
             Layer::Ucx => "ucx",
+            Layer::Mpi => "mpi",
         }
     }
 }
@@ -282,7 +299,7 @@ fn measure(
                 }
                 let started = Instant::now();
                 let fail = |e: String| format!("client, {}: {e}", layers[i].name());
-                if layers[i] == Layer::Ucx {
+                if layers[i].is_peer() {
                     let cpus = (!args.no_pin).then(|| (args.cpus[0], args.cpus.get(1).copied().unwrap_or(0)));
                     // UCX at its best: each block long enough for its steady state (its own
                     // warm-up excluded), with the better of its transport sets.
@@ -290,12 +307,17 @@ fn measure(
                         let n = share(iters, lat_rounds, r).max(UCX_MIN_ROUND_TRIPS);
                         let warm = warmup.div_ceil(lat_rounds).max(n / 10);
                         let block = Block::Latency { link: i, size, round_trips: 0 };
-                        let (got, tls) =
-                            ucx_block(block, links, || run_ucx_best("tag_lat", size, n, warm, cpus, &mut ucx_tls.0))
-                                .map_err(fail)?;
-                        if r == 0 {
-                            log::info!("ucx {size} B latency: best with UCX_TLS={tls}");
+                        let got = match layers[i] {
+                            Layer::Mpi => ucx_block(block, links, || run_mpi("lat", size, n, warm, cpus)),
+                            _ => ucx_block(block, links, || {
+                                let (got, tls) = run_ucx_best("tag_lat", size, n, warm, cpus, &mut ucx_tls.0)?;
+                                if r == 0 {
+                                    log::info!("ucx {size} B latency: best with UCX_TLS={tls}");
+                                }
+                                Ok(got)
+                            }),
                         }
+                        .map_err(fail)?;
                         let p50 = (got.p50_us * 1e3).round().max(1.0) as u64;
                         t.hist.record_n(p50, n).ok();
                         t.round_medians.push(p50);
@@ -303,13 +325,18 @@ fn measure(
                     if r < stream_rounds {
                         let messages = ucx_stream_messages(size, share(count, stream_rounds, r));
                         let block = Block::Stream { link: i, size, messages };
-                        let (got, tls) = ucx_block(block, links, || {
-                            run_ucx_best("tag_bw", size, messages, messages / 10, cpus, &mut ucx_tls.1)
-                        })
-                        .map_err(fail)?;
-                        if r == 0 {
-                            log::info!("ucx {size} B stream: best with UCX_TLS={tls}");
+                        let warm = messages / 10;
+                        let got = match layers[i] {
+                            Layer::Mpi => ucx_block(block, links, || run_mpi("bw", size, messages, warm, cpus)),
+                            _ => ucx_block(block, links, || {
+                                let (got, tls) = run_ucx_best("tag_bw", size, messages, warm, cpus, &mut ucx_tls.1)?;
+                                if r == 0 {
+                                    log::info!("ucx {size} B stream: best with UCX_TLS={tls}");
+                                }
+                                Ok(got)
+                            }),
                         }
+                        .map_err(fail)?;
                         let bytes = (messages * size as u64) as f64;
                         t.bytes += bytes;
                         t.secs += bytes / (got.gbps * 1e9).max(1.0);
@@ -358,7 +385,7 @@ fn measure(
                 })
             };
             let (minus_raw_us, minus_ucx_us) = (minus(&raw, Layer::RawSend), minus(&ucx, Layer::Ucx));
-            let ours = layers[i] != Layer::Ucx;
+            let ours = !layers[i].is_peer();
             out.push(Point {
                 layer: layers[i],
                 size,
@@ -384,8 +411,8 @@ fn serve(links: &mut [Box<dyn Link>], layers: &[Layer]) -> Result<(), String> {
         let fail = |link: usize| move |e: String| format!("server, {}: {e}", layers[link].name());
         let block = Block::decode(w, links.len()).map_err(|e| format!("server: {e}"))?;
         if let Block::Latency { link, .. } | Block::Stream { link, .. } = block {
-            if layers[link] == Layer::Ucx {
-                // UCX's own processes run now: sleep until the client says they are done.
+            if layers[link].is_peer() {
+                // The peer's own processes run now: sleep until the client says they are done.
                 links[link].recv(CONTROL).map_err(fail(link))?;
                 continue;
             }
@@ -464,7 +491,7 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
             }
             _ => {
                 let (s, _) = tcp.accept().map_err(|e| context(e.to_string()))?;
-                let link = if layer == Layer::Ucx { TcpLink::sleeper(s) } else { TcpLink::new(s, args.wait) };
+                let link = if layer.is_peer() { TcpLink::sleeper(s) } else { TcpLink::new(s, args.wait) };
                 Box::new(link.map_err(|e| context(e.to_string()))?)
             }
         };
@@ -561,7 +588,7 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                         Err(e) => return Err(context(format!("TCP connect: {e}"))),
                     }
                 };
-                let link = if layer == Layer::Ucx { TcpLink::sleeper(s) } else { TcpLink::new(s, args.wait) };
+                let link = if layer.is_peer() { TcpLink::sleeper(s) } else { TcpLink::new(s, args.wait) };
                 Box::new(link.map_err(|e| context(e.to_string()))?)
             }
         };
@@ -626,6 +653,14 @@ fn run(args: &Args) -> Result<(), String> {
     }
     if let Some(l) = args.layers.iter().enumerate().find_map(|(i, l)| args.layers[..i].contains(l).then_some(l)) {
         return Err(format!("layer {} given twice", l.name()));
+    }
+    if args.layers.contains(&Layer::Mpi) {
+        if args.role == Role::Client {
+            return Err("the mpi layer runs on one host only, started by a plain run (drop it with --layers)".into());
+        }
+        if args.role == Role::Both && !mpi_found() {
+            return Err("the mpi layer needs mpicc and mpirun on the PATH (Debian: libopenmpi-dev)".into());
+        }
     }
     if args.layers.contains(&Layer::Ucx) {
         // (A plain run's own server process is started with `--role server`; it only sleeps.)

@@ -5,9 +5,9 @@ use crate::*;
 /// How long one ucx_perftest run may take before the run fails.
 pub(crate) const UCX_LIMIT: Duration = Duration::from_secs(120);
 
-/// What one ucx_perftest run reported.
+/// What one run of a peer's benchmark reported (ucx_perftest, the MPI ping-pong).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct UcxResult {
+pub(crate) struct PeerResult {
     /// Median one-way latency (its `50.0_percentile_lat`, us).
     pub(crate) p50_us: f64,
     /// Overall bandwidth (its `overall_bw`, in MiB/s there), GB/s.
@@ -16,7 +16,7 @@ pub(crate) struct UcxResult {
 
 /// Reads ucx_perftest's `-v` output: a CSV header line starting with `iterations,` and the
 /// values on the line after it, found by column name.
-pub(crate) fn parse_ucx_csv(out: &str) -> Result<UcxResult, String> {
+pub(crate) fn parse_ucx_csv(out: &str) -> Result<PeerResult, String> {
     let lines: Vec<&str> = out.lines().map(str::trim).collect();
     let at = lines.iter().rposition(|l| l.starts_with("iterations,")).ok_or("no CSV header in its output")?;
     let values = lines.get(at + 1).ok_or("no CSV values after its header")?;
@@ -33,7 +33,7 @@ pub(crate) fn parse_ucx_csv(out: &str) -> Result<UcxResult, String> {
             Err(format!("{name} out of range: {v}"))
         }
     };
-    Ok(UcxResult { p50_us: column("50.0_percentile_lat")?, gbps: column("overall_bw")? * 1_048_576.0 / 1e9 })
+    Ok(PeerResult { p50_us: column("50.0_percentile_lat")?, gbps: column("overall_bw")? * 1_048_576.0 / 1e9 })
 }
 
 /// Whether `ucx_perftest` is on the PATH.
@@ -68,7 +68,7 @@ pub(crate) fn run_ucx_best(
     warm: u64,
     cpus: Option<(usize, usize)>,
     chosen: &mut Option<String>,
-) -> Result<(UcxResult, String), String> {
+) -> Result<(PeerResult, String), String> {
     if let Some(tls) = chosen.clone() {
         return run_ucx(test, size, n, warm, cpus, &tls).map(|r| (r, tls));
     }
@@ -76,7 +76,7 @@ pub(crate) fn run_ucx_best(
         Ok(tls) => vec![tls],
         Err(_) => UCX_TLS_CHOICES.iter().map(|t| t.to_string()).collect(),
     };
-    let mut best: Option<(UcxResult, String)> = None;
+    let mut best: Option<(PeerResult, String)> = None;
     for tls in choices {
         let got = run_ucx(test, size, n, warm, cpus, &tls)?;
         let better = match &best {
@@ -117,7 +117,7 @@ pub(crate) fn run_ucx(
     warm: u64,
     cpus: Option<(usize, usize)>,
     tls: &str,
-) -> Result<UcxResult, String> {
+) -> Result<PeerResult, String> {
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| format!("finding a free port: {e}"))?
