@@ -34,30 +34,32 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+/// `getsockname` (`peer` false) or `getpeername` of `fd`: what the table recorded for an
+/// accelerated connection, else the C library's.
+unsafe fn name(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, peer: bool) -> c_int {
     match connected(fd) {
         Some(c) => {
             // SAFETY: the caller's buffer.
-            unsafe { addr_to(c.local, c.domain, addr, len) };
+            unsafe { addr_to(if peer { c.peer } else { c.local }, c.domain, addr, len) };
             0
         }
         // SAFETY: the caller's arguments, passed on.
+        None if peer => unsafe { (real().getpeername)(fd, addr, len) },
+        // SAFETY: as above.
         None => unsafe { (real().getsockname)(fd, addr, len) },
     }
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe { name(fd, addr, len, false) }
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
-    match connected(fd) {
-        Some(c) => {
-            // SAFETY: the caller's buffer.
-            unsafe { addr_to(c.peer, c.domain, addr, len) };
-            0
-        }
-        // SAFETY: the caller's arguments, passed on.
-        None => unsafe { (real().getpeername)(fd, addr, len) },
-    }
+    // SAFETY: forwarded contract.
+    unsafe { name(fd, addr, len, true) }
 }
 
 /// Writes an option's value for `getsockopt`: truncated to `*len`, `*len` set to its size.

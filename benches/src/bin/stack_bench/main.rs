@@ -307,17 +307,9 @@ fn measure(
                         let n = share(iters, lat_rounds, r).max(UCX_MIN_ROUND_TRIPS);
                         let warm = warmup.div_ceil(lat_rounds).max(n / 10);
                         let block = Block::Latency { link: i, size, round_trips: 0 };
-                        let got = match layers[i] {
-                            Layer::Mpi => ucx_block(block, links, || run_mpi("lat", size, n, warm, cpus)),
-                            _ => ucx_block(block, links, || {
-                                let (got, tls) = run_ucx_best("tag_lat", size, n, warm, cpus, &mut ucx_tls.0)?;
-                                if r == 0 {
-                                    log::info!("ucx {size} B latency: best with UCX_TLS={tls}");
-                                }
-                                Ok(got)
-                            }),
-                        }
-                        .map_err(fail)?;
+                        let got =
+                            ucx_block(block, links, || run_peer(layers[i], true, size, n, warm, cpus, &mut ucx_tls.0))
+                                .map_err(fail)?;
                         let p50 = (got.p50_us * 1e3).round().max(1.0) as u64;
                         t.hist.record_n(p50, n).ok();
                         t.round_medians.push(p50);
@@ -326,16 +318,9 @@ fn measure(
                         let messages = ucx_stream_messages(size, share(count, stream_rounds, r));
                         let block = Block::Stream { link: i, size, messages };
                         let warm = messages / 10;
-                        let got = match layers[i] {
-                            Layer::Mpi => ucx_block(block, links, || run_mpi("bw", size, messages, warm, cpus)),
-                            _ => ucx_block(block, links, || {
-                                let (got, tls) = run_ucx_best("tag_bw", size, messages, warm, cpus, &mut ucx_tls.1)?;
-                                if r == 0 {
-                                    log::info!("ucx {size} B stream: best with UCX_TLS={tls}");
-                                }
-                                Ok(got)
-                            }),
-                        }
+                        let got = ucx_block(block, links, || {
+                            run_peer(layers[i], false, size, messages, warm, cpus, &mut ucx_tls.1)
+                        })
                         .map_err(fail)?;
                         let bytes = (messages * size as u64) as f64;
                         t.bytes += bytes;
@@ -404,6 +389,30 @@ fn measure(
 }
 
 /// The server's side: serves the blocks the client announces, until it is done.
+/// One block of a peer's own benchmark (`layer` is `ucx` or `mpi`): a ping-pong of `n` round
+/// trips (`latency`) or a stream of `n` messages, after `warm`. UCX's transport set is chosen in
+/// a point's first block and kept in `ucx_tls` for its later ones.
+fn run_peer(
+    layer: Layer,
+    latency: bool,
+    size: usize,
+    n: u64,
+    warm: u64,
+    cpus: Option<(usize, usize)>,
+    ucx_tls: &mut Option<String>,
+) -> Result<PeerResult, String> {
+    if layer == Layer::Mpi {
+        return run_mpi(if latency { "lat" } else { "bw" }, size, n, warm, cpus);
+    }
+    let test = if latency { "tag_lat" } else { "tag_bw" };
+    let first = ucx_tls.is_none();
+    let (got, tls) = run_ucx_best(test, size, n, warm, cpus, ucx_tls)?;
+    if first {
+        log::info!("ucx {size} B {test}: best with UCX_TLS={tls}");
+    }
+    Ok(got)
+}
+
 fn serve(links: &mut [Box<dyn Link>], layers: &[Layer]) -> Result<(), String> {
     loop {
         links[0].recv(CONTROL).map_err(|e| format!("server, waiting for the next block: {e}"))?;

@@ -68,16 +68,8 @@ pub(crate) fn run_mpi(
         c.env("STACK_BENCH_CPUS", format!("{a},{b}")).args(["-x", "STACK_BENCH_CPUS"]);
     }
     let log = std::env::temp_dir().join(format!("stack-bench-mpi-{}-{test}-{size}.out", std::process::id()));
-    let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-    let mut child = c
-        .arg(exe)
-        .args([test, &size.to_string(), &n.max(1).to_string(), &warm.to_string()])
-        .stdout(file.try_clone().map_err(|e| e.to_string())?)
-        .stderr(file)
-        .spawn()
-        .map_err(|e| format!("starting mpirun: {e}"))?;
-    let status = wait_child(&mut child, MPI_LIMIT);
-    let out = std::fs::read_to_string(&log).unwrap_or_default();
+    c.arg(exe).args([test, &size.to_string(), &n.max(1).to_string(), &warm.to_string()]);
+    let (status, out) = run_captured(&mut c, &log, MPI_LIMIT)?;
     let _ = std::fs::remove_file(&log);
     match status {
         Some(st) if st.success() => {}

@@ -92,6 +92,24 @@ pub(crate) fn run_ucx_best(
     best.ok_or_else(|| "no UCX transport set to try".into())
 }
 
+/// Runs `c` with its output (stdout and stderr) written to `log`, waiting at most `limit`:
+/// the exit status (`None`: killed at the limit) and the output.
+pub(crate) fn run_captured(
+    c: &mut Command,
+    log: &std::path::Path,
+    limit: Duration,
+) -> Result<(Option<std::process::ExitStatus>, String), String> {
+    let file = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let program = c.get_program().to_string_lossy().into_owned();
+    let mut child = c
+        .stdout(file.try_clone().map_err(|e| e.to_string())?)
+        .stderr(file)
+        .spawn()
+        .map_err(|e| format!("starting {program}: {e}"))?;
+    let status = wait_child(&mut child, limit);
+    Ok((status, std::fs::read_to_string(log).unwrap_or_default()))
+}
+
 /// A `ucx_perftest` command over the transport set `tls`, pinned to `cpu` (with taskset) if
 /// given.
 pub(crate) fn ucx_command(cpu: Option<usize>, tls: &str) -> Command {
@@ -132,16 +150,15 @@ pub(crate) fn run_ucx(
         .map_err(|e| format!("starting ucx_perftest: {e}"))?;
     let started = Instant::now();
     let result = loop {
-        let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-        let mut client = ucx_command(cpus.map(|c| c.0), tls)
-            .args(["127.0.0.1", "-p", &port, "-t", test, "-s", &size.to_string()])
-            .args(["-n", &n.max(1).to_string(), "-w", &warm.to_string(), "-v"])
-            .stdout(file.try_clone().map_err(|e| e.to_string())?)
-            .stderr(file)
-            .spawn()
-            .map_err(|e| format!("starting ucx_perftest: {e}"))?;
-        let status = wait_child(&mut client, UCX_LIMIT);
-        let out = std::fs::read_to_string(&log).unwrap_or_default();
+        let mut client = ucx_command(cpus.map(|c| c.0), tls);
+        client.args(["127.0.0.1", "-p", &port, "-t", test, "-s", &size.to_string()]).args([
+            "-n",
+            &n.max(1).to_string(),
+            "-w",
+            &warm.to_string(),
+            "-v",
+        ]);
+        let (status, out) = run_captured(&mut client, &log, UCX_LIMIT)?;
         match status {
             Some(st) if st.success() => break parse_ucx_csv(&out).map_err(|e| format!("ucx_perftest {test}: {e}")),
             // Not listening yet: the client gives up at once; try again for a while.
