@@ -12,6 +12,7 @@
 
 pub mod discovery;
 mod engine;
+pub mod exs;
 pub mod proto;
 pub mod stream;
 pub mod wire;

@@ -1,0 +1,401 @@
+//! The EXS wire format as plain data: the control messages two ends exchange by SEND (into
+//! each other's posted slots), the immediate value of the RDMA writes that carry data, and the
+//! private data of the connection handshake. No I/O; every length a peer sends is checked, so
+//! a malformed message is a [`WireError`], never a panic or an out-of-bounds read.
+//!
+//! Every control message starts with a 4-byte header: kind, reserved byte, and the slot
+//! credits the sender grants back (little endian).
+
+use thiserror::Error;
+
+/// Bytes of a control message header.
+pub const HEADER: usize = 4;
+/// Bytes of the largest control message without data (an advertisement).
+pub const MAX_CONTROL: usize = HEADER + 28;
+/// Largest length one write may carry (the immediate's length field).
+pub const MAX_WRITE: u32 = (1 << 30) - 1;
+
+/// The immediate's flag: the write landed in the receiver's stream buffer, not in an
+/// advertised buffer.
+const IMM_RING: u32 = 1 << 31;
+/// The immediate's second flag: for an advertised buffer, the message was longer than the
+/// buffer and was cut; for the stream buffer, the write starts a new lap (the tail of the
+/// previous one is skipped).
+const IMM_FLAG: u32 = 1 << 30;
+
+/// A malformed EXS message.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum WireError {
+    /// Fewer bytes than the message kind needs.
+    #[error("truncated EXS message: {have} bytes, {need} needed")]
+    Truncated {
+        /// Bytes present.
+        have: usize,
+        /// Bytes needed.
+        need: usize,
+    },
+    /// A kind this implementation does not know.
+    #[error("unknown EXS message kind {0:#04x}")]
+    UnknownKind(u8),
+    /// A field out of its allowed range.
+    #[error("bad EXS {field}: {value}")]
+    BadField {
+        /// Which field.
+        field: &'static str,
+        /// Its value.
+        value: u64,
+    },
+}
+
+mod kind {
+    pub const ADVERTISE: u8 = 1;
+    pub const REJECT: u8 = 2;
+    pub const DATA: u8 = 3;
+    pub const RING_ACK: u8 = 4;
+    pub const CREDIT: u8 = 5;
+    pub const CLOSE: u8 = 6;
+}
+
+/// A receive buffer offered to the sender: it may RDMA-write up to `len` bytes at `addr`
+/// with `rkey`, then say so with the write's immediate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Advert {
+    /// Sequence number of this advertisement (consecutive from 0).
+    pub seq: u32,
+    /// Deliveries outside advertisements (small messages, stream-buffer writes) the receiver
+    /// had seen when it advertised: a sender that made more must reject the advertisement,
+    /// since the receiver will fill that buffer from them.
+    pub unadvertised_seen: u64,
+    /// Where the buffer starts in the receiver's memory.
+    pub addr: u64,
+    /// Bytes it holds (at most [`MAX_WRITE`]).
+    pub len: u32,
+    /// Remote key of its memory region.
+    pub rkey: u32,
+}
+
+/// A control message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Control<'a> {
+    /// A receive buffer offered.
+    Advertise(Advert),
+    /// The sender will not write into advertisement `seq` (it was made before data the
+    /// receiver had not seen yet).
+    Reject {
+        /// The advertisement's sequence number.
+        seq: u32,
+    },
+    /// A small message, carried in the control slot itself.
+    Data(&'a [u8]),
+    /// The receiver consumed its stream buffer up to this position (total bytes).
+    RingAck {
+        /// Bytes consumed since the connection began.
+        consumed: u64,
+    },
+    /// Nothing but the header's credits.
+    Credit,
+    /// The sender sends nothing more.
+    Close,
+}
+
+impl Control<'_> {
+    /// Bytes of the encoded message.
+    pub fn encoded_len(&self) -> usize {
+        HEADER
+            + match self {
+                Control::Advertise(_) => 28,
+                Control::Reject { .. } => 4,
+                Control::Data(d) => d.len(),
+                Control::RingAck { .. } => 8,
+                Control::Credit | Control::Close => 0,
+            }
+    }
+
+    /// Encodes the message with `grant` credits into `out` (at least
+    /// [`Control::encoded_len`] bytes); returns the length.
+    pub fn encode(&self, grant: u16, out: &mut [u8]) -> usize {
+        let n = self.encoded_len();
+        let out = &mut out[..n];
+        let k = match self {
+            Control::Advertise(a) => {
+                out[4..8].copy_from_slice(&a.seq.to_le_bytes());
+                out[8..16].copy_from_slice(&a.unadvertised_seen.to_le_bytes());
+                out[16..24].copy_from_slice(&a.addr.to_le_bytes());
+                out[24..28].copy_from_slice(&a.len.to_le_bytes());
+                out[28..32].copy_from_slice(&a.rkey.to_le_bytes());
+                kind::ADVERTISE
+            }
+            Control::Reject { seq } => {
+                out[4..8].copy_from_slice(&seq.to_le_bytes());
+                kind::REJECT
+            }
+            Control::Data(d) => {
+                out[4..].copy_from_slice(d);
+                kind::DATA
+            }
+            Control::RingAck { consumed } => {
+                out[4..12].copy_from_slice(&consumed.to_le_bytes());
+                kind::RING_ACK
+            }
+            Control::Credit => kind::CREDIT,
+            Control::Close => kind::CLOSE,
+        };
+        out[0] = k;
+        out[1] = 0;
+        out[2..4].copy_from_slice(&grant.to_le_bytes());
+        n
+    }
+
+    /// Decodes one message (the whole received slot) into (credits granted, message).
+    pub fn decode(b: &[u8]) -> Result<(u16, Control<'_>), WireError> {
+        let need = |n: usize| if b.len() < n { Err(WireError::Truncated { have: b.len(), need: n }) } else { Ok(()) };
+        need(HEADER)?;
+        let grant = u16::from_le_bytes([b[2], b[3]]);
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let msg = match b[0] {
+            kind::ADVERTISE => {
+                need(32)?;
+                let a = Advert {
+                    seq: u32_at(4),
+                    unadvertised_seen: u64_at(8),
+                    addr: u64_at(16),
+                    len: u32_at(24),
+                    rkey: u32_at(28),
+                };
+                if a.len > MAX_WRITE {
+                    return Err(WireError::BadField { field: "advertised length", value: a.len as u64 });
+                }
+                if a.addr.checked_add(a.len as u64).is_none() {
+                    return Err(WireError::BadField { field: "advertised address", value: a.addr });
+                }
+                Control::Advertise(a)
+            }
+            kind::REJECT => {
+                need(8)?;
+                Control::Reject { seq: u32_at(4) }
+            }
+            kind::DATA => Control::Data(&b[HEADER..]),
+            kind::RING_ACK => {
+                need(12)?;
+                Control::RingAck { consumed: u64_at(4) }
+            }
+            kind::CREDIT => Control::Credit,
+            kind::CLOSE => Control::Close,
+            k => return Err(WireError::UnknownKind(k)),
+        };
+        Ok((grant, msg))
+    }
+}
+
+/// What a data write's immediate says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteNote {
+    /// The oldest advertisement not yet answered holds `len` bytes (the message, cut to the
+    /// buffer when `truncated`). Earlier plain writes into the same buffer count in `len`.
+    Advertised {
+        /// Bytes now in the buffer.
+        len: u32,
+        /// SOCK_SEQPACKET: the message did not fit and its tail was dropped.
+        truncated: bool,
+    },
+    /// `len` bytes landed in the stream buffer at the sender's write position.
+    Ring {
+        /// Bytes written.
+        len: u32,
+        /// The write starts a new lap of the buffer.
+        wrapped: bool,
+    },
+}
+
+impl WriteNote {
+    /// The immediate value.
+    pub fn encode(self) -> u32 {
+        match self {
+            WriteNote::Advertised { len, truncated } => {
+                debug_assert!(len <= MAX_WRITE);
+                len | if truncated { IMM_FLAG } else { 0 }
+            }
+            WriteNote::Ring { len, wrapped } => {
+                debug_assert!(len <= MAX_WRITE);
+                len | IMM_RING | if wrapped { IMM_FLAG } else { 0 }
+            }
+        }
+    }
+
+    /// Decodes an immediate value (every value means something; the receiver checks it
+    /// against its state).
+    pub fn decode(imm: u32) -> WriteNote {
+        let len = imm & MAX_WRITE;
+        let flag = imm & IMM_FLAG != 0;
+        if imm & IMM_RING != 0 {
+            WriteNote::Ring { len, wrapped: flag }
+        } else {
+            WriteNote::Advertised { len, truncated: flag }
+        }
+    }
+}
+
+/// The socket types EXS offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SocketKind {
+    /// A byte stream: sends may be split and joined.
+    Stream,
+    /// Messages whose boundaries are kept.
+    SeqPacket,
+}
+
+/// What each end tells the other in the connection handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// The socket type (both ends must agree).
+    pub kind: SocketKind,
+    /// Control slots the sender posted (the peer's initial credits).
+    pub slots: u16,
+    /// Largest small message a slot of the sender's holds.
+    pub small_max: u32,
+    /// The sender's stream buffer: address, bytes (0: none), remote key.
+    pub ring_addr: u64,
+    /// Bytes of the stream buffer.
+    pub ring_len: u32,
+    /// Its remote key.
+    pub ring_rkey: u32,
+}
+
+const HELLO_MAGIC: &[u8; 4] = b"EXS1";
+/// Bytes of an encoded [`Hello`].
+pub const HELLO_LEN: usize = 28;
+
+impl Hello {
+    /// Encodes the handshake data.
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..4].copy_from_slice(HELLO_MAGIC);
+        b[4] = match self.kind {
+            SocketKind::Stream => 1,
+            SocketKind::SeqPacket => 2,
+        };
+        b[6..8].copy_from_slice(&self.slots.to_le_bytes());
+        b[8..12].copy_from_slice(&self.small_max.to_le_bytes());
+        b[12..20].copy_from_slice(&self.ring_addr.to_le_bytes());
+        b[20..24].copy_from_slice(&self.ring_len.to_le_bytes());
+        b[24..28].copy_from_slice(&self.ring_rkey.to_le_bytes());
+        b
+    }
+
+    /// Decodes the peer's handshake data.
+    pub fn decode(b: &[u8]) -> Result<Hello, WireError> {
+        if b.len() < HELLO_LEN {
+            return Err(WireError::Truncated { have: b.len(), need: HELLO_LEN });
+        }
+        if &b[0..4] != HELLO_MAGIC {
+            return Err(WireError::BadField {
+                field: "handshake magic",
+                value: u32::from_le_bytes(b[0..4].try_into().expect("4")) as u64,
+            });
+        }
+        let kind = match b[4] {
+            1 => SocketKind::Stream,
+            2 => SocketKind::SeqPacket,
+            k => return Err(WireError::BadField { field: "socket type", value: k as u64 }),
+        };
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let h = Hello {
+            kind,
+            slots: u16::from_le_bytes([b[6], b[7]]),
+            small_max: u32_at(8),
+            ring_addr: u64::from_le_bytes(b[12..20].try_into().expect("8 bytes")),
+            ring_len: u32_at(20),
+            ring_rkey: u32_at(24),
+        };
+        if h.slots < 4 {
+            return Err(WireError::BadField { field: "slot count", value: h.slots as u64 });
+        }
+        if h.small_max > super::SMALL_MAX_LIMIT as u32 {
+            return Err(WireError::BadField { field: "small message size", value: h.small_max as u64 });
+        }
+        if h.ring_len > MAX_WRITE || h.ring_addr.checked_add(h.ring_len as u64).is_none() {
+            return Err(WireError::BadField { field: "stream buffer", value: h.ring_len as u64 });
+        }
+        Ok(h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn control() -> impl Strategy<Value = (u16, Vec<u8>, u8, u32, u64, u64, u32, u32)> {
+        (
+            any::<u16>(),
+            proptest::collection::vec(any::<u8>(), 0..200),
+            0u8..6,
+            any::<u32>(),
+            any::<u64>(),
+            0u64..1 << 62,
+            0..=MAX_WRITE,
+            any::<u32>(),
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn control_messages_round_trip((grant, data, k, seq, pos, addr, len, rkey) in control()) {
+            let msg = match k {
+                0 => Control::Advertise(Advert { seq, unadvertised_seen: pos, addr, len, rkey }),
+                1 => Control::Reject { seq },
+                2 => Control::Data(&data),
+                3 => Control::RingAck { consumed: pos },
+                4 => Control::Credit,
+                _ => Control::Close,
+            };
+            let mut buf = vec![0u8; msg.encoded_len()];
+            let n = msg.encode(grant, &mut buf);
+            prop_assert_eq!(n, buf.len());
+            let (g, back) = Control::decode(&buf).unwrap();
+            prop_assert_eq!(g, grant);
+            prop_assert_eq!(back, msg);
+        }
+
+        #[test]
+        fn any_bytes_decode_to_a_message_or_an_error(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = Control::decode(&bytes);
+            let _ = Hello::decode(&bytes);
+        }
+
+        #[test]
+        fn immediates_round_trip(len in 0..=MAX_WRITE, truncated: bool, ring: bool) {
+            let note = if ring { WriteNote::Ring { len, wrapped: truncated } } else { WriteNote::Advertised { len, truncated } };
+            prop_assert_eq!(WriteNote::decode(note.encode()), note);
+        }
+    }
+
+    #[test]
+    fn a_hello_round_trips_and_refuses_nonsense() {
+        let h = Hello {
+            kind: SocketKind::SeqPacket,
+            slots: 64,
+            small_max: 128,
+            ring_addr: 0x1000,
+            ring_len: 65536,
+            ring_rkey: 7,
+        };
+        assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+        let mut bad = h.encode();
+        bad[0] = b'X';
+        assert!(Hello::decode(&bad).is_err());
+        let mut bad = h.encode();
+        bad[4] = 9;
+        assert!(Hello::decode(&bad).is_err());
+        assert!(Hello::decode(&h.encode()[..20]).is_err());
+    }
+
+    #[test]
+    fn an_advertisement_past_the_address_space_is_refused() {
+        let a = Control::Advertise(Advert { seq: 0, unadvertised_seen: 0, addr: u64::MAX - 3, len: 16, rkey: 1 });
+        let mut buf = [0u8; MAX_CONTROL];
+        let n = a.encode(0, &mut buf);
+        assert!(matches!(Control::decode(&buf[..n]), Err(WireError::BadField { .. })));
+    }
+}
