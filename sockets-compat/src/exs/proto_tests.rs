@@ -319,8 +319,11 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
-/// Runs a schedule both ways; returns, per direction, the messages sent and received.
-fn run(kind: SocketKind, ring: u32, steps: &[Step]) -> [(Vec<Vec<u8>>, Vec<(Vec<u8>, bool)>); 2] {
+/// One direction's messages sent, and those received (with their truncation flags).
+type Traffic = (Vec<Vec<u8>>, Vec<(Vec<u8>, bool)>);
+
+/// Runs a schedule both ways; returns each direction's traffic.
+fn run(kind: SocketKind, ring: u32, steps: &[Step]) -> [Traffic; 2] {
     let mut p = Pair::new(kind, 8, 64, ring, 3);
     // Each end sends from its own area and receives into another; buffers are never reused
     // while in flight.
@@ -390,7 +393,7 @@ fn run(kind: SocketKind, ring: u32, steps: &[Step]) -> [(Vec<Vec<u8>>, Vec<(Vec<
     p.ends[1].proto.close(1000).unwrap();
     p.settle();
     assert!(p.failures.is_empty(), "{:?}", p.failures);
-    let mut out: [(Vec<Vec<u8>>, Vec<(Vec<u8>, bool)>); 2] = Default::default();
+    let mut out: [Traffic; 2] = Default::default();
     for i in 0..2 {
         let sends = done(&p, i, OpKind::Send);
         assert_eq!(sends.len(), sent[i].len(), "every send completes");
