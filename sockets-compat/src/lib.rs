@@ -15,6 +15,7 @@ mod engine;
 pub mod exs;
 pub mod proto;
 pub mod stream;
+mod verbs_runtime;
 pub mod wire;
 
 pub use stream::{SdpConfig, SdpListener, SdpStream};

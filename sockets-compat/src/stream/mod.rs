@@ -44,11 +44,9 @@ use std::time::{Duration, Instant};
 use log::debug;
 use portability_verbs::cm::{self, CmAddr};
 use portability_verbs::copy::{copy_bytes, copy_slice};
-use portability_verbs::datapath::{FlowStrategy, Lane, MsgPipe, PipeOptions, Registration, RegistrationCache};
+use portability_verbs::datapath::{FlowStrategy, Lane, MsgPipe, PipeOptions, Registration};
 use portability_verbs::protect::{self, LazyRange, ProtectedRange, Protection};
-use portability_verbs::{
-    AccessFlags, CompletionQueue, Context, MemoryRegion, ProtectionDomain, SendWr, Sge, VerbsError, WcStatus,
-};
+use portability_verbs::{AccessFlags, CompletionQueue, MemoryRegion, SendWr, Sge, VerbsError, WcStatus};
 
 use crate::engine::{self, Background};
 use crate::proto::lock::{self, ReceiverClaim, SenderClaim, Taker};
@@ -65,12 +63,13 @@ mod recv;
 mod runtime;
 mod send;
 
+use crate::verbs_runtime::runtime;
 use config::invalid;
 pub use config::SdpConfig;
 pub use listener::SdpListener;
 use pace::{Deadline, Pacer};
 use ready::Locked;
-use runtime::{qp_spec, resolve, runtime, verbs_io};
+use runtime::{qp_spec, resolve, verbs_io};
 
 /// How long connection setup may take.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(10);

@@ -1,0 +1,362 @@
+//! One connection's driver: the thin code between [`Proto`] and the queue pair. It posts what
+//! the protocol decides, feeds it the completions, copies what it says to copy, and turns its
+//! completions into events on the queues the operations named.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use portability_verbs::cm::Connection;
+use portability_verbs::{
+    CompletionQueue, MemoryRegion, QueuePair, RecvWr, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+};
+
+use super::error::{ExsError, ExsResult};
+use super::memory::InFlight;
+use super::proto::{Action, CopySrc, Done, Errno, OpKind, Proto, ProtoConfig};
+use super::queue::{Event, EventKind, EventQueue};
+use super::socket::ExsSocket;
+use super::wire::{Control, Hello, HEADER};
+
+const TAG_SLOT: u64 = 1 << 56;
+const TAG_TX: u64 = 2 << 56;
+const TAG_WRITE: u64 = 3 << 56;
+const TAG_MASK: u64 = 0xff << 56;
+
+/// Send requests a connection keeps outstanding at most (more wait in its backlog).
+pub(crate) const SEND_DEPTH: u32 = 512;
+/// How long a closed connection waits for the peer's Close before it is torn down.
+const LINGER: Duration = Duration::from_secs(10);
+
+/// Where an operation reports.
+pub(crate) struct Op {
+    pub(crate) req: u64,
+    pub(crate) kind: EventKind,
+    /// The queue and the socket the event names; `None` for the close of a socket the
+    /// application dropped.
+    pub(crate) target: Option<(EventQueue, ExsSocket)>,
+    pub(crate) hold: Option<InFlight>,
+}
+
+/// A connection's memory: receive slots, control-message buffers, stream buffer.
+pub(crate) struct ConnMemory {
+    pub(crate) slots: MemoryRegion,
+    pub(crate) tx: MemoryRegion,
+    pub(crate) ring: Option<MemoryRegion>,
+    pub(crate) slot_size: usize,
+    pub(crate) slot_count: usize,
+}
+
+struct State {
+    proto: Proto,
+    qp: QueuePair,
+    mem: ConnMemory,
+    tx_free: Vec<u32>,
+    ops: HashMap<u64, Op>,
+    next_op: u64,
+    backlog: VecDeque<Action>,
+    sq_used: u32,
+    inline_max: u32,
+    scratch: Vec<u8>,
+    closing_since: Option<Instant>,
+}
+
+/// A connected EXS socket's transport.
+pub(crate) struct Conn {
+    state: Mutex<State>,
+    cq: CompletionQueue,
+    finished: AtomicBool,
+}
+
+impl Conn {
+    /// Takes over a connected queue pair: posts every receive slot.
+    pub(crate) fn new(
+        c: Connection,
+        mem: ConnMemory,
+        ours: &Hello,
+        peer: Hello,
+        adv_credits: u32,
+        inline_max: u32,
+    ) -> ExsResult<Conn> {
+        let cfg = ProtoConfig {
+            kind: ours.kind,
+            slots: ours.slots,
+            small_max: ours.small_max,
+            ring_len: ours.ring_len,
+            adv_credits,
+            peer,
+        };
+        let tx_count = mem.slot_count as u32;
+        let state = State {
+            proto: Proto::new(cfg),
+            qp: c.qp,
+            tx_free: (0..tx_count).rev().collect(),
+            mem,
+            ops: HashMap::new(),
+            next_op: 0,
+            backlog: VecDeque::new(),
+            sq_used: 0,
+            inline_max,
+            scratch: Vec::new(),
+            closing_since: None,
+        };
+        for i in 0..state.mem.slot_count {
+            state.post_slot(i).map_err(ExsError::verbs)?;
+        }
+        Ok(Conn { state: Mutex::new(state), cq: c.cq, finished: AtomicBool::new(false) })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn cq(&self) -> CompletionQueue {
+        self.cq.clone()
+    }
+
+    /// Done: closed and answered, or failed, with every operation reported.
+    pub(crate) fn finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    /// Starts an operation: `f` hands it to the protocol under `token`; an error it returns
+    /// is the call's (and the operation never happened).
+    pub(crate) fn start(&self, op: Op, f: impl FnOnce(&mut Proto, u64) -> Result<(), Errno>) -> ExsResult<()> {
+        let mut s = self.lock();
+        let token = s.next_op;
+        s.next_op += 1;
+        if op.kind == EventKind::Close && s.closing_since.is_none() {
+            s.closing_since = Some(Instant::now());
+        }
+        match f(&mut s.proto, token) {
+            Ok(()) => {
+                s.ops.insert(token, op);
+                s.run();
+                self.check_finished(&s);
+                Ok(())
+            }
+            Err(e) => Err(ExsError::Connection(e)),
+        }
+    }
+
+    /// Polls the completion queue and carries out what follows; true if anything happened.
+    /// Skips a connection another thread is driving.
+    pub(crate) fn progress(&self) -> bool {
+        let Ok(mut s) = self.state.try_lock() else { return false };
+        let mut wcs = [WorkCompletion::EMPTY; 32];
+        let mut any = false;
+        loop {
+            let n = match self.cq.poll(&mut wcs) {
+                Ok(n) => n,
+                Err(e) => {
+                    log::debug!("EXS connection: polling: {e}");
+                    s.proto.fail(libc::EIO);
+                    0
+                }
+            };
+            for wc in &wcs[..n] {
+                s.on_completion(wc);
+            }
+            any |= n > 0;
+            if n < wcs.len() {
+                break;
+            }
+        }
+        if !s.backlog.is_empty() || any {
+            s.run();
+        }
+        if s.closing_since.is_some_and(|t| t.elapsed() > LINGER) && !s.proto.peer_closed() && s.proto.closed() {
+            s.proto.fail(libc::ETIMEDOUT);
+            s.run();
+        }
+        self.check_finished(&s);
+        any
+    }
+
+    fn check_finished(&self, s: &State) {
+        let done = s.ops.is_empty() && (s.proto.failure().is_some() || (s.proto.closed() && s.proto.peer_closed()));
+        if done && !self.finished.swap(true, Ordering::AcqRel) {
+            log::debug!("EXS connection finished");
+        }
+    }
+}
+
+fn errno_of(status: WcStatus) -> Errno {
+    match status {
+        WcStatus::RemAccessErr | WcStatus::RemInvReqErr | WcStatus::LocLenErr => libc::EPROTO,
+        WcStatus::LocProtErr => libc::EFAULT,
+        _ => libc::ECONNRESET,
+    }
+}
+
+impl State {
+    fn post_slot(&self, i: usize) -> portability_verbs::Result<()> {
+        let sge = self.mem.slots.sge(i * self.mem.slot_size, self.mem.slot_size);
+        self.qp.post_recv(&[RecvWr::new(TAG_SLOT | i as u64, &[sge])])
+    }
+
+    fn on_completion(&mut self, wc: &WorkCompletion) {
+        let tag = wc.wr_id & TAG_MASK;
+        let id = wc.wr_id & !TAG_MASK;
+        match tag {
+            TAG_TX => {
+                self.sq_used -= 1;
+                self.tx_free.push(id as u32);
+            }
+            TAG_WRITE => {
+                self.sq_used -= 1;
+                if wc.status.is_success() {
+                    self.proto.on_write_done(id);
+                }
+            }
+            _ => {}
+        }
+        if !wc.status.is_success() {
+            if self.proto.failure().is_none() {
+                log::debug!("EXS connection failed: {:?}", wc.status);
+            }
+            self.proto.fail(errno_of(wc.status));
+            return;
+        }
+        if tag != TAG_SLOT {
+            return;
+        }
+        let slot = id as usize;
+        let r = match wc.opcode {
+            WcOpcode::RecvRdmaWithImm => self.proto.on_write_imm(wc.imm.unwrap_or(0)),
+            _ => {
+                let len = (wc.byte_len as usize).min(self.mem.slot_size);
+                self.scratch.resize(len, 0);
+                self.mem.slots.read(slot * self.mem.slot_size, &mut self.scratch);
+                let bytes = std::mem::take(&mut self.scratch);
+                let r = self.proto.on_control(&bytes);
+                self.scratch = bytes;
+                r
+            }
+        };
+        if let Err(e) = r {
+            log::warn!("EXS connection: {e}");
+            return;
+        }
+        if let Err(e) = self.post_slot(slot) {
+            log::debug!("EXS connection: reposting a slot: {e}");
+            self.proto.fail(libc::ECONNRESET);
+        }
+    }
+
+    /// Carries out the protocol's actions in order, as far as the send queue allows.
+    fn run(&mut self) {
+        loop {
+            let Some(a) = self.backlog.pop_front().or_else(|| self.proto.next_action()) else { return };
+            let needs_sq = matches!(a, Action::Control(..) | Action::Small(..) | Action::Write { .. });
+            if needs_sq
+                && (self.sq_used >= SEND_DEPTH || (!matches!(a, Action::Write { .. }) && self.tx_free.is_empty()))
+            {
+                self.backlog.push_front(a);
+                return;
+            }
+            if let Err(e) = self.act(a) {
+                log::debug!("EXS connection: posting: {e}");
+                self.proto.fail(libc::ECONNRESET);
+            }
+        }
+    }
+
+    fn act(&mut self, a: Action) -> portability_verbs::Result<()> {
+        match a {
+            Action::Control(msg, grant) => {
+                let i = self.tx_free.pop().expect("checked by run");
+                let off = i as usize * self.mem.slot_size;
+                let mut buf = [0u8; super::wire::MAX_CONTROL];
+                let n = msg.encode(grant, &mut buf);
+                self.mem.tx.write(off, &buf[..n]);
+                self.post_tx(i, n)
+            }
+            Action::Small(pieces, grant) => {
+                let i = self.tx_free.pop().expect("checked by run");
+                let off = i as usize * self.mem.slot_size;
+                let mut head = [0u8; HEADER];
+                Control::Data(&[]).encode(grant, &mut head);
+                self.mem.tx.write(off, &head);
+                let mut at = off + HEADER;
+                for p in &pieces {
+                    // SAFETY: the piece lies inside a registered region the send holds
+                    // (checked when it started), and the send is not complete yet.
+                    let src = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
+                    self.mem.tx.write(at, src);
+                    at += p.len as usize;
+                }
+                self.post_tx(i, at - off)
+            }
+            Action::Write { send, piece, remote_addr, rkey, imm } => {
+                let sge = Sge { addr: piece.addr, length: piece.len, lkey: piece.lkey };
+                let wr = match imm {
+                    Some(imm) => SendWr::write_with_imm(TAG_WRITE | send, &[sge], remote_addr, rkey, imm),
+                    None => SendWr::write(TAG_WRITE | send, &[sge], remote_addr, rkey),
+                };
+                self.qp.post_send(&[wr.inline(piece.len <= self.inline_max)])?;
+                self.sq_used += 1;
+                Ok(())
+            }
+            Action::Copy { dst, src, len } => {
+                let len = len as usize;
+                match src {
+                    CopySrc::Bytes(b) => {
+                        // SAFETY: `dst..dst + len` lies in the registered region of a receive
+                        // still in flight (checked when it started); `b` holds `len` bytes.
+                        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), dst as *mut u8, len) };
+                    }
+                    CopySrc::Ring(off) => {
+                        let ring = self.mem.ring.as_ref().expect("the protocol copies from a stream buffer it has");
+                        assert!(off as usize + len <= ring.len(), "stream-buffer chunk checked on arrival");
+                        // SAFETY: the source lies in our stream buffer (asserted); the
+                        // destination as above.
+                        unsafe { std::ptr::copy_nonoverlapping(ring.as_ptr().add(off as usize), dst as *mut u8, len) };
+                    }
+                }
+                Ok(())
+            }
+            Action::Done(d) => {
+                self.report(d);
+                Ok(())
+            }
+        }
+    }
+
+    fn post_tx(&mut self, i: u32, len: usize) -> portability_verbs::Result<()> {
+        let sge = self.mem.tx.sge(i as usize * self.mem.slot_size, len);
+        let r = self
+            .qp
+            .post_send(&[SendWr::send(TAG_TX | i as u64, &[sge]).inline(len <= self.inline_max.max(64) as usize)]);
+        match r {
+            Ok(()) => {
+                self.sq_used += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.tx_free.push(i);
+                Err(e)
+            }
+        }
+    }
+
+    fn report(&mut self, d: Done) {
+        let Some(op) = self.ops.remove(&d.req) else { return };
+        debug_assert!(matches!(
+            (d.op, op.kind),
+            (OpKind::Send, EventKind::Send) | (OpKind::Recv, EventKind::Recv) | (OpKind::Close, EventKind::Close)
+        ));
+        drop(op.hold);
+        if let Some((q, socket)) = op.target {
+            q.deliver(Event {
+                req: op.req,
+                kind: op.kind,
+                socket,
+                outcome: d.outcome,
+                truncated: d.truncated,
+                accepted: None,
+            });
+        }
+    }
+}

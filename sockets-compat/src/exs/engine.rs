@@ -1,0 +1,194 @@
+//! The process's EXS progress: the live connections, the completion thread, and the
+//! process-wide tunables (busy polling, the completion thread's CPU).
+//!
+//! Progress is made by whoever waits: a thread in [`super::EventQueue::dequeue`] polls every
+//! connection's completion queue itself (busy polling) or sleeps on its queue while the
+//! completion thread, asleep on the connections' completion events, turns completions into
+//! events (waiting for notification). The completion thread also keeps connections moving
+//! while no thread waits (advertisements, credits, stream-buffer acknowledgements).
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use super::conn::Conn;
+use super::error::{ExsError, ExsResult};
+
+/// Polls of an idle busy-polling wait before it naps (about 100 us).
+pub(crate) const SPIN_BEFORE_SLEEP: u32 = 2000;
+/// How long the completion thread keeps polling after its last progress while busy polling
+/// and no application thread waits.
+const THREAD_SPIN: Duration = Duration::from_micros(200);
+
+static BUSY_POLL: AtomicBool = AtomicBool::new(true);
+static CPU: AtomicI64 = AtomicI64::new(-1);
+static CPU_CHANGED: AtomicBool = AtomicBool::new(false);
+static DEQUEUERS: AtomicUsize = AtomicUsize::new(0);
+
+type ConnList = Arc<Vec<Arc<Conn>>>;
+
+fn conns() -> &'static RwLock<ConnList> {
+    static CONNS: OnceLock<RwLock<ConnList>> = OnceLock::new();
+    CONNS.get_or_init(|| RwLock::new(Arc::new(Vec::new())))
+}
+
+fn snapshot() -> ConnList {
+    conns().read().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+fn thread_handle() -> &'static Mutex<Option<Thread>> {
+    static T: OnceLock<Mutex<Option<Thread>>> = OnceLock::new();
+    T.get_or_init(|| Mutex::new(None))
+}
+
+/// Starts the completion thread (once per process; `exs_init`).
+pub(crate) fn start() -> ExsResult<()> {
+    static STARTED: OnceLock<Result<(), String>> = OnceLock::new();
+    STARTED
+        .get_or_init(|| {
+            let t = std::thread::Builder::new()
+                .name("exs-completion".into())
+                .spawn(completion_thread)
+                .map_err(|e| format!("starting the EXS completion thread: {e}"))?;
+            *thread_handle().lock().unwrap_or_else(|p| p.into_inner()) = Some(t.thread().clone());
+            Ok(())
+        })
+        .clone()
+        .map_err(|e| ExsError::System(e, libc::EAGAIN))
+}
+
+/// Adds a connection to those progressed.
+pub(crate) fn register(conn: Arc<Conn>) {
+    let mut list = conns().write().unwrap_or_else(|p| p.into_inner());
+    let mut v = (**list).clone();
+    v.push(conn);
+    *list = Arc::new(v);
+    drop(list);
+    wake();
+}
+
+fn unregister_finished() {
+    let mut list = conns().write().unwrap_or_else(|p| p.into_inner());
+    if list.iter().any(|c| c.finished()) {
+        *list = Arc::new(list.iter().filter(|c| !c.finished()).cloned().collect());
+    }
+}
+
+fn wake() {
+    if let Some(t) = thread_handle().lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        t.unpark();
+    }
+}
+
+/// Polls every connection once; true if any made progress.
+pub(crate) fn progress_all() -> bool {
+    let list = snapshot();
+    let mut any = false;
+    let mut finished = false;
+    for c in list.iter() {
+        any |= c.progress();
+        finished |= c.finished();
+    }
+    if finished {
+        unregister_finished();
+    }
+    any
+}
+
+/// Whether waits busy-poll (the default) or sleep until notified.
+pub(crate) fn busy_poll() -> bool {
+    BUSY_POLL.load(Ordering::Relaxed)
+}
+
+/// Sets busy polling (process-wide).
+pub(crate) fn set_busy_poll(on: bool) {
+    BUSY_POLL.store(on, Ordering::Relaxed);
+    wake();
+}
+
+/// The CPU the completion thread is pinned to, if any.
+pub(crate) fn completion_cpu() -> Option<usize> {
+    usize::try_from(CPU.load(Ordering::Relaxed)).ok()
+}
+
+/// Pins the completion thread to `cpu` (`None`: any CPU).
+pub(crate) fn set_completion_cpu(cpu: Option<usize>) -> ExsResult<()> {
+    if cpu.is_some_and(|c| c >= libc::CPU_SETSIZE as usize) {
+        return Err(ExsError::Invalid("CPU number"));
+    }
+    CPU.store(cpu.map_or(-1, |c| c as i64), Ordering::Relaxed);
+    CPU_CHANGED.store(true, Ordering::Release);
+    wake();
+    Ok(())
+}
+
+fn apply_cpu() {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays inside it (the CPU was
+    // checked against CPU_SETSIZE); sched_setaffinity(0) applies to this thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        match completion_cpu() {
+            Some(c) => libc::CPU_SET(c, &mut set),
+            None => {
+                for c in 0..libc::CPU_SETSIZE as usize {
+                    libc::CPU_SET(c, &mut set);
+                }
+            }
+        }
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            log::warn!("EXS completion thread: pinning: {}", std::io::Error::last_os_error());
+        }
+    }
+}
+
+/// An application thread waiting in `dequeue` (it polls; the completion thread stands back).
+pub(crate) struct Dequeuer;
+
+impl Dequeuer {
+    pub(crate) fn enter() -> Dequeuer {
+        DEQUEUERS.fetch_add(1, Ordering::AcqRel);
+        Dequeuer
+    }
+}
+
+impl Drop for Dequeuer {
+    fn drop(&mut self) {
+        DEQUEUERS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn completion_thread() {
+    let mut last_progress = Instant::now();
+    loop {
+        if CPU_CHANGED.swap(false, Ordering::AcqRel) {
+            apply_cpu();
+        }
+        let list = snapshot();
+        if list.is_empty() {
+            std::thread::park_timeout(Duration::from_millis(100));
+            continue;
+        }
+        let app_polls = busy_poll() && DEQUEUERS.load(Ordering::Acquire) > 0;
+        if !app_polls && progress_all() {
+            last_progress = Instant::now();
+            continue;
+        }
+        if busy_poll() && !app_polls && last_progress.elapsed() < THREAD_SPIN {
+            std::hint::spin_loop();
+            continue;
+        }
+        // Asleep until a completion event (or, while an application thread polls, a
+        // millisecond: it may stop polling at any time).
+        let cqs: Vec<_> = list.iter().map(|c| c.cq()).collect();
+        let refs: Vec<_> = cqs.iter().collect();
+        let nap = if app_polls { Duration::from_millis(1) } else { Duration::from_millis(20) };
+        if let Err(e) = portability_verbs::wait_any(&refs, nap) {
+            log::debug!("EXS completion thread: waiting: {e}");
+            std::thread::sleep(nap);
+        }
+        if !(busy_poll() && DEQUEUERS.load(Ordering::Acquire) > 0) && progress_all() {
+            last_progress = Instant::now();
+        }
+    }
+}

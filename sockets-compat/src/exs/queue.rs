@@ -1,0 +1,249 @@
+//! Event queues: where asynchronous EXS operations report their completion.
+//!
+//! Every operation reserves its event's place when it starts, so a queue never overflows: an
+//! operation that finds no room is refused at once ([`ExsError::QueueFull`]). A queue can be
+//! waited on by [`EventQueue::dequeue`] (which also drives the connections' progress) or
+//! through its descriptor, readable while events are queued.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::engine;
+use super::error::{ExsError, ExsResult};
+use super::proto::Outcome;
+use super::socket::ExsSocket;
+
+/// Which call an event completes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// `send`.
+    Send,
+    /// `recv`.
+    Recv,
+    /// `accept`: the event carries the new socket.
+    Accept,
+    /// `connect`.
+    Connect,
+    /// `close`.
+    Close,
+}
+
+/// A completed operation.
+#[derive(Debug)]
+pub struct Event {
+    /// The request id the operation was started with.
+    pub req: u64,
+    /// The call.
+    pub kind: EventKind,
+    /// The socket the operation ran on.
+    pub socket: ExsSocket,
+    /// Bytes moved (a receive's 0 is the end of the peer's data; 0 for the others), or the
+    /// error number.
+    pub outcome: Outcome,
+    /// SOCK_SEQPACKET receive: the message was longer than the buffer and was cut to it.
+    pub truncated: bool,
+    /// `accept`: the connected socket.
+    pub accepted: Option<ExsSocket>,
+}
+
+/// What [`EventQueue::status`] reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueStatus {
+    /// Events the queue holds at most (queued and reserved together).
+    pub capacity: usize,
+    /// Events waiting to be dequeued.
+    pub queued: usize,
+    /// Operations in flight that will report here.
+    pub pending: usize,
+}
+
+struct State {
+    events: VecDeque<Event>,
+    capacity: usize,
+    reserved: usize,
+}
+
+struct Inner {
+    id: u64,
+    state: Mutex<State>,
+    ready: Condvar,
+    /// Readable while events are queued.
+    efd: OwnedFd,
+}
+
+/// An event queue (`exs_qhandle_t`). Clones share the queue.
+#[derive(Clone)]
+pub struct EventQueue(Arc<Inner>);
+
+impl std::fmt::Debug for EventQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EventQueue({})", self.0.id)
+    }
+}
+
+/// The largest capacity a queue may have.
+pub const MAX_CAPACITY: usize = 1 << 20;
+
+impl EventQueue {
+    /// A queue holding at most `capacity` events (1 ..= [`MAX_CAPACITY`]).
+    pub fn new(capacity: usize) -> ExsResult<EventQueue> {
+        if capacity == 0 || capacity > MAX_CAPACITY {
+            return Err(ExsError::Invalid("event queue capacity"));
+        }
+        engine::start()?;
+        // SAFETY: eventfd takes no pointers; a negative result is checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(ExsError::io(std::io::Error::last_os_error()));
+        }
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Ok(EventQueue(Arc::new(Inner {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            state: Mutex::new(State { events: VecDeque::new(), capacity, reserved: 0 }),
+            ready: Condvar::new(),
+            // SAFETY: `fd` is a new descriptor that nothing else owns.
+            efd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.0.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reserves the place of one operation's event.
+    pub(crate) fn reserve(&self) -> ExsResult<()> {
+        let mut s = self.lock();
+        if s.events.len() + s.reserved >= s.capacity {
+            return Err(ExsError::QueueFull);
+        }
+        s.reserved += 1;
+        Ok(())
+    }
+
+    /// Gives back a reservation whose operation never started.
+    pub(crate) fn unreserve(&self) {
+        let mut s = self.lock();
+        s.reserved = s.reserved.saturating_sub(1);
+    }
+
+    /// Queues the event of an operation that reserved its place.
+    pub(crate) fn deliver(&self, ev: Event) {
+        let mut s = self.lock();
+        s.reserved = s.reserved.saturating_sub(1);
+        let was_empty = s.events.is_empty();
+        s.events.push_back(ev);
+        if was_empty {
+            self.signal(true);
+        }
+        drop(s);
+        self.0.ready.notify_all();
+    }
+
+    /// Sets (`true`) or clears the descriptor's readability.
+    fn signal(&self, on: bool) {
+        let fd = self.0.efd.as_raw_fd();
+        if on {
+            let one = 1u64;
+            // SAFETY: writes 8 bytes from a live u64 to our eventfd.
+            unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+        } else {
+            let mut v = 0u64;
+            // SAFETY: reads 8 bytes into a live u64 from our nonblocking eventfd.
+            unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+        }
+    }
+
+    /// Takes up to `max` events, waiting up to `timeout` (`None`: as long as it takes) for the
+    /// first. Returns an empty vector when the time ran out. Waiting drives the connections'
+    /// progress: by polling (busy polling, the default) or by sleeping until the completion
+    /// thread queues an event ([`super::Tunable::BusyPoll`]).
+    pub fn dequeue(&self, max: usize, timeout: Option<Duration>) -> Vec<Event> {
+        let mut out = Vec::new();
+        self.dequeue_into(&mut out, max, timeout);
+        out
+    }
+
+    /// [`EventQueue::dequeue`] into `out` (appended); returns how many were taken.
+    pub fn dequeue_into(&self, out: &mut Vec<Event>, max: usize, timeout: Option<Duration>) -> usize {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let _waiting = engine::Dequeuer::enter();
+        let mut spins = 0u32;
+        loop {
+            {
+                let mut s = self.lock();
+                if !s.events.is_empty() {
+                    let n = max.min(s.events.len());
+                    out.extend(s.events.drain(..n));
+                    if s.events.is_empty() {
+                        self.signal(false);
+                    }
+                    return n;
+                }
+            }
+            if max == 0 || deadline.is_some_and(|d| Instant::now() >= d) {
+                return 0;
+            }
+            let progressed = engine::progress_all();
+            if progressed {
+                spins = 0;
+                continue;
+            }
+            spins += 1;
+            if engine::busy_poll() && spins < engine::SPIN_BEFORE_SLEEP {
+                if portability_verbs::spin_yields(spins) {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            // Sleep until the completion thread queues something (it watches every queue
+            // pair's completion events), for at most a millisecond while busy polling.
+            let s = self.lock();
+            if s.events.is_empty() {
+                let nap = if engine::busy_poll() { Duration::from_millis(1) } else { Duration::from_millis(50) };
+                let nap = deadline.map_or(nap, |d| nap.min(d.saturating_duration_since(Instant::now())));
+                let _ = self.0.ready.wait_timeout(s, nap);
+            }
+            spins = 0;
+        }
+    }
+
+    /// Capacity, queued events and operations in flight.
+    pub fn status(&self) -> QueueStatus {
+        let s = self.lock();
+        QueueStatus { capacity: s.capacity, queued: s.events.len(), pending: s.reserved }
+    }
+
+    /// Changes the capacity (not below what is queued and in flight).
+    pub fn set_capacity(&self, capacity: usize) -> ExsResult<()> {
+        let mut s = self.lock();
+        if capacity == 0 || capacity > MAX_CAPACITY {
+            return Err(ExsError::Invalid("event queue capacity"));
+        }
+        if capacity < s.events.len() + s.reserved {
+            return Err(ExsError::Busy("the event queue"));
+        }
+        s.capacity = capacity;
+        Ok(())
+    }
+
+    /// A descriptor readable while events are queued (for `poll`, `epoll`, an event loop).
+    pub fn as_raw_fd(&self) -> RawFd {
+        self.0.efd.as_raw_fd()
+    }
+
+    /// Whether nothing is queued or in flight (a queue may be deleted then).
+    pub fn is_idle(&self) -> bool {
+        let s = self.lock();
+        s.events.is_empty() && s.reserved == 0
+    }
+
+    /// Whether two handles name the same queue.
+    pub fn same(&self, other: &EventQueue) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
