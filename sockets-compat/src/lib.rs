@@ -14,6 +14,7 @@ pub mod discovery;
 mod engine;
 pub mod exs;
 pub mod proto;
+pub mod sockaddr;
 pub mod stream;
 mod verbs_runtime;
 pub mod wire;
