@@ -11,7 +11,7 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 cargo build --release --target "$target"
 # Where cargo put the build (CARGO_TARGET_DIR, if set, is relative to this directory or absolute).
 out=${CARGO_TARGET_DIR:-target}
-targets=${1:-"ring_record endpoint_info bootstrap_frames fc_chunk mad_wire sdp_wire tcp_frame sdp_discovery"}
+targets=${1:-"ring_record endpoint_info bootstrap_frames fc_chunk mad_wire sdp_wire tcp_frame sdp_discovery exs_wire"}
 for t in $targets; do
     mkdir -p "corpus/$t"
     # libFuzzer exits non-zero on a crash, a panic or a leak: that fails this script.
