@@ -1,6 +1,7 @@
 //! Helpers shared by the benchmark programs: sizes, CPU pinning, memory and timer measurement,
 //! bounded busy-waiting, and two namespace "hosts" on one machine (also used by the tests).
 
+pub mod exs_peer;
 pub mod hosts;
 pub mod plot;
 

@@ -124,3 +124,32 @@ fn the_c_program_echoes_between_two_hosts() {
         },
     );
 }
+
+/// A peer process killed while our receive waits: the receive completes with an error event
+/// and the socket's later calls fail, instead of waiting forever.
+#[test]
+fn a_peer_that_dies_fails_the_operations_waiting_on_it() {
+    use sockets_compat::exs::{EventKind, EventQueue, ExsSocket, Memory, SocketKind};
+    let port = free_port();
+    let mut srv =
+        Command::new(program()).args(["serve", &port.to_string(), "seq"]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(srv.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "LISTENING");
+    let q = EventQueue::new(8).unwrap();
+    let c = ExsSocket::new(SocketKind::SeqPacket).unwrap();
+    c.connect(("127.0.0.1", port), &q, 1).unwrap();
+    let ev = q.dequeue(1, Some(Duration::from_secs(20))).pop().expect("connect event");
+    assert_eq!((ev.kind, ev.outcome), (EventKind::Connect, Ok(0)));
+    let m = Memory::alloc(1 << 16).unwrap();
+    c.recv(&q, 2, &m, 0, 1 << 16).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    srv.kill().unwrap();
+    srv.wait().unwrap();
+    let started = Instant::now();
+    let ev = q.dequeue(1, Some(Duration::from_secs(30))).pop().expect("the receive never completed");
+    assert_eq!(ev.kind, EventKind::Recv);
+    assert!(ev.outcome.is_err(), "{ev:?}");
+    eprintln!("receive failed with errno {:?} {:?} after the peer died", ev.outcome, started.elapsed());
+    let e = c.send(&q, 3, &m, 0, 10).unwrap_err();
+    assert!(e.errno() != 0, "{e}");
+}

@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 use super::conn::Conn;
 use super::error::{ExsError, ExsResult};
 
-/// Polls of an idle busy-polling wait before it naps (about 100 us).
-pub(crate) const SPIN_BEFORE_SLEEP: u32 = 2000;
+/// How long a busy-polling wait polls without progress before it sleeps (and leaves the
+/// polling to the completion thread).
+pub(crate) const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(500);
 /// How long the completion thread keeps polling after its last progress while busy polling
 /// and no application thread waits.
 const THREAD_SPIN: Duration = Duration::from_micros(200);
@@ -75,7 +76,8 @@ fn unregister_finished() {
     }
 }
 
-fn wake() {
+/// Wakes the completion thread (a poller going to sleep hands the polling over).
+pub(crate) fn wake() {
     if let Some(t) = thread_handle().lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
         t.unpark();
     }
@@ -169,25 +171,29 @@ fn completion_thread() {
             std::thread::park_timeout(Duration::from_millis(100));
             continue;
         }
-        let app_polls = busy_poll() && DEQUEUERS.load(Ordering::Acquire) > 0;
-        if !app_polls && progress_all() {
+        if busy_poll() && DEQUEUERS.load(Ordering::Acquire) > 0 {
+            // An application thread polls: stand back, without arming the queues (arming
+            // costs the software provider a barrier on every CPU). A poller that goes to
+            // sleep wakes this thread; one that stops calling is noticed within the nap.
+            std::thread::park_timeout(Duration::from_millis(5));
+            continue;
+        }
+        if progress_all() {
             last_progress = Instant::now();
             continue;
         }
-        if busy_poll() && !app_polls && last_progress.elapsed() < THREAD_SPIN {
+        if busy_poll() && last_progress.elapsed() < THREAD_SPIN {
             std::hint::spin_loop();
             continue;
         }
-        // Asleep until a completion event (or, while an application thread polls, a
-        // millisecond: it may stop polling at any time).
+        // Asleep until a completion event.
         let cqs: Vec<_> = list.iter().map(|c| c.cq()).collect();
         let refs: Vec<_> = cqs.iter().collect();
-        let nap = if app_polls { Duration::from_millis(1) } else { Duration::from_millis(20) };
-        if let Err(e) = portability_verbs::wait_any(&refs, nap) {
+        if let Err(e) = portability_verbs::wait_any(&refs, Duration::from_millis(20)) {
             log::debug!("EXS completion thread: waiting: {e}");
-            std::thread::sleep(nap);
+            std::thread::sleep(Duration::from_millis(1));
         }
-        if !(busy_poll() && DEQUEUERS.load(Ordering::Acquire) > 0) && progress_all() {
+        if progress_all() {
             last_progress = Instant::now();
         }
     }

@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -64,14 +64,18 @@ struct State {
     events: VecDeque<Event>,
     capacity: usize,
     reserved: usize,
+    /// Threads asleep on `ready` (a notification is a system call: only made for them).
+    sleepers: usize,
 }
 
 struct Inner {
     id: u64,
     state: Mutex<State>,
     ready: Condvar,
-    /// Readable while events are queued.
+    /// Readable while events are queued, once the application asked for it (keeping it
+    /// costs two system calls per event, which a queue nobody polls need not pay).
     efd: OwnedFd,
+    fd_used: AtomicBool,
 }
 
 /// An event queue (`exs_qhandle_t`). Clones share the queue.
@@ -102,10 +106,11 @@ impl EventQueue {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         Ok(EventQueue(Arc::new(Inner {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
-            state: Mutex::new(State { events: VecDeque::new(), capacity, reserved: 0 }),
+            state: Mutex::new(State { events: VecDeque::new(), capacity, reserved: 0, sleepers: 0 }),
             ready: Condvar::new(),
             // SAFETY: `fd` is a new descriptor that nothing else owns.
             efd: unsafe { OwnedFd::from_raw_fd(fd) },
+            fd_used: AtomicBool::new(false),
         })))
     }
 
@@ -138,12 +143,18 @@ impl EventQueue {
         if was_empty {
             self.signal(true);
         }
+        let sleepers = s.sleepers;
         drop(s);
-        self.0.ready.notify_all();
+        if sleepers > 0 {
+            self.0.ready.notify_all();
+        }
     }
 
     /// Sets (`true`) or clears the descriptor's readability.
     fn signal(&self, on: bool) {
+        if !self.0.fd_used.load(Ordering::Acquire) {
+            return;
+        }
         let fd = self.0.efd.as_raw_fd();
         if on {
             let one = 1u64;
@@ -169,7 +180,8 @@ impl EventQueue {
     /// [`EventQueue::dequeue`] into `out` (appended); returns how many were taken.
     pub fn dequeue_into(&self, out: &mut Vec<Event>, max: usize, timeout: Option<Duration>) -> usize {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let _waiting = engine::Dequeuer::enter();
+        let mut polling = Some(engine::Dequeuer::enter());
+        let mut idle_since: Option<Instant> = None;
         let mut spins = 0u32;
         loop {
             {
@@ -186,13 +198,16 @@ impl EventQueue {
             if max == 0 || deadline.is_some_and(|d| Instant::now() >= d) {
                 return 0;
             }
-            let progressed = engine::progress_all();
-            if progressed {
-                spins = 0;
+            if polling.is_none() {
+                polling = Some(engine::Dequeuer::enter());
+            }
+            if engine::progress_all() {
+                idle_since = None;
                 continue;
             }
+            let idle = *idle_since.get_or_insert_with(Instant::now);
             spins += 1;
-            if engine::busy_poll() && spins < engine::SPIN_BEFORE_SLEEP {
+            if engine::busy_poll() && idle.elapsed() < engine::SPIN_BEFORE_SLEEP {
                 if portability_verbs::spin_yields(spins) {
                     std::thread::yield_now();
                 } else {
@@ -200,14 +215,19 @@ impl EventQueue {
                 }
                 continue;
             }
-            // Sleep until the completion thread queues something (it watches every queue
-            // pair's completion events), for at most a millisecond while busy polling.
-            let s = self.lock();
+            // Nothing for a while: sleep until the completion thread (which takes over the
+            // polling now, asleep on every queue pair's completion events) queues an event.
+            polling = None;
+            engine::wake();
+            let mut s = self.lock();
             if s.events.is_empty() {
                 let nap = if engine::busy_poll() { Duration::from_millis(1) } else { Duration::from_millis(50) };
                 let nap = deadline.map_or(nap, |d| nap.min(d.saturating_duration_since(Instant::now())));
-                let _ = self.0.ready.wait_timeout(s, nap);
+                s.sleepers += 1;
+                let (mut s, _) = self.0.ready.wait_timeout(s, nap).unwrap_or_else(|p| p.into_inner());
+                s.sleepers -= 1;
             }
+            idle_since = None;
             spins = 0;
         }
     }
@@ -232,7 +252,12 @@ impl EventQueue {
     }
 
     /// A descriptor readable while events are queued (for `poll`, `epoll`, an event loop).
+    /// It is kept from the first call on.
     pub fn as_raw_fd(&self) -> RawFd {
+        if !self.0.fd_used.swap(true, Ordering::AcqRel) {
+            let s = self.lock();
+            self.signal(!s.events.is_empty());
+        }
         self.0.efd.as_raw_fd()
     }
 
