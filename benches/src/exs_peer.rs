@@ -117,6 +117,15 @@ impl Raw {
         self.conn.qp.post_send(&[wr]).map_err(|e| e.to_string())
     }
 
+    /// Busy-polls until a receive completed; returns how many send completions came first.
+    pub fn wait_recv(&self) -> Result<usize, String> {
+        let mut sends = 0;
+        while self.wait(1)? == 0 {
+            sends += 1;
+        }
+        Ok(sends)
+    }
+
     /// Busy-polls until `n` completions came; returns how many were receives.
     pub fn wait(&self, n: usize) -> Result<usize, String> {
         let mut wcs = [WorkCompletion::EMPTY; 16];
@@ -300,9 +309,17 @@ impl Sink {
 
 /// Waits for a receive's event; returns how many send events came before it.
 pub fn wait_recv(q: &EventQueue) -> Result<usize, String> {
+    thread_local! {
+        static EVENTS: std::cell::RefCell<Vec<sockets_compat::exs::Event>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
     let mut sends = 0;
     loop {
-        let ev = q.dequeue(1, Some(LIMIT)).pop().ok_or("no event within the limit")?;
+        let ev = EVENTS.with(|v| {
+            let mut v = v.borrow_mut();
+            q.dequeue_into(&mut v, 1, Some(LIMIT));
+            v.pop()
+        });
+        let ev = ev.ok_or("no event within the limit")?;
         ev.outcome.map_err(|errno| format!("{:?} failed: errno {errno}", ev.kind))?;
         if ev.kind == sockets_compat::exs::EventKind::Recv {
             return Ok(sends);
@@ -481,14 +498,16 @@ impl Server {
                 raw.post_recv()?;
                 println!("ready");
                 std::io::stdout().flush().map_err(|e| e.to_string())?;
+                let mut sends = 0;
                 for i in 0..iters {
-                    raw.wait(1)?;
+                    sends -= raw.wait_recv()?;
                     if i + 1 < iters {
                         raw.post_recv()?;
                     }
                     raw.write(1, size, true)?;
-                    raw.wait(1)?;
+                    sends += 1;
                 }
+                raw.wait(sends)?;
                 Ok(Some("done".into()))
             }
             ["busy", on] => {

@@ -144,7 +144,7 @@ impl Conn {
     /// Skips a connection another thread is driving.
     pub(crate) fn progress(&self) -> bool {
         let Ok(mut s) = self.state.try_lock() else { return false };
-        let mut wcs = [WorkCompletion::EMPTY; 32];
+        let mut wcs = [WorkCompletion::EMPTY; 8];
         let mut any = false;
         loop {
             let n = match self.cq.poll(&mut wcs) {

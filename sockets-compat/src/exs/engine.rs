@@ -7,7 +7,7 @@
 //! events (waiting for notification). The completion thread also keeps connections moving
 //! while no thread waits (advertisements, credits, stream-buffer acknowledgements).
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -34,8 +34,16 @@ fn conns() -> &'static RwLock<ConnList> {
     CONNS.get_or_init(|| RwLock::new(Arc::new(Vec::new())))
 }
 
+/// Bumped whenever the list changes, so that pollers keep a copy of it and check one word
+/// per poll instead of taking the lock.
+static GENERATION: AtomicU64 = AtomicU64::new(1);
+
 fn snapshot() -> ConnList {
     conns().read().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+thread_local! {
+    static CACHED: std::cell::RefCell<(u64, ConnList)> = std::cell::RefCell::new((0, Arc::new(Vec::new())));
 }
 
 fn thread_handle() -> &'static Mutex<Option<Thread>> {
@@ -65,6 +73,7 @@ pub(crate) fn register(conn: Arc<Conn>) {
     let mut v = (**list).clone();
     v.push(conn);
     *list = Arc::new(v);
+    GENERATION.fetch_add(1, Ordering::AcqRel);
     drop(list);
     wake();
 }
@@ -73,6 +82,7 @@ fn unregister_finished() {
     let mut list = conns().write().unwrap_or_else(|p| p.into_inner());
     if list.iter().any(|c| c.finished()) {
         *list = Arc::new(list.iter().filter(|c| !c.finished()).cloned().collect());
+        GENERATION.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -85,13 +95,19 @@ pub(crate) fn wake() {
 
 /// Polls every connection once; true if any made progress.
 pub(crate) fn progress_all() -> bool {
-    let list = snapshot();
-    let mut any = false;
-    let mut finished = false;
-    for c in list.iter() {
-        any |= c.progress();
-        finished |= c.finished();
-    }
+    let (any, finished) = CACHED.with(|cached| {
+        let mut cached = cached.borrow_mut();
+        let generation = GENERATION.load(Ordering::Acquire);
+        if cached.0 != generation {
+            *cached = (generation, snapshot());
+        }
+        let (mut any, mut finished) = (false, false);
+        for c in cached.1.iter() {
+            any |= c.progress();
+            finished |= c.finished();
+        }
+        (any, finished)
+    });
     if finished {
         unregister_finished();
     }

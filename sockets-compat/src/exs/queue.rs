@@ -179,9 +179,10 @@ impl EventQueue {
 
     /// [`EventQueue::dequeue`] into `out` (appended); returns how many were taken.
     pub fn dequeue_into(&self, out: &mut Vec<Event>, max: usize, timeout: Option<Duration>) -> usize {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let start = Instant::now();
+        let deadline = timeout.map(|t| start + t);
         let mut polling = Some(engine::Dequeuer::enter());
-        let mut idle_since: Option<Instant> = None;
+        let mut idle_since = start;
         let mut spins = 0u32;
         loop {
             {
@@ -195,23 +196,33 @@ impl EventQueue {
                     return n;
                 }
             }
-            if max == 0 || deadline.is_some_and(|d| Instant::now() >= d) {
+            if max == 0 {
                 return 0;
             }
             if polling.is_none() {
                 polling = Some(engine::Dequeuer::enter());
             }
             if engine::progress_all() {
-                idle_since = None;
+                spins = 0;
                 continue;
             }
-            let idle = *idle_since.get_or_insert_with(Instant::now);
+            // The clock is read on the first idle poll and every 64th after it (a reading
+            // costs about as much as a poll).
             spins += 1;
-            if engine::busy_poll() && idle.elapsed() < engine::SPIN_BEFORE_SLEEP {
-                if portability_verbs::spin_yields(spins) {
+            if spins % 64 != 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let now = Instant::now();
+            if spins == 1 {
+                idle_since = now;
+            }
+            if deadline.is_some_and(|d| now >= d) {
+                return 0;
+            }
+            if engine::busy_poll() && now - idle_since < engine::SPIN_BEFORE_SLEEP {
+                if portability_verbs::spin_yields(spins / 64) {
                     std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
                 }
                 continue;
             }
@@ -227,7 +238,6 @@ impl EventQueue {
                 let (mut s, _) = self.0.ready.wait_timeout(s, nap).unwrap_or_else(|p| p.into_inner());
                 s.sleepers -= 1;
             }
-            idle_since = None;
             spins = 0;
         }
     }

@@ -1,0 +1,230 @@
+//! EXS round trips, as the UNH-EXS slides measure them: a SOCK_SEQPACKET ping-pong between
+//! two processes with busy polling and with waiting for notification, threads pinned to CPUs
+//! and not, over message sizes; in the same run the provider's raw RDMA write-with-immediate
+//! ping-pong (busy-polled, pinned and not) as the floor. Reports the median and 99th
+//! percentile one-way time (half the round trip), EXS's difference to raw, and the CPU use of
+//! both processes (user and system) during each block.
+//!
+//! Pinned: this process's thread and completion thread on CPU 0, the peer's on CPU 1.
+//! Tables to stdout; CSV and an SVG chart to `--out` (default `results/exs-pingpong-<time>`).
+//!
+//!     cargo run --release -p benches --bin exs_pingpong
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use benches::exs_peer::{self, cpu_user_sys, exs_connect, raw_connect, take, wait_recv, Peer, Raw, MAX_SIZE};
+use benches::plot::{line_chart, Axes, Series};
+use benches::{fmt_size, pin_to_cpu, unpin};
+use clap::Parser;
+use hdrhistogram::Histogram;
+use sockets_compat::exs::{EventQueue, ExsSocket, Memory, Tunable};
+
+#[derive(Parser)]
+#[command(about = "EXS ping-pong: busy polling against notification, pinned and not, against raw write-with-immediate")]
+struct Args {
+    /// Message sizes (comma-separated).
+    #[arg(long, default_value = "8,64,512,4096,32768", value_delimiter = ',')]
+    sizes: Vec<usize>,
+    /// Round trips per block (after as many again of warm-up, a tenth).
+    #[arg(long, default_value_t = 20000)]
+    iters: usize,
+    /// Round trips per block while waiting for notification (each costs wake-ups).
+    #[arg(long, default_value_t = 3000)]
+    notify_iters: usize,
+    /// Where to write results.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Internal: run as the benchmark's far end.
+    #[arg(long, hide = true)]
+    role: Option<String>,
+}
+
+/// One block: one-way times (ns) and CPU use of both processes.
+struct Block {
+    hist: Histogram<u64>,
+    secs: f64,
+    user: f64,
+    sys: f64,
+}
+
+impl Block {
+    fn us(&self, q: f64) -> f64 {
+        self.hist.value_at_quantile(q) as f64 / 1000.0
+    }
+}
+
+struct Links {
+    peer: Peer,
+    exs: ExsSocket,
+    mem: Memory,
+    q: EventQueue,
+    raw: Raw,
+}
+
+fn block(
+    peer: &mut Peer,
+    cmd: &str,
+    iters: usize,
+    mut round: impl FnMut() -> Result<(), String>,
+) -> Result<Block, String> {
+    let warm = (iters / 10).max(10);
+    peer.send(&format!("{cmd} {}", iters + warm))?;
+    peer.expect("ready")?;
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 10_000_000_000, 3).map_err(|e| e.to_string())?;
+    for _ in 0..warm {
+        round()?;
+    }
+    let (t0, cpu0) = (Instant::now(), cpu_user_sys());
+    for _ in 0..iters {
+        let t = Instant::now();
+        round()?;
+        hist.record((t.elapsed().as_nanos() as u64 / 2).max(1)).map_err(|e| e.to_string())?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let cpu = cpu_user_sys();
+    let (pu, ps) = peer.done()?;
+    Ok(Block { hist, secs, user: cpu.0 - cpu0.0 + pu, sys: cpu.1 - cpu0.1 + ps })
+}
+
+impl Links {
+    fn exs_block(&mut self, size: usize, iters: usize) -> Result<Block, String> {
+        let (s, mem, q) = (self.exs.clone(), self.mem.clone(), self.q.clone());
+        let e = |e: sockets_compat::exs::ExsError| e.to_string();
+        let mut sends = 0usize;
+        let b = block(&mut self.peer, &format!("exs-echo {size}"), iters, || {
+            s.recv(&q, 0, &mem, 0, size).map_err(e)?;
+            s.send(&q, 1, &mem, MAX_SIZE, size).map_err(e)?;
+            sends += 1;
+            sends -= wait_recv(&q)?;
+            Ok(())
+        })?;
+        take(&self.q, sends)?;
+        Ok(b)
+    }
+
+    fn raw_block(&mut self, size: usize, iters: usize) -> Result<Block, String> {
+        let raw = &self.raw;
+        let mut sends = 0usize;
+        let b = block(&mut self.peer, &format!("raw-echo {size}"), iters, || {
+            raw.post_recv()?;
+            raw.write(0, size, true)?;
+            sends += 1;
+            sends -= raw.wait_recv()?;
+            Ok(())
+        })?;
+        raw.wait(sends)?;
+        Ok(b)
+    }
+
+    fn setup(&mut self, busy: bool, pinned: bool) -> Result<(), String> {
+        let e = |e: sockets_compat::exs::ExsError| e.to_string();
+        self.exs.set(Tunable::BusyPoll, i64::from(busy)).map_err(e)?;
+        self.peer.send(&format!("busy {}", u8::from(busy)))?;
+        self.peer.expect("ok")?;
+        if pinned {
+            pin_to_cpu(0);
+        } else {
+            unpin();
+        }
+        self.exs.set(Tunable::CompletionCpu, if pinned { 0 } else { -1 }).map_err(e)?;
+        self.peer.send(if pinned { "pin 1" } else { "pin -1" })?;
+        self.peer.expect("ok")?;
+        Ok(())
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    if args.role.as_deref() == Some("server") {
+        exs_peer::serve();
+        return;
+    }
+    env_logger::init();
+    if let Err(e) = run(&args) {
+        eprintln!("exs_pingpong: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    if args.sizes.iter().any(|&s| s == 0 || s > MAX_SIZE) {
+        return Err(format!("sizes 1..={MAX_SIZE}"));
+    }
+    let mut peer = Peer::start()?;
+    let exs = exs_connect(&mut peer, "seq")?;
+    let raw = raw_connect(&mut peer)?;
+    let mem = Memory::alloc(2 * MAX_SIZE).map_err(|e| e.to_string())?;
+    let q = EventQueue::new(64).map_err(|e| e.to_string())?;
+    let mut links = Links { peer, exs, mem, q, raw };
+    let out = args.out.clone().unwrap_or_else(|| {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        PathBuf::from(format!("results/exs-pingpong-{t}"))
+    });
+    std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
+    let mut csv = String::from("mode,pinned,size,median_us,p99_us,raw_median_us,minus_raw_us,user_pct,sys_pct\n");
+    let mut series = Vec::new();
+    println!("EXS SOCK_SEQPACKET ping-pong, one-way (half round trip); raw = write-with-immediate, busy-polled, same pinning");
+    println!(
+        "{:<8} {:<8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+        "waiting", "pinned", "size", "EXS p50", "EXS p99", "raw p50", "EXS-raw", "user%", "sys%"
+    );
+    let mut target = None;
+    for pinned in [true, false] {
+        for busy in [true, false] {
+            links.setup(busy, pinned)?;
+            let mode = if busy { "busy" } else { "notify" };
+            let mut points = Vec::new();
+            for &size in &args.sizes {
+                let iters = if busy { args.iters } else { args.notify_iters };
+                let e = links.exs_block(size, iters)?;
+                links.setup(true, pinned)?;
+                let r = links.raw_block(size, args.iters)?;
+                links.setup(busy, pinned)?;
+                let diff = e.us(0.5) - r.us(0.5);
+                println!(
+                    "{:<8} {:<8} {:>7} {:>8.2}us {:>8.2}us {:>8.2}us {:>8.2}us {:>7.1} {:>7.1}",
+                    mode,
+                    pinned,
+                    fmt_size(size),
+                    e.us(0.5),
+                    e.us(0.99),
+                    r.us(0.5),
+                    diff,
+                    e.user / e.secs * 100.0,
+                    e.sys / e.secs * 100.0
+                );
+                csv.push_str(&format!(
+                    "{mode},{pinned},{size},{:.3},{:.3},{:.3},{:.3},{:.1},{:.1}\n",
+                    e.us(0.5),
+                    e.us(0.99),
+                    r.us(0.5),
+                    diff,
+                    e.user / e.secs * 100.0,
+                    e.sys / e.secs * 100.0
+                ));
+                points.push((size as f64, e.us(0.5)));
+                if busy && pinned && size == 8 {
+                    target = Some(diff);
+                }
+                std::io::stdout().flush().ok();
+            }
+            series.push(Series { name: format!("{mode}{}", if pinned { ", pinned" } else { "" }), points });
+        }
+    }
+    if let Some(d) = target {
+        println!(
+            "target (8 B, busy polling, pinned): EXS - raw = {d:.3} us (<= 0.1: {})",
+            if d <= 0.1 { "met" } else { "NOT met" }
+        );
+    }
+    std::fs::write(out.join("exs_pingpong.csv"), csv).map_err(|e| e.to_string())?;
+    let chart = line_chart(
+        &Axes { title: "EXS one-way latency (us, median)", x_label: "message size", x_sizes: true, log_y: true },
+        &series,
+    );
+    std::fs::write(out.join("latency.svg"), chart).map_err(|e| e.to_string())?;
+    println!("results in {}", out.display());
+    Ok(())
+}
