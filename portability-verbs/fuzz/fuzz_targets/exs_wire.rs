@@ -33,7 +33,11 @@ fuzz_target!(|data: &[u8]| {
             let Some((&n, r)) = rest.split_first() else { break };
             let n = (n as usize).min(r.len());
             rest = &r[n..];
-            p.on_control(&r[..n])
+            p.on_control(&r[..n], &mut |dst, data| {
+                let len = data.len() as u64;
+                let inside = BUFFERS.iter().any(|(a, l)| dst >= *a && dst + len <= a + l);
+                assert!(inside, "{len} bytes placed at {dst:#x}, outside every receive buffer");
+            })
         } else {
             let Some(b) = rest.get(..4) else { break };
             rest = &rest[4..];

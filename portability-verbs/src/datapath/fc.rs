@@ -249,6 +249,13 @@ impl Credits {
         self.owed -= grant;
         grant as u16
     }
+    /// Takes what is owed, to grant on a message that already took its credit (a record
+    /// packed into a message on its way).
+    pub fn take_grant(&mut self) -> u16 {
+        let grant = self.owed.min(u16::MAX as u64);
+        self.owed -= grant;
+        grant as u16
+    }
     /// Takes a credit for a transfer that cannot carry a grant (a bulk-lane chunk, whose
     /// notification consumes a posted buffer): what is owed stays owed.
     pub fn on_send_bare(&mut self) {

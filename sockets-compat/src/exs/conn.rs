@@ -2,7 +2,7 @@
 //! the protocol decides, feeds it the completions, copies what it says to copy, and turns its
 //! completions into events on the queues the operations named.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -12,17 +12,25 @@ use portability_verbs::{
     CompletionQueue, MemoryRegion, QueuePair, RecvWr, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
+use super::engine;
 use super::error::{ExsError, ExsResult};
 use super::memory::InFlight;
-use super::proto::{Action, CopySrc, Done, Errno, OpKind, Proto, ProtoConfig};
+use super::proto::{Action, CopySrc, Done, Errno, OpKind, Proto, ProtoConfig, Record};
 use super::queue::{Event, EventKind, EventQueue};
 use super::socket::ExsSocket;
-use super::wire::{Control, Hello, HEADER};
+use super::wire::{self, Control, Hello, DATA_OVERHEAD, HEADER};
 
 const TAG_SLOT: u64 = 1 << 56;
 const TAG_TX: u64 = 2 << 56;
 const TAG_WRITE: u64 = 3 << 56;
 const TAG_MASK: u64 = 0xff << 56;
+/// The id of a request whose buffer was released at posting (inline data is copied then).
+const NO_BUFFER: u64 = (1 << 56) - 1;
+/// Inline requests left unsignaled in a row at most: a NIC frees send-queue slots only
+/// when a later request's completion comes, so one in this many asks for one.
+const SIGNAL_EVERY: u32 = 16;
+/// The largest inline request (the queue pair's `max_inline_data`).
+const INLINE_CAP: usize = 256;
 
 /// Send requests a connection keeps outstanding at most (more wait in its backlog).
 pub(crate) const SEND_DEPTH: u32 = 512;
@@ -39,13 +47,16 @@ pub(crate) struct Op {
     pub(crate) hold: Option<InFlight>,
 }
 
-/// A connection's memory: receive slots, control-message buffers, stream buffer.
+/// A connection's memory: receive slots, stream buffer, and (once the peer's slot size is
+/// known) the buffers its SENDs are packed in.
 pub(crate) struct ConnMemory {
     pub(crate) slots: MemoryRegion,
-    pub(crate) tx: MemoryRegion,
     pub(crate) ring: Option<MemoryRegion>,
     pub(crate) slot_size: usize,
     pub(crate) slot_count: usize,
+    pub(crate) tx: MemoryRegion,
+    /// Bytes of each SEND buffer: the peer's slot size.
+    pub(crate) tx_size: usize,
 }
 
 struct State {
@@ -53,10 +64,16 @@ struct State {
     qp: QueuePair,
     mem: ConnMemory,
     tx_free: Vec<u32>,
-    ops: HashMap<u64, Op>,
-    next_op: u64,
+    /// Operations in flight, by token (a slab: tokens are reused once reported).
+    ops: Vec<Option<Op>>,
+    free_ops: Vec<u64>,
+    live_ops: usize,
     backlog: VecDeque<Action>,
     sq_used: u32,
+    /// Requests posted unsignaled since the last signaled one, and per signaled request in
+    /// flight the send-queue slots its completion frees.
+    unsignaled: u32,
+    batches: VecDeque<u32>,
     inline_max: u32,
     scratch: Vec<u8>,
     closing_since: Option<Instant>,
@@ -93,10 +110,13 @@ impl Conn {
             qp: c.qp,
             tx_free: (0..tx_count).rev().collect(),
             mem,
-            ops: HashMap::new(),
-            next_op: 0,
+            ops: Vec::new(),
+            free_ops: Vec::new(),
+            live_ops: 0,
             backlog: VecDeque::new(),
             sq_used: 0,
+            unsignaled: 0,
+            batches: VecDeque::new(),
             inline_max,
             scratch: Vec::new(),
             closing_since: None,
@@ -124,15 +144,24 @@ impl Conn {
     /// is the call's (and the operation never happened).
     pub(crate) fn start(&self, op: Op, f: impl FnOnce(&mut Proto, u64) -> Result<(), Errno>) -> ExsResult<()> {
         let mut s = self.lock();
-        let token = s.next_op;
-        s.next_op += 1;
+        let token = s.free_ops.pop().unwrap_or(s.ops.len() as u64);
         if op.kind == EventKind::Close && s.closing_since.is_none() {
             s.closing_since = Some(Instant::now());
         }
         match f(&mut s.proto, token) {
             Ok(()) => {
-                s.ops.insert(token, op);
-                s.run();
+                // A receive's advertisement may wait for the call that usually follows (a send
+                // on this connection, or a wait that polls it) to leave in the same SEND: only
+                // while an application thread drives progress (otherwise nothing would send it
+                // before the completion thread's next look).
+                let hold_open = op.kind == EventKind::Recv && engine::app_drives();
+                if token as usize == s.ops.len() {
+                    s.ops.push(Some(op));
+                } else {
+                    s.ops[token as usize] = Some(op);
+                }
+                s.live_ops += 1;
+                s.run(hold_open);
                 self.check_finished(&s);
                 Ok(())
             }
@@ -163,19 +192,19 @@ impl Conn {
                 break;
             }
         }
-        if !s.backlog.is_empty() || any {
-            s.run();
+        if !s.backlog.is_empty() || any || s.proto.has_actions() {
+            s.run(false);
         }
         if s.closing_since.is_some_and(|t| t.elapsed() > LINGER) && !s.proto.peer_closed() && s.proto.closed() {
             s.proto.fail(libc::ETIMEDOUT);
-            s.run();
+            s.run(false);
         }
         self.check_finished(&s);
         any
     }
 
     fn check_finished(&self, s: &State) {
-        let done = s.ops.is_empty() && (s.proto.failure().is_some() || (s.proto.closed() && s.proto.peer_closed()));
+        let done = s.live_ops == 0 && (s.proto.failure().is_some() || (s.proto.closed() && s.proto.peer_closed()));
         if done && !self.finished.swap(true, Ordering::AcqRel) {
             log::debug!("EXS connection finished");
         }
@@ -200,14 +229,16 @@ impl State {
         let tag = wc.wr_id & TAG_MASK;
         let id = wc.wr_id & !TAG_MASK;
         match tag {
-            TAG_TX => {
-                self.sq_used -= 1;
-                self.tx_free.push(id as u32);
-            }
-            TAG_WRITE => {
-                self.sq_used -= 1;
-                if wc.status.is_success() {
-                    self.proto.on_write_done(id);
+            TAG_TX | TAG_WRITE => {
+                // Send completions come in posting order: this one ends its batch of
+                // unsignaled requests too.
+                self.sq_used -= self.batches.pop_front().unwrap_or(1);
+                if id != NO_BUFFER {
+                    if tag == TAG_TX {
+                        self.tx_free.push(id as u32);
+                    } else if wc.status.is_success() {
+                        self.proto.on_write_done(id);
+                    }
                 }
             }
             _ => {}
@@ -230,7 +261,12 @@ impl State {
                 self.scratch.resize(len, 0);
                 self.mem.slots.read(slot * self.mem.slot_size, &mut self.scratch);
                 let bytes = std::mem::take(&mut self.scratch);
-                let r = self.proto.on_control(&bytes);
+                let r = self.proto.on_control(&bytes, &mut |dst, data| {
+                    // SAFETY: the protocol places a small message inside the buffer of the
+                    // receive it completes, which lies in a registered region the receive
+                    // holds (checked when it started) and is not complete yet.
+                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) }
+                });
                 self.scratch = bytes;
                 r
             }
@@ -245,14 +281,21 @@ impl State {
         }
     }
 
-    /// Carries out the protocol's actions in order, as far as the send queue allows.
-    fn run(&mut self) {
+    /// Carries out the protocol's actions in order, as far as the send queue allows. With
+    /// `hold_open`, a SEND at the very end stays back for the records a call expected soon
+    /// will add (an advertisement then travels with the small message that follows it).
+    fn run(&mut self, hold_open: bool) {
         loop {
+            if self.backlog.is_empty() && hold_open && self.proto.only_open_send() {
+                return;
+            }
             let Some(a) = self.backlog.pop_front().or_else(|| self.proto.next_action()) else { return };
-            let needs_sq = matches!(a, Action::Control(..) | Action::Small(..) | Action::Write { .. });
-            if needs_sq
-                && (self.sq_used >= SEND_DEPTH || (!matches!(a, Action::Write { .. }) && self.tx_free.is_empty()))
-            {
+            let full = match a {
+                Action::Send(_) => self.sq_used >= SEND_DEPTH || self.tx_free.is_empty(),
+                Action::Write { .. } => self.sq_used >= SEND_DEPTH,
+                _ => false,
+            };
+            if full {
                 self.backlog.push_front(a);
                 return;
             }
@@ -265,29 +308,14 @@ impl State {
 
     fn act(&mut self, a: Action) -> portability_verbs::Result<()> {
         match a {
-            Action::Control(msg, grant) => {
+            Action::Send(records) => {
                 let i = self.tx_free.pop().expect("checked by run");
-                let off = i as usize * self.mem.slot_size;
-                let mut buf = [0u8; super::wire::MAX_CONTROL];
-                let n = msg.encode(grant, &mut buf);
-                self.mem.tx.write(off, &buf[..n]);
-                self.post_tx(i, n)
-            }
-            Action::Small(pieces, grant) => {
-                let i = self.tx_free.pop().expect("checked by run");
-                let off = i as usize * self.mem.slot_size;
-                let mut head = [0u8; HEADER];
-                Control::Data(&[]).encode(grant, &mut head);
-                self.mem.tx.write(off, &head);
-                let mut at = off + HEADER;
-                for p in &pieces {
-                    // SAFETY: the piece lies inside a registered region the send holds
-                    // (checked when it started), and the send is not complete yet.
-                    let src = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
-                    self.mem.tx.write(at, src);
-                    at += p.len as usize;
+                let base = i as usize * self.mem.tx_size;
+                let mut at = base;
+                for r in &records {
+                    at += self.encode(r, at);
                 }
-                self.post_tx(i, at - off)
+                self.post_tx(i, at - base)
             }
             Action::Write { send, piece, remote_addr, rkey, imm } => {
                 let sge = Sge { addr: piece.addr, length: piece.len, lkey: piece.lkey };
@@ -295,9 +323,17 @@ impl State {
                     Some(imm) => SendWr::write_with_imm(TAG_WRITE | send, &[sge], remote_addr, rkey, imm),
                     None => SendWr::write(TAG_WRITE | send, &[sge], remote_addr, rkey),
                 };
-                self.qp.post_send(&[wr.inline(piece.len <= self.inline_max)])?;
-                self.sq_used += 1;
-                Ok(())
+                if piece.len <= self.inline_max {
+                    // The data is copied at posting: the write is done with the sender's
+                    // buffer at once, and needs no completion of its own.
+                    let mut wr = wr.inline(true);
+                    wr.wr_id = TAG_WRITE | NO_BUFFER;
+                    self.post(wr, true)?;
+                    self.proto.on_write_done(send);
+                    Ok(())
+                } else {
+                    self.post(wr, false)
+                }
             }
             Action::Copy { dst, src, len } => {
                 let len = len as usize;
@@ -324,25 +360,69 @@ impl State {
         }
     }
 
-    fn post_tx(&mut self, i: u32, len: usize) -> portability_verbs::Result<()> {
-        let sge = self.mem.tx.sge(i as usize * self.mem.slot_size, len);
-        let r = self
-            .qp
-            .post_send(&[SendWr::send(TAG_TX | i as u64, &[sge]).inline(len <= self.inline_max.max(64) as usize)]);
+    /// Writes a record into the control buffers at `at`; returns its length.
+    fn encode(&mut self, r: &Record, at: usize) -> usize {
         match r {
-            Ok(()) => {
-                self.sq_used += 1;
-                Ok(())
+            Record::Control(c, grant) => {
+                let mut buf = [0u8; wire::MAX_CONTROL];
+                let n = c.encode(*grant, &mut buf);
+                self.mem.tx.write(at, &buf[..n]);
+                n
             }
-            Err(e) => {
-                self.tx_free.push(i);
-                Err(e)
+            Record::Small { fill, pieces, grant } => {
+                let len: usize = pieces.iter().map(|p| p.len as usize).sum();
+                let head = match fill {
+                    Some(truncated) => Control::Fill { data: &[], truncated: *truncated },
+                    None => Control::Data(&[]),
+                };
+                let mut buf = [0u8; DATA_OVERHEAD];
+                head.encode(*grant, &mut buf);
+                buf[HEADER..DATA_OVERHEAD].copy_from_slice(&(len as u16).to_le_bytes());
+                self.mem.tx.write(at, &buf);
+                let mut to = at + DATA_OVERHEAD;
+                for p in pieces {
+                    // SAFETY: the piece lies inside a registered region the send holds
+                    // (checked when it started), and the send is not complete yet.
+                    let src = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
+                    self.mem.tx.write(to, src);
+                    to += p.len as usize;
+                }
+                DATA_OVERHEAD + len
             }
         }
     }
 
+    fn post_tx(&mut self, i: u32, len: usize) -> portability_verbs::Result<()> {
+        let sge = self.mem.tx.sge(i as usize * self.mem.tx_size, len);
+        let inline = len <= INLINE_CAP;
+        // Inline data is copied at posting: the buffer is free again at once.
+        let wr_id = if inline { TAG_TX | NO_BUFFER } else { TAG_TX | i as u64 };
+        let r = self.post(SendWr::send(wr_id, &[sge]).inline(inline), inline);
+        if inline || r.is_err() {
+            self.tx_free.push(i);
+        }
+        r
+    }
+
+    /// Posts a request; one that `may_skip` its completion goes unsignaled unless it ends a
+    /// batch of [`SIGNAL_EVERY`].
+    fn post(&mut self, wr: SendWr, may_skip: bool) -> portability_verbs::Result<()> {
+        let signal = !may_skip || self.unsignaled + 1 >= SIGNAL_EVERY;
+        self.qp.post_send(&[wr.signaled(signal)])?;
+        self.sq_used += 1;
+        if signal {
+            self.batches.push_back(self.unsignaled + 1);
+            self.unsignaled = 0;
+        } else {
+            self.unsignaled += 1;
+        }
+        Ok(())
+    }
+
     fn report(&mut self, d: Done) {
-        let Some(op) = self.ops.remove(&d.req) else { return };
+        let Some(op) = self.ops.get_mut(d.req as usize).and_then(Option::take) else { return };
+        self.free_ops.push(d.req);
+        self.live_ops -= 1;
         debug_assert!(matches!(
             (d.op, op.kind),
             (OpKind::Send, EventKind::Send) | (OpKind::Recv, EventKind::Recv) | (OpKind::Close, EventKind::Close)

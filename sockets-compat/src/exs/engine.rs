@@ -26,6 +26,14 @@ static BUSY_POLL: AtomicBool = AtomicBool::new(true);
 static CPU: AtomicI64 = AtomicI64::new(-1);
 static CPU_CHANGED: AtomicBool = AtomicBool::new(false);
 static DEQUEUERS: AtomicUsize = AtomicUsize::new(0);
+/// The completion thread stands back because application threads poll.
+static APP_DRIVES: AtomicBool = AtomicBool::new(false);
+
+/// Whether application threads drive progress now (they poll often enough that work left
+/// for their next call goes out soon).
+pub(crate) fn app_drives() -> bool {
+    APP_DRIVES.load(Ordering::Relaxed)
+}
 
 type ConnList = Arc<Vec<Arc<Conn>>>;
 
@@ -187,7 +195,11 @@ fn completion_thread() {
             std::thread::park_timeout(Duration::from_millis(100));
             continue;
         }
-        if busy_poll() && DEQUEUERS.load(Ordering::Acquire) > 0 {
+        let app_polls = busy_poll() && DEQUEUERS.load(Ordering::Acquire) > 0;
+        if APP_DRIVES.load(Ordering::Relaxed) != app_polls {
+            APP_DRIVES.store(app_polls, Ordering::Relaxed);
+        }
+        if app_polls {
             // An application thread polls: stand back, without arming the queues (arming
             // costs the software provider a barrier on every CPU). A poller that goes to
             // sleep wakes this thread; one that stops calling is noticed within the nap.

@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use portability_verbs::datapath::fc::{Credits, RingReceiver, RingSender};
 use smallvec::SmallVec;
 
-use super::wire::{Advert, Control, Hello, SocketKind, WireError, WriteNote, MAX_WRITE};
+use super::wire::{self, Advert, Control, Hello, SocketKind, WireError, WriteNote, DATA_OVERHEAD, MAX_WRITE};
 
 /// An error number, as `errno` gives it (`libc::E*`).
 pub type Errno = i32;
@@ -73,14 +73,39 @@ pub struct Piece {
     pub lkey: u32,
 }
 
+/// One record of a SEND.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    /// A control record carrying `grant` credits.
+    Control(Control<'static>, u16),
+    /// A small message made of these pieces of the application's memory (copied into the
+    /// SEND when it is posted), carrying `grant` credits: unadvertised ([`Control::Data`]),
+    /// or filling the oldest advertisement ([`Control::Fill`], with its truncation flag).
+    Small {
+        /// `Some(truncated)`: a fill.
+        fill: Option<bool>,
+        /// Where the bytes are.
+        pieces: SmallVec<[Piece; 4]>,
+        /// Credits granted.
+        grant: u16,
+    },
+}
+
+impl Record {
+    /// Bytes of the record on the wire.
+    pub fn encoded_len(&self) -> usize {
+        match self {
+            Record::Control(c, _) => c.encoded_len(),
+            Record::Small { pieces, .. } => DATA_OVERHEAD + pieces.iter().map(|p| p.len as usize).sum::<usize>(),
+        }
+    }
+}
+
 /// What the driver must do, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
-    /// SEND this control message carrying `grant` credits.
-    Control(Control<'static>, u16),
-    /// SEND a small message made of these pieces of the application's memory (copied into
-    /// the message when posted), carrying `grant` credits.
-    Small(SmallVec<[Piece; 4]>, u16),
+    /// SEND these records in one message (one of the peer's slots).
+    Send(SmallVec<[Record; 2]>),
     /// RDMA-write a piece of send `send` (an id [`Proto::post_send`] returned), with
     /// immediate when `imm` is set; report its completion with [`Proto::on_write_done`].
     Write {
@@ -166,8 +191,9 @@ struct SentAd {
 /// Unadvertised data not yet consumed.
 #[derive(Debug)]
 enum Early {
-    /// A small message (its slot's credit is held until it is consumed).
-    Bytes(Vec<u8>, usize),
+    /// A small message, bytes consumed so far, and whether its slot's credit is held until
+    /// it is consumed (the last small message of its SEND holds it).
+    Bytes(Vec<u8>, usize, bool),
     /// A stream-buffer chunk: offset, bytes, consumed so far, ring position after it.
     Ring { offset: u64, len: u64, used: u64, end: u64 },
 }
@@ -189,6 +215,8 @@ pub struct Proto {
     cfg: ProtoConfig,
     credits: Credits,
     small_out: u32,
+    /// Bytes of the peer's receive slots: the largest SEND.
+    peer_slot: usize,
     // Sending side.
     sends: VecDeque<OutSend>,
     next_send: u64,
@@ -225,6 +253,7 @@ impl Proto {
         Proto {
             credits: Credits::new(cfg.peer.slots.min(cfg.slots) as u64),
             small_out: cfg.peer.small_max,
+            peer_slot: wire::slot_size(cfg.peer.small_max),
             cfg,
             sends: VecDeque::new(),
             next_send: 0,
@@ -250,6 +279,53 @@ impl Proto {
     /// The next action to carry out.
     pub fn next_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
+    }
+
+    /// Whether the only action left is a SEND that later records may still join (a driver
+    /// that expects another call soon may hold it back to send them together).
+    pub fn only_open_send(&self) -> bool {
+        self.actions.len() == 1 && matches!(self.actions.front(), Some(Action::Send(_)))
+    }
+
+    /// Whether actions wait to be carried out.
+    pub fn has_actions(&self) -> bool {
+        !self.actions.is_empty()
+    }
+
+    /// Whether a record of `len` bytes may be queued now: it joins the SEND at the end of
+    /// the actions if that has room, or takes a new slot credit (the last kept back).
+    fn may_queue(&self, len: usize) -> bool {
+        self.open_room() >= len || self.credits.can_send_data()
+    }
+
+    /// Room left in the SEND at the end of the actions (0 if none is open).
+    fn open_room(&self) -> usize {
+        match self.actions.back() {
+            Some(Action::Send(recs)) => {
+                self.peer_slot.saturating_sub(recs.iter().map(Record::encoded_len).sum::<usize>())
+            }
+            _ => 0,
+        }
+    }
+
+    /// Queues a record: into the open SEND if it fits, else into a new one (taking a
+    /// credit). Callers checked [`Proto::may_queue`], or (credit records) that a credit is
+    /// left.
+    fn queue(&mut self, rec: impl FnOnce(u16) -> Record, len: usize) {
+        if self.open_room() >= len {
+            let grant = self.credits.take_grant();
+            if let Some(Action::Send(recs)) = self.actions.back_mut() {
+                recs.push(rec(grant));
+            }
+        } else {
+            let grant = self.credits.on_send();
+            self.actions.push_back(Action::Send(smallvec::smallvec![rec(grant)]));
+        }
+    }
+
+    fn queue_control(&mut self, c: Control<'static>) {
+        let len = c.encoded_len();
+        self.queue(|g| Record::Control(c, g), len);
     }
 
     /// The error number every call now fails with, once the connection failed.
@@ -368,8 +444,12 @@ impl Proto {
     }
 
     /// A control message arrived in one of our slots.
-    pub fn on_control(&mut self, bytes: &[u8]) -> Result<(), ProtoError> {
-        let r = self.take_control(bytes);
+    ///
+    /// The bytes of a small message that fills a receive are stored at once through `place`
+    /// (destination address, bytes), before the message's slot is reused; the receive's
+    /// completion follows as an action.
+    pub fn on_control(&mut self, bytes: &[u8], place: &mut dyn FnMut(u64, &[u8])) -> Result<(), ProtoError> {
+        let r = self.take_control(bytes, place);
         self.after_peer(r)
     }
 
@@ -388,18 +468,55 @@ impl Proto {
         r
     }
 
-    fn take_control(&mut self, bytes: &[u8]) -> Result<(), ProtoError> {
-        let (grant, msg) = Control::decode(bytes)?;
+    fn take_control(&mut self, bytes: &[u8], place: &mut dyn FnMut(u64, &[u8])) -> Result<(), ProtoError> {
+        // Every record is checked before any is acted on.
+        let mut recs: SmallVec<[Control<'_>; 4]> = SmallVec::new();
+        let mut grant = 0u16;
+        for r in wire::records(bytes) {
+            let (g, c) = r?;
+            grant = grant.checked_add(g).ok_or(ProtoError::Violation("credits past the slots"))?;
+            recs.push(c);
+        }
+        if recs.is_empty() {
+            return Err(ProtoError::Violation("an empty message"));
+        }
         self.credits.on_receive(grant).map_err(|_| ProtoError::Violation("credits past the slots"))?;
-        match msg {
+        // The slot's credit is held by the last small message in it until that is consumed.
+        let last_data = recs.iter().rposition(|c| matches!(c, Control::Data(_)));
+        for (i, c) in recs.into_iter().enumerate() {
+            self.take_record(c, last_data == Some(i), place)?;
+        }
+        if last_data.is_none() {
+            self.credits.on_buffer_freed();
+        }
+        Ok(())
+    }
+
+    fn take_record(
+        &mut self,
+        c: Control<'_>,
+        holds_slot: bool,
+        place: &mut dyn FnMut(u64, &[u8]),
+    ) -> Result<(), ProtoError> {
+        match c {
             Control::Data(d) => {
                 if d.len() > self.cfg.small_max as usize {
                     return Err(ProtoError::Violation("small message larger than our slots"));
                 }
                 self.unadvertised_arrived();
-                // The slot's credit stays held until the message is consumed.
-                self.early.push_back(Early::Bytes(d.to_vec(), 0));
-                return Ok(());
+                self.early.push_back(Early::Bytes(d.to_vec(), 0, holds_slot));
+            }
+            Control::Fill { data, truncated } => {
+                let r = self.answer_ad(data.len() as u32, truncated)?;
+                if !data.is_empty() {
+                    place(r.addr, data);
+                }
+                self.actions.push_back(Action::Done(Done {
+                    req: r.req,
+                    op: OpKind::Recv,
+                    outcome: Ok(data.len() as u64),
+                    truncated,
+                }));
             }
             Control::Advertise(a) => {
                 if a.seq != self.next_peer_ad {
@@ -431,8 +548,28 @@ impl Proto {
             Control::Credit => {}
             Control::Close => self.peer_closed = true,
         }
-        self.credits.on_buffer_freed();
         Ok(())
+    }
+
+    /// The oldest advertisement not yet answered got `len` bytes: checks it may and takes its
+    /// receive (the first one waiting).
+    fn answer_ad(&mut self, len: u32, truncated: bool) -> Result<InRecv, ProtoError> {
+        let ad = self.ads.pop_front().ok_or(ProtoError::Violation("write into no advertisement"))?;
+        if ad.doomed || ad.orphan {
+            return Err(ProtoError::Violation("write into an advertisement that had to be rejected"));
+        }
+        if len > ad.len || (truncated && self.cfg.kind == SocketKind::Stream) {
+            return Err(ProtoError::Violation("write past the advertised buffer"));
+        }
+        let at = self
+            .recvs
+            .iter()
+            .position(|r| r.ad == Some(ad.seq))
+            .ok_or(ProtoError::Violation("advertisement of no receive"))?;
+        if at != 0 {
+            return Err(ProtoError::Violation("advertisements answered out of order"));
+        }
+        Ok(self.recvs.pop_front().expect("found"))
     }
 
     fn take_write(&mut self, imm: u32) -> Result<(), ProtoError> {
@@ -440,22 +577,7 @@ impl Proto {
         self.credits.on_buffer_freed();
         match WriteNote::decode(imm) {
             WriteNote::Advertised { len, truncated } => {
-                let ad = self.ads.pop_front().ok_or(ProtoError::Violation("write into no advertisement"))?;
-                if ad.doomed || ad.orphan {
-                    return Err(ProtoError::Violation("write into an advertisement that had to be rejected"));
-                }
-                if len > ad.len || (truncated && self.cfg.kind == SocketKind::Stream) {
-                    return Err(ProtoError::Violation("write past the advertised buffer"));
-                }
-                let at = self
-                    .recvs
-                    .iter()
-                    .position(|r| r.ad == Some(ad.seq))
-                    .ok_or(ProtoError::Violation("advertisement of no receive"))?;
-                if at != 0 {
-                    return Err(ProtoError::Violation("advertisements answered out of order"));
-                }
-                let r = self.recvs.pop_front().expect("found");
+                let r = self.answer_ad(len, truncated)?;
                 self.actions.push_back(Action::Done(Done {
                     req: r.req,
                     op: OpKind::Recv,
@@ -536,7 +658,7 @@ impl Proto {
 
     fn copy_message(&mut self, r: &InRecv) -> (u64, bool) {
         match self.early.pop_front() {
-            Some(Early::Bytes(b, _)) => {
+            Some(Early::Bytes(b, _, holds)) => {
                 let n = (b.len() as u64).min(r.len);
                 let truncated = (b.len() as u64) > r.len;
                 if n > 0 {
@@ -544,7 +666,9 @@ impl Proto {
                     b.truncate(n as usize);
                     self.actions.push_back(Action::Copy { dst: r.addr, src: CopySrc::Bytes(b), len: n });
                 }
-                self.credits.on_buffer_freed();
+                if holds {
+                    self.credits.on_buffer_freed();
+                }
                 (n, truncated)
             }
             // Refused on arrival: SOCK_SEQPACKET has no stream buffer.
@@ -557,16 +681,20 @@ impl Proto {
         while got < r.len {
             let Some(front) = self.early.front_mut() else { break };
             match front {
-                Early::Bytes(b, used) => {
+                Early::Bytes(b, used, holds) => {
                     let n = ((b.len() - *used) as u64).min(r.len - got);
                     let piece = b[*used..*used + n as usize].to_vec();
                     *used += n as usize;
-                    let finished = *used == b.len();
-                    self.actions.push_back(Action::Copy { dst: r.addr + got, src: CopySrc::Bytes(piece), len: n });
+                    let (finished, holds) = (*used == b.len(), *holds);
+                    if n > 0 {
+                        self.actions.push_back(Action::Copy { dst: r.addr + got, src: CopySrc::Bytes(piece), len: n });
+                    }
                     got += n;
                     if finished {
                         self.early.pop_front();
-                        self.credits.on_buffer_freed();
+                        if holds {
+                            self.credits.on_buffer_freed();
+                        }
                     }
                 }
                 Early::Ring { offset, len, used, end } => {
@@ -603,7 +731,7 @@ impl Proto {
                 }
                 continue;
             }
-            if self.ads.len() as u32 >= self.cfg.adv_credits.max(1) || !self.credits.can_send_data() {
+            if self.ads.len() as u32 >= self.cfg.adv_credits.max(1) || !self.may_queue(wire::MAX_CONTROL) {
                 return;
             }
             let seq = self.next_ad;
@@ -618,8 +746,7 @@ impl Proto {
                 rkey: r.rkey,
             };
             self.ads.push_back(SentAd { seq, len: ad.len, doomed: false, orphan: false });
-            let grant = self.credits.on_send();
-            self.actions.push_back(Action::Control(Control::Advertise(ad), grant));
+            self.queue_control(Control::Advertise(ad));
         }
     }
 
@@ -634,20 +761,22 @@ impl Proto {
             // Stale advertisements are answered at once, data or not: the receiver waits for
             // their rejection before it advertises the receives behind them.
             while let Some(ad) = self.peer_ads.front() {
-                if ad.unadvertised_seen == self.unadvertised_sent || !self.credits.can_send_data() {
+                if ad.unadvertised_seen == self.unadvertised_sent || !self.may_queue(wire::MAX_CONTROL) {
                     break;
                 }
                 let seq = ad.seq;
                 self.peer_ads.pop_front();
-                let grant = self.credits.on_send();
-                self.actions.push_back(Action::Control(Control::Reject { seq }, grant));
+                self.queue_control(Control::Reject { seq });
             }
             let Some(i) = self.first_untaken() else { return };
-            if !self.credits.can_send_data() {
-                return;
-            }
             if let Some(ad) = self.peer_ads.front().copied() {
                 if ad.unadvertised_seen != self.unadvertised_sent {
+                    return;
+                }
+                if self.try_fill_inline(i, &ad) {
+                    continue;
+                }
+                if !self.credits.can_send_data() {
                     return;
                 }
                 self.peer_ads.pop_front();
@@ -657,6 +786,9 @@ impl Proto {
                     SocketKind::Stream => self.fill_stream(i, &ad),
                 }
                 continue;
+            }
+            if !self.credits.can_send_data() {
+                return;
             }
             if self.try_small(i) || self.try_ring(i) {
                 continue;
@@ -738,9 +870,57 @@ impl Proto {
             s.handed = true;
         }
         self.unadvertised_sent += 1;
-        let grant = self.credits.on_send();
-        // The bytes are copied when the message is posted: the sends complete with it.
-        self.actions.push_back(Action::Small(pieces, grant));
+        // The bytes are copied when the message is posted: the sends complete after it.
+        let len = DATA_OVERHEAD + total as usize;
+        self.queue(|grant| Record::Small { fill: None, pieces, grant }, len);
+        true
+    }
+
+    /// Answers the advertisement at hand with the bytes inside a record, when they are few
+    /// (at most the small size): the receiver copies them into its buffer, and the record
+    /// shares a SEND with the control records around it, where a write would be a request
+    /// of its own.
+    fn try_fill_inline(&mut self, first: usize, ad: &Advert) -> bool {
+        let limit = (self.small_out as u64).min(ad.len as u64);
+        let (n, truncated) = match self.cfg.kind {
+            SocketKind::SeqPacket => {
+                let s = &self.sends[first];
+                (s.len.min(ad.len as u64), s.len > ad.len as u64)
+            }
+            // Only when everything queued fits: a stream with more at hand fills the whole
+            // advertisement by RDMA instead.
+            SocketKind::Stream => (self.sends.iter().skip(first).map(|s| s.len - s.taken).sum::<u64>(), false),
+        };
+        if self.small_out == 0 || n > limit || (n == 0 && self.cfg.kind == SocketKind::Stream) {
+            return false;
+        }
+        if DATA_OVERHEAD + n as usize > self.peer_slot || !self.may_queue(DATA_OVERHEAD + n as usize) {
+            return false;
+        }
+        let mut pieces: SmallVec<[Piece; 4]> = SmallVec::new();
+        let mut left = n;
+        for s in self.sends.iter_mut().skip(first) {
+            if self.cfg.kind == SocketKind::SeqPacket {
+                if n > 0 {
+                    pieces.push(Piece { addr: s.addr, len: n as u32, lkey: s.lkey });
+                }
+                s.taken = s.len;
+                s.handed = true;
+                break;
+            }
+            if left == 0 || (pieces.len() == pieces.inline_size()) {
+                // Never more pieces than a work request gathers: the rest goes next time.
+                break;
+            }
+            let k = (s.len - s.taken).min(left);
+            pieces.push(Piece { addr: s.addr + s.taken, len: k as u32, lkey: s.lkey });
+            s.taken += k;
+            s.handed = s.taken == s.len;
+            left -= k;
+        }
+        let len = DATA_OVERHEAD + pieces.iter().map(|p| p.len as usize).sum::<usize>();
+        self.peer_ads.pop_front();
+        self.queue(|grant| Record::Small { fill: Some(truncated), pieces, grant }, len);
         true
     }
 
@@ -787,12 +967,11 @@ impl Proto {
 
     fn send_close(&mut self) {
         let Some(_) = self.close_wanted else { return };
-        if self.close_sent || self.sends.iter().any(|s| !s.handed) || !self.credits.can_send_data() {
+        if self.close_sent || self.sends.iter().any(|s| !s.handed) || !self.may_queue(wire::HEADER) {
             return;
         }
         self.close_sent = true;
-        let grant = self.credits.on_send();
-        self.actions.push_back(Action::Control(Control::Close, grant));
+        self.queue_control(Control::Close);
     }
 
     /// Reports the close once its message went and every send completed.
@@ -806,14 +985,12 @@ impl Proto {
     }
 
     fn return_credits(&mut self) {
-        if self.ring_in.received() > 0 && self.ring_in.needs_ack() && self.credits.can_send_data() {
+        if self.ring_in.received() > 0 && self.ring_in.needs_ack() && self.may_queue(wire::HEADER + 8) {
             let consumed = self.ring_in.take_ack();
-            let grant = self.credits.on_send();
-            self.actions.push_back(Action::Control(Control::RingAck { consumed }, grant));
+            self.queue_control(Control::RingAck { consumed });
         }
-        if self.credits.needs_update() && self.credits.can_send_credit() {
-            let grant = self.credits.on_send();
-            self.actions.push_back(Action::Control(Control::Credit, grant));
+        if self.credits.needs_update() && (self.open_room() >= wire::HEADER || self.credits.can_send_credit()) {
+            self.queue_control(Control::Credit);
         }
     }
 }

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use proptest::prelude::*;
 
 use super::*;
-use crate::exs::wire::HELLO_LEN;
+use crate::exs::wire::{self, HELLO_LEN};
 
 const BASE: u64 = 0x1_0000;
 const MEM: usize = 1 << 20;
@@ -28,6 +28,7 @@ struct End {
 }
 
 struct Pair {
+    small_max: u32,
     ends: [End; 2],
     wires: [VecDeque<Msg>; 2],
     failures: Vec<ProtoError>,
@@ -47,28 +48,51 @@ impl Pair {
             events: Vec::new(),
             acks: VecDeque::new(),
         };
-        Pair { ends: [end(), end()], wires: [VecDeque::new(), VecDeque::new()], failures: Vec::new() }
+        Pair { small_max, ends: [end(), end()], wires: [VecDeque::new(), VecDeque::new()], failures: Vec::new() }
     }
 
     /// Carries out end `i`'s actions: what goes to the peer joins the wire.
     fn act(&mut self, i: usize) {
-        while let Some(a) = self.ends[i].proto.next_action() {
+        self.act_holding(i, false)
+    }
+
+    /// [`Pair::act`], leaving a SEND at the end open for later records when `hold` (as the
+    /// driver does after a receive while the application polls).
+    fn act_holding(&mut self, i: usize, hold: bool) {
+        loop {
+            if hold && self.ends[i].proto.only_open_send() {
+                return;
+            }
+            let Some(a) = self.ends[i].proto.next_action() else { return };
             let e = &mut self.ends[i];
             match a {
-                Action::Control(c, grant) => {
-                    let mut b = vec![0u8; c.encoded_len()];
-                    c.encode(grant, &mut b);
-                    self.wires[i].push_back(Msg::Control(b));
-                }
-                Action::Small(pieces, grant) => {
-                    let mut data = Vec::new();
-                    for p in pieces {
-                        let at = (p.addr - BASE) as usize;
-                        data.extend_from_slice(&e.mem[at..at + p.len as usize]);
+                Action::Send(records) => {
+                    let mut b = Vec::new();
+                    for r in records {
+                        let (c, grant, data);
+                        match r {
+                            Record::Control(ctl, g) => {
+                                (c, grant) = (ctl, g);
+                            }
+                            Record::Small { fill, pieces, grant: g } => {
+                                let mut bytes = Vec::new();
+                                for p in pieces {
+                                    let at = (p.addr - BASE) as usize;
+                                    bytes.extend_from_slice(&e.mem[at..at + p.len as usize]);
+                                }
+                                data = bytes;
+                                grant = g;
+                                c = match fill {
+                                    Some(truncated) => Control::Fill { data: &data, truncated },
+                                    None => Control::Data(&data),
+                                };
+                            }
+                        }
+                        let at = b.len();
+                        b.resize(at + c.encoded_len(), 0);
+                        c.encode(grant, &mut b[at..]);
                     }
-                    let c = Control::Data(&data);
-                    let mut b = vec![0u8; c.encoded_len()];
-                    c.encode(grant, &mut b);
+                    assert!(b.len() <= wire::slot_size(self.small_max), "a SEND larger than the peer's slots");
                     self.wires[i].push_back(Msg::Control(b));
                 }
                 Action::Write { send, piece, remote_addr, rkey, imm } => {
@@ -98,7 +122,13 @@ impl Pair {
         let to = 1 - from;
         let Some(m) = self.wires[from].pop_front() else { return false };
         let r = match m {
-            Msg::Control(b) => self.ends[to].proto.on_control(&b),
+            Msg::Control(b) => {
+                let mem = &mut self.ends[to].mem;
+                self.ends[to].proto.on_control(&b, &mut |dst, data| {
+                    let at = (dst - BASE) as usize;
+                    mem[at..at + data.len()].copy_from_slice(data);
+                })
+            }
             Msg::Write { send, data, remote_addr, rkey, imm } => {
                 assert_eq!(rkey, KEY);
                 let at = (remote_addr - BASE) as usize;
@@ -290,14 +320,14 @@ fn peer_messages_the_protocol_forbids_fail_the_connection() {
     p.ends[1].proto.post_recv(1, BASE, 8, KEY).unwrap();
     let mut b = [0u8; 8];
     let n = Control::Reject { seq: 0 }.encode(0, &mut b);
-    assert!(p.ends[1].proto.on_control(&b[..n]).is_err());
+    assert!(p.ends[1].proto.on_control(&b[..n], &mut |_, _| {}).is_err());
     let mut p = Pair::new(SocketKind::Stream, 16, 64, 0, 4);
     let mut b = [0u8; 64];
     let n = Control::Advertise(Advert { seq: 5, unadvertised_seen: 0, addr: 0, len: 1, rkey: 0 }).encode(0, &mut b);
-    assert!(p.ends[0].proto.on_control(&b[..n]).is_err());
+    assert!(p.ends[0].proto.on_control(&b[..n], &mut |_, _| {}).is_err());
     let mut p = Pair::new(SocketKind::Stream, 16, 64, 0, 4);
     let n = Control::Credit.encode(u16::MAX, &mut b);
-    assert!(p.ends[0].proto.on_control(&b[..n]).is_err());
+    assert!(p.ends[0].proto.on_control(&b[..n], &mut |_, _| {}).is_err());
     assert!(p.ends[0].proto.post_recv(1, BASE, 1, KEY).is_err());
 }
 
@@ -348,6 +378,9 @@ fn run(kind: SocketKind, ring: u32, steps: &[Step]) -> [Traffic; 2] {
                 p.ends[at].proto.post_recv(req, recv_at[at], len, KEY).unwrap();
                 recvs[at].push((recv_at[at], len));
                 recv_at[at] += len;
+                // The advertisement may wait for the next call to share its SEND.
+                p.act_holding(at, true);
+                continue;
             }
             Step::Deliver(from) => {
                 p.deliver(from);

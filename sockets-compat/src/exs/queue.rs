@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -62,14 +62,18 @@ pub struct QueueStatus {
 
 struct State {
     events: VecDeque<Event>,
-    capacity: usize,
-    reserved: usize,
     /// Threads asleep on `ready` (a notification is a system call: only made for them).
     sleepers: usize,
 }
 
 struct Inner {
     id: u64,
+    /// Events queued and places reserved, together; kept beside the lock so that starting
+    /// an operation and polling an empty queue take none.
+    used: AtomicUsize,
+    /// Events queued.
+    queued: AtomicUsize,
+    capacity: AtomicUsize,
     state: Mutex<State>,
     ready: Condvar,
     /// Readable while events are queued, once the application asked for it (keeping it
@@ -106,7 +110,10 @@ impl EventQueue {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         Ok(EventQueue(Arc::new(Inner {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
-            state: Mutex::new(State { events: VecDeque::new(), capacity, reserved: 0, sleepers: 0 }),
+            used: AtomicUsize::new(0),
+            queued: AtomicUsize::new(0),
+            capacity: AtomicUsize::new(capacity),
+            state: Mutex::new(State { events: VecDeque::new(), sleepers: 0 }),
             ready: Condvar::new(),
             // SAFETY: `fd` is a new descriptor that nothing else owns.
             efd: unsafe { OwnedFd::from_raw_fd(fd) },
@@ -120,26 +127,25 @@ impl EventQueue {
 
     /// Reserves the place of one operation's event.
     pub(crate) fn reserve(&self) -> ExsResult<()> {
-        let mut s = self.lock();
-        if s.events.len() + s.reserved >= s.capacity {
-            return Err(ExsError::QueueFull);
-        }
-        s.reserved += 1;
-        Ok(())
+        let cap = self.0.capacity.load(Ordering::Acquire);
+        self.0
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| (u < cap).then_some(u + 1))
+            .map(|_| ())
+            .map_err(|_| ExsError::QueueFull)
     }
 
     /// Gives back a reservation whose operation never started.
     pub(crate) fn unreserve(&self) {
-        let mut s = self.lock();
-        s.reserved = s.reserved.saturating_sub(1);
+        self.0.used.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Queues the event of an operation that reserved its place.
     pub(crate) fn deliver(&self, ev: Event) {
         let mut s = self.lock();
-        s.reserved = s.reserved.saturating_sub(1);
         let was_empty = s.events.is_empty();
         s.events.push_back(ev);
+        self.0.queued.fetch_add(1, Ordering::Release);
         if was_empty {
             self.signal(true);
         }
@@ -179,22 +185,22 @@ impl EventQueue {
 
     /// [`EventQueue::dequeue`] into `out` (appended); returns how many were taken.
     pub fn dequeue_into(&self, out: &mut Vec<Event>, max: usize, timeout: Option<Duration>) -> usize {
-        let start = Instant::now();
-        let deadline = timeout.map(|t| start + t);
+        // The clock is read only once waiting starts.
+        let mut deadline = None;
         let mut polling = Some(engine::Dequeuer::enter());
-        let mut idle_since = start;
+        let mut idle_since = None;
         let mut spins = 0u32;
         loop {
-            {
+            if self.0.queued.load(Ordering::Acquire) > 0 && max > 0 {
                 let mut s = self.lock();
-                if !s.events.is_empty() {
-                    let n = max.min(s.events.len());
-                    out.extend(s.events.drain(..n));
-                    if s.events.is_empty() {
-                        self.signal(false);
-                    }
-                    return n;
+                let n = max.min(s.events.len());
+                out.extend(s.events.drain(..n));
+                self.0.queued.fetch_sub(n, Ordering::Release);
+                self.0.used.fetch_sub(n, Ordering::AcqRel);
+                if s.events.is_empty() {
+                    self.signal(false);
                 }
+                return n;
             }
             if max == 0 {
                 return 0;
@@ -214,13 +220,15 @@ impl EventQueue {
                 continue;
             }
             let now = Instant::now();
+            let deadline = *deadline.get_or_insert_with(|| timeout.map(|t| now + t));
             if spins == 1 {
-                idle_since = now;
+                idle_since = Some(now);
             }
+            let idle = *idle_since.get_or_insert(now);
             if deadline.is_some_and(|d| now >= d) {
                 return 0;
             }
-            if engine::busy_poll() && now - idle_since < engine::SPIN_BEFORE_SLEEP {
+            if engine::busy_poll() && now - idle < engine::SPIN_BEFORE_SLEEP {
                 if portability_verbs::spin_yields(spins / 64) {
                     std::thread::yield_now();
                 }
@@ -245,19 +253,26 @@ impl EventQueue {
     /// Capacity, queued events and operations in flight.
     pub fn status(&self) -> QueueStatus {
         let s = self.lock();
-        QueueStatus { capacity: s.capacity, queued: s.events.len(), pending: s.reserved }
+        let used = self.0.used.load(Ordering::Acquire);
+        QueueStatus {
+            capacity: self.0.capacity.load(Ordering::Acquire),
+            queued: s.events.len(),
+            pending: used - s.events.len(),
+        }
     }
 
     /// Changes the capacity (not below what is queued and in flight).
     pub fn set_capacity(&self, capacity: usize) -> ExsResult<()> {
-        let mut s = self.lock();
         if capacity == 0 || capacity > MAX_CAPACITY {
             return Err(ExsError::Invalid("event queue capacity"));
         }
-        if capacity < s.events.len() + s.reserved {
+        let _s = self.lock();
+        // A reservation racing with this takes the old capacity; the check that matters,
+        // nothing in use is dropped, holds either way.
+        if capacity < self.0.used.load(Ordering::Acquire) {
             return Err(ExsError::Busy("the event queue"));
         }
-        s.capacity = capacity;
+        self.0.capacity.store(capacity, Ordering::Release);
         Ok(())
     }
 
@@ -274,7 +289,7 @@ impl EventQueue {
     /// Whether nothing is queued or in flight (a queue may be deleted then).
     pub fn is_idle(&self) -> bool {
         let s = self.lock();
-        s.events.is_empty() && s.reserved == 0
+        s.events.is_empty() && self.0.used.load(Ordering::Acquire) == 0
     }
 
     /// Whether two handles name the same queue.

@@ -4,18 +4,18 @@
 use std::collections::VecDeque;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use portability_verbs::cm::{self, CmAddr, Connection, QpSpec};
-use portability_verbs::AccessFlags;
+use portability_verbs::{AccessFlags, MemoryRegion};
 
 use super::conn::{Conn, ConnMemory, Op, SEND_DEPTH};
 use super::engine;
 use super::error::{ExsError, ExsResult};
 use super::memory::Memory;
 use super::queue::{Event, EventKind, EventQueue};
-use super::wire::{Hello, SocketKind, HEADER, MAX_WRITE};
+use super::wire::{self, Hello, SocketKind, MAX_WRITE};
 use super::SMALL_MAX_LIMIT;
 use crate::verbs_runtime::runtime;
 
@@ -73,6 +73,10 @@ struct Inner {
     id: i32,
     kind: SocketKind,
     state: Mutex<State>,
+    /// The connection once connected (sends and receives take no lock to find it), and
+    /// whether the socket was closed since.
+    conn: OnceLock<Arc<Conn>>,
+    closed: AtomicBool,
     options: Mutex<Options>,
 }
 
@@ -120,10 +124,16 @@ impl ExsSocket {
 
     fn with(kind: SocketKind, options: Options, state: State) -> ExsSocket {
         static NEXT: AtomicI32 = AtomicI32::new(FIRST_SOCKET_ID);
+        let conn = OnceLock::new();
+        if let State::Connected(c) = &state {
+            let _ = conn.set(c.clone());
+        }
         ExsSocket(Arc::new(Inner {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
             kind,
             state: Mutex::new(state),
+            conn,
+            closed: AtomicBool::new(false),
             options: Mutex::new(options),
         }))
     }
@@ -251,6 +261,7 @@ impl ExsSocket {
                 let mut st = lock(&me.0.state);
                 match result {
                     Ok(conn) if matches!(*st, State::Connecting) => {
+                        let _ = me.0.conn.set(conn.clone());
                         *st = State::Connected(conn);
                         Ok(0)
                     }
@@ -280,12 +291,11 @@ impl ExsSocket {
         Ok(())
     }
 
-    fn connected(&self) -> ExsResult<Arc<Conn>> {
-        match &*lock(&self.0.state) {
-            State::Connected(c) => Ok(c.clone()),
-            State::Closed => Err(ExsError::state("socket closed", libc::EBADF)),
-            _ => Err(ExsError::state("socket not connected", libc::ENOTCONN)),
+    fn connected(&self) -> ExsResult<&Arc<Conn>> {
+        if self.0.closed.load(Ordering::Acquire) {
+            return Err(ExsError::state("socket closed", libc::EBADF));
         }
+        self.0.conn.get().ok_or(ExsError::state("socket not connected", libc::ENOTCONN))
     }
 
     fn start_io(
@@ -352,7 +362,11 @@ impl ExsSocket {
     /// accepting (waiting accepts complete with `ECANCELED`).
     pub fn close(&self, queue: &EventQueue, req: u64) -> ExsResult<()> {
         let mut st = lock(&self.0.state);
-        match std::mem::replace(&mut *st, State::Closed) {
+        let was = std::mem::replace(&mut *st, State::Closed);
+        if !matches!(was, State::Connecting) {
+            self.0.closed.store(true, Ordering::Release);
+        }
+        match was {
             State::Closed => return Err(ExsError::state("socket already closed", libc::EBADF)),
             State::Connecting => {
                 *st = State::Connecting;
@@ -452,14 +466,21 @@ fn qp_spec() -> QpSpec {
     QpSpec::with_depths(SEND_DEPTH, SLOTS as u32)
 }
 
+/// A connection's memory before the handshake (the SEND buffers follow the peer's slot size).
+struct Prepared {
+    slots: MemoryRegion,
+    ring: Option<MemoryRegion>,
+    slot_size: usize,
+    slot_count: usize,
+}
+
 /// A connection's memory and the handshake data that describes it.
-fn prepare(kind: SocketKind, o: &Options) -> ExsResult<(ConnMemory, Hello)> {
+fn prepare(kind: SocketKind, o: &Options) -> ExsResult<(Prepared, Hello)> {
     let rt = runtime().map_err(ExsError::io)?;
-    let slot_size = (HEADER + o.small_max as usize).next_multiple_of(64).max(64);
+    let slot_size = wire::slot_size(o.small_max);
     let slot_count = SLOTS as usize;
     let alloc = |len: usize, access| rt.pd.alloc(len, access).map_err(ExsError::verbs);
     let slots = alloc(slot_size * slot_count, AccessFlags::LOCAL_WRITE)?;
-    let tx = alloc(slot_size * slot_count, AccessFlags::LOCAL_WRITE)?;
     let ring = match kind {
         SocketKind::Stream if o.recv_buffer > 0 => Some(alloc(o.recv_buffer as usize, AccessFlags::ALL)?),
         _ => None,
@@ -472,16 +493,21 @@ fn prepare(kind: SocketKind, o: &Options) -> ExsResult<(ConnMemory, Hello)> {
         ring_len: ring.as_ref().map_or(0, |r| r.len() as u32),
         ring_rkey: ring.as_ref().map_or(0, |r| r.rkey()),
     };
-    Ok((ConnMemory { slots, tx, ring, slot_size, slot_count }, hello))
+    Ok((Prepared { slots, ring, slot_size, slot_count }, hello))
 }
 
 /// Checks the peer's handshake and starts the connection's driver.
-fn establish(c: Connection, mem: ConnMemory, ours: &Hello, o: &Options) -> ExsResult<Arc<Conn>> {
+fn establish(c: Connection, p: Prepared, ours: &Hello, o: &Options) -> ExsResult<Arc<Conn>> {
     let peer =
         Hello::decode(&c.peer_private).map_err(|e| ExsError::System(format!("peer's handshake: {e}"), libc::EPROTO))?;
     if peer.kind != ours.kind {
         return Err(ExsError::state("the peer's socket is of another type", libc::EPROTOTYPE));
     }
+    let rt = runtime().map_err(ExsError::io)?;
+    let tx_size = wire::slot_size(peer.small_max);
+    let tx = rt.pd.alloc(tx_size * p.slot_count, AccessFlags::LOCAL_WRITE).map_err(ExsError::verbs)?;
+    let mem =
+        ConnMemory { slots: p.slots, ring: p.ring, slot_size: p.slot_size, slot_count: p.slot_count, tx, tx_size };
     let conn = Arc::new(Conn::new(c, mem, ours, peer, o.adv_credits, o.inline_max)?);
     engine::register(conn.clone());
     Ok(conn)

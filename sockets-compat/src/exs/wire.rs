@@ -3,15 +3,26 @@
 //! private data of the connection handshake. No I/O; every length a peer sends is checked, so
 //! a malformed message is a [`WireError`], never a panic or an out-of-bounds read.
 //!
-//! Every control message starts with a 4-byte header: kind, reserved byte, and the slot
-//! credits the sender grants back (little endian).
+//! A SEND carries one or more records back to back (an advertisement rides with the small
+//! message that follows it). Every record starts with a 4-byte header: kind, flags, and the
+//! slot credits the sender grants back (little endian); data records then give their length
+//! (2 bytes) and the bytes.
 
 use thiserror::Error;
 
 /// Bytes of a control message header.
 pub const HEADER: usize = 4;
-/// Bytes of the largest control message without data (an advertisement).
+/// Bytes of the largest record without data (an advertisement).
 pub const MAX_CONTROL: usize = HEADER + 28;
+/// Bytes a data record adds to its data.
+pub const DATA_OVERHEAD: usize = HEADER + 2;
+
+/// Bytes of each receive slot of an end whose small messages reach `small_max` bytes: room
+/// for the largest data record and an advertisement beside it. Both ends compute it from the
+/// receiver's `small_max` (the sender never packs a SEND larger).
+pub fn slot_size(small_max: u32) -> usize {
+    (DATA_OVERHEAD + small_max as usize + MAX_CONTROL).next_multiple_of(64)
+}
 /// Largest length one write may carry (the immediate's length field).
 pub const MAX_WRITE: u32 = (1 << 30) - 1;
 
@@ -54,7 +65,11 @@ mod kind {
     pub const RING_ACK: u8 = 4;
     pub const CREDIT: u8 = 5;
     pub const CLOSE: u8 = 6;
+    pub const FILL: u8 = 7;
 }
+
+/// The flag of a [`Control::Fill`] record whose message was cut to the buffer.
+const FLAG_TRUNCATED: u8 = 1;
 
 /// A receive buffer offered to the sender: it may RDMA-write up to `len` bytes at `addr`
 /// with `rkey`, then say so with the write's immediate.
@@ -85,8 +100,17 @@ pub enum Control<'a> {
         /// The advertisement's sequence number.
         seq: u32,
     },
-    /// A small message, carried in the control slot itself.
+    /// A small message, carried in the record itself, outside any advertisement (an
+    /// unadvertised delivery).
     Data(&'a [u8]),
+    /// A small message for the oldest advertisement not yet answered, carried in the record
+    /// itself instead of written into the buffer (the receiver copies it there).
+    Fill {
+        /// The bytes (at most the advertised length).
+        data: &'a [u8],
+        /// SOCK_SEQPACKET: the message was longer than the buffer and was cut.
+        truncated: bool,
+    },
     /// The receiver consumed its stream buffer up to this position (total bytes).
     RingAck {
         /// Bytes consumed since the connection began.
@@ -105,7 +129,7 @@ impl Control<'_> {
             + match self {
                 Control::Advertise(_) => 28,
                 Control::Reject { .. } => 4,
-                Control::Data(d) => d.len(),
+                Control::Data(d) | Control::Fill { data: d, .. } => 2 + d.len(),
                 Control::RingAck { .. } => 8,
                 Control::Credit | Control::Close => 0,
             }
@@ -116,6 +140,7 @@ impl Control<'_> {
     pub fn encode(&self, grant: u16, out: &mut [u8]) -> usize {
         let n = self.encoded_len();
         let out = &mut out[..n];
+        let mut flags = 0;
         let k = match self {
             Control::Advertise(a) => {
                 out[4..8].copy_from_slice(&a.seq.to_le_bytes());
@@ -130,8 +155,15 @@ impl Control<'_> {
                 kind::REJECT
             }
             Control::Data(d) => {
-                out[4..].copy_from_slice(d);
+                out[4..6].copy_from_slice(&(d.len() as u16).to_le_bytes());
+                out[6..].copy_from_slice(d);
                 kind::DATA
+            }
+            Control::Fill { data, truncated } => {
+                out[4..6].copy_from_slice(&(data.len() as u16).to_le_bytes());
+                out[6..].copy_from_slice(data);
+                flags = if *truncated { FLAG_TRUNCATED } else { 0 };
+                kind::FILL
             }
             Control::RingAck { consumed } => {
                 out[4..12].copy_from_slice(&consumed.to_le_bytes());
@@ -141,18 +173,33 @@ impl Control<'_> {
             Control::Close => kind::CLOSE,
         };
         out[0] = k;
-        out[1] = 0;
+        out[1] = flags;
         out[2..4].copy_from_slice(&grant.to_le_bytes());
         n
     }
 
-    /// Decodes one message (the whole received slot) into (credits granted, message).
+    /// Decodes a SEND holding exactly one record into (credits granted, record).
     pub fn decode(b: &[u8]) -> Result<(u16, Control<'_>), WireError> {
+        let (grant, c, used) = Control::decode_one(b)?;
+        if used != b.len() {
+            return Err(WireError::BadField { field: "bytes after the record", value: (b.len() - used) as u64 });
+        }
+        Ok((grant, c))
+    }
+
+    /// Decodes the record at the start of `b` into (credits granted, record, its bytes).
+    pub fn decode_one(b: &[u8]) -> Result<(u16, Control<'_>, usize), WireError> {
         let need = |n: usize| if b.len() < n { Err(WireError::Truncated { have: b.len(), need: n }) } else { Ok(()) };
         need(HEADER)?;
         let grant = u16::from_le_bytes([b[2], b[3]]);
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let data = || -> Result<&[u8], WireError> {
+            need(DATA_OVERHEAD)?;
+            let n = u16::from_le_bytes([b[4], b[5]]) as usize;
+            need(DATA_OVERHEAD + n)?;
+            Ok(&b[DATA_OVERHEAD..DATA_OVERHEAD + n])
+        };
         let msg = match b[0] {
             kind::ADVERTISE => {
                 need(32)?;
@@ -175,7 +222,8 @@ impl Control<'_> {
                 need(8)?;
                 Control::Reject { seq: u32_at(4) }
             }
-            kind::DATA => Control::Data(&b[HEADER..]),
+            kind::DATA => Control::Data(data()?),
+            kind::FILL => Control::Fill { data: data()?, truncated: b[1] & FLAG_TRUNCATED != 0 },
             kind::RING_ACK => {
                 need(12)?;
                 Control::RingAck { consumed: u64_at(4) }
@@ -184,8 +232,28 @@ impl Control<'_> {
             kind::CLOSE => Control::Close,
             k => return Err(WireError::UnknownKind(k)),
         };
-        Ok((grant, msg))
+        let used = msg.encoded_len();
+        Ok((grant, msg, used))
     }
+}
+
+/// The records of a received SEND, in order; an error ends them.
+pub fn records(mut b: &[u8]) -> impl Iterator<Item = Result<(u16, Control<'_>), WireError>> {
+    std::iter::from_fn(move || {
+        if b.is_empty() {
+            return None;
+        }
+        match Control::decode_one(b) {
+            Ok((g, c, used)) => {
+                b = &b[used..];
+                Some(Ok((g, c)))
+            }
+            Err(e) => {
+                b = &[];
+                Some(Err(e))
+            }
+        }
+    })
 }
 
 /// What a data write's immediate says.
@@ -348,6 +416,7 @@ mod tests {
                 2 => Control::Data(&data),
                 3 => Control::RingAck { consumed: pos },
                 4 => Control::Credit,
+                5 => Control::Fill { data: &data, truncated: seq % 2 == 0 },
                 _ => Control::Close,
             };
             let mut buf = vec![0u8; msg.encoded_len()];
@@ -359,9 +428,28 @@ mod tests {
         }
 
         #[test]
+        fn records_packed_in_one_send_come_back_in_order(lens in proptest::collection::vec(0usize..100, 1..6), grant: u16) {
+            let datas: Vec<Vec<u8>> = lens.iter().map(|&n| vec![n as u8; n]).collect();
+            let msgs: Vec<Control> = datas.iter().enumerate().map(|(i, d)| if i % 2 == 0 { Control::Data(d) } else { Control::Reject { seq: i as u32 } }).collect();
+            let mut buf = Vec::new();
+            for m in &msgs {
+                let at = buf.len();
+                buf.resize(at + m.encoded_len(), 0);
+                m.encode(grant, &mut buf[at..]);
+            }
+            let back: Vec<(u16, Control)> = records(&buf).map(|r| r.unwrap()).collect();
+            prop_assert_eq!(back.len(), msgs.len());
+            for ((g, c), m) in back.into_iter().zip(msgs) {
+                prop_assert_eq!(g, grant);
+                prop_assert_eq!(c, m);
+            }
+        }
+
+        #[test]
         fn any_bytes_decode_to_a_message_or_an_error(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = Control::decode(&bytes);
             let _ = Hello::decode(&bytes);
+            let _ = records(&bytes).count();
         }
 
         #[test]
