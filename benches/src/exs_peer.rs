@@ -26,6 +26,30 @@ pub const MAX_DEPTH: usize = 16;
 pub const SDP_DESIGNS: [Design; 3] = [Design::Bsdp, Design::Zsdp, Design::AzSdp];
 const LIMIT: Duration = Duration::from_secs(60);
 
+/// A benchmark program's `main`: the far end when `role` says so, else `run` (its error
+/// printed under `name`, exit status 1), with logging set up.
+pub fn run_or_serve(name: &str, role: Option<&str>, run: impl FnOnce() -> Result<(), String>) {
+    if role == Some("server") {
+        serve();
+        return;
+    }
+    env_logger::init();
+    if let Err(e) = run() {
+        eprintln!("{name}: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The folder results go to: `out`, or `results/<name>-<time>`; made if missing.
+pub fn results_dir(out: Option<&std::path::Path>, name: &str) -> Result<std::path::PathBuf, String> {
+    let dir = out.map(std::path::Path::to_path_buf).unwrap_or_else(|| {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        std::path::PathBuf::from(format!("results/{name}-{t}"))
+    });
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    Ok(dir)
+}
+
 /// User and system CPU seconds of this process.
 pub fn cpu_user_sys() -> (f64, f64) {
     // SAFETY: getrusage fills a zeroed struct.

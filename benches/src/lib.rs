@@ -247,3 +247,25 @@ impl std::ops::DerefMut for PageBuf {
         &mut self.v[self.off..self.off + self.len]
     }
 }
+
+/// Builds the `cdylib` of `package` beside the running test executable
+/// (`target/<profile>/<file>`) and returns its path: `cargo test` builds a cdylib crate's test
+/// harness but not the library itself. `manifest_dir` is the calling crate's directory.
+pub fn build_cdylib(manifest_dir: &str, cargo: &str, package: &str, file: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("own executable");
+    let dir = exe.parent().and_then(std::path::Path::parent).expect("target/<profile>/deps");
+    let release = dir.file_name().is_some_and(|n| n == "release");
+    let mut c = std::process::Command::new(cargo);
+    c.args(["build", "--quiet", "-p", package]).current_dir(manifest_dir);
+    if release {
+        c.arg("--release");
+    }
+    if let Some(target) = dir.parent() {
+        c.env("CARGO_TARGET_DIR", target);
+    }
+    let out = c.output().expect("run cargo");
+    assert!(out.status.success(), "building {package}: {}", String::from_utf8_lossy(&out.stderr));
+    let lib = dir.join(file);
+    assert!(lib.is_file(), "{} not built", lib.display());
+    lib
+}

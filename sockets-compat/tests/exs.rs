@@ -266,6 +266,12 @@ fn caller_errors_are_refused_at_once() {
     assert_eq!(c.set(Tunable::SmallMax, 10).unwrap_err().errno(), libc::EISCONN);
     assert!(EventQueue::new(0).is_err());
     assert_eq!(Memory::alloc(0).unwrap_err().errno(), libc::EINVAL);
+    // Process tunables: the completion thread's CPU, and back to any.
+    fresh.set(Tunable::CompletionCpu, 0).unwrap();
+    assert_eq!(fresh.get(Tunable::CompletionCpu), 0);
+    fresh.set(Tunable::CompletionCpu, -1).unwrap();
+    assert_eq!(fresh.get(Tunable::CompletionCpu), -1);
+    assert_eq!(fresh.set(Tunable::CompletionCpu, 1 << 20).unwrap_err().errno(), libc::EINVAL);
     let stream = ExsSocket::new(SocketKind::Stream).unwrap();
     assert_eq!(stream.set(Tunable::RecvBuffer, 5000), Ok(()));
     assert_eq!(stream.get(Tunable::RecvBuffer), 8192);

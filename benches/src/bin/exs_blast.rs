@@ -173,15 +173,7 @@ fn count_for(probe: &Run, size: usize, seconds: f64) -> usize {
 
 fn main() {
     let args = Args::parse();
-    if args.role.as_deref() == Some("server") {
-        exs_peer::serve();
-        return;
-    }
-    env_logger::init();
-    if let Err(e) = run(&args) {
-        eprintln!("exs_blast: {e}");
-        std::process::exit(1);
-    }
+    exs_peer::run_or_serve("exs_blast", args.role.as_deref(), || run(&args));
 }
 
 fn run(args: &Args) -> Result<(), String> {
@@ -198,11 +190,7 @@ fn run(args: &Args) -> Result<(), String> {
     let tx = Memory::alloc(MAX_SIZE * MAX_DEPTH).map_err(|e| e.to_string())?;
     let q = EventQueue::new(2 * MAX_DEPTH).map_err(|e| e.to_string())?;
     let mut links = Links { peer, exs, kind: kind.to_string(), tx, q, raw };
-    let out = args.out.clone().unwrap_or_else(|| {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        PathBuf::from(format!("results/exs-blast-{t}"))
-    });
-    std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
+    let out = exs_peer::results_dir(args.out.as_deref(), "exs-blast")?;
     let mut csv = String::from(
         "size,depth,exs_gbps,raw_gbps,exs_over_raw,exs_cpu_s_per_gb,exs_user_pct,exs_sys_pct,raw_cpu_s_per_gb\n",
     );
@@ -221,7 +209,7 @@ fn run(args: &Args) -> Result<(), String> {
         args.repeat
     );
     println!(
-        "{:>8} {:>4} {:>9} {:>9} {:>8} {:>10} {:>7} {:>7} {:>10}",
+        "{:>8} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "size", "out", "EXS GB/s", "raw GB/s", "EXS/raw", "EXS CPUs/GB", "user%", "sys%", "raw CPUs/GB"
     );
     let mut sdp_best_at = std::collections::BTreeMap::new();
@@ -236,28 +224,12 @@ fn run(args: &Args) -> Result<(), String> {
                 r.push(links.raw_point(size, depth, cr)?);
             }
             let (e, r) = (median(e), median(r));
-            println!(
-                "{:>8} {:>4} {:>9.2} {:>9.2} {:>8.2} {:>10.3} {:>7.1} {:>7.1} {:>10.3}",
-                fmt_size(size),
-                depth,
-                e.gbps(),
-                r.gbps(),
-                e.gbps() / r.gbps(),
-                e.cpu_per_gb(),
-                e.pct(e.user),
-                e.pct(e.sys),
-                r.cpu_per_gb()
-            );
-            csv.push_str(&format!(
-                "{size},{depth},{:.4},{:.4},{:.4},{:.5},{:.2},{:.2},{:.5}\n",
-                e.gbps(),
-                r.gbps(),
-                e.gbps() / r.gbps(),
-                e.cpu_per_gb(),
-                e.pct(e.user),
-                e.pct(e.sys),
-                r.cpu_per_gb()
-            ));
+            let row =
+                [e.gbps(), r.gbps(), e.gbps() / r.gbps(), e.cpu_per_gb(), e.pct(e.user), e.pct(e.sys), r.cpu_per_gb()];
+            let cells: Vec<String> = row.iter().map(|v| format!("{v:>9.3}")).collect();
+            println!("{:>8} {:>4} {}", fmt_size(size), depth, cells.join(" "));
+            let cells: Vec<String> = row.iter().map(|v| format!("{v:.5}")).collect();
+            csv.push_str(&format!("{size},{depth},{}\n", cells.join(",")));
             exs_series[di].points.push((size as f64, e.gbps()));
             raw_series[di].points.push((size as f64, r.gbps()));
             cpu_series[di].points.push((size as f64, e.cpu_per_gb()));

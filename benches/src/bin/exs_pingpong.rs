@@ -137,15 +137,7 @@ impl Links {
 
 fn main() {
     let args = Args::parse();
-    if args.role.as_deref() == Some("server") {
-        exs_peer::serve();
-        return;
-    }
-    env_logger::init();
-    if let Err(e) = run(&args) {
-        eprintln!("exs_pingpong: {e}");
-        std::process::exit(1);
-    }
+    exs_peer::run_or_serve("exs_pingpong", args.role.as_deref(), || run(&args));
 }
 
 fn run(args: &Args) -> Result<(), String> {
@@ -158,17 +150,13 @@ fn run(args: &Args) -> Result<(), String> {
     let mem = Memory::alloc(2 * MAX_SIZE).map_err(|e| e.to_string())?;
     let q = EventQueue::new(64).map_err(|e| e.to_string())?;
     let mut links = Links { peer, exs, mem, q, raw };
-    let out = args.out.clone().unwrap_or_else(|| {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        PathBuf::from(format!("results/exs-pingpong-{t}"))
-    });
-    std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
+    let out = exs_peer::results_dir(args.out.as_deref(), "exs-pingpong")?;
     let mut csv = String::from("mode,pinned,size,median_us,p99_us,raw_median_us,minus_raw_us,user_pct,sys_pct\n");
     let mut series = Vec::new();
     println!("EXS SOCK_SEQPACKET ping-pong, one-way (half round trip); raw = write-with-immediate, busy-polled, same pinning");
     println!(
-        "{:<8} {:<8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
-        "waiting", "pinned", "size", "EXS p50", "EXS p99", "raw p50", "EXS-raw", "user%", "sys%"
+        "{:<8} {:<8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "waiting", "pinned", "size", "EXS p50us", "EXS p99us", "raw p50us", "EXS-raw", "user%", "sys%"
     );
     let mut target = None;
     for pinned in [true, false] {
@@ -183,27 +171,11 @@ fn run(args: &Args) -> Result<(), String> {
                 let r = links.raw_block(size, args.iters)?;
                 links.setup(busy, pinned)?;
                 let diff = e.us(0.5) - r.us(0.5);
-                println!(
-                    "{:<8} {:<8} {:>7} {:>8.2}us {:>8.2}us {:>8.2}us {:>8.2}us {:>7.1} {:>7.1}",
-                    mode,
-                    pinned,
-                    fmt_size(size),
-                    e.us(0.5),
-                    e.us(0.99),
-                    r.us(0.5),
-                    diff,
-                    e.user / e.secs * 100.0,
-                    e.sys / e.secs * 100.0
-                );
-                csv.push_str(&format!(
-                    "{mode},{pinned},{size},{:.3},{:.3},{:.3},{:.3},{:.1},{:.1}\n",
-                    e.us(0.5),
-                    e.us(0.99),
-                    r.us(0.5),
-                    diff,
-                    e.user / e.secs * 100.0,
-                    e.sys / e.secs * 100.0
-                ));
+                let row = [e.us(0.5), e.us(0.99), r.us(0.5), diff, e.user / e.secs * 100.0, e.sys / e.secs * 100.0];
+                let cells: Vec<String> = row.iter().map(|v| format!("{v:>9.2}")).collect();
+                println!("{mode:<8} {pinned:<8} {:>7} {}", fmt_size(size), cells.join(" "));
+                let cells: Vec<String> = row.iter().map(|v| format!("{v:.3}")).collect();
+                csv.push_str(&format!("{mode},{pinned},{size},{}\n", cells.join(",")));
                 points.push((size as f64, e.us(0.5)));
                 if busy && pinned && size == 8 {
                     target = Some(diff);

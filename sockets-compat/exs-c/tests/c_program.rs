@@ -4,7 +4,7 @@
 //! Each run is judged by the program's own checks of every byte.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -14,20 +14,8 @@ fn program() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let exe = std::env::current_exe().unwrap();
-            let dir = exe.parent().and_then(Path::parent).unwrap();
-            let release = dir.file_name().is_some_and(|n| n == "release");
-            let mut c = Command::new(env!("CARGO"));
-            c.args(["build", "--quiet", "-p", "exs-c"]).current_dir(env!("CARGO_MANIFEST_DIR"));
-            if release {
-                c.arg("--release");
-            }
-            if let Some(target) = dir.parent() {
-                c.env("CARGO_TARGET_DIR", target);
-            }
-            let out = c.output().expect("run cargo");
-            assert!(out.status.success(), "building libexs: {}", String::from_utf8_lossy(&out.stderr));
-            assert!(dir.join("libexs.so").is_file(), "libexs.so not built");
+            let lib = benches::build_cdylib(env!("CARGO_MANIFEST_DIR"), env!("CARGO"), "exs-c", "libexs.so");
+            let dir = lib.parent().unwrap();
             let bin = dir.join("exs_test");
             let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/exs_test.c");
             let include = concat!(env!("CARGO_MANIFEST_DIR"), "/include");

@@ -16,22 +16,7 @@ fn library() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let exe = std::env::current_exe().unwrap();
-            let dir = exe.parent().and_then(Path::parent).unwrap();
-            let release = dir.file_name().is_some_and(|n| n == "release");
-            let mut c = Command::new(env!("CARGO"));
-            c.args(["build", "--quiet", "-p", "sdp-preload"]).current_dir(env!("CARGO_MANIFEST_DIR"));
-            if release {
-                c.arg("--release");
-            }
-            if let Some(target) = dir.parent() {
-                c.env("CARGO_TARGET_DIR", target);
-            }
-            let out = c.output().expect("run cargo");
-            assert!(out.status.success(), "building the library: {}", String::from_utf8_lossy(&out.stderr));
-            let lib = dir.join("libsdp_preload.so");
-            assert!(lib.is_file(), "{} not built", lib.display());
-            lib
+            benches::build_cdylib(env!("CARGO_MANIFEST_DIR"), env!("CARGO"), "sdp-preload", "libsdp_preload.so")
         })
         .clone()
 }
