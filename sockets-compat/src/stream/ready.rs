@@ -108,6 +108,12 @@ impl Conn {
     #[inline]
     pub(super) fn show_ready(&mut self) {
         if self.ready.as_ref().is_some_and(|r| r.active) {
+            if self.proto.rx().is_empty() && self.pipe.peek_lane().is_some() {
+                // Control messages at the front (credits, acknowledgements) are taken in now,
+                // so that only stream bytes show readable. A failure is recorded in the
+                // socket, and shows readable: the next read reports it.
+                let _ = self.pump_control();
+            }
             let (r, w) = (self.readable(), self.writable());
             if let Some(ready) = self.ready.as_mut() {
                 ready.show(r, w);
