@@ -11,18 +11,19 @@ fn main() -> Result<(), sockets_compat::exs::ExsError> {
     let listener = ExsSocket::new(SocketKind::SeqPacket)?;
     listener.bind("127.0.0.1:0")?;
     listener.listen(4)?;
-    listener.accept(&q, 1)?;                                  // request ids come back in events
+    listener.accept(&q, 1)?; // request ids come back in events
     let client = ExsSocket::new(SocketKind::SeqPacket)?;
     client.connect(listener.local_addr().unwrap(), &q, 2)?;
     let mut events = Vec::new();
-    while events.len() < 2 {                                  // dequeue waits for the first
+    while events.len() < 2 {
+        // dequeue waits for the first
         events.extend(q.dequeue(2 - events.len(), Some(Duration::from_secs(10))));
     }
     let server = events.into_iter().find_map(|ev| ev.accepted).expect("accepted");
-    let (tx, rx) = (Memory::alloc(1 << 20)?, Memory::alloc(1 << 20)?);   // registered memory
+    let (tx, rx) = (Memory::alloc(1 << 20)?, Memory::alloc(1 << 20)?); // registered memory
     tx.write(0, b"hello");
-    server.recv(&q, 3, &rx, 0, 1 << 20)?;                     // advertised to the sender
-    client.send(&q, 4, &tx, 0, 5)?;                           // written straight into rx
+    server.recv(&q, 3, &rx, 0, 1 << 20)?; // advertised to the sender
+    client.send(&q, 4, &tx, 0, 5)?; // written straight into rx
     let mut done = 0;
     while done < 2 {
         for ev in q.dequeue(2, Some(Duration::from_secs(10))) {

@@ -33,6 +33,12 @@ struct Args {
     /// Round trips per block while waiting for notification (each costs wake-ups).
     #[arg(long, default_value_t = 3000)]
     notify_iters: usize,
+    /// Ways of waiting to measure: busy, notify (comma-separated).
+    #[arg(long, default_value = "busy,notify", value_delimiter = ',')]
+    waits: Vec<String>,
+    /// Pinnings to measure: pinned, free (comma-separated).
+    #[arg(long, default_value = "pinned,free", value_delimiter = ',')]
+    pinnings: Vec<String>,
     /// Where to write results.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -160,7 +166,13 @@ fn run(args: &Args) -> Result<(), String> {
     );
     let mut target = None;
     for pinned in [true, false] {
+        if !args.pinnings.iter().any(|p| p == if pinned { "pinned" } else { "free" }) {
+            continue;
+        }
         for busy in [true, false] {
+            if !args.waits.iter().any(|w| w == if busy { "busy" } else { "notify" }) {
+                continue;
+            }
             links.setup(busy, pinned)?;
             let mode = if busy { "busy" } else { "notify" };
             let mut points = Vec::new();
