@@ -62,6 +62,9 @@ pub enum CopySrc {
     Ring(u64),
 }
 
+/// Pieces of memory one record gathers at most (a work request's gather list).
+const MAX_PIECES: usize = 4;
+
 /// A piece of a send's memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
@@ -85,7 +88,7 @@ pub enum Record {
         /// `Some(truncated)`: a fill.
         fill: Option<bool>,
         /// Where the bytes are.
-        pieces: SmallVec<[Piece; 4]>,
+        pieces: SmallVec<[Piece; 1]>,
         /// Credits granted.
         grant: u16,
     },
@@ -852,13 +855,13 @@ impl Proto {
         if limit == 0 || !spare || s.len - s.taken > limit {
             return false;
         }
-        let mut pieces: SmallVec<[Piece; 4]> = SmallVec::new();
+        let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();
         let mut total = 0u64;
         for (k, s) in self.sends.iter_mut().skip(first).enumerate() {
             let n = s.len - s.taken;
             if total + n > limit
                 || (self.cfg.kind == SocketKind::SeqPacket && k > 0)
-                || pieces.len() == pieces.inline_size()
+                || pieces.len() == MAX_PIECES
             {
                 break;
             }
@@ -897,7 +900,7 @@ impl Proto {
         if DATA_OVERHEAD + n as usize > self.peer_slot || !self.may_queue(DATA_OVERHEAD + n as usize) {
             return false;
         }
-        let mut pieces: SmallVec<[Piece; 4]> = SmallVec::new();
+        let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();
         let mut left = n;
         for s in self.sends.iter_mut().skip(first) {
             if self.cfg.kind == SocketKind::SeqPacket {
@@ -908,7 +911,7 @@ impl Proto {
                 s.handed = true;
                 break;
             }
-            if left == 0 || (pieces.len() == pieces.inline_size()) {
+            if left == 0 || (pieces.len() == MAX_PIECES) {
                 // Never more pieces than a work request gathers: the rest goes next time.
                 break;
             }
