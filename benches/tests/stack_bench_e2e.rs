@@ -168,33 +168,47 @@ fn bad_arguments_give_a_clear_usage_error() {
     assert!(String::from_utf8_lossy(&run.stderr).contains("--rounds"));
 }
 
-/// The `mpi` layer (Open MPI over `vader`, compiled and started by the run) takes its turn in
-/// the same rounds, or the run says clearly what it lacks.
-#[test]
-fn the_mpi_layer_runs_in_the_same_rounds_as_ours() {
-    let out = std::env::temp_dir().join(format!("stack-bench-mpi-{}", std::process::id()));
-    let args = ["--layers", "raw-send,mpi", "--min-size", "8", "--max-size", "64", "--iters", "200"];
+/// A peer layer measured by a C program of ours (compiled and started by the run) takes its
+/// turn in the same rounds, or the run says clearly what it lacks (`missing` in its error).
+fn c_peer_layer_runs_in_the_same_rounds_as_ours(layer: &str, available: bool, missing: &str) {
+    let out = std::env::temp_dir().join(format!("stack-bench-{layer}-{}", std::process::id()));
+    let layers = format!("raw-send,{layer}");
+    let args = ["--layers", &layers, "--min-size", "8", "--max-size", "64", "--iters", "200"];
     let run = stack_bench(
         &[&args[..], &["--rounds", "2", "--stream-bytes", "200000", "--duration-cap", "600"]].concat(),
         &out,
     );
     let (stdout, stderr) = (String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
-    let on_path = |p: &str| {
-        std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(p).is_file()))
-    };
-    if !(on_path("mpicc") && on_path("mpirun")) {
-        assert!(!run.status.success() && stderr.contains("needs mpicc"), "{stderr}");
+    if !available {
+        assert!(!run.status.success() && stderr.contains(missing), "{stderr}");
         return;
     }
     assert!(run.status.success(), "stack_bench failed: {stderr}\n{stdout}");
     let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
-    let mpi: Vec<&str> = csv.lines().filter(|l| l.starts_with("mpi,")).collect();
-    assert_eq!(mpi.len(), 4, "{csv}"); // 8 .. 64 B
-    for line in mpi {
+    let rows: Vec<&str> = csv.lines().filter(|l| l.starts_with(&format!("{layer},"))).collect();
+    assert_eq!(rows.len(), 4, "{csv}"); // 8 .. 64 B
+    for line in rows {
         let f: Vec<&str> = line.split(',').collect();
         let num = |i: usize| -> Option<f64> { (!f[i].is_empty()).then(|| f[i].parse().unwrap()) };
         assert!(num(2).is_some_and(|l| l > 0.0) && num(5).is_some_and(|b| b > 0.0), "{line}");
-        assert_eq!((num(3), num(6)), (None, None), "no p99 or CPU time from MPI: {line}");
+        assert_eq!((num(3), num(6)), (None, None), "no p99 or CPU time from {layer}: {line}");
     }
     let _ = std::fs::remove_dir_all(out);
+}
+
+fn on_path(p: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(p).is_file()))
+}
+
+/// The `mpi` layer: Open MPI over `vader`, two ranks by `mpirun`.
+#[test]
+fn the_mpi_layer_runs_in_the_same_rounds_as_ours() {
+    c_peer_layer_runs_in_the_same_rounds_as_ours("mpi", on_path("mpicc") && on_path("mpirun"), "needs mpicc");
+}
+
+/// The `libfabric` layer: the `shm` provider's reliable-datagram messages.
+#[test]
+fn the_libfabric_layer_runs_in_the_same_rounds_as_ours() {
+    let available = on_path("cc") && std::path::Path::new("/usr/include/rdma/fabric.h").is_file();
+    c_peer_layer_runs_in_the_same_rounds_as_ours("libfabric", available, "libfabric's headers");
 }

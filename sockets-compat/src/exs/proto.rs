@@ -859,10 +859,7 @@ impl Proto {
         let mut total = 0u64;
         for (k, s) in self.sends.iter_mut().skip(first).enumerate() {
             let n = s.len - s.taken;
-            if total + n > limit
-                || (self.cfg.kind == SocketKind::SeqPacket && k > 0)
-                || pieces.len() == MAX_PIECES
-            {
+            if total + n > limit || (self.cfg.kind == SocketKind::SeqPacket && k > 0) || pieces.len() == MAX_PIECES {
                 break;
             }
             if n > 0 {

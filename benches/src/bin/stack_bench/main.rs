@@ -28,14 +28,14 @@ use madeleine::{RecvMode, SendMode, Session, SessionConfig};
 use portability_verbs::*;
 
 mod blocks;
+mod cpeers;
 mod links;
-mod mpi;
 mod report;
 mod ucx;
 
 use blocks::*;
+use cpeers::*;
 use links::*;
-use mpi::*;
 use report::*;
 use ucx::*;
 
@@ -77,12 +77,18 @@ enum Layer {
     /// `mpicc` and `mpirun` (Debian: `libopenmpi-dev`, `openmpi-bin`). Its latency is the
     /// median one-way of its round trips; no p99 and no CPU time.
     Mpi,
+    /// libfabric's shared-memory provider (`shm`): reliable-datagram endpoints sending
+    /// untagged messages, a ping-pong and a stream of windows of 64 (`benches/peers/
+    /// fi_pingpong.c`, compiled with `cc -lfabric`; a process and the child it forks), as long
+    /// as UCX's blocks, pinned as ours are, while ours sleep. Same host only; needs libfabric's
+    /// headers (Debian: `libfabric-dev`). Median one-way latency; no p99 and no CPU time.
+    Libfabric,
 }
 
 impl Layer {
     /// A peer's own program, run while ours sleep.
     fn is_peer(self) -> bool {
-        matches!(self, Layer::Ucx | Layer::Mpi)
+        matches!(self, Layer::Ucx | Layer::Mpi | Layer::Libfabric)
     }
 }
 
@@ -118,6 +124,7 @@ impl Layer {
             Layer::Tcp => "tcp",
             Layer::Ucx => "ucx",
             Layer::Mpi => "mpi",
+            Layer::Libfabric => "libfabric",
         }
     }
 }
@@ -401,8 +408,11 @@ fn run_peer(
     cpus: Option<(usize, usize)>,
     ucx_tls: &mut Option<String>,
 ) -> Result<PeerResult, String> {
-    if layer == Layer::Mpi {
-        return run_mpi(if latency { "lat" } else { "bw" }, size, n, warm, cpus);
+    let test = if latency { "lat" } else { "bw" };
+    match layer {
+        Layer::Mpi => return CPeer::Mpi.run(test, size, n, warm, cpus),
+        Layer::Libfabric => return CPeer::Libfabric.run(test, size, n, warm, cpus),
+        _ => {}
     }
     let test = if latency { "tag_lat" } else { "tag_bw" };
     let first = ucx_tls.is_none();
@@ -663,12 +673,17 @@ fn run(args: &Args) -> Result<(), String> {
     if let Some(l) = args.layers.iter().enumerate().find_map(|(i, l)| args.layers[..i].contains(l).then_some(l)) {
         return Err(format!("layer {} given twice", l.name()));
     }
-    if args.layers.contains(&Layer::Mpi) {
-        if args.role == Role::Client {
-            return Err("the mpi layer runs on one host only, started by a plain run (drop it with --layers)".into());
-        }
-        if args.role == Role::Both && !mpi_found() {
-            return Err("the mpi layer needs mpicc and mpirun on the PATH (Debian: libopenmpi-dev)".into());
+    for (layer, peer) in [(Layer::Mpi, CPeer::Mpi), (Layer::Libfabric, CPeer::Libfabric)] {
+        if args.layers.contains(&layer) {
+            if args.role == Role::Client {
+                return Err(format!(
+                    "the {} layer runs on one host only, started by a plain run (drop it with --layers)",
+                    layer.name()
+                ));
+            }
+            if let Some(why) = peer.missing().filter(|_| args.role == Role::Both) {
+                return Err(why.into());
+            }
         }
     }
     if args.layers.contains(&Layer::Ucx) {
