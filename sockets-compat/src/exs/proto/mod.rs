@@ -1,0 +1,504 @@
+//! One EXS connection's decisions, sans-IO: which advertisement a send's bytes go into, when
+//! a receive is advertised, what arrived outside advertisements and which receive it fills,
+//! credits, stream-buffer space, close. Plain state and functions: the driver
+//! ([`super::conn`]) feeds it the application's calls and the queue pair's completions and
+//! carries out the [`Action`]s it returns, in order.
+//!
+//! The transfer is UNH-EXS's: `recv` advertises its buffer (address, length, key) by SEND;
+//! `send` matches its bytes against the advertisements in order and RDMA-writes with
+//! immediate into them (the immediate gives the length). Besides that:
+//! - a message of at most the small size goes in the control message itself when no
+//!   advertisement is at hand, and a stream's bytes go into the receiver's stream buffer
+//!   (copied once) when it has one; both are *unadvertised deliveries*;
+//! - every advertisement carries the count of unadvertised deliveries the receiver had seen;
+//!   a sender that made more rejects it (the receiver fills that buffer from what arrived
+//!   first), so bytes and messages stay in order whatever crosses on the wire;
+//! - every SEND and write-with-immediate takes one of the peer's posted slots, under the
+//!   credit accounting of [`fc::Credits`] (grants ride on every control message).
+
+use std::collections::VecDeque;
+
+use portability_verbs::datapath::fc::{Credits, RingReceiver, RingSender};
+use smallvec::SmallVec;
+
+use super::wire::{self, Advert, Control, Hello, SocketKind, WireError, WriteNote, DATA_OVERHEAD, MAX_WRITE};
+
+/// An error number, as `errno` gives it (`libc::E*`).
+pub type Errno = i32;
+
+/// What an operation came to: bytes moved, or an error number.
+pub type Outcome = Result<u64, Errno>;
+
+/// Which call an event completes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpKind {
+    /// `send`.
+    Send,
+    /// `recv`.
+    Recv,
+    /// `close`.
+    Close,
+}
+
+/// A completed operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Done {
+    /// The caller's request id.
+    pub req: u64,
+    /// The call.
+    pub op: OpKind,
+    /// Bytes (a receive's 0 is the end of the peer's data), or the error.
+    pub outcome: Outcome,
+    /// SOCK_SEQPACKET receive: the message was longer than the buffer; its tail is gone.
+    pub truncated: bool,
+}
+
+/// Where a copy into a receive buffer comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CopySrc {
+    /// Bytes of a small message.
+    Bytes(Vec<u8>),
+    /// The stream buffer, from this offset.
+    Ring(u64),
+}
+
+/// Pieces of memory one record gathers at most (a work request's gather list).
+const MAX_PIECES: usize = 4;
+
+/// A piece of a send's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Address in the sender's memory.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u32,
+    /// Local key of its region.
+    pub lkey: u32,
+}
+
+/// One record of a SEND.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    /// A control record carrying `grant` credits.
+    Control(Control<'static>, u16),
+    /// A small message made of these pieces of the application's memory (copied into the
+    /// SEND when it is posted), carrying `grant` credits: unadvertised ([`Control::Data`]),
+    /// or filling the oldest advertisement ([`Control::Fill`], with its truncation flag).
+    Small {
+        /// `Some(truncated)`: a fill.
+        fill: Option<bool>,
+        /// Where the bytes are.
+        pieces: SmallVec<[Piece; 1]>,
+        /// Credits granted.
+        grant: u16,
+    },
+}
+
+impl Record {
+    /// Bytes of the record on the wire.
+    pub fn encoded_len(&self) -> usize {
+        match self {
+            Record::Control(c, _) => c.encoded_len(),
+            Record::Small { pieces, .. } => DATA_OVERHEAD + pieces.iter().map(|p| p.len as usize).sum::<usize>(),
+        }
+    }
+}
+
+/// What the driver must do, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// SEND these records in one message (one of the peer's slots).
+    Send(SmallVec<[Record; 2]>),
+    /// RDMA-write a piece of send `send` (an id [`Proto::post_send`] returned), with
+    /// immediate when `imm` is set; report its completion with [`Proto::on_write_done`].
+    Write {
+        /// The send it belongs to.
+        send: u64,
+        /// Local memory.
+        piece: Piece,
+        /// Target address.
+        remote_addr: u64,
+        /// Target key.
+        rkey: u32,
+        /// Immediate value, for the write that finishes a buffer.
+        imm: Option<u32>,
+    },
+    /// Copy `len` bytes to `dst` (inside a posted receive buffer).
+    Copy {
+        /// Destination address.
+        dst: u64,
+        /// Source.
+        src: CopySrc,
+        /// Bytes.
+        len: u64,
+    },
+    /// Report this completion (after every action before it was carried out).
+    Done(Done),
+}
+
+/// What a connection end is set up with.
+#[derive(Clone, Copy, Debug)]
+pub struct ProtoConfig {
+    /// Socket type.
+    pub kind: SocketKind,
+    /// Control slots we posted.
+    pub slots: u16,
+    /// Largest small message our slots hold.
+    pub small_max: u32,
+    /// Bytes of our stream buffer (0: none).
+    pub ring_len: u32,
+    /// Advertisements outstanding at most.
+    pub adv_credits: u32,
+    /// The peer's handshake.
+    pub peer: Hello,
+}
+
+/// A send not yet completed.
+#[derive(Debug)]
+struct OutSend {
+    id: u64,
+    req: u64,
+    addr: u64,
+    len: u64,
+    lkey: u32,
+    /// Bytes handed to writes or small messages.
+    taken: u64,
+    /// Every byte was handed out (a SOCK_SEQPACKET message once matched, even empty or cut).
+    handed: bool,
+    /// Writes posted and not yet completed.
+    writes: u32,
+}
+
+/// A receive not yet completed.
+#[derive(Debug)]
+struct InRecv {
+    req: u64,
+    addr: u64,
+    len: u64,
+    rkey: u32,
+    /// The advertisement standing for it, if any.
+    ad: Option<u32>,
+}
+
+/// An advertisement sent and not yet answered (filled or rejected), in order.
+#[derive(Debug)]
+struct SentAd {
+    seq: u32,
+    len: u32,
+    /// Unadvertised data arrived after it was made: the sender will reject it.
+    doomed: bool,
+    /// Its receive was completed otherwise (from unadvertised data, or at close).
+    orphan: bool,
+}
+
+/// Unadvertised data not yet consumed.
+#[derive(Debug)]
+enum Early {
+    /// A small message, bytes consumed so far, and whether its slot's credit is held until
+    /// it is consumed (the last small message of its SEND holds it).
+    Bytes(Vec<u8>, usize, bool),
+    /// A stream-buffer chunk: offset, bytes, consumed so far, ring position after it.
+    Ring { offset: u64, len: u64, used: u64, end: u64 },
+}
+
+/// Why a peer broke the protocol.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ProtoError {
+    /// A malformed message.
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    /// A message the protocol does not allow now.
+    #[error("peer broke the EXS protocol: {0}")]
+    Violation(&'static str),
+}
+
+/// One end of a connection.
+#[derive(Debug)]
+pub struct Proto {
+    cfg: ProtoConfig,
+    credits: Credits,
+    small_out: u32,
+    /// Bytes of the peer's receive slots: the largest SEND.
+    peer_slot: usize,
+    // Sending side.
+    sends: VecDeque<OutSend>,
+    next_send: u64,
+    peer_ads: VecDeque<Advert>,
+    next_peer_ad: u32,
+    unadvertised_sent: u64,
+    ring_out: Option<RingSender>,
+    close_wanted: Option<u64>,
+    close_sent: bool,
+    close_reported: bool,
+    // Receiving side.
+    recvs: VecDeque<InRecv>,
+    ads: VecDeque<SentAd>,
+    next_ad: u32,
+    unadvertised_seen: u64,
+    early: VecDeque<Early>,
+    ring_in: RingReceiver,
+    peer_closed: bool,
+    failed: Option<Errno>,
+    actions: VecDeque<Action>,
+}
+
+impl Proto {
+    /// A connected end.
+    pub fn new(cfg: ProtoConfig) -> Proto {
+        let ring_out =
+            (cfg.kind == SocketKind::Stream && cfg.peer.ring_len >= 64 && cfg.peer.ring_len.is_power_of_two())
+                .then(|| RingSender::new(cfg.peer.ring_len as u64));
+        let ring_in = if cfg.kind == SocketKind::Stream && cfg.ring_len >= 64 && cfg.ring_len.is_power_of_two() {
+            RingReceiver::new(cfg.ring_len as u64)
+        } else {
+            RingReceiver::new(0)
+        };
+        Proto {
+            credits: Credits::new(cfg.peer.slots.min(cfg.slots) as u64),
+            small_out: cfg.peer.small_max,
+            peer_slot: wire::slot_size(cfg.peer.small_max),
+            cfg,
+            sends: VecDeque::new(),
+            next_send: 0,
+            peer_ads: VecDeque::new(),
+            next_peer_ad: 0,
+            unadvertised_sent: 0,
+            ring_out,
+            close_wanted: None,
+            close_sent: false,
+            close_reported: false,
+            recvs: VecDeque::new(),
+            ads: VecDeque::new(),
+            next_ad: 0,
+            unadvertised_seen: 0,
+            early: VecDeque::new(),
+            ring_in,
+            peer_closed: false,
+            failed: None,
+            actions: VecDeque::new(),
+        }
+    }
+
+    /// The next action to carry out.
+    pub fn next_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Whether the only action left is a SEND that later records may still join (a driver
+    /// that expects another call soon may hold it back to send them together).
+    pub fn only_open_send(&self) -> bool {
+        self.actions.len() == 1 && matches!(self.actions.front(), Some(Action::Send(_)))
+    }
+
+    /// Whether actions wait to be carried out.
+    pub fn has_actions(&self) -> bool {
+        !self.actions.is_empty()
+    }
+
+    /// Whether a record of `len` bytes may be queued now: it joins the SEND at the end of
+    /// the actions if that has room, or takes a new slot credit (the last kept back).
+    fn may_queue(&self, len: usize) -> bool {
+        self.open_room() >= len || self.credits.can_send_data()
+    }
+
+    /// Room left in the SEND at the end of the actions (0 if none is open).
+    fn open_room(&self) -> usize {
+        match self.actions.back() {
+            Some(Action::Send(recs)) => {
+                self.peer_slot.saturating_sub(recs.iter().map(Record::encoded_len).sum::<usize>())
+            }
+            _ => 0,
+        }
+    }
+
+    /// Queues a record: into the open SEND if it fits, else into a new one (taking a
+    /// credit). Callers checked [`Proto::may_queue`], or (credit records) that a credit is
+    /// left.
+    fn queue(&mut self, rec: impl FnOnce(u16) -> Record, len: usize) {
+        if self.open_room() >= len {
+            let grant = self.credits.take_grant();
+            if let Some(Action::Send(recs)) = self.actions.back_mut() {
+                recs.push(rec(grant));
+            }
+        } else {
+            let grant = self.credits.on_send();
+            self.actions.push_back(Action::Send(smallvec::smallvec![rec(grant)]));
+        }
+    }
+
+    fn queue_control(&mut self, c: Control<'static>) {
+        let len = c.encoded_len();
+        self.queue(|g| Record::Control(c, g), len);
+    }
+
+    /// The error number every call now fails with, once the connection failed.
+    pub fn failure(&self) -> Option<Errno> {
+        self.failed
+    }
+
+    /// The peer said it sends nothing more.
+    pub fn peer_closed(&self) -> bool {
+        self.peer_closed
+    }
+
+    /// Our Close went and every send completed.
+    pub fn closed(&self) -> bool {
+        self.close_sent && self.sends.is_empty()
+    }
+
+    /// Operations not yet completed.
+    pub fn outstanding(&self) -> usize {
+        self.sends.len() + self.recvs.len() + usize::from(self.close_wanted.is_some() && !self.close_reported)
+    }
+
+    /// Starts a send of `len` bytes at `addr` (registered with `lkey`). Returns the error to
+    /// give at once, if any; otherwise its completion comes as an action.
+    pub fn post_send(&mut self, req: u64, addr: u64, len: u64, lkey: u32) -> Result<(), Errno> {
+        if let Some(e) = self.failed {
+            return Err(e);
+        }
+        if self.close_wanted.is_some() {
+            return Err(libc::EPIPE);
+        }
+        if self.cfg.kind == SocketKind::SeqPacket && len > MAX_WRITE as u64 {
+            return Err(libc::EMSGSIZE);
+        }
+        if self.cfg.kind == SocketKind::Stream && len == 0 {
+            self.actions.push_back(Action::Done(Done { req, op: OpKind::Send, outcome: Ok(0), truncated: false }));
+            return Ok(());
+        }
+        let id = self.next_send;
+        self.next_send += 1;
+        self.sends.push_back(OutSend { id, req, addr, len, lkey, taken: 0, handed: false, writes: 0 });
+        self.pump();
+        Ok(())
+    }
+
+    /// Starts a receive into `len` bytes at `addr` (registered with remote key `rkey`).
+    pub fn post_recv(&mut self, req: u64, addr: u64, len: u64, rkey: u32) -> Result<(), Errno> {
+        if let Some(e) = self.failed {
+            return Err(e);
+        }
+        if self.close_wanted.is_some() {
+            return Err(libc::EBADF);
+        }
+        self.recvs.push_back(InRecv { req, addr, len: len.min(MAX_WRITE as u64), rkey, ad: None });
+        self.pump();
+        Ok(())
+    }
+
+    /// Starts a close: Close follows every byte sent; receives still waiting are cancelled.
+    /// Its completion comes once the Close went and every send completed.
+    pub fn close(&mut self, req: u64) -> Result<(), Errno> {
+        if self.close_wanted.is_some() {
+            return Err(libc::EALREADY);
+        }
+        self.close_wanted = Some(req);
+        for r in std::mem::take(&mut self.recvs) {
+            self.orphan_ad(r.ad);
+            self.actions.push_back(Action::Done(Done {
+                req: r.req,
+                op: OpKind::Recv,
+                outcome: Err(libc::ECANCELED),
+                truncated: false,
+            }));
+        }
+        if self.failed.is_some() {
+            self.finish_close();
+            return Ok(());
+        }
+        self.pump();
+        Ok(())
+    }
+
+    /// The connection failed (the queue pair broke, the peer vanished or broke the
+    /// protocol): every operation completes with `errno`, and so does every later call.
+    pub fn fail(&mut self, errno: Errno) {
+        if self.failed.is_some() {
+            return;
+        }
+        self.failed = Some(errno);
+        for s in std::mem::take(&mut self.sends) {
+            self.actions.push_back(Action::Done(Done {
+                req: s.req,
+                op: OpKind::Send,
+                outcome: Err(errno),
+                truncated: false,
+            }));
+        }
+        for r in std::mem::take(&mut self.recvs) {
+            self.actions.push_back(Action::Done(Done {
+                req: r.req,
+                op: OpKind::Recv,
+                outcome: Err(errno),
+                truncated: false,
+            }));
+        }
+        self.close_sent = true;
+        self.finish_close();
+    }
+
+    /// A write of send `send` completed (successfully: a failed one fails the connection).
+    pub fn on_write_done(&mut self, send: u64) {
+        if let Some(s) = self.sends.iter_mut().find(|s| s.id == send) {
+            s.writes = s.writes.saturating_sub(1);
+        }
+        self.pump();
+    }
+
+    /// A control message arrived in one of our slots.
+    ///
+    /// The bytes of a small message that fills a receive are stored at once through `place`
+    /// (destination address, bytes), before the message's slot is reused; the receive's
+    /// completion follows as an action.
+    pub fn on_control(&mut self, bytes: &[u8], place: &mut dyn FnMut(u64, &[u8])) -> Result<(), ProtoError> {
+        let r = self.take_control(bytes, place);
+        self.after_peer(r)
+    }
+
+    /// A write-with-immediate of the peer's landed.
+    pub fn on_write_imm(&mut self, imm: u32) -> Result<(), ProtoError> {
+        let r = self.take_write(imm);
+        self.after_peer(r)
+    }
+
+    fn after_peer(&mut self, r: Result<(), ProtoError>) -> Result<(), ProtoError> {
+        if r.is_err() {
+            self.fail(libc::EPROTO);
+        } else {
+            self.pump();
+        }
+        r
+    }
+
+    /// Everything that may happen now: receives served from unadvertised data, receives
+    /// advertised, sends matched, acknowledgements and credits returned.
+    fn pump(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
+        self.serve_recvs();
+        self.advertise();
+        self.match_sends();
+        self.finish_sends();
+        self.send_close();
+        self.finish_close();
+        self.return_credits();
+    }
+
+    fn return_credits(&mut self) {
+        if self.ring_in.received() > 0 && self.ring_in.needs_ack() && self.may_queue(wire::HEADER + 8) {
+            let consumed = self.ring_in.take_ack();
+            self.queue_control(Control::RingAck { consumed });
+        }
+        if self.credits.needs_update() && (self.open_room() >= wire::HEADER || self.credits.can_send_credit()) {
+            self.queue_control(Control::Credit);
+        }
+    }
+}
+
+mod recv;
+mod send;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,275 @@
+//! The receiving side of a connection end: what the peer's records and writes say, which
+//! receive they complete, and advertising the receives still waiting.
+
+use smallvec::SmallVec;
+
+use super::*;
+
+impl Proto {
+    pub(super) fn take_control(&mut self, bytes: &[u8], place: &mut dyn FnMut(u64, &[u8])) -> Result<(), ProtoError> {
+        // Every record is checked before any is acted on.
+        let mut recs: SmallVec<[Control<'_>; 4]> = SmallVec::new();
+        let mut grant = 0u16;
+        for r in wire::records(bytes) {
+            let (g, c) = r?;
+            grant = grant.checked_add(g).ok_or(ProtoError::Violation("credits past the slots"))?;
+            recs.push(c);
+        }
+        if recs.is_empty() {
+            return Err(ProtoError::Violation("an empty message"));
+        }
+        self.credits.on_receive(grant).map_err(|_| ProtoError::Violation("credits past the slots"))?;
+        // The slot's credit is held by the last small message in it until that is consumed.
+        let last_data = recs.iter().rposition(|c| matches!(c, Control::Data(_)));
+        for (i, c) in recs.into_iter().enumerate() {
+            self.take_record(c, last_data == Some(i), place)?;
+        }
+        if last_data.is_none() {
+            self.credits.on_buffer_freed();
+        }
+        Ok(())
+    }
+
+    pub(super) fn take_record(
+        &mut self,
+        c: Control<'_>,
+        holds_slot: bool,
+        place: &mut dyn FnMut(u64, &[u8]),
+    ) -> Result<(), ProtoError> {
+        match c {
+            Control::Data(d) => {
+                if d.len() > self.cfg.small_max as usize {
+                    return Err(ProtoError::Violation("small message larger than our slots"));
+                }
+                self.unadvertised_arrived();
+                self.early.push_back(Early::Bytes(d.to_vec(), 0, holds_slot));
+            }
+            Control::Fill { data, truncated } => {
+                let r = self.answer_ad(data.len() as u32, truncated)?;
+                if !data.is_empty() {
+                    place(r.addr, data);
+                }
+                self.actions.push_back(Action::Done(Done {
+                    req: r.req,
+                    op: OpKind::Recv,
+                    outcome: Ok(data.len() as u64),
+                    truncated,
+                }));
+            }
+            Control::Advertise(a) => {
+                if a.seq != self.next_peer_ad {
+                    return Err(ProtoError::Violation("advertisement out of sequence"));
+                }
+                self.next_peer_ad = self.next_peer_ad.wrapping_add(1);
+                self.peer_ads.push_back(a);
+            }
+            Control::Reject { seq } => {
+                let ad = self.ads.pop_front().ok_or(ProtoError::Violation("rejection of no advertisement"))?;
+                if ad.seq != seq {
+                    return Err(ProtoError::Violation("rejection out of sequence"));
+                }
+                if !ad.doomed {
+                    return Err(ProtoError::Violation("rejection of a current advertisement"));
+                }
+                if !ad.orphan {
+                    if let Some(r) = self.recvs.iter_mut().find(|r| r.ad == Some(seq)) {
+                        r.ad = None;
+                    }
+                }
+            }
+            Control::RingAck { consumed } => {
+                let ring =
+                    self.ring_out.as_mut().ok_or(ProtoError::Violation("stream-buffer acknowledgement without one"))?;
+                ring.on_ack(consumed)
+                    .map_err(|_| ProtoError::Violation("stream-buffer acknowledgement past what was sent"))?;
+            }
+            Control::Credit => {}
+            Control::Close => self.peer_closed = true,
+        }
+        Ok(())
+    }
+
+    /// The oldest advertisement not yet answered got `len` bytes: checks it may and takes its
+    /// receive (the first one waiting).
+    pub(super) fn answer_ad(&mut self, len: u32, truncated: bool) -> Result<InRecv, ProtoError> {
+        let ad = self.ads.pop_front().ok_or(ProtoError::Violation("write into no advertisement"))?;
+        if ad.doomed || ad.orphan {
+            return Err(ProtoError::Violation("write into an advertisement that had to be rejected"));
+        }
+        if len > ad.len || (truncated && self.cfg.kind == SocketKind::Stream) {
+            return Err(ProtoError::Violation("write past the advertised buffer"));
+        }
+        let at = self
+            .recvs
+            .iter()
+            .position(|r| r.ad == Some(ad.seq))
+            .ok_or(ProtoError::Violation("advertisement of no receive"))?;
+        if at != 0 {
+            return Err(ProtoError::Violation("advertisements answered out of order"));
+        }
+        Ok(self.recvs.pop_front().expect("found"))
+    }
+
+    pub(super) fn take_write(&mut self, imm: u32) -> Result<(), ProtoError> {
+        self.credits.on_receive(0).map_err(|_| ProtoError::Violation("write without a slot"))?;
+        self.credits.on_buffer_freed();
+        match WriteNote::decode(imm) {
+            WriteNote::Advertised { len, truncated } => {
+                let r = self.answer_ad(len, truncated)?;
+                self.actions.push_back(Action::Done(Done {
+                    req: r.req,
+                    op: OpKind::Recv,
+                    outcome: Ok(len as u64),
+                    truncated,
+                }));
+            }
+            WriteNote::Ring { len, wrapped } => {
+                if self.cfg.kind != SocketKind::Stream {
+                    return Err(ProtoError::Violation("stream-buffer write on a SOCK_SEQPACKET socket"));
+                }
+                let offset = self
+                    .ring_in
+                    .on_chunk(len as u64, wrapped)
+                    .map_err(|_| ProtoError::Violation("stream-buffer write past its space"))?;
+                self.unadvertised_arrived();
+                self.early.push_back(Early::Ring { offset, len: len as u64, used: 0, end: self.ring_in.received() });
+            }
+        }
+        Ok(())
+    }
+
+    /// Data outside advertisements arrived: every advertisement not yet answered was made
+    /// before it, and the sender will reject them all.
+    pub(super) fn unadvertised_arrived(&mut self) {
+        self.unadvertised_seen += 1;
+        for ad in &mut self.ads {
+            ad.doomed = true;
+        }
+    }
+
+    pub(super) fn orphan_ad(&mut self, ad: Option<u32>) {
+        if let Some(seq) = ad {
+            if let Some(a) = self.ads.iter_mut().find(|a| a.seq == seq) {
+                a.orphan = true;
+            }
+        }
+    }
+
+    pub(super) fn serve_recvs(&mut self) {
+        while !self.early.is_empty() && !self.recvs.is_empty() {
+            let r = self.recvs.pop_front().expect("checked");
+            self.orphan_ad(r.ad);
+            let (got, truncated) = match self.cfg.kind {
+                SocketKind::SeqPacket => self.copy_message(&r),
+                SocketKind::Stream => self.copy_stream(&r),
+            };
+            self.actions.push_back(Action::Done(Done { req: r.req, op: OpKind::Recv, outcome: Ok(got), truncated }));
+        }
+        if self.peer_closed && self.early.is_empty() {
+            // The end of the peer's data: nothing will fill these.
+            for r in std::mem::take(&mut self.recvs) {
+                self.orphan_ad(r.ad);
+                self.actions.push_back(Action::Done(Done {
+                    req: r.req,
+                    op: OpKind::Recv,
+                    outcome: Ok(0),
+                    truncated: false,
+                }));
+            }
+        }
+    }
+
+    pub(super) fn copy_message(&mut self, r: &InRecv) -> (u64, bool) {
+        match self.early.pop_front() {
+            Some(Early::Bytes(b, _, holds)) => {
+                let n = (b.len() as u64).min(r.len);
+                let truncated = (b.len() as u64) > r.len;
+                if n > 0 {
+                    let mut b = b;
+                    b.truncate(n as usize);
+                    self.actions.push_back(Action::Copy { dst: r.addr, src: CopySrc::Bytes(b), len: n });
+                }
+                if holds {
+                    self.credits.on_buffer_freed();
+                }
+                (n, truncated)
+            }
+            // Refused on arrival: SOCK_SEQPACKET has no stream buffer.
+            Some(Early::Ring { .. }) | None => (0, false),
+        }
+    }
+
+    pub(super) fn copy_stream(&mut self, r: &InRecv) -> (u64, bool) {
+        let mut got = 0u64;
+        while got < r.len {
+            let Some(front) = self.early.front_mut() else { break };
+            match front {
+                Early::Bytes(b, used, holds) => {
+                    let n = ((b.len() - *used) as u64).min(r.len - got);
+                    let piece = b[*used..*used + n as usize].to_vec();
+                    *used += n as usize;
+                    let (finished, holds) = (*used == b.len(), *holds);
+                    if n > 0 {
+                        self.actions.push_back(Action::Copy { dst: r.addr + got, src: CopySrc::Bytes(piece), len: n });
+                    }
+                    got += n;
+                    if finished {
+                        self.early.pop_front();
+                        if holds {
+                            self.credits.on_buffer_freed();
+                        }
+                    }
+                }
+                Early::Ring { offset, len, used, end } => {
+                    let n = (*len - *used).min(r.len - got);
+                    self.actions.push_back(Action::Copy {
+                        dst: r.addr + got,
+                        src: CopySrc::Ring(*offset + *used),
+                        len: n,
+                    });
+                    *used += n;
+                    got += n;
+                    if *used == *len {
+                        let end = *end;
+                        self.early.pop_front();
+                        self.ring_in.consume_to(end);
+                    }
+                }
+            }
+        }
+        (got, false)
+    }
+
+    /// Advertises waiting receives in order, while advertisement credits and slot credits
+    /// last, and never past a receive whose advertisement awaits its rejection (bytes must
+    /// land in the order receives were posted).
+    pub(super) fn advertise(&mut self) {
+        if self.peer_closed || !self.early.is_empty() {
+            return;
+        }
+        for i in 0..self.recvs.len() {
+            if let Some(seq) = self.recvs[i].ad {
+                if self.ads.iter().any(|a| a.seq == seq && a.doomed) {
+                    return;
+                }
+                continue;
+            }
+            if self.ads.len() as u32 >= self.cfg.adv_credits.max(1) || !self.may_queue(wire::MAX_CONTROL) {
+                return;
+            }
+            let seq = self.next_ad;
+            self.next_ad = self.next_ad.wrapping_add(1);
+            let r = &mut self.recvs[i];
+            r.ad = Some(seq);
+            let ad = Advert {
+                seq,
+                unadvertised_seen: self.unadvertised_seen,
+                addr: r.addr,
+                len: r.len as u32,
+                rkey: r.rkey,
+            };
+            self.ads.push_back(SentAd { seq, len: ad.len, doomed: false, orphan: false });
+            self.queue_control(Control::Advertise(ad));
+        }
+    }
+}

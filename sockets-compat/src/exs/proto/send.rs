@@ -1,0 +1,239 @@
+//! The sending side of a connection end: matching queued bytes against the peer's
+//! advertisements, small messages, the stream buffer, and completing sends and close.
+
+use smallvec::SmallVec;
+
+use super::*;
+
+impl Proto {
+    pub(super) fn first_untaken(&self) -> Option<usize> {
+        self.sends.iter().position(|s| !s.handed)
+    }
+
+    /// Matches queued bytes against advertisements, then small messages, then the stream
+    /// buffer, while credits last.
+    pub(super) fn match_sends(&mut self) {
+        loop {
+            // Stale advertisements are answered at once, data or not: the receiver waits for
+            // their rejection before it advertises the receives behind them.
+            while let Some(ad) = self.peer_ads.front() {
+                if ad.unadvertised_seen == self.unadvertised_sent || !self.may_queue(wire::MAX_CONTROL) {
+                    break;
+                }
+                let seq = ad.seq;
+                self.peer_ads.pop_front();
+                self.queue_control(Control::Reject { seq });
+            }
+            let Some(i) = self.first_untaken() else { return };
+            if let Some(ad) = self.peer_ads.front().copied() {
+                if ad.unadvertised_seen != self.unadvertised_sent {
+                    return;
+                }
+                if self.try_fill_inline(i, &ad) {
+                    continue;
+                }
+                if !self.credits.can_send_data() {
+                    return;
+                }
+                self.peer_ads.pop_front();
+                self.credits.on_send_bare();
+                match self.cfg.kind {
+                    SocketKind::SeqPacket => self.fill_message(i, &ad),
+                    SocketKind::Stream => self.fill_stream(i, &ad),
+                }
+                continue;
+            }
+            if !self.credits.can_send_data() {
+                return;
+            }
+            if self.try_small(i) || self.try_ring(i) {
+                continue;
+            }
+            return;
+        }
+    }
+
+    pub(super) fn fill_message(&mut self, i: usize, ad: &Advert) {
+        let s = &mut self.sends[i];
+        let n = s.len.min(ad.len as u64) as u32;
+        let truncated = s.len > ad.len as u64;
+        s.taken = s.len;
+        s.handed = true;
+        s.writes += 1;
+        let piece = Piece { addr: s.addr, len: n, lkey: s.lkey };
+        let imm = WriteNote::Advertised { len: n, truncated }.encode();
+        self.actions.push_back(Action::Write {
+            send: s.id,
+            piece,
+            remote_addr: ad.addr,
+            rkey: ad.rkey,
+            imm: Some(imm),
+        });
+    }
+
+    pub(super) fn fill_stream(&mut self, first: usize, ad: &Advert) {
+        let mut room = ad.len as u64;
+        let mut at = 0u64;
+        let mut writes: SmallVec<[(u64, Piece); 4]> = SmallVec::new();
+        for s in self.sends.iter_mut().skip(first) {
+            if room == 0 {
+                break;
+            }
+            let n = (s.len - s.taken).min(room);
+            if n == 0 {
+                continue;
+            }
+            writes.push((s.id, Piece { addr: s.addr + s.taken, len: n as u32, lkey: s.lkey }));
+            s.taken += n;
+            s.handed = s.taken == s.len;
+            s.writes += 1;
+            room -= n;
+        }
+        let last = writes.len().saturating_sub(1);
+        for (k, (send, piece)) in writes.into_iter().enumerate() {
+            let remote_addr = ad.addr + at;
+            at += piece.len as u64;
+            let imm = (k == last).then(|| WriteNote::Advertised { len: at as u32, truncated: false }.encode());
+            self.actions.push_back(Action::Write { send, piece, remote_addr, rkey: ad.rkey, imm });
+        }
+    }
+
+    /// Sends small messages in the control message itself, only while more than half the
+    /// peer's slots are free (the slots it holds stay held until its application reads them;
+    /// the other half keeps advertisements and credits moving).
+    pub(super) fn try_small(&mut self, first: usize) -> bool {
+        let limit = self.small_out as u64;
+        let spare = self.credits.available() * 2 > self.cfg.peer.slots.min(self.cfg.slots) as u64 + 2;
+        let s = &self.sends[first];
+        if limit == 0 || !spare || s.len - s.taken > limit {
+            return false;
+        }
+        let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();
+        let mut total = 0u64;
+        for (k, s) in self.sends.iter_mut().skip(first).enumerate() {
+            let n = s.len - s.taken;
+            if total + n > limit || (self.cfg.kind == SocketKind::SeqPacket && k > 0) || pieces.len() == MAX_PIECES {
+                break;
+            }
+            if n > 0 {
+                pieces.push(Piece { addr: s.addr + s.taken, len: n as u32, lkey: s.lkey });
+            }
+            total += n;
+            s.taken = s.len;
+            s.handed = true;
+        }
+        self.unadvertised_sent += 1;
+        // The bytes are copied when the message is posted: the sends complete after it.
+        let len = DATA_OVERHEAD + total as usize;
+        self.queue(|grant| Record::Small { fill: None, pieces, grant }, len);
+        true
+    }
+
+    /// Answers the advertisement at hand with the bytes inside a record, when they are few
+    /// (at most the small size): the receiver copies them into its buffer, and the record
+    /// shares a SEND with the control records around it, where a write would be a request
+    /// of its own.
+    pub(super) fn try_fill_inline(&mut self, first: usize, ad: &Advert) -> bool {
+        let limit = (self.small_out as u64).min(ad.len as u64);
+        let (n, truncated) = match self.cfg.kind {
+            SocketKind::SeqPacket => {
+                let s = &self.sends[first];
+                (s.len.min(ad.len as u64), s.len > ad.len as u64)
+            }
+            // Only when everything queued fits: a stream with more at hand fills the whole
+            // advertisement by RDMA instead.
+            SocketKind::Stream => (self.sends.iter().skip(first).map(|s| s.len - s.taken).sum::<u64>(), false),
+        };
+        if self.small_out == 0 || n > limit || (n == 0 && self.cfg.kind == SocketKind::Stream) {
+            return false;
+        }
+        if DATA_OVERHEAD + n as usize > self.peer_slot || !self.may_queue(DATA_OVERHEAD + n as usize) {
+            return false;
+        }
+        let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();
+        let mut left = n;
+        for s in self.sends.iter_mut().skip(first) {
+            if self.cfg.kind == SocketKind::SeqPacket {
+                if n > 0 {
+                    pieces.push(Piece { addr: s.addr, len: n as u32, lkey: s.lkey });
+                }
+                s.taken = s.len;
+                s.handed = true;
+                break;
+            }
+            if left == 0 || (pieces.len() == MAX_PIECES) {
+                // Never more pieces than a work request gathers: the rest goes next time.
+                break;
+            }
+            let k = (s.len - s.taken).min(left);
+            pieces.push(Piece { addr: s.addr + s.taken, len: k as u32, lkey: s.lkey });
+            s.taken += k;
+            s.handed = s.taken == s.len;
+            left -= k;
+        }
+        let len = DATA_OVERHEAD + pieces.iter().map(|p| p.len as usize).sum::<usize>();
+        self.peer_ads.pop_front();
+        self.queue(|grant| Record::Small { fill: Some(truncated), pieces, grant }, len);
+        true
+    }
+
+    pub(super) fn try_ring(&mut self, first: usize) -> bool {
+        let Some(ring) = self.ring_out.as_mut() else { return false };
+        let s = &mut self.sends[first];
+        let n = (s.len - s.taken).min(ring.max_chunk());
+        let Some(place) = ring.reserve(n) else { return false };
+        let piece = Piece { addr: s.addr + s.taken, len: n as u32, lkey: s.lkey };
+        s.taken += n;
+        s.handed = s.taken == s.len;
+        s.writes += 1;
+        let imm = WriteNote::Ring { len: n as u32, wrapped: place.wrapped }.encode();
+        let id = s.id;
+        self.unadvertised_sent += 1;
+        self.credits.on_send_bare();
+        let remote_addr = self.cfg.peer.ring_addr + place.offset;
+        self.actions.push_back(Action::Write {
+            send: id,
+            piece,
+            remote_addr,
+            rkey: self.cfg.peer.ring_rkey,
+            imm: Some(imm),
+        });
+        true
+    }
+
+    /// Completes the sends at the front whose bytes all went and whose writes completed
+    /// (sends complete in order, as a stream's bytes do).
+    pub(super) fn finish_sends(&mut self) {
+        while let Some(s) = self.sends.front() {
+            if !s.handed || s.writes > 0 {
+                return;
+            }
+            let s = self.sends.pop_front().expect("checked");
+            self.actions.push_back(Action::Done(Done {
+                req: s.req,
+                op: OpKind::Send,
+                outcome: Ok(s.len),
+                truncated: false,
+            }));
+        }
+    }
+
+    pub(super) fn send_close(&mut self) {
+        let Some(_) = self.close_wanted else { return };
+        if self.close_sent || self.sends.iter().any(|s| !s.handed) || !self.may_queue(wire::HEADER) {
+            return;
+        }
+        self.close_sent = true;
+        self.queue_control(Control::Close);
+    }
+
+    /// Reports the close once its message went and every send completed.
+    pub(super) fn finish_close(&mut self) {
+        if let Some(req) = self.close_wanted {
+            if self.close_sent && self.sends.is_empty() && !self.close_reported {
+                self.close_reported = true;
+                self.actions.push_back(Action::Done(Done { req, op: OpKind::Close, outcome: Ok(0), truncated: false }));
+            }
+        }
+    }
+}
