@@ -249,6 +249,8 @@ fn caller_errors_are_refused_at_once() {
     assert_eq!(s.recv(&q, 3, &m, 200, 100), Err(ExsError::QueueFull));
     assert_eq!(q.status().pending, 2);
     assert!(q.set_capacity(1).is_err());
+    // A close that finds the queue full is refused and leaves the socket open.
+    assert_eq!(s.close(&q, 4), Err(ExsError::QueueFull));
     // Deregistering memory with I/O in flight.
     let (m, e) = m.deregister().unwrap_err();
     assert_eq!(e.errno(), libc::EBUSY);

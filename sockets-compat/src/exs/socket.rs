@@ -362,19 +362,17 @@ impl ExsSocket {
     /// accepting (waiting accepts complete with `ECANCELED`).
     pub fn close(&self, queue: &EventQueue, req: u64) -> ExsResult<()> {
         let mut st = lock(&self.0.state);
-        let was = std::mem::replace(&mut *st, State::Closed);
-        if !matches!(was, State::Connecting) {
-            self.0.closed.store(true, Ordering::Release);
-        }
-        match was {
+        match &*st {
             State::Closed => return Err(ExsError::state("socket already closed", libc::EBADF)),
-            State::Connecting => {
-                *st = State::Connecting;
-                return Err(ExsError::state("connect in progress", libc::EINPROGRESS));
-            }
+            State::Connecting => return Err(ExsError::state("connect in progress", libc::EINPROGRESS)),
+            _ => {}
+        }
+        // The event's place first: a full queue refuses the close and leaves the socket open.
+        queue.reserve()?;
+        self.0.closed.store(true, Ordering::Release);
+        match std::mem::replace(&mut *st, State::Closed) {
             State::Connected(conn) => {
                 drop(st);
-                queue.reserve()?;
                 let op = Op { req, kind: EventKind::Close, target: Some((queue.clone(), self.clone())), hold: None };
                 let r = conn.start(op, |p, token| p.close(token));
                 if r.is_err() {
@@ -383,10 +381,9 @@ impl ExsSocket {
                 return r;
             }
             State::Listening(l) => stop_listening(&l),
-            State::Fresh { .. } => {}
+            _ => {}
         }
         drop(st);
-        queue.reserve()?;
         queue.deliver(Event {
             req,
             kind: EventKind::Close,
