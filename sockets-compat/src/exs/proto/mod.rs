@@ -1,7 +1,7 @@
 //! One EXS connection's decisions, sans-IO: which advertisement a send's bytes go into, when
 //! a receive is advertised, what arrived outside advertisements and which receive it fills,
 //! credits, stream-buffer space, close. Plain state and functions: the driver
-//! ([`super::conn`]) feeds it the application's calls and the queue pair's completions and
+//! (`exs::conn`) feeds it the application's calls and the queue pair's completions and
 //! carries out the [`Action`]s it returns, in order.
 //!
 //! The transfer is UNH-EXS's: `recv` advertises its buffer (address, length, key) by SEND;
@@ -13,8 +13,11 @@
 //! - every advertisement carries the count of unadvertised deliveries the receiver had seen;
 //!   a sender that made more rejects it (the receiver fills that buffer from what arrived
 //!   first), so bytes and messages stay in order whatever crosses on the wire;
+//! - a SEND packs records: an advertisement rides with the small message after it, and a
+//!   message of at most the small size answers an advertisement at hand inside a record
+//!   (a fill) rather than by a write of its own;
 //! - every SEND and write-with-immediate takes one of the peer's posted slots, under the
-//!   credit accounting of [`fc::Credits`] (grants ride on every control message).
+//!   credit accounting of [`Credits`] (grants ride on every record).
 
 use std::collections::VecDeque;
 
