@@ -26,6 +26,10 @@ static BUSY_POLL: AtomicBool = AtomicBool::new(true);
 static CPU: AtomicI64 = AtomicI64::new(-1);
 static CPU_CHANGED: AtomicBool = AtomicBool::new(false);
 static DEQUEUERS: AtomicUsize = AtomicUsize::new(0);
+/// Waits begun (an application that polls in a loop leaves `DEQUEUERS` at zero between its
+/// calls), and waits that went to sleep handing the polling over.
+static DEQUEUE_CALLS: AtomicU64 = AtomicU64::new(0);
+static HANDOVERS: AtomicU64 = AtomicU64::new(0);
 /// The completion thread stands back because application threads poll.
 static APP_DRIVES: AtomicBool = AtomicBool::new(false);
 
@@ -94,7 +98,13 @@ fn unregister_finished() {
     }
 }
 
-/// Wakes the completion thread (a poller going to sleep hands the polling over).
+/// A poller goes to sleep: the completion thread takes the polling over at once.
+pub(crate) fn hand_over() {
+    HANDOVERS.fetch_add(1, Ordering::Release);
+    wake();
+}
+
+/// Wakes the completion thread.
 pub(crate) fn wake() {
     if let Some(t) = thread_handle().lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
         t.unpark();
@@ -174,6 +184,7 @@ pub(crate) struct Dequeuer;
 impl Dequeuer {
     pub(crate) fn enter() -> Dequeuer {
         DEQUEUERS.fetch_add(1, Ordering::AcqRel);
+        DEQUEUE_CALLS.fetch_add(1, Ordering::Relaxed);
         Dequeuer
     }
 }
@@ -186,6 +197,7 @@ impl Drop for Dequeuer {
 
 fn completion_thread() {
     let mut last_progress = Instant::now();
+    let (mut seen_calls, mut seen_handovers) = (0, 0);
     loop {
         if CPU_CHANGED.swap(false, Ordering::AcqRel) {
             apply_cpu();
@@ -195,7 +207,12 @@ fn completion_thread() {
             std::thread::park_timeout(Duration::from_millis(100));
             continue;
         }
-        let app_polls = busy_poll() && DEQUEUERS.load(Ordering::Acquire) > 0;
+        // Application threads poll if one waits now or one began a wait since the last look
+        // (between two calls of a polling loop none waits), unless one handed over.
+        let (calls, handovers) = (DEQUEUE_CALLS.load(Ordering::Relaxed), HANDOVERS.load(Ordering::Acquire));
+        let recent = calls != seen_calls && handovers == seen_handovers;
+        (seen_calls, seen_handovers) = (calls, handovers);
+        let app_polls = busy_poll() && (DEQUEUERS.load(Ordering::Acquire) > 0 || recent);
         if APP_DRIVES.load(Ordering::Relaxed) != app_polls {
             APP_DRIVES.store(app_polls, Ordering::Relaxed);
         }

@@ -237,7 +237,7 @@ impl EventQueue {
             // Nothing for a while: sleep until the completion thread (which takes over the
             // polling now, asleep on every queue pair's completion events) queues an event.
             polling = None;
-            engine::wake();
+            engine::hand_over();
             let mut s = self.lock();
             if s.events.is_empty() {
                 let nap = if engine::busy_poll() { Duration::from_millis(1) } else { Duration::from_millis(50) };
