@@ -488,6 +488,7 @@ impl Server {
                 println!("ready");
                 std::io::stdout().flush().map_err(|e| e.to_string())?;
                 let (mut c, _) = self.sdp[i].accept_timeout(LIMIT).map_err(|e| e.to_string())?;
+                c.set_read_timeout(Some(LIMIT)).map_err(|e| e.to_string())?;
                 let mut buf = crate::PageBuf::new(size, 0);
                 loop {
                     let n = c.read(&mut buf).map_err(|e| e.to_string())?;

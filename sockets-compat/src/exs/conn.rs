@@ -29,8 +29,6 @@ const NO_BUFFER: u64 = (1 << 56) - 1;
 /// Inline requests left unsignaled in a row at most: a NIC frees send-queue slots only
 /// when a later request's completion comes, so one in this many asks for one.
 const SIGNAL_EVERY: u32 = 16;
-/// The largest inline request (the queue pair's `max_inline_data`).
-const INLINE_CAP: usize = 256;
 
 /// Send requests a connection keeps outstanding at most (more wait in its backlog).
 pub(crate) const SEND_DEPTH: u32 = 512;
@@ -394,7 +392,7 @@ impl State {
 
     fn post_tx(&mut self, i: u32, len: usize) -> portability_verbs::Result<()> {
         let sge = self.mem.tx.sge(i as usize * self.mem.tx_size, len);
-        let inline = len <= INLINE_CAP;
+        let inline = len <= self.qp.caps().max_inline_data as usize;
         // Inline data is copied at posting: the buffer is free again at once.
         let wr_id = if inline { TAG_TX | NO_BUFFER } else { TAG_TX | i as u64 };
         let r = self.post(SendWr::send(wr_id, &[sge]).inline(inline), inline);

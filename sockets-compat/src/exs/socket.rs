@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use portability_verbs::cm::{self, CmAddr, Connection, QpSpec};
-use portability_verbs::{AccessFlags, MemoryRegion};
+use portability_verbs::{AccessFlags, MemoryRegion, QpCaps};
 
 use super::conn::{Conn, ConnMemory, Op, SEND_DEPTH};
 use super::engine;
@@ -412,7 +412,9 @@ impl ExsSocket {
         let mut o = lock(&self.0.options);
         match t {
             Tunable::SmallMax if (0..=SMALL_MAX_LIMIT as i64).contains(&value) => o.small_max = value as u32,
-            Tunable::InlineMax if (0..=256).contains(&value) => o.inline_max = value as u32,
+            Tunable::InlineMax if (0..=QpCaps::default().max_inline_data as i64).contains(&value) => {
+                o.inline_max = value as u32
+            }
             Tunable::AdvCredits if (1..=32).contains(&value) => o.adv_credits = value as u32,
             Tunable::RecvBuffer if self.0.kind != SocketKind::Stream => {
                 return Err(ExsError::state("only SOCK_STREAM has a stream buffer", libc::EOPNOTSUPP))

@@ -329,6 +329,11 @@ impl Proto {
         }
     }
 
+    /// Queues the completion of operation `req`.
+    fn done(&mut self, req: u64, op: OpKind, outcome: Outcome, truncated: bool) {
+        self.actions.push_back(Action::Done(Done { req, op, outcome, truncated }));
+    }
+
     fn queue_control(&mut self, c: Control<'static>) {
         let len = c.encoded_len();
         self.queue(|g| Record::Control(c, g), len);
@@ -367,7 +372,7 @@ impl Proto {
             return Err(libc::EMSGSIZE);
         }
         if self.cfg.kind == SocketKind::Stream && len == 0 {
-            self.actions.push_back(Action::Done(Done { req, op: OpKind::Send, outcome: Ok(0), truncated: false }));
+            self.done(req, OpKind::Send, Ok(0), false);
             return Ok(());
         }
         let id = self.next_send;
@@ -399,12 +404,7 @@ impl Proto {
         self.close_wanted = Some(req);
         for r in std::mem::take(&mut self.recvs) {
             self.orphan_ad(r.ad);
-            self.actions.push_back(Action::Done(Done {
-                req: r.req,
-                op: OpKind::Recv,
-                outcome: Err(libc::ECANCELED),
-                truncated: false,
-            }));
+            self.done(r.req, OpKind::Recv, Err(libc::ECANCELED), false);
         }
         if self.failed.is_some() {
             self.finish_close();
@@ -422,20 +422,10 @@ impl Proto {
         }
         self.failed = Some(errno);
         for s in std::mem::take(&mut self.sends) {
-            self.actions.push_back(Action::Done(Done {
-                req: s.req,
-                op: OpKind::Send,
-                outcome: Err(errno),
-                truncated: false,
-            }));
+            self.done(s.req, OpKind::Send, Err(errno), false);
         }
         for r in std::mem::take(&mut self.recvs) {
-            self.actions.push_back(Action::Done(Done {
-                req: r.req,
-                op: OpKind::Recv,
-                outcome: Err(errno),
-                truncated: false,
-            }));
+            self.done(r.req, OpKind::Recv, Err(errno), false);
         }
         self.close_sent = true;
         self.finish_close();

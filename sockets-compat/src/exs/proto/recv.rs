@@ -49,12 +49,7 @@ impl Proto {
                 if !data.is_empty() {
                     place(r.addr, data);
                 }
-                self.actions.push_back(Action::Done(Done {
-                    req: r.req,
-                    op: OpKind::Recv,
-                    outcome: Ok(data.len() as u64),
-                    truncated,
-                }));
+                self.done(r.req, OpKind::Recv, Ok(data.len() as u64), truncated);
             }
             Control::Advertise(a) => {
                 if a.seq != self.next_peer_ad {
@@ -116,12 +111,7 @@ impl Proto {
         match WriteNote::decode(imm) {
             WriteNote::Advertised { len, truncated } => {
                 let r = self.answer_ad(len, truncated)?;
-                self.actions.push_back(Action::Done(Done {
-                    req: r.req,
-                    op: OpKind::Recv,
-                    outcome: Ok(len as u64),
-                    truncated,
-                }));
+                self.done(r.req, OpKind::Recv, Ok(len as u64), truncated);
             }
             WriteNote::Ring { len, wrapped } => {
                 if self.cfg.kind != SocketKind::Stream {
@@ -163,18 +153,13 @@ impl Proto {
                 SocketKind::SeqPacket => self.copy_message(&r),
                 SocketKind::Stream => self.copy_stream(&r),
             };
-            self.actions.push_back(Action::Done(Done { req: r.req, op: OpKind::Recv, outcome: Ok(got), truncated }));
+            self.done(r.req, OpKind::Recv, Ok(got), truncated);
         }
         if self.peer_closed && self.early.is_empty() {
             // The end of the peer's data: nothing will fill these.
             for r in std::mem::take(&mut self.recvs) {
                 self.orphan_ad(r.ad);
-                self.actions.push_back(Action::Done(Done {
-                    req: r.req,
-                    op: OpKind::Recv,
-                    outcome: Ok(0),
-                    truncated: false,
-                }));
+                self.done(r.req, OpKind::Recv, Ok(0), false);
             }
         }
     }

@@ -209,12 +209,7 @@ impl Proto {
                 return;
             }
             let s = self.sends.pop_front().expect("checked");
-            self.actions.push_back(Action::Done(Done {
-                req: s.req,
-                op: OpKind::Send,
-                outcome: Ok(s.len),
-                truncated: false,
-            }));
+            self.done(s.req, OpKind::Send, Ok(s.len), false);
         }
     }
 
@@ -232,7 +227,7 @@ impl Proto {
         if let Some(req) = self.close_wanted {
             if self.close_sent && self.sends.is_empty() && !self.close_reported {
                 self.close_reported = true;
-                self.actions.push_back(Action::Done(Done { req, op: OpKind::Close, outcome: Ok(0), truncated: false }));
+                self.done(req, OpKind::Close, Ok(0), false);
             }
         }
     }
