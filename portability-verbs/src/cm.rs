@@ -576,7 +576,7 @@ impl Listener {
             if left.is_zero() {
                 return Err(deadline.expired());
             }
-            crate::soft::sys::wait_any_readable(&mut fds, Some(left.min(ACCEPT_SLICE)))?;
+            crate::os::wait_any_readable(&mut fds, Some(left.min(ACCEPT_SLICE)))?;
         }
     }
 }

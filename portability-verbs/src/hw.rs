@@ -313,7 +313,7 @@ impl HwCq {
     }
 
     pub fn wait_event(&self, timeout: Option<Duration>) -> Result<bool> {
-        crate::soft::sys::wait_readable(self.event_fd(), timeout)
+        crate::os::wait_readable(self.event_fd(), timeout)
     }
 
     pub fn ack_event(&self) {
@@ -514,7 +514,7 @@ impl HwQp {
         if qp.is_null() {
             return Err(errno_err("ibv_create_qp"));
         }
-        let psn = (crate::soft::unique_id() & 0x00ff_ffff) as u32;
+        let psn = (crate::os::unique_id() & 0x00ff_ffff) as u32;
         Ok(HwQp { pd: pd.clone(), qp, _cqs: (send_cq.clone(), recv_cq.clone()), _srq: srq, caps, psn })
     }
 

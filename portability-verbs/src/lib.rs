@@ -41,6 +41,7 @@ pub mod env;
 pub mod error;
 #[cfg(feature = "hardware")]
 mod hw;
+pub mod os;
 pub mod protect;
 pub mod soft;
 pub mod types;

@@ -86,7 +86,7 @@ impl Context {
 
     /// Opens the software device with explicit tunables.
     pub fn open_soft(config: SoftConfig) -> Result<Context> {
-        Ok(Context(CtxImpl::Soft(CtxInner::open(config)?)))
+        Ok(Context(CtxImpl::Soft(soft::open_context(config)?)))
     }
 
     /// The provider of this context.
@@ -428,7 +428,7 @@ pub fn wait_any(cqs: &[&CompletionQueue], timeout: Duration) -> Result<bool> {
         cq.req_notify()?;
         fds.push(libc::pollfd { fd: cq.event_fd(), events: libc::POLLIN, revents: 0 });
     }
-    let fired = crate::soft::sys::wait_any_readable(&mut fds, Some(timeout))?;
+    let fired = crate::os::wait_any_readable(&mut fds, Some(timeout))?;
     for (cq, fd) in cqs.iter().zip(&fds) {
         if fd.revents != 0 {
             cq.ack_event();

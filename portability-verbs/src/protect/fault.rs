@@ -58,7 +58,7 @@ fn fill_hole(addr: usize) -> bool {
     if GUARDED.with(|g| g.load(Ordering::Relaxed)) == 0 || !super::read_only_hold_at(addr) {
         return false;
     }
-    let page = crate::soft::page_size();
+    let page = crate::os::page_size();
     // SAFETY: maps one private anonymous page where nothing is mapped (MAP_FIXED_NOREPLACE
     // fails rather than replace a mapping); no existing memory changes.
     let p = unsafe {

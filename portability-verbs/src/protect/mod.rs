@@ -240,7 +240,7 @@ fn open_lazy(i: usize) -> bool {
     // while the lazy range lives (a hole unmapped against that contract just fails, page by
     // page, without opening anything mapped there since).
     if unsafe { libc::mprotect(start as *mut libc::c_void, end - start, rw) } != 0 {
-        let page = crate::soft::page_size();
+        let page = crate::os::page_size();
         for p in (start..end).step_by(page) {
             // SAFETY: as above, one page at a time.
             unsafe { libc::mprotect(p as *mut libc::c_void, page, rw) };
@@ -349,7 +349,7 @@ impl ProtectedRange {
 /// block (the progress path that will release the hold, anything holding a lock it needs) must
 /// not touch the range with plain loads or stores.
 pub unsafe fn protect(addr: usize, len: usize, prot: Protection) -> Result<ProtectedRange> {
-    let page = crate::soft::page_size();
+    let page = crate::os::page_size();
     if !addr.is_multiple_of(page) || !len.is_multiple_of(page) || len == 0 {
         return Err(VerbsError::invalid("protected ranges must be whole pages"));
     }
@@ -583,7 +583,7 @@ fn remove_hold(w: &mut Writer, i: usize) {
                 // Part of the range was unmapped under the hold (against the contract), and
                 // mprotect stops at the first hole: loosen page by page, so pages mapped there
                 // since (another buffer, held and released meanwhile) are not left closed.
-                let page = crate::soft::page_size();
+                let page = crate::os::page_size();
                 for p in (x..y).step_by(page) {
                     // SAFETY: as above, one page at a time; unmapped pages just fail.
                     let _ = unsafe { set_protection(p, p + page, base) };
@@ -651,7 +651,7 @@ unsafe fn set_protection(x: usize, y: usize, level: u8) -> Result<()> {
 /// Declares that `[a, a + len)` and `[b, b + len)` map the same memory (two `mmap`s of one
 /// file): from now on a hold on either protects both. Dropping the returned guard forgets it.
 pub fn register_alias(a: usize, b: usize, len: usize) -> Result<AliasGuard> {
-    let page = crate::soft::page_size();
+    let page = crate::os::page_size();
     if !a.is_multiple_of(page) || !b.is_multiple_of(page) || !len.is_multiple_of(page) || len == 0 {
         return Err(VerbsError::invalid("aliased ranges must be whole pages"));
     }
@@ -698,7 +698,7 @@ mod tests {
 
     impl Pages {
         fn new(n: usize) -> Pages {
-            let len = n * crate::soft::page_size();
+            let len = n * crate::os::page_size();
             // SAFETY: a private anonymous mapping with no preconditions.
             let p = unsafe {
                 libc::mmap(
@@ -768,7 +768,7 @@ mod tests {
         });
         std::thread::sleep(Duration::from_millis(30));
         // The "NIC" writes through the protection, then the transport releases the hold.
-        crate::soft::sys::write_self_mem(addr as u64, &0xfeed_u64.to_ne_bytes()).unwrap();
+        crate::os::write_self_mem(addr as u64, &0xfeed_u64.to_ne_bytes()).unwrap();
         drop(hold);
         assert_eq!(reader.join().unwrap(), 0xfeed);
         assert!(!overlaps(pages.addr, pages.len));
@@ -778,7 +778,7 @@ mod tests {
     fn overlapping_holds_keep_the_strictest_protection_until_the_last_goes() {
         let _s = serial();
         let pages = Pages::new(3);
-        let p = crate::soft::page_size();
+        let p = crate::os::page_size();
         // SAFETY: our own fresh pages.
         let (send, recv) = unsafe {
             (
@@ -805,7 +805,7 @@ mod tests {
     fn a_copy_learns_in_one_scan_what_each_query_says() {
         let _s = serial();
         let pages = Pages::new(4);
-        let p = crate::soft::page_size();
+        let p = crate::os::page_size();
         let (ro, na, free) = (pages.addr, pages.addr + p, pages.addr + 3 * p);
         // SAFETY: our own fresh pages.
         let (_send, _recv) =
@@ -828,7 +828,7 @@ mod tests {
     #[test]
     fn an_alias_is_protected_with_its_original() {
         let _s = serial();
-        let p = crate::soft::page_size();
+        let p = crate::os::page_size();
         // SAFETY: plain memfd and mmap calls; both mappings are unmapped at the end.
         let (a, b, fd) = unsafe {
             let fd = libc::memfd_create(c"alias-test".as_ptr(), 0);
@@ -868,7 +868,7 @@ mod tests {
         extern "C" fn theirs(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
             // SAFETY: a valid siginfo from the kernel (through our chaining).
             let addr = unsafe { (*info).si_addr() } as usize;
-            if addr & !(crate::soft::page_size() - 1) == PAGE.load(Ordering::SeqCst) {
+            if addr & !(crate::os::page_size() - 1) == PAGE.load(Ordering::SeqCst) {
                 CALLED.fetch_add(1, Ordering::SeqCst);
                 // SAFETY: opens the page this test closed.
                 unsafe { libc::mprotect(addr as *mut libc::c_void, 4096, libc::PROT_READ | libc::PROT_WRITE) };
@@ -928,7 +928,7 @@ mod tests {
     fn a_lazy_range_still_blocks_kernel_writes_until_opened() {
         let _s = serial();
         let pages = Pages::new(2);
-        let p = crate::soft::page_size();
+        let p = crate::os::page_size();
         assert!(!kernel_write_blocked(pages.addr, 2 * p));
         // SAFETY: our own fresh pages, which outlive the holds and lazy ranges on them.
         let hold = unsafe { protect(pages.addr, p, Protection::ReadOnly).unwrap() };
@@ -978,7 +978,7 @@ mod tests {
     fn lazy_ranges_give_way_to_other_holds() {
         let _s = serial();
         let pages = Pages::new(3);
-        let p = crate::soft::page_size();
+        let p = crate::os::page_size();
         // SAFETY: our own fresh pages.
         let (a, b) = unsafe {
             (
@@ -1006,7 +1006,7 @@ mod tests {
     fn a_guarded_read_of_a_vanished_send_buffer_reports_it_instead_of_crashing() {
         let _s = serial();
         let pages = Pages::new(2);
-        let p = crate::soft::page_size();
+        let p = crate::os::page_size();
         // SAFETY: our own fresh pages.
         let hold = unsafe { protect(pages.addr, pages.len, Protection::ReadOnly) }.unwrap();
         let mut out = vec![1u8; pages.len];

@@ -14,14 +14,19 @@
 use std::sync::{Condvar, Mutex, Weak};
 use std::time::Duration;
 
-use super::qp::QpInner;
-
 /// How often waiting requests are looked at while some wait. Their owner, if it is driving
 /// its queues, starts them sooner; this only bounds how long an idle owner holds a peer up.
 pub(crate) const PERIOD: Duration = Duration::from_millis(1);
 
+/// A queue pair with requests that could not start (the queue pairs are built on this module,
+/// so it holds them through this trait instead of naming them).
+pub(crate) trait Waiting: Send + Sync {
+    /// Starts what the target made room for; whether requests still wait.
+    fn drive_waiting(&self) -> bool;
+}
+
 struct Watched {
-    qps: Vec<Weak<QpInner>>,
+    qps: Vec<Weak<dyn Waiting>>,
     /// The process that started the thread (a forked child has no such thread).
     thread_of: Option<u32>,
 }
@@ -41,7 +46,7 @@ fn backstop() -> &'static Backstop {
 
 /// Watches `qp`, whose send queue holds requests that could not start. The caller marks it
 /// watched (so it registers once until the backstop finds nothing waiting).
-pub(crate) fn watch(qp: Weak<QpInner>) {
+pub(crate) fn watch(qp: Weak<dyn Waiting>) {
     let b = backstop();
     let mut w = b.watched.lock().unwrap_or_else(|p| p.into_inner());
     w.qps.push(qp);
@@ -61,7 +66,7 @@ pub(crate) fn watch(qp: Weak<QpInner>) {
 
 fn run() {
     let b = backstop();
-    let mut round: Vec<Weak<QpInner>> = Vec::new();
+    let mut round: Vec<Weak<dyn Waiting>> = Vec::new();
     loop {
         {
             let mut w = b.watched.lock().unwrap_or_else(|p| p.into_inner());

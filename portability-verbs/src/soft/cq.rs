@@ -8,48 +8,62 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::ctx::CtxInner;
-use super::qp::{Out, QpInner};
 use super::spin::SpinLock;
-use super::sys;
 use crate::error::{Result, VerbsError};
+use crate::os;
 use crate::types::WorkCompletion;
+
+/// Completions produced by one pass, `true` for send-queue ones; inline up to 8 (no allocation).
+pub(crate) type Out = smallvec::SmallVec<[(bool, WorkCompletion); 8]>;
+
+/// What a completion queue drives: the queue pairs that report to it (they are built on
+/// completion queues, so the queue is generic over them instead of naming them; one type, so
+/// a poll's calls are direct).
+pub(crate) trait Reporter: Sized {
+    /// One progress pass for `cq`; its completions go to `sink`, others to their queues.
+    fn progress(&self, cq: &Cq<Self>, sink: &mut Out);
+    /// Whether a progress pass for `cq` would find something to do (checked after arming).
+    fn work_pending(&self, cq: &Cq<Self>) -> bool;
+    /// Checks the peer now (after a sleep, when its death may be what woke the sleeper).
+    fn check_peer_now(&self);
+}
 
 struct CqState {
     queue: VecDeque<WorkCompletion>,
 }
 
-/// A software completion queue.
-pub struct CqInner {
+/// A software completion queue, driving the queue pairs `Q` that report to it.
+pub struct Cq<Q> {
     pub ctx: Arc<CtxInner>,
     capacity: usize,
     state: Mutex<CqState>,
     /// Completions queued (a hint read without the lock).
     queued: AtomicUsize,
     overrun: AtomicBool,
-    /// The queue pairs reporting here, held strongly until `QpInner::destroy` detaches them
+    /// The queue pairs reporting here, held strongly until a queue pair's `destroy` detaches it
     /// (the public queue pair's drop does). A poll drives them under one compare-and-swap:
     /// no reader count, no reference counts (each a locked instruction on every poll).
-    qps: SpinLock<Vec<Arc<QpInner>>>,
+    qps: SpinLock<Vec<Arc<Q>>>,
     pub bell_slot: u32,
     eventfd: OwnedFd,
     epoll: OwnedFd,
     watched: Mutex<HashMap<i32, usize>>,
 }
 
-impl CqInner {
-    pub fn new(ctx: &Arc<CtxInner>, capacity: usize) -> Result<Arc<CqInner>> {
+impl<Q: Reporter> Cq<Q> {
+    pub fn new(ctx: &Arc<CtxInner>, capacity: usize) -> Result<Arc<Cq<Q>>> {
         if capacity == 0 || capacity > (1 << 22) {
             return Err(VerbsError::invalid(format!("CQ capacity {capacity} out of 1..=4M")));
         }
-        let eventfd = sys::eventfd()?;
-        let epoll = sys::epoll_create()?;
-        sys::epoll_add(epoll.as_raw_fd(), eventfd.as_raw_fd())?;
+        let eventfd = os::eventfd()?;
+        let epoll = os::epoll_create()?;
+        os::epoll_add(epoll.as_raw_fd(), eventfd.as_raw_fd())?;
         let bell_slot = ctx.bell_slots.lock().expect("slot lock").take("completion-queue doorbell")?;
         let bell = ctx.ctrl().bell(bell_slot as usize).expect("slot in range");
         bell.armed.store(0, Ordering::Relaxed);
         bell.eventfd.store(eventfd.as_raw_fd(), Ordering::Relaxed);
         bell.generation.fetch_add(1, Ordering::Release);
-        Ok(Arc::new(CqInner {
+        Ok(Arc::new(Cq {
             ctx: ctx.clone(),
             capacity,
             state: Mutex::new(CqState { queue: VecDeque::with_capacity(capacity.min(4096)) }),
@@ -67,7 +81,7 @@ impl CqInner {
         self.capacity
     }
 
-    pub(crate) fn attach(&self, qp: &Arc<QpInner>) {
+    pub(crate) fn attach(&self, qp: &Arc<Q>) {
         let mut qps = self.qps.lock();
         if !qps.iter().any(|q| Arc::ptr_eq(q, qp)) {
             qps.push(qp.clone());
@@ -75,13 +89,13 @@ impl CqInner {
     }
 
     /// Forgets a queue pair. The caller holds a reference, so its last one never drops here.
-    pub(crate) fn detach(&self, qp: *const QpInner) {
+    pub(crate) fn detach(&self, qp: *const Q) {
         self.qps.lock().retain(|q| Arc::as_ptr(q) != qp);
     }
 
     /// The attached queue pairs, for work that may block (taking a queue pair's lock under
-    /// the list's would deadlock with `QpInner::destroy`, which detaches under its own).
-    fn attached(&self) -> Vec<Arc<QpInner>> {
+    /// the list's would deadlock with a queue pair's `destroy`, which detaches under its own).
+    fn attached(&self) -> Vec<Arc<Q>> {
         self.qps.lock().clone()
     }
 
@@ -89,7 +103,7 @@ impl CqInner {
     pub(crate) fn watch(&self, pidfd: i32) {
         let mut w = self.watched.lock().expect("watch lock");
         let n = w.entry(pidfd).or_insert(0);
-        if *n == 0 && sys::epoll_add(self.epoll.as_raw_fd(), pidfd).is_err() {
+        if *n == 0 && os::epoll_add(self.epoll.as_raw_fd(), pidfd).is_err() {
             log::warn!("cannot watch peer pidfd {pidfd}");
         }
         *n += 1;
@@ -101,7 +115,7 @@ impl CqInner {
             *n -= 1;
             if *n == 0 {
                 w.remove(&pidfd);
-                sys::epoll_del(self.epoll.as_raw_fd(), pidfd);
+                os::epoll_del(self.epoll.as_raw_fd(), pidfd);
             }
         }
     }
@@ -138,9 +152,9 @@ impl CqInner {
 
     fn wake_if_armed(&self) {
         let bell = self.ctx.ctrl().bell(self.bell_slot as usize).expect("slot in range");
-        sys::producer_barrier();
+        os::producer_barrier();
         if bell.armed.load(Ordering::Relaxed) != 0 && bell.armed.swap(0, Ordering::AcqRel) != 0 {
-            sys::eventfd_signal(self.eventfd.as_raw_fd());
+            os::eventfd_signal(self.eventfd.as_raw_fd());
         }
     }
 
@@ -180,7 +194,7 @@ impl CqInner {
             return Err(VerbsError::CqOverrun);
         }
         // This pass's direct completions are older than anything queued for their queue pairs
-        // (see `QpInner::progress`): they go first, and what does not fit goes to the queue's
+        // (see the queue pairs' `progress`): they go first, and what does not fit goes to the queue's
         // front, ahead of newer ones.
         let n = out.len().min(sink.len());
         for (slot, (_, wc)) in out.iter_mut().zip(&sink) {
@@ -223,15 +237,15 @@ impl CqInner {
         self.queued.fetch_add(pushed, Ordering::Release);
     }
 
-    /// Arms the queue: the next completion or peer activity makes [`CqInner::event_fd`]
+    /// Arms the queue: the next completion or peer activity makes [`Cq::event_fd`]
     /// readable. If work is already pending, the descriptor is made readable at once, so an
     /// arm-then-sleep sequence never misses a wake-up.
     pub fn req_notify(&self) {
         let bell = self.ctx.ctrl().bell(self.bell_slot as usize).expect("slot in range");
         bell.armed.store(1, Ordering::SeqCst);
-        sys::sleeper_barrier();
+        os::sleeper_barrier();
         if self.work_pending() && bell.armed.swap(0, Ordering::AcqRel) != 0 {
-            sys::eventfd_signal(self.eventfd.as_raw_fd());
+            os::eventfd_signal(self.eventfd.as_raw_fd());
         }
     }
 
@@ -242,12 +256,12 @@ impl CqInner {
 
     /// Consumes a pending event; returns whether there was one.
     pub fn ack_event(&self) -> bool {
-        sys::eventfd_drain(self.eventfd.as_raw_fd())
+        os::eventfd_drain(self.eventfd.as_raw_fd())
     }
 
     /// Sleeps until an event or `timeout`; returns whether the descriptor became readable.
     pub fn wait_event(&self, timeout: Option<Duration>) -> Result<bool> {
-        sys::wait_readable(self.epoll.as_raw_fd(), timeout)
+        os::wait_readable(self.epoll.as_raw_fd(), timeout)
     }
 
     /// Polls, spinning for the configured time, then sleeping on the doorbell, until at least
@@ -278,7 +292,7 @@ impl CqInner {
     }
 }
 
-impl Drop for CqInner {
+impl<Q> Drop for Cq<Q> {
     fn drop(&mut self) {
         let bell = self.ctx.ctrl().bell(self.bell_slot as usize).expect("slot in range");
         bell.armed.store(0, Ordering::Relaxed);

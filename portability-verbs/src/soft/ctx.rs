@@ -1,16 +1,17 @@
-//! A software device context: its control segment, its memory-region keys, its slot tables, and
-//! the copy engine that reaches registered memory (own or a peer's).
+//! A software device context: its control segment, its memory-region registrations, its slot
+//! tables, and the peers it reaches.
 
 use std::collections::HashMap;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
+use super::keys::{key_slot, KeyEntry, LocalKeys};
 use super::layout::{Ctrl, CTRL_BYTES, CTRL_MAGIC, MR_SLOTS};
-use super::peer::PeerCtx;
+use super::peer::{PeerCtx, PeerKey};
 use super::segment::Segment;
-use super::sys;
 use crate::error::{Result, VerbsError};
+use crate::os;
 use crate::types::AccessFlags;
 
 /// Tunables of the software provider.
@@ -99,45 +100,6 @@ impl SoftConfig {
     }
 }
 
-/// True when `[addr, addr+len)` lies inside the region `[start, start+size)`.
-#[inline]
-fn covers(start: u64, size: u64, addr: u64, len: u64) -> bool {
-    addr >= start && addr.checked_add(len).is_some_and(|end| end <= start + size)
-}
-
-/// Key layout: `(slot + 1) << 8 | generation`, generation never 0, so 0 is never a valid key
-/// and a key of a freed registration does not match a later one in the same slot.
-pub fn key_slot(key: u32) -> Option<usize> {
-    let s = (key >> 8) as usize;
-    ((1..=MR_SLOTS).contains(&s) && key & 0xff != 0).then(|| s - 1)
-}
-
-/// One registration as local checks read it (the authoritative private copy; peers read the
-/// one in the control segment). `register` stores the fields, then the key
-/// (release); `deregister` clears the key first. Readers holding a queue pair's lock of this
-/// context read it with plain loads (see [`LocalKeys`]).
-#[derive(Default)]
-struct KeyEntry {
-    key: AtomicU32,
-    pd: AtomicU32,
-    access: AtomicU32,
-    addr: AtomicU64,
-    len: AtomicU64,
-}
-
-impl KeyEntry {
-    /// True when this entry holds `key` with `pd`, rights `need` and `[addr, addr+len)` inside.
-    /// Its fields are stable while the key matches: a slot is refilled only after every reader
-    /// that could have seen the old key is done (see [`CtxInner::deregister`]).
-    #[inline]
-    fn grants(&self, key: u32, addr: u64, len: u64, need: AccessFlags, pd: u32) -> bool {
-        self.key.load(Ordering::Acquire) == key
-            && self.pd.load(Ordering::Relaxed) == pd
-            && AccessFlags::from_bits_truncate(self.access.load(Ordering::Relaxed)).contains(need)
-            && covers(self.addr.load(Ordering::Relaxed), self.len.load(Ordering::Relaxed), addr, len)
-    }
-}
-
 /// Slot bookkeeping for registration changes (changes only; checks read [`KeyEntry`]s).
 struct KeySlots {
     generation: Vec<u8>,
@@ -162,9 +124,6 @@ impl SlotAllocator {
     }
 }
 
-/// Identity of a peer context: process, its start time, and the context id.
-pub type PeerKey = (u32, u64, u64);
-
 /// The shared part of a software context.
 pub struct CtxInner {
     pub id: u64,
@@ -186,17 +145,25 @@ pub struct CtxInner {
     peers: Mutex<HashMap<PeerKey, Weak<PeerCtx>>>,
     /// Tag identifying this process as holder of a peer's atomic lock.
     pub lock_tag: u64,
+    /// Waits out the lock holders of this context's queue pairs (see [`LockGrace`]).
+    lock_grace: LockGrace,
 }
 
+/// Waits until every thread that held the lock of a queue pair of the context with this id
+/// when called has let it go: a deregistration's grace period, since lock holders read the key
+/// table without a lock. The queue pairs' registry provides it (the queue pairs are built on
+/// contexts, so a context is handed the function instead of naming them).
+pub type LockGrace = fn(u64);
+
 impl CtxInner {
-    pub fn open(config: SoftConfig) -> Result<Arc<CtxInner>> {
+    pub fn open(config: SoftConfig, lock_grace: LockGrace) -> Result<Arc<CtxInner>> {
         config.validate()?;
-        if !sys::asymmetric_barriers() {
+        if !os::asymmetric_barriers() {
             log::info!("membarrier unavailable: wake-up handshakes use full fences on the hot path");
         }
         let pid = std::process::id();
-        let start_time = sys::process_start_time(pid)?;
-        let id = unique_id();
+        let start_time = os::process_start_time(pid)?;
+        let id = crate::os::unique_id();
         let ctrl = Segment::create_named(&super::segment::ctrl_name(id), 0, CTRL_BYTES)?;
         Ctrl(&ctrl).header().magic.store(CTRL_MAGIC, Ordering::Release);
         Ok(Arc::new(CtxInner {
@@ -214,6 +181,7 @@ impl CtxInner {
             next_pd: AtomicU32::new(1),
             peers: Mutex::new(HashMap::new()),
             lock_tag: ((pid as u64) << 32) | (id & 0xffff_ffff),
+            lock_grace,
         }))
     }
 
@@ -305,7 +273,7 @@ impl CtxInner {
             std::thread::yield_now();
         }
         // Any queue-pair lock holder that saw the key before it was cleared still holds that lock.
-        super::qp::wait_for_lock_holders(self.id);
+        (self.lock_grace)(self.id);
         t.free.push(slot);
         drop(changing);
         clean
@@ -315,16 +283,16 @@ impl CtxInner {
     ///
     /// # Safety
     /// The caller must hold the lock of a queue pair of this context (one that
-    /// [`super::qp::wait_for_lock_holders`] finds) for as long as the view lives: a
+    /// the context's [`LockGrace`] waits for) for as long as the view lives: a
     /// deregistration waits for that lock, so no region the view grants can be freed meanwhile.
     pub unsafe fn keys_under_qp_lock(&self) -> LocalKeys<'_> {
-        LocalKeys { keys: &self.keys, _changing: None }
+        LocalKeys::new(&self.keys, None)
     }
 
     /// The key table for a reader without a queue-pair lock, if no deregistration is under way
     /// (for work that must never wait for one); it holds deregistrations off while it lives.
     pub fn try_local_keys(&self) -> Option<LocalKeys<'_>> {
-        self.changing.try_read().ok().map(|g| LocalKeys { keys: &self.keys, _changing: Some(g) })
+        self.changing.try_read().ok().map(|g| LocalKeys::new(&self.keys, Some(g)))
     }
 
     /// The peer context for an endpoint, mapped once and shared by every QP connected to it.
@@ -335,126 +303,8 @@ impl CtxInner {
             return Ok(p);
         }
         peers.retain(|_, w| w.strong_count() > 0);
-        let p = Arc::new(PeerCtx::attach(self, ep)?);
+        let p = Arc::new(PeerCtx::attach(self.pid, self.lock_tag, ep)?);
         peers.insert(key, Arc::downgrade(&p));
         Ok(p)
     }
-}
-
-/// A view of the local key table: while it lives, no region it grants is deregistered.
-pub struct LocalKeys<'a> {
-    keys: &'a [KeyEntry],
-    _changing: Option<std::sync::RwLockReadGuard<'a, ()>>,
-}
-
-impl LocalKeys<'_> {
-    /// Validates one local access.
-    #[inline]
-    pub fn check(&self, key: u32, addr: u64, len: u64, need: AccessFlags, pd: u32) -> bool {
-        len == 0 || key_slot(key).is_some_and(|i| self.keys[i].grants(key, addr, len, need, pd))
-    }
-
-    /// Validates a whole local SGE list (for operations whose data moves later, or to report a
-    /// protection error before anything moved).
-    pub fn check_all(&self, sges: &[crate::Sge], need: AccessFlags, pd: u32) -> bool {
-        sges.iter().all(|s| self.check(s.lkey, s.addr, s.length as u64, need, pd))
-    }
-
-    /// Looks up a key for an access coming from a peer through this QP (rkey check at target).
-    pub fn remote(&self, key: u32, addr: u64, len: u64, need: AccessFlags, pd: u32) -> bool {
-        self.check(key, addr, len, need, pd) && key != 0
-    }
-}
-
-/// Copies `len` bytes from `src` to `dst`, both in this process. The provider's stand-in for DMA:
-/// where a range is held by `protect` it goes through `/proc/self/mem`, which ignores protection.
-/// Returns `false` if a held range could not be reached (the application unmapped a buffer the
-/// transport still owned): the caller reports an access error instead of faulting.
-///
-/// # Safety
-/// Both ranges must be valid mapped memory of this process that the caller has checked against a
-/// registration (or provider-owned memory), except that held ranges may have been unmapped.
-#[must_use]
-#[inline]
-pub unsafe fn local_copy(dst: *mut u8, src: *const u8, len: usize) -> bool {
-    if !crate::protect::any_active() {
-        // No hold anywhere (the usual case): a plain copy, inlined into every provider path.
-        // SAFETY: the caller guarantees both ranges are valid.
-        unsafe { crate::copy::copy_bytes(dst, src, len) };
-        return true;
-    }
-    // SAFETY: forwarded from the caller.
-    unsafe { local_copy_held(dst, src, len) }
-}
-
-/// [`local_copy`] with non-temporal stores ([`crate::copy::copy_streaming`]) where it would
-/// make a plain copy of disjoint ranges (a write within one process may overlap its source,
-/// which only the plain copy handles).
-///
-/// # Safety
-/// As [`local_copy`].
-pub unsafe fn local_copy_streaming(dst: *mut u8, src: *const u8, len: usize) -> bool {
-    let disjoint = (dst as usize).abs_diff(src as usize) >= len;
-    if !disjoint {
-        // SAFETY: forwarded from the caller.
-        return unsafe { local_copy(dst, src, len) };
-    }
-    if !crate::protect::any_active() {
-        // SAFETY: the caller guarantees both ranges are valid and disjoint.
-        unsafe { crate::copy::copy_streaming(dst, src, len) };
-        return true;
-    }
-    // SAFETY: forwarded from the caller.
-    unsafe { local_copy_held(dst, src, len) }
-}
-
-/// [`local_copy`] while some range of this process is held.
-#[cold]
-#[inline(never)]
-unsafe fn local_copy_held(dst: *mut u8, src: *const u8, len: usize) -> bool {
-    if len == 0 {
-        return true;
-    }
-    let holds = crate::protect::copy_holds(dst as usize, src as usize, len);
-    let (dst_held, src_blocked) = (holds.dst_held, holds.src_read_blocked);
-    if !dst_held && !src_blocked && holds.src_held {
-        // A source under a send hold: readable, unless the application unmapped it against
-        // its contract, which the guard turns into an access error rather than a crash.
-        // SAFETY: as below; a load from a vanished page reads a zero page the guard maps.
-        let ((), intact) = crate::protect::guarded_read(|| unsafe { crate::copy::copy_bytes(dst, src, len) });
-        return intact;
-    }
-    if dst_held || src_blocked {
-        // SAFETY: these slices are only handed to the kernel, which checks the addresses itself
-        // (EFAULT rather than a fault) and copies through /proc/self/mem regardless of protection.
-        let (d, s) = unsafe { (std::slice::from_raw_parts_mut(dst, len), std::slice::from_raw_parts(src, len)) };
-        // One copy where the kernel can read the source (not held, or held read-only)...
-        let direct = if dst_held {
-            sys::write_self_mem(dst as u64, s)
-        } else {
-            sys::read_self_vm(src as u64, d).or_else(|_| sys::read_self_mem(src as u64, d))
-        };
-        if direct.is_ok() {
-            return true;
-        }
-        // ...else bounce (an inaccessible source into a held destination), or report it gone.
-        let mut tmp = vec![0u8; len];
-        return sys::read_self_mem(src as u64, &mut tmp).is_ok() && sys::write_self_mem(dst as u64, &tmp).is_ok();
-    }
-    // SAFETY: the caller guarantees both ranges are valid; overlapping registered buffers are the
-    // caller's own business, so use the overlap-tolerant copy.
-    unsafe { crate::copy::copy_bytes(dst, src, len) };
-    true
-}
-
-/// A fresh, process-unique and reboot-unique 64-bit id.
-pub fn unique_id() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: AtomicU32 = AtomicU32::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(std::process::id());
-    h.write_u32(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
-    fence(Ordering::SeqCst);
-    h.finish() | 1
 }

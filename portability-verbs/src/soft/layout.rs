@@ -204,6 +204,13 @@ pub fn qp_state_code(s: crate::QpState) -> u32 {
 /// State code of a destroyed queue pair.
 pub const QP_DESTROYED: u32 = 5;
 
+/// True once the queue pair whose segment `seg` is went into error or was destroyed.
+#[inline]
+pub fn qp_seg_gone(seg: &Segment) -> bool {
+    let state = QpSeg(seg).header().state.load(std::sync::atomic::Ordering::Acquire);
+    state == qp_state_code(crate::types::QpState::Error) || state == QP_DESTROYED
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,31 +21,36 @@ mod assist;
 mod backstop;
 mod cq;
 mod ctx;
+mod dma;
 mod host;
+mod keys;
 mod layout;
 mod peer;
 mod qp;
 mod segment;
 mod spin;
-pub(crate) mod sys;
 pub mod tcp;
 pub mod wire;
 
 pub use assist::{counts as shared_copies, SharedCopies};
-pub(crate) use cq::CqInner;
-#[allow(unused_imports)]
-pub(crate) use ctx::unique_id;
+/// The completion queue of software queue pairs.
+pub(crate) type CqInner = cq::Cq<QpInner>;
+pub use crate::os::page_size;
 pub(crate) use ctx::CtxInner;
 pub use ctx::SoftConfig;
 pub use host::identity as host_identity;
 pub use peer::SoftWindow;
 pub(crate) use qp::{QpInner, SrqInner};
-pub use segment::page_size;
 
 use std::sync::Arc;
 
 use crate::error::{Result, VerbsError};
 use crate::types::AccessFlags;
+
+/// Opens a software context whose deregistrations wait out its queue pairs' lock holders.
+pub(crate) fn open_context(config: SoftConfig) -> Result<Arc<CtxInner>> {
+    CtxInner::open(config, qp::wait_for_lock_holders)
+}
 
 /// Memory behind a software registration.
 pub(crate) enum SoftBacking {

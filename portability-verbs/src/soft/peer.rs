@@ -11,15 +11,19 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::ctx::{key_slot, local_copy, local_copy_streaming, CtxInner, PeerKey};
+use super::dma::{local_copy, local_copy_streaming};
+use super::keys::key_slot;
 use super::layout::{Bell, Ctrl, MrEntry, CTRL_BYTES, CTRL_MAGIC};
 use super::segment::{ctrl_name, segment_name, Segment};
-use super::sys::{self, RemoteMemory};
 use crate::endpoint::SoftEndpoint;
 use crate::error::{Result, VerbsError};
+use crate::os::{self, RemoteMemory};
 #[cfg(doc)]
 use crate::types::SendFlags;
 use crate::types::{AccessFlags, WcStatus};
+
+/// Identity of a peer context: process, its start time, and the context id.
+pub type PeerKey = (u32, u64, u64);
 
 /// A peer context.
 pub struct PeerCtx {
@@ -65,15 +69,15 @@ pub struct RemoteAccess<'a> {
 
 impl PeerCtx {
     /// Maps the peer context an endpoint names, checking that the process is the one it claims.
-    pub fn attach(ctx: &Arc<CtxInner>, ep: &SoftEndpoint) -> Result<PeerCtx> {
-        let same_process = ep.pid == ctx.pid;
+    pub fn attach(my_pid: u32, lock_tag: u64, ep: &SoftEndpoint) -> Result<PeerCtx> {
+        let same_process = ep.pid == my_pid;
         let pidfd = if same_process {
             None
         } else {
-            Some(sys::pidfd_open(ep.pid).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?)
+            Some(os::pidfd_open(ep.pid).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?)
         };
         // The pidfd pins the process; its start time tells a recycled pid apart.
-        let start = sys::process_start_time(ep.pid).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
+        let start = os::process_start_time(ep.pid).map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
         if start != ep.start_time {
             return Err(VerbsError::PeerUnreachable(format!(
                 "process {} is not the one that sent the endpoint",
@@ -98,7 +102,7 @@ impl PeerCtx {
             fast_segs: std::array::from_fn(|_| (AtomicU64::new(0), OnceLock::new())),
             bells: Mutex::new(HashMap::new()),
             dead: AtomicBool::new(false),
-            lock_tag: ctx.lock_tag,
+            lock_tag,
         })
     }
 
@@ -117,7 +121,7 @@ impl PeerCtx {
         if self.dead.load(Ordering::Relaxed) {
             return false;
         }
-        if self.pidfd.as_ref().is_none_or(sys::pidfd_alive) {
+        if self.pidfd.as_ref().is_none_or(os::pidfd_alive) {
             true
         } else {
             self.dead.store(true, Ordering::Relaxed);
@@ -268,8 +272,8 @@ impl PeerCtx {
         let Some(bell) = self.ctrl().bell(slot as usize) else {
             return;
         };
-        // Dekker with the owner's arm-then-check (see `sys::sleeper_barrier`).
-        sys::producer_barrier();
+        // Dekker with the owner's arm-then-check (see `os::sleeper_barrier`).
+        os::producer_barrier();
         if bell.armed.load(Ordering::Relaxed) != 0 {
             self.wake(bell, slot);
         }
@@ -290,7 +294,7 @@ impl PeerCtx {
             bells.insert(slot, (generation, fd));
         }
         if let Some((_, Some(fd))) = bells.get(&slot) {
-            sys::eventfd_signal(fd.as_raw_fd());
+            os::eventfd_signal(fd.as_raw_fd());
         }
     }
 
@@ -311,7 +315,7 @@ impl PeerCtx {
         };
         // A source this process may not read (under a receive hold): through /proc/self/mem,
         // which ignores protection as DMA does.
-        if !direct && !bounce(len, |at, tmp| sys::read_self_mem(src as u64 + at, tmp).and(mem.write(to + at, tmp))) {
+        if !direct && !bounce(len, |at, tmp| os::read_self_mem(src as u64 + at, tmp).and(mem.write(to + at, tmp))) {
             return Err(WcStatus::RemAccessErr);
         }
         Ok(())
@@ -327,8 +331,8 @@ impl PeerCtx {
 /// A descriptor of the process behind `pidfd` (none: this process) as a descriptor of ours.
 fn fetch_fd(pidfd: Option<&OwnedFd>, remote_fd: i32) -> Result<OwnedFd> {
     match pidfd {
-        Some(p) => sys::pidfd_getfd(p.as_raw_fd(), remote_fd),
-        None => sys::dup_fd(remote_fd),
+        Some(p) => os::pidfd_getfd(p.as_raw_fd(), remote_fd),
+        None => os::dup_fd(remote_fd),
     }
 }
 
@@ -350,7 +354,7 @@ pub fn with_atomic_lock<R>(lock: &AtomicU64, tag: u64, f: impl FnOnce() -> R) ->
                 // A holder that died keeps the lock for ever: take it over.
                 let holder = (cur >> 32) as u32;
                 let holder_alive = holder != 0
-                    && (holder == std::process::id() || sys::pidfd_open(holder).is_ok_and(|fd| sys::pidfd_alive(&fd)));
+                    && (holder == std::process::id() || os::pidfd_open(holder).is_ok_and(|fd| os::pidfd_alive(&fd)));
                 if !holder_alive && lock.compare_exchange(cur, tag, Ordering::Acquire, Ordering::Relaxed).is_ok() {
                     break;
                 }
@@ -496,7 +500,7 @@ impl RemoteAccess<'_> {
                 // page a send keeps read-only, held or lazily): the kernel will not copy into it, so bounce
                 // through /proc/self/mem, which reaches it as a NIC's DMA would.
                 if !direct
-                    && !bounce(len, |at, tmp| mem.read(from + at, tmp).and(sys::write_self_mem(dst as u64 + at, tmp)))
+                    && !bounce(len, |at, tmp| mem.read(from + at, tmp).and(os::write_self_mem(dst as u64 + at, tmp)))
                 {
                     return Err(WcStatus::RemAccessErr);
                 }
@@ -581,7 +585,7 @@ impl SoftWindow {
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(WcStatus::LocLenErr);
         }
-        if super::qp::qp_seg_gone(&self.peer_qp) {
+        if super::layout::qp_seg_gone(&self.peer_qp) {
             return Err(WcStatus::RetryExcErr);
         }
         let entry = self.peer.ctrl().mr(self.slot).ok_or(WcStatus::RemAccessErr)?;

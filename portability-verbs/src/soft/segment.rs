@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
 
-use super::sys;
 use crate::error::{Result, VerbsError};
+use crate::os;
 
 static NEXT_SEGMENT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -52,7 +52,7 @@ impl Segment {
     /// Creates and maps a zeroed segment with an explicit memfd name.
     pub fn create_named(name: &str, id: u64, len: usize) -> Result<Segment> {
         let len = round_to_page(len.max(1));
-        let file = sys::memfd(name, len)?;
+        let file = os::memfd(name, len)?;
         // Populated: a segment is a ring or registered memory both ends will go through, and a
         // first touch of each page (a fault of a few microseconds on this kind of VM) would
         // otherwise fall on the data path, once per page, in whichever process comes first.
@@ -66,15 +66,14 @@ impl Segment {
 
     fn from_parts(map: MmapRaw, file: File, id: u64) -> Segment {
         let (base, len) = (map.as_mut_ptr(), map.len());
-        debug_assert_eq!(base as usize % page_size(), 0, "mappings are page-aligned");
+        debug_assert_eq!(base as usize % os::page_size(), 0, "mappings are page-aligned");
         Segment { _map: map, base, len, file, id }
     }
 
     /// Maps a segment whose descriptor was fetched from its owner, after checking that the
     /// descriptor is the memfd named `expected_name` and at least `min_len` bytes long.
     pub fn map_fetched(fd: OwnedFd, expected_name: &str, min_len: usize) -> Result<Segment> {
-        let target =
-            sys::fd_target(fd.as_raw_fd()).map_err(|e| VerbsError::os("inspecting a fetched descriptor", e))?;
+        let target = os::fd_target(fd.as_raw_fd()).map_err(|e| VerbsError::os("inspecting a fetched descriptor", e))?;
         let want = format!("/memfd:{expected_name} (deleted)");
         if target != want {
             return Err(VerbsError::PeerUnreachable(format!("descriptor is {target:?}, expected {want:?}")));
@@ -130,19 +129,8 @@ impl Segment {
 
 /// Rounds up to the page size.
 pub fn round_to_page(len: usize) -> usize {
-    let page = page_size();
+    let page = os::page_size();
     len.div_ceil(page) * page
-}
-
-/// The system page size.
-pub fn page_size() -> usize {
-    // SAFETY: sysconf with a valid name has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
-    }
 }
 
 // SAFETY: a Segment is a shared mapping plus its file; all access to its contents goes through
@@ -159,13 +147,13 @@ mod tests {
     #[test]
     fn fetched_mapping_sees_the_same_memory_and_checks_the_name() {
         let seg = Segment::create(7, 100).unwrap();
-        assert_eq!(seg.len(), page_size());
-        let me = sys::pidfd_open(std::process::id()).unwrap();
-        let fd = sys::pidfd_getfd(me.as_raw_fd(), seg.fd()).unwrap();
+        assert_eq!(seg.len(), os::page_size());
+        let me = os::pidfd_open(std::process::id()).unwrap();
+        let fd = os::pidfd_getfd(me.as_raw_fd(), seg.fd()).unwrap();
         let peer = Segment::map_fetched(fd, &segment_name(7, seg.id()), 64).unwrap();
         seg.at::<AtomicU32>(64).store(42, Ordering::Release);
         assert_eq!(peer.at::<AtomicU32>(64).load(Ordering::Acquire), 42);
-        let fd = sys::pidfd_getfd(me.as_raw_fd(), seg.fd()).unwrap();
+        let fd = os::pidfd_getfd(me.as_raw_fd(), seg.fd()).unwrap();
         assert!(Segment::map_fetched(fd, &segment_name(8, seg.id()), 64).is_err());
     }
 }

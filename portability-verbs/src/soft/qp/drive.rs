@@ -3,6 +3,27 @@
 //! what a sleeper checks before and after it sleeps.
 
 use super::*;
+use crate::soft::backstop::Waiting;
+use crate::soft::cq::Reporter;
+
+impl Reporter for QpInner {
+    #[inline]
+    fn progress(&self, cq: &CqInner, sink: &mut Out) {
+        QpInner::progress(self, cq, sink)
+    }
+    fn work_pending(&self, cq: &CqInner) -> bool {
+        QpInner::work_pending(self, cq)
+    }
+    fn check_peer_now(&self) {
+        QpInner::check_peer_now(self)
+    }
+}
+
+impl Waiting for QpInner {
+    fn drive_waiting(&self) -> bool {
+        QpInner::drive_waiting(self)
+    }
+}
 
 impl QpInner {
     /// One progress pass for the queue `cq`; its completions go to `sink` (the poller hands them

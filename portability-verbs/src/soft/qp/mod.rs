@@ -11,14 +11,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::assist::{self, Back, Stuck};
-use super::cq::CqInner;
-use super::ctx::{local_copy, CtxInner, LocalKeys};
+use super::cq::Out;
+use super::ctx::CtxInner;
+use super::dma::local_copy;
+use super::keys::LocalKeys;
 use super::layout::{qp_state_code, QpSeg, QP_DESTROYED, QP_MAGIC, RING_OFFSET};
 use super::peer::PeerCtx;
 use super::segment::{qp_name, Segment};
 use super::spin::SpinLock;
-use super::sys;
 use super::wire::{self, status, Descriptor, RecordHeader, RecordKind, FIELDS_BYTES};
+use super::CqInner;
+use crate::os;
 
 mod drive;
 mod ring;
@@ -27,10 +30,10 @@ mod tcp;
 
 pub use srq::SrqInner;
 
+pub(crate) use super::layout::qp_seg_gone;
 use crate::endpoint::{EndpointInfo, SoftEndpoint};
 use crate::error::{Result, VerbsError};
 use crate::types::*;
-pub(crate) use ring::qp_seg_gone;
 use ring::{cancel_from, Remote, RnrTrack};
 
 /// Where an outstanding send-queue request stands.
@@ -163,9 +166,6 @@ pub(crate) fn wait_for_lock_holders(ctx_id: u64) {
         drop(qp.core.lock());
     }
 }
-
-/// Completions produced by one pass, `true` for send-queue ones; inline up to 8 (no allocation).
-pub(crate) type Out = smallvec::SmallVec<[(bool, WorkCompletion); 8]>;
 
 const LIVENESS_EVERY: Duration = Duration::from_millis(10);
 
@@ -808,7 +808,7 @@ mod tests {
 
     /// A connected pair; `b` takes its receives from a shared receive queue if `srq`.
     fn connected_with_srq(srq: bool) -> Pair {
-        let ctx = CtxInner::open(super::super::SoftConfig::default()).unwrap();
+        let ctx = super::super::open_context(super::super::SoftConfig::default()).unwrap();
         let cq = CqInner::new(&ctx, 64).unwrap();
         let shared = srq.then(|| SrqInner::new(&ctx, 1, 16, 1).unwrap());
         let a = QpInner::new(&ctx, 1, &cq, &cq, None, QpCaps::default()).unwrap();

@@ -14,7 +14,18 @@ use std::time::{Duration, Instant};
 
 use super::frame::{Frame, Kind, HEADER};
 use crate::error::{Result, VerbsError};
-use crate::soft::qp::QpInner;
+
+/// What the engine drives: a queue pair reached over TCP (the queue pairs are built on this
+/// transport, so the engine holds them through this trait instead of naming them).
+pub(crate) trait Link: Send + Sync {
+    /// Its socket has something for it (input, or room for waiting output).
+    fn event(&self);
+    /// The coarse tick: keep-alives, liveness, retry timers.
+    fn tick(&self, now: Instant);
+}
+
+/// Takes a connection whose hello asked for a queue pair of this process.
+pub(crate) type Acceptor = fn(TcpStream, &Frame);
 
 const LISTENER: u64 = 0;
 /// Tick while nothing is urgent (keep-alives and liveness need no finer).
@@ -31,7 +42,8 @@ pub(crate) struct Engine {
     /// Where peers connect.
     pub addr: SocketAddr,
     epoll: OwnedFd,
-    links: Mutex<HashMap<u64, Weak<QpInner>>>,
+    links: Mutex<HashMap<u64, Weak<dyn Link>>>,
+    accept: Acceptor,
     next_token: AtomicU64,
     /// Queue pairs with a retry timer running: the tick is fine-grained while non-zero.
     urgent: AtomicUsize,
@@ -40,25 +52,28 @@ pub(crate) struct Engine {
 static ENGINE: OnceLock<std::result::Result<&'static Engine, String>> = OnceLock::new();
 
 /// The engine, started on first use (binding `addr`: `PV_SOFT_TCP_ADDR`, else every IPv4
-/// interface on a port the kernel picks).
-pub(crate) fn engine(addr: Option<SocketAddr>) -> Result<&'static Engine> {
+/// interface on a port the kernel picks; handing greeted connections to `accept`).
+pub(crate) fn engine(addr: Option<SocketAddr>, accept: Acceptor) -> Result<&'static Engine> {
     ENGINE
-        .get_or_init(|| start(addr.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)))).map_err(|e| e.to_string()))
+        .get_or_init(|| {
+            start(addr.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))), accept).map_err(|e| e.to_string())
+        })
         .as_ref()
         .copied()
         .map_err(|e| VerbsError::PeerUnreachable(format!("the TCP transport could not start: {e}")))
 }
 
-fn start(addr: SocketAddr) -> Result<&'static Engine> {
+fn start(addr: SocketAddr, accept: Acceptor) -> Result<&'static Engine> {
     let listener = TcpListener::bind(addr).map_err(|e| VerbsError::PeerUnreachable(format!("bind {addr}: {e}")))?;
     listener.set_nonblocking(true).map_err(|e| VerbsError::PeerUnreachable(format!("listener: {e}")))?;
     let addr = listener.local_addr().map_err(|e| VerbsError::PeerUnreachable(e.to_string()))?;
-    let epoll = crate::soft::sys::epoll_create()?;
+    let epoll = crate::os::epoll_create()?;
     ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, listener.as_raw_fd(), libc::EPOLLIN as u32, LISTENER)?;
     let engine: &'static Engine = Box::leak(Box::new(Engine {
         addr,
         epoll,
         links: Mutex::new(HashMap::new()),
+        accept,
         next_token: AtomicU64::new(1),
         urgent: AtomicUsize::new(0),
     }));
@@ -89,7 +104,7 @@ struct Greeting {
 impl Engine {
     /// Watches `sock` for `qp` (edge-triggered: whoever is woken reads until the socket is
     /// empty). Returns the token that `unregister` takes.
-    pub fn register(&self, sock: &TcpStream, qp: Weak<QpInner>) -> Result<u64> {
+    pub fn register(&self, sock: &TcpStream, qp: Weak<dyn Link>) -> Result<u64> {
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         self.links.lock().expect("engine links").insert(token, qp);
         let events = (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
@@ -118,7 +133,7 @@ impl Engine {
     }
 
     pub fn unregister(&self, sock: &TcpStream, token: u64) {
-        crate::soft::sys::epoll_del(self.epoll.as_raw_fd(), sock.as_raw_fd());
+        crate::os::epoll_del(self.epoll.as_raw_fd(), sock.as_raw_fd());
         self.links.lock().expect("engine links").remove(&token);
     }
 
@@ -131,7 +146,7 @@ impl Engine {
         }
     }
 
-    fn qp(&self, token: u64) -> Option<Arc<QpInner>> {
+    fn link(&self, token: u64) -> Option<Arc<dyn Link>> {
         self.links.lock().expect("engine links").get(&token).and_then(Weak::upgrade)
     }
 
@@ -160,23 +175,24 @@ impl Engine {
                         Ok(None) => {}
                         Ok(Some(hello)) => {
                             let g = greetings.remove(&token).expect("greeting present");
-                            crate::soft::sys::epoll_del(self.epoll.as_raw_fd(), g.stream.as_raw_fd());
-                            QpInner::accept_tcp(g.stream, &hello);
+                            crate::os::epoll_del(self.epoll.as_raw_fd(), g.stream.as_raw_fd());
+                            (self.accept)(g.stream, &hello);
                         }
                         Err(e) => {
                             log::debug!("dropping a TCP transport connection: {e}");
                             greetings.remove(&token);
                         }
                     }
-                } else if let Some(qp) = self.qp(token) {
-                    qp.tcp_event();
+                } else if let Some(link) = self.link(token) {
+                    link.event();
                 }
             }
             if last_tick.elapsed() >= tick {
                 last_tick = Instant::now();
-                let qps: Vec<_> = self.links.lock().expect("engine links").values().filter_map(Weak::upgrade).collect();
-                for qp in qps {
-                    qp.tcp_tick(last_tick);
+                let links: Vec<_> =
+                    self.links.lock().expect("engine links").values().filter_map(Weak::upgrade).collect();
+                for link in links {
+                    link.tick(last_tick);
                 }
                 greetings.retain(|_, g| g.since.elapsed() < HELLO_TIMEOUT);
             }

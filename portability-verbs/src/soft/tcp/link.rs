@@ -150,7 +150,7 @@ impl Tx {
                 // SAFETY: a registered range the caller's `granted` check covered in this
                 // flush; `copy` is ours.
                 let ok = unsafe {
-                    super::super::ctx::local_copy(copy.as_mut_ptr(), (addr as usize + skip) as *const u8, len - skip)
+                    super::super::dma::local_copy(copy.as_mut_ptr(), (addr as usize + skip) as *const u8, len - skip)
                 };
                 if !ok {
                     return Err(TxError::Unregistered);
@@ -258,7 +258,7 @@ impl Placement {
             Dest::Mem(addr, _) => {
                 // SAFETY: the destination was checked against a registration that the caller
                 // keeps registered; `src` holds `k` bytes of the stage.
-                if !unsafe { super::super::ctx::local_copy((addr as usize + self.off) as *mut u8, src, k) } {
+                if !unsafe { super::super::dma::local_copy((addr as usize + self.off) as *mut u8, src, k) } {
                     return Err(io::Error::from_raw_os_error(libc::EFAULT));
                 }
             }
@@ -279,7 +279,7 @@ impl Placement {
             if self.off == d.len() {
                 if let Dest::Last8(addr) = d {
                     // SAFETY: as for `Mem`; stored after every earlier byte of the write.
-                    if !unsafe { super::super::ctx::local_copy(addr as usize as *mut u8, self.last8.as_ptr(), 8) } {
+                    if !unsafe { super::super::dma::local_copy(addr as usize as *mut u8, self.last8.as_ptr(), 8) } {
                         return Err(io::Error::from_raw_os_error(libc::EFAULT));
                     }
                 }

@@ -43,13 +43,6 @@ impl Remote {
     }
 }
 
-/// True once the queue pair whose segment `seg` is went into error or was destroyed.
-#[inline]
-pub(crate) fn qp_seg_gone(seg: &Segment) -> bool {
-    let state = QpSeg(seg).header().state.load(Ordering::Acquire);
-    state == qp_state_code(QpState::Error) || state == QP_DESTROYED
-}
-
 pub(in crate::soft::qp) struct RnrTrack {
     pub(in crate::soft::qp) start: u64,
     pub(in crate::soft::qp) naks: u32,

@@ -658,6 +658,6 @@ pub(in crate::soft::qp) fn cancel_from(r: &Remote, pos: u64) -> bool {
     if cancel.load(Ordering::Relaxed) == 0 {
         cancel.store(pos + 1, Ordering::Relaxed);
     }
-    sys::sleeper_barrier();
+    os::sleeper_barrier();
     r.seg().consumer().taking.load(Ordering::Acquire) <= pos
 }

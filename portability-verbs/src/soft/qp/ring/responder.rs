@@ -48,7 +48,7 @@ impl QpInner {
             // `taking`: one of the two sides always sees the other.
             let consumer = QpSeg(&self.seg).consumer();
             consumer.taking.store(core.cons_head + 1, Ordering::Relaxed);
-            sys::producer_barrier();
+            os::producer_barrier();
             let cancel = self.header().cancel_from.load(Ordering::Acquire);
             if cancel != 0 && cancel - 1 <= core.cons_head {
                 consumer.taking.store(core.cons_head, Ordering::Relaxed);

@@ -31,13 +31,27 @@ mod responder;
 use super::{local_qp, status_of, Out, QpCore, QpInner, SqStage};
 use crate::endpoint::SoftEndpoint;
 use crate::error::{Result, VerbsError};
-use crate::soft::ctx::local_copy;
-use crate::soft::tcp::engine::engine;
+use crate::soft::dma::local_copy;
+use crate::soft::tcp::engine::{Engine, Link};
 use crate::soft::tcp::frame::{seq_before, Frame, Kind, NakCode, FLAG_ACK, FLAG_IMM};
 use crate::soft::tcp::link::{self, Dest, Placement, Rx, Tx, TxError};
 use crate::soft::wire::status;
 use crate::types::*;
 use requester::emit;
+
+/// The process's TCP engine, handing the connections it greets to [`QpInner::accept_tcp`].
+fn engine(addr: Option<SocketAddr>) -> Result<&'static Engine> {
+    crate::soft::tcp::engine::engine(addr, QpInner::accept_tcp)
+}
+
+impl Link for QpInner {
+    fn event(&self) {
+        self.tcp_event()
+    }
+    fn tick(&self, now: Instant) {
+        self.tcp_tick(now)
+    }
+}
 
 /// How long a connecting side waits for the peer's listener.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);

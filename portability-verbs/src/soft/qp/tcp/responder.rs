@@ -139,7 +139,7 @@ impl QpInner {
     pub(super) fn refusal(
         &self,
         core: &QpCore,
-        keys: &crate::soft::ctx::LocalKeys,
+        keys: &crate::soft::keys::LocalKeys,
         f: &Frame,
         need: AccessFlags,
         len: u64,

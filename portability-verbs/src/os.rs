@@ -1,6 +1,6 @@
-//! The Linux calls the software provider is built on, each wrapped once with its error handling:
-//! memfd segments, eventfd doorbells, epoll, pidfd (liveness and descriptor fetching), and copies
-//! into and out of another process (cross-memory attach, with `/proc/PID/mem` as the fallback that
+//! The Linux calls the stack is built on, each wrapped once with its error handling: the page
+//! size, memfd segments, eventfd doorbells, epoll and poll, pidfd (liveness and descriptor
+//! fetching), process-unique ids, and copies into and out of another process (cross-memory attach, with `/proc/PID/mem` as the fallback that
 //! reaches memory-protected pages the way a NIC's DMA does).
 
 use std::fs::File;
@@ -10,6 +10,30 @@ use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
 use crate::error::{Result, VerbsError};
+
+/// The system page size.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf with a valid name has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+/// A fresh, process-unique and reboot-unique 64-bit id.
+pub fn unique_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{fence, AtomicU32, Ordering};
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u32(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    fence(Ordering::SeqCst);
+    h.finish() | 1
+}
 
 /// Creates an anonymous shared-memory file of `len` bytes. It never appears in `/dev/shm`, so a
 /// killed process leaves nothing behind; peers reach it through `pidfd_getfd`.
