@@ -39,15 +39,19 @@
 //! [`SessionConfig::spin`]), or spin for a fixed time ([`Spin::For`]). The library never calls `may::config()` and never requires coroutines.
 
 mod channel;
+mod config;
 mod pmix;
 mod probe;
 pub mod rendezvous;
+mod resources;
 mod session;
 mod wait;
 pub mod wire;
 
 pub use channel::{Channel, LaterPack, Packer, PendingSend, Unpacker};
-pub use session::{Session, SessionConfig, Spin};
+pub use config::SessionConfig;
+pub use session::Session;
+pub use wait::Spin;
 
 use portability_verbs::VerbsError;
 

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use portability_verbs::datapath::{crossover, AdaptiveCrossover, MsgPipe};
 use portability_verbs::{AccessFlags, Provider, SendWr, WcStatus};
 
-use crate::session::SessionInner;
+use crate::resources::Resources;
 use crate::{MadError, Result};
 
 /// Bytes of the large probe read.
@@ -35,7 +35,7 @@ const SLACK: f64 = 0.25;
 /// reads nothing), else measured and adaptive.
 pub(crate) fn rendezvous_crossover(
     pipe: &mut MsgPipe,
-    s: &SessionInner,
+    s: &Resources,
     peer: usize,
     configured: Option<usize>,
 ) -> Result<AdaptiveCrossover> {

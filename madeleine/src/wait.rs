@@ -20,8 +20,7 @@ use std::time::{Duration, Instant};
 use portability_verbs::CompletionQueue;
 use smallvec::SmallVec;
 
-use crate::channel::Conn;
-use crate::{MadError, Result, Spin};
+use crate::{MadError, Result};
 
 /// How long an adaptive wait polls (yielding its CPU now and then) while threads ready to run
 /// outnumber the CPUs, before it sleeps: waking costs 30-280 us here, so a shorter wait (a
@@ -40,12 +39,37 @@ const SLEEP_SLICE: Duration = Duration::from_millis(2);
 /// RDMA write).
 const NAP: Duration = Duration::from_micros(20);
 
+/// How a blocking call on an OS thread waits for its event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spin {
+    /// Poll while the thread has a CPU to itself (for up to 10 ms, after which a wake-up costs
+    /// about 1% of the wait); while threads ready to run outnumber the CPUs (more ranks or
+    /// threads than cores, looked at every millisecond), sleep after 1 ms. Waking a sleeping
+    /// thread costs 30-280 us here against 0.3 us for a polled message, and a polling thread
+    /// yields its CPU now and then: `benches/src/bin/mad_waiting.rs` measures the choice
+    /// (docs/PERFORMANCE.md).
+    Adaptive,
+    /// Poll this long, then sleep: `Duration::ZERO` sleeps at once, `Duration::MAX` never
+    /// sleeps.
+    For(Duration),
+}
+
 /// How long a blocking call may wait, and how long it spins before it sleeps (from the
 /// session's configuration).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Patience {
     pub timeout: Duration,
     pub spin: Spin,
+}
+
+/// What a sleeping wait sleeps on: a connection whose completion queue raises a completion
+/// for the awaited event once [`Sleeper::prepare_sleep`] readied it (the connections are built
+/// on this module, so it takes them through this trait).
+pub(crate) trait Sleeper {
+    /// Readies the connection for a sleep; false if it cannot be slept on now.
+    fn prepare_sleep(&self) -> bool;
+    /// The completion queue to sleep on.
+    fn cq(&self) -> &CompletionQueue;
 }
 
 /// One blocking wait.
@@ -73,13 +97,13 @@ impl Waiter {
     /// Called when a poll found nothing and no completion will say when to look again:
     /// yields, spins or naps; fails after the timeout.
     pub fn pause(&mut self) -> Result<()> {
-        self.pause_on(&[])
+        self.pause_on::<NoSleeper>(&[])
     }
 
     /// Called when a poll found nothing and the awaited event comes by one of `conns`: yields,
     /// spins, or (after the spin phase, on an OS thread) sleeps on their completion queues;
     /// fails after the timeout.
-    pub fn pause_on(&mut self, conns: &[&Conn]) -> Result<()> {
+    pub fn pause_on<S: Sleeper>(&mut self, conns: &[&S]) -> Result<()> {
         self.polls = self.polls.wrapping_add(1);
         let mut left = self.timeout;
         if self.sleeping || self.polls.is_multiple_of(CHECK_EVERY) {
@@ -125,6 +149,18 @@ impl Waiter {
             }
         }
         Ok(())
+    }
+}
+
+/// The sleeper of a wait no completion announces (it naps instead).
+enum NoSleeper {}
+
+impl Sleeper for NoSleeper {
+    fn prepare_sleep(&self) -> bool {
+        match *self {}
+    }
+    fn cq(&self) -> &CompletionQueue {
+        match *self {}
     }
 }
 

@@ -2,6 +2,7 @@
 //! sending and receiving sides, and the records read in place.
 
 use super::*;
+use crate::wait::Sleeper;
 
 /// Inline bytes of a received record: small ones (the latency-critical case) without a heap
 /// allocation.
@@ -398,7 +399,7 @@ impl Drop for Conn {
 }
 
 impl Conn {
-    pub(crate) fn establish(s: &SessionInner, peer: usize, conn: cm::Connection) -> Result<Conn> {
+    pub(crate) fn establish(s: &Resources, peer: usize, conn: cm::Connection) -> Result<Conn> {
         let bulk_ring = match s.cfg.strategy {
             FlowStrategy::Credit { .. } => 0,
             _ => s.cfg.bulk_ring_bytes,
@@ -456,17 +457,6 @@ impl Conn {
     #[inline]
     pub(super) fn io(&self) -> Claim<'_, ConnIo> {
         self.io.hold()
-    }
-
-    /// The completion queue to sleep on.
-    pub(crate) fn cq(&self) -> &CompletionQueue {
-        &self.cq
-    }
-
-    /// Readies the pipe for a sleep on [`Conn::cq`] (see `MsgPipe::prepare_sleep`); false if
-    /// something arrived meanwhile, or the pipe failed (the next poll tells): do not sleep.
-    pub(crate) fn prepare_sleep(&self) -> bool {
-        matches!(self.io().pipe.prepare_sleep(), Ok(true))
     }
 
     /// The sender's error for the peer's latest mismatch report: which message of ours it
@@ -644,5 +634,18 @@ impl Conn {
             }
             w.get_or_insert_with(|| Waiter::new(p, "sending a message")).pause()?;
         }
+    }
+}
+
+impl Sleeper for Conn {
+    /// The completion queue to sleep on.
+    fn cq(&self) -> &CompletionQueue {
+        &self.cq
+    }
+
+    /// Readies the pipe for a sleep on `cq` (see `MsgPipe::prepare_sleep`); false if
+    /// something arrived meanwhile, or the pipe failed (the next poll tells): do not sleep.
+    fn prepare_sleep(&self) -> bool {
+        matches!(self.io().pipe.prepare_sleep(), Ok(true))
     }
 }

@@ -12,7 +12,7 @@ use portability_verbs::datapath::{
 use portability_verbs::{cm, AccessFlags, CompletionQueue, SendWr, Sge, WcStatus};
 use smallvec::SmallVec;
 
-use crate::session::SessionInner;
+use crate::resources::Resources;
 use crate::wait::{Patience, Waiter};
 use crate::wire::{self, Modes, Record};
 use crate::{MadError, RecvMode, Result, SendMode};
@@ -34,15 +34,15 @@ use unpacker::*;
 
 /// A communication context with a connection to every other process of the session.
 pub struct Channel {
-    session: Arc<SessionInner>,
+    res: Arc<Resources>,
     id: u32,
     conns: Vec<Option<Arc<Conn>>>,
     next_source: AtomicUsize,
 }
 
 impl Channel {
-    pub(crate) fn new(session: Arc<SessionInner>, id: u32, conns: Vec<Option<Arc<Conn>>>) -> Channel {
-        Channel { session, id, conns, next_source: AtomicUsize::new(0) }
+    pub(crate) fn new(res: Arc<Resources>, id: u32, conns: Vec<Option<Arc<Conn>>>) -> Channel {
+        Channel { res, id, conns, next_source: AtomicUsize::new(0) }
     }
 
     /// The channel's number (channels are numbered in creation order from 1).
@@ -52,12 +52,12 @@ impl Channel {
 
     /// This process's rank.
     pub fn rank(&self) -> usize {
-        self.session.cfg.rank
+        self.res.cfg.rank
     }
 
     /// Number of processes.
     pub fn size(&self) -> usize {
-        self.session.cfg.size
+        self.res.cfg.size
     }
 
     #[inline]
@@ -78,7 +78,7 @@ impl Channel {
     #[inline]
     pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
         let conn = self.conn(dest)?;
-        let mut tx = conn.send_side.claim(self.session.cfg.patience())?;
+        let mut tx = conn.send_side.claim(self.res.cfg.patience())?;
         let reported = conn.notices.last_word();
         if reported != tx.notice_seen {
             tx.notice_seen = reported;
@@ -122,7 +122,7 @@ impl Channel {
     /// Takes the next message from any sender (each caller gets a different message; messages
     /// of one sender arrive in order).
     pub fn begin_unpacking(&self) -> Result<Unpacker<'_>> {
-        let mut w = Waiter::new(self.session.cfg.patience(), "waiting for a message");
+        let mut w = Waiter::new(self.res.cfg.patience(), "waiting for a message");
         let conns: SmallVec<[&Conn; 8]> = self.conns.iter().flatten().map(|c| &**c).collect();
         loop {
             if let Some(u) = self.try_begin_unpacking()? {
@@ -172,9 +172,9 @@ impl Channel {
         let conn = self.conn(source)?;
         // Claimed once for the whole wait: whoever else wants this source's next message
         // would wait behind us anyway.
-        let mut rx = conn.recv_side.claim(self.session.cfg.patience())?;
+        let mut rx = conn.recv_side.claim(self.res.cfg.patience())?;
         if !self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
-            let mut w = Waiter::new(self.session.cfg.patience(), "waiting for a message");
+            let mut w = Waiter::new(self.res.cfg.patience(), "waiting for a message");
             loop {
                 w.pause_on(&[conn])?;
                 if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
@@ -357,7 +357,7 @@ mod tests {
                 u.end_unpacking().unwrap();
                 assert_eq!(b, [1, 2, 3, 4]);
             }
-            1 => ch.conn(0).unwrap().send_msg(&raw, ch.session.cfg.patience()).unwrap(),
+            1 => ch.conn(0).unwrap().send_msg(&raw, ch.res.cfg.patience()).unwrap(),
             _ => {
                 let mut p = ch.begin_packing(0).unwrap();
                 p.pack_safer(&[1, 2, 3, 4], RecvMode::Express).unwrap();
@@ -550,7 +550,7 @@ mod tests {
             _ => {
                 let rdv = Record::Rdv { modes: cheaper, len: len as u64, addr: 0x10000, rkey: 0xdead, id: 0 };
                 let raw = encoded(&[(Record::Whole { seq: 0, packs: 1 }, &[]), (rdv, &[])]);
-                ch.conn(0).unwrap().send_msg(&raw, ch.session.cfg.patience()).unwrap();
+                ch.conn(0).unwrap().send_msg(&raw, ch.res.cfg.patience()).unwrap();
             }
         });
     }

@@ -219,7 +219,7 @@ impl<'p> Packer<'p> {
                 // and dropping the registration.
                 let (_reg, mut tokens, took) = unsafe { self.send_bulk(buf, modes, false) }?;
                 let waiting = (!took.is_zero()).then(std::time::Instant::now);
-                self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.patience())?;
+                self.conn.wait_tokens(&mut tokens, self.ch.res.cfg.patience())?;
                 if let Some(t) = waiting {
                     self.timed_copy(buf.len(), took + t.elapsed());
                 }
@@ -272,7 +272,7 @@ impl<'p> Packer<'p> {
     {
         // SAFETY: the caller keeps `buf` mapped for as long as the registration lives.
         let reg: Registration<'r> =
-            unsafe { self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?;
+            unsafe { self.ch.res.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?;
         if self.tx.agg.len() + 2 * wire::HEADER > self.conn.bulk_frame {
             self.flush_agg()?;
         }
@@ -316,7 +316,7 @@ impl<'p> Packer<'p> {
         let started = (buf.len() >= AdaptiveCrossover::MIN_PACK).then(std::time::Instant::now);
         let streaming = self.tx.crossover.stores() == Stores::Streaming;
         let mut tokens = Vec::with_capacity(buf.len().div_ceil(max) + 1);
-        let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for room in the peer's bulk ring");
+        let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for room in the peer's bulk ring");
         let (mut off, mut head, mut tail_sent) = (0, head, false);
         while off < buf.len() || !tail_sent {
             let n = (max - head.len()).min(buf.len() - off);
@@ -401,7 +401,7 @@ impl<'p> Packer<'p> {
         // SAFETY: the memory is either `buf`, borrowed for 'p (the packer's life, and the
         // packer waits for the receiver's release before it ends), or the copy held next to the
         // registration for as long as the registration lives.
-        let reg: Registration<'p> = unsafe { self.ch.session.regcache.get_raw(addr, len, AccessFlags::REMOTE_READ) }?;
+        let reg: Registration<'p> = unsafe { self.ch.res.regcache.get_raw(addr, len, AccessFlags::REMOTE_READ) }?;
         // (Relaxed: the peer's release of it comes only after our record went out; a waiter
         // reads the count with a fence before this counter.)
         let id = self.conn.next_rdv.fetch_add(1, Ordering::Relaxed);
@@ -434,7 +434,7 @@ impl<'p> Packer<'p> {
             return Ok(());
         }
         self.tx.flushed = true;
-        self.conn.send_msg(&self.tx.agg, self.ch.session.cfg.patience())?;
+        self.conn.send_msg(&self.tx.agg, self.ch.res.cfg.patience())?;
         self.tx.agg.clear();
         Ok(())
     }
@@ -500,7 +500,7 @@ impl<'p> Packer<'p> {
         let one = Record::one_header(self.tx.seq, self.tx.inline_modes);
         self.tx.agg[at..2 * wire::HEADER].copy_from_slice(&one);
         self.tx.flushed = true;
-        self.conn.send_msg(&self.tx.agg[at..], self.ch.session.cfg.patience())?;
+        self.conn.send_msg(&self.tx.agg[at..], self.ch.res.cfg.patience())?;
         self.tx.agg.clear();
         Ok(())
     }
@@ -549,7 +549,7 @@ impl<'p> Packer<'p> {
             .unwrap_or_default();
         if !tokens.is_empty() {
             let waiting = std::time::Instant::now();
-            self.conn.wait_tokens(&mut tokens, self.ch.session.cfg.patience())?;
+            self.conn.wait_tokens(&mut tokens, self.ch.res.cfg.patience())?;
             if timed.0 > 0 {
                 self.timed_copy(timed.0, timed.1 + waiting.elapsed());
             }
@@ -558,7 +558,7 @@ impl<'p> Packer<'p> {
             more.bulk_regs.clear();
         }
         if wait_reads && self.has_rdv() {
-            let (conn, patience) = (self.conn, self.ch.session.cfg.patience());
+            let (conn, patience) = (self.conn, self.ch.res.cfg.patience());
             conn.wait_released(&mut self.rdv, patience)?;
         }
         self.tx.seq = self.tx.seq.wrapping_add(1);
@@ -671,7 +671,7 @@ impl PendingSend<'_> {
         if self.rdv.is_empty() {
             return Ok(());
         }
-        self.conn.wait_released(&mut self.rdv, self.ch.session.cfg.patience()).inspect_err(|_| self.abandon())
+        self.conn.wait_released(&mut self.rdv, self.ch.res.cfg.patience()).inspect_err(|_| self.abandon())
     }
 
     /// After a failure: keeps the registrations for good rather than let memory the receiver

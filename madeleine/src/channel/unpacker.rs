@@ -90,7 +90,7 @@ impl<'u> Unpacker<'u> {
     /// pipe may be drained past bulk data, which only `end_unpacking` skipping unread packs
     /// wants).
     pub(super) fn next_record_with<R>(&self, how: Pump, f: impl FnOnce(Next<'_>) -> R) -> Result<R> {
-        let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for message data");
+        let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for message data");
         let mut f = f;
         loop {
             match self.conn.next_with(&mut self.conn.io(), how, f)? {
@@ -120,7 +120,7 @@ impl<'u> Unpacker<'u> {
         if let Some(packs) = self.rx.end {
             return Err(self.mismatch(Mismatch::ExtraUnpack { packs }));
         }
-        let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for message data");
+        let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for message data");
         let this = &*self;
         let mut f = |n: Next<'_>| match n {
             Next::Rec(Record::Inline { modes, total, last, .. }, data) => {
@@ -243,7 +243,7 @@ impl<'u> Unpacker<'u> {
     /// a drain took out of it first.
     pub(super) fn read_bulk(&mut self, buf: &mut [u8]) -> Result<()> {
         let mut off = 0;
-        let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for bulk data");
+        let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for bulk data");
         while off < buf.len() {
             let mut progressed = false;
             {
@@ -490,9 +490,8 @@ impl<'u> Unpacker<'u> {
         // SAFETY: `buf` is borrowed for 'b, which the registration does not outlive; the read
         // completes before the registration is dropped (waited for in `wait_read` or
         // `end_unpacking`).
-        let reg = unsafe {
-            self.ch.session.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::LOCAL_WRITE)
-        }?;
+        let reg =
+            unsafe { self.ch.res.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::LOCAL_WRITE) }?;
         let mut tokens = ReadTokens::new();
         let mut io = self.conn.io();
         let mut remote = addr;
@@ -535,7 +534,7 @@ impl<'u> Unpacker<'u> {
     /// not seen completing within the timeout. Completions are polled even once the pipe
     /// failed (its queue pair then flushes every request).
     pub(super) fn wait_read(&self, token: u64) -> Result<Result<()>> {
-        let mut w = Waiter::new(self.ch.session.cfg.patience(), "waiting for a zero-copy read");
+        let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for a zero-copy read");
         let mut polls = 0u32;
         loop {
             polls = polls.wrapping_add(1);
