@@ -12,12 +12,11 @@ use portability_verbs::{
     CompletionQueue, MemoryRegion, QueuePair, RecvWr, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
-use super::engine;
+use super::engine::{self, Progress};
 use super::error::{ExsError, ExsResult};
 use super::memory::InFlight;
 use super::proto::{Action, CopySrc, Done, Errno, OpKind, Proto, ProtoConfig, Record};
 use super::queue::{Event, EventKind, EventQueue};
-use super::socket::ExsSocket;
 use super::wire::{self, Control, Hello, DATA_OVERHEAD, HEADER};
 
 const TAG_SLOT: u64 = 1 << 56;
@@ -35,13 +34,13 @@ pub(crate) const SEND_DEPTH: u32 = 512;
 /// How long a closed connection waits for the peer's Close before it is torn down.
 const LINGER: Duration = Duration::from_secs(10);
 
-/// Where an operation reports.
-pub(crate) struct Op {
+/// Where an operation reports: a queue, and the socket `S` its event names.
+pub(crate) struct Op<S> {
     pub(crate) req: u64,
     pub(crate) kind: EventKind,
     /// The queue and the socket the event names; `None` for the close of a socket the
     /// application dropped.
-    pub(crate) target: Option<(EventQueue, ExsSocket)>,
+    pub(crate) target: Option<(EventQueue<S>, S)>,
     pub(crate) hold: Option<InFlight>,
 }
 
@@ -57,13 +56,13 @@ pub(crate) struct ConnMemory {
     pub(crate) tx_size: usize,
 }
 
-struct State {
+struct State<S> {
     proto: Proto,
     qp: QueuePair,
     mem: ConnMemory,
     tx_free: Vec<u32>,
     /// Operations in flight, by token (a slab: tokens are reused once reported).
-    ops: Vec<Option<Op>>,
+    ops: Vec<Option<Op<S>>>,
     free_ops: Vec<u64>,
     live_ops: usize,
     backlog: VecDeque<Action>,
@@ -77,14 +76,15 @@ struct State {
     closing_since: Option<Instant>,
 }
 
-/// A connected EXS socket's transport.
-pub(crate) struct Conn {
-    state: Mutex<State>,
+/// A connected EXS socket's transport; its events name sockets `S` (the sockets are built on
+/// connections, so a connection is generic over them instead of naming them).
+pub(crate) struct Conn<S> {
+    state: Mutex<State<S>>,
     cq: CompletionQueue,
     finished: AtomicBool,
 }
 
-impl Conn {
+impl<S> Conn<S> {
     /// Takes over a connected queue pair: posts every receive slot.
     pub(crate) fn new(
         c: Connection,
@@ -93,7 +93,7 @@ impl Conn {
         peer: Hello,
         adv_credits: u32,
         inline_max: u32,
-    ) -> ExsResult<Conn> {
+    ) -> ExsResult<Conn<S>> {
         let cfg = ProtoConfig {
             kind: ours.kind,
             slots: ours.slots,
@@ -125,7 +125,7 @@ impl Conn {
         Ok(Conn { state: Mutex::new(state), cq: c.cq, finished: AtomicBool::new(false) })
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State<S>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -140,7 +140,7 @@ impl Conn {
 
     /// Starts an operation: `f` hands it to the protocol under `token`; an error it returns
     /// is the call's (and the operation never happened).
-    pub(crate) fn start(&self, op: Op, f: impl FnOnce(&mut Proto, u64) -> Result<(), Errno>) -> ExsResult<()> {
+    pub(crate) fn start(&self, op: Op<S>, f: impl FnOnce(&mut Proto, u64) -> Result<(), Errno>) -> ExsResult<()> {
         let mut s = self.lock();
         let token = s.free_ops.pop().unwrap_or(s.ops.len() as u64);
         if op.kind == EventKind::Close && s.closing_since.is_none() {
@@ -201,7 +201,7 @@ impl Conn {
         any
     }
 
-    fn check_finished(&self, s: &State) {
+    fn check_finished(&self, s: &State<S>) {
         let done = s.live_ops == 0 && (s.proto.failure().is_some() || (s.proto.closed() && s.proto.peer_closed()));
         if done && !self.finished.swap(true, Ordering::AcqRel) {
             log::debug!("EXS connection finished");
@@ -217,7 +217,19 @@ fn errno_of(status: WcStatus) -> Errno {
     }
 }
 
-impl State {
+impl<S: Send + 'static> Progress for Conn<S> {
+    fn progress(&self) -> bool {
+        Conn::progress(self)
+    }
+    fn finished(&self) -> bool {
+        Conn::finished(self)
+    }
+    fn cq(&self) -> CompletionQueue {
+        Conn::cq(self)
+    }
+}
+
+impl<S> State<S> {
     fn post_slot(&self, i: usize) -> portability_verbs::Result<()> {
         let sge = self.mem.slots.sge(i * self.mem.slot_size, self.mem.slot_size);
         self.qp.post_recv(&[RecvWr::new(TAG_SLOT | i as u64, &[sge])])

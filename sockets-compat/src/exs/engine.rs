@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use super::conn::Conn;
+use portability_verbs::CompletionQueue;
+
 use super::error::{ExsError, ExsResult};
 
 /// How long a busy-polling wait polls without progress before it sleeps (and leaves the
@@ -39,7 +40,18 @@ pub(crate) fn app_drives() -> bool {
     APP_DRIVES.load(Ordering::Relaxed)
 }
 
-type ConnList = Arc<Vec<Arc<Conn>>>;
+/// What the engine progresses: a connection (the connections are built on the engine, so it
+/// holds them through this trait instead of naming them).
+pub(crate) trait Progress: Send + Sync {
+    /// Takes its completions and acts on them; true if anything happened.
+    fn progress(&self) -> bool;
+    /// Done with every operation reported: dropped from the list.
+    fn finished(&self) -> bool;
+    /// The completion queue the completion thread sleeps on.
+    fn cq(&self) -> CompletionQueue;
+}
+
+type ConnList = Arc<Vec<Arc<dyn Progress>>>;
 
 fn conns() -> &'static RwLock<ConnList> {
     static CONNS: OnceLock<RwLock<ConnList>> = OnceLock::new();
@@ -80,7 +92,7 @@ pub(crate) fn start() -> ExsResult<()> {
 }
 
 /// Adds a connection to those progressed.
-pub(crate) fn register(conn: Arc<Conn>) {
+pub(crate) fn register(conn: Arc<dyn Progress>) {
     let mut list = conns().write().unwrap_or_else(|p| p.into_inner());
     let mut v = (**list).clone();
     v.push(conn);

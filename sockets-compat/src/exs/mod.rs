@@ -27,7 +27,7 @@
 //! - [`wire`]: control messages, immediates, handshake data (sans-IO).
 //! - [`proto`]: one connection's decisions (sans-IO).
 //! - `conn`: the driver between the protocol and the queue pair; `engine`: progress and the
-//!   completion thread; [`queue`], [`memory`], [`socket`]: the API objects.
+//!   completion thread; `queue`, [`memory`], [`socket`]: the API objects.
 
 mod conn;
 mod engine;
@@ -40,7 +40,12 @@ pub mod wire;
 
 pub use error::{ExsError, ExsResult};
 pub use memory::Memory;
-pub use queue::{Event, EventKind, EventQueue, QueueStatus};
+pub use queue::{EventKind, QueueStatus, MAX_CAPACITY};
+
+/// A completed operation (see [`queue::Event`]).
+pub type Event = queue::Event<ExsSocket>;
+/// An event queue (`exs_qhandle_t`; see [`queue::EventQueue`]).
+pub type EventQueue = queue::EventQueue<ExsSocket>;
 pub use socket::{ExsSocket, Tunable, FIRST_SOCKET_ID};
 pub use wire::SocketKind;
 

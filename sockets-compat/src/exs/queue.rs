@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use super::engine;
 use super::error::{ExsError, ExsResult};
 use super::proto::Outcome;
-use super::socket::ExsSocket;
 
 /// Which call an event completes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -31,22 +30,23 @@ pub enum EventKind {
     Close,
 }
 
-/// A completed operation.
+/// A completed operation, naming the socket `S` it ran on (the sockets are built on queues,
+/// so the queue is generic over them instead of naming them: `exs::Event` is the one in use).
 #[derive(Debug)]
-pub struct Event {
+pub struct Event<S> {
     /// The request id the operation was started with.
     pub req: u64,
     /// The call.
     pub kind: EventKind,
     /// The socket the operation ran on.
-    pub socket: ExsSocket,
+    pub socket: S,
     /// Bytes moved (a receive's 0 is the end of the peer's data; 0 for the others), or the
     /// error number.
     pub outcome: Outcome,
     /// SOCK_SEQPACKET receive: the message was longer than the buffer and was cut to it.
     pub truncated: bool,
     /// `accept`: the connected socket.
-    pub accepted: Option<ExsSocket>,
+    pub accepted: Option<S>,
 }
 
 /// What [`EventQueue::status`] reports.
@@ -60,13 +60,13 @@ pub struct QueueStatus {
     pub pending: usize,
 }
 
-struct State {
-    events: VecDeque<Event>,
+struct State<S> {
+    events: VecDeque<Event<S>>,
     /// Threads asleep on `ready` (a notification is a system call: only made for them).
     sleepers: usize,
 }
 
-struct Inner {
+struct Inner<S> {
     id: u64,
     /// Events queued and places reserved, together; kept beside the lock so that starting
     /// an operation and polling an empty queue take none.
@@ -74,7 +74,7 @@ struct Inner {
     /// Events queued.
     queued: AtomicUsize,
     capacity: AtomicUsize,
-    state: Mutex<State>,
+    state: Mutex<State<S>>,
     ready: Condvar,
     /// Readable while events are queued, once the application asked for it (keeping it
     /// costs two system calls per event, which a queue nobody polls need not pay).
@@ -82,11 +82,17 @@ struct Inner {
     fd_used: AtomicBool,
 }
 
-/// An event queue (`exs_qhandle_t`). Clones share the queue.
-#[derive(Clone)]
-pub struct EventQueue(Arc<Inner>);
+/// An event queue (`exs_qhandle_t`) of events naming sockets `S` (`exs::EventQueue` is the one
+/// in use). Clones share the queue.
+pub struct EventQueue<S>(Arc<Inner<S>>);
 
-impl std::fmt::Debug for EventQueue {
+impl<S> Clone for EventQueue<S> {
+    fn clone(&self) -> Self {
+        EventQueue(self.0.clone())
+    }
+}
+
+impl<S> std::fmt::Debug for EventQueue<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "EventQueue({})", self.0.id)
     }
@@ -95,9 +101,9 @@ impl std::fmt::Debug for EventQueue {
 /// The largest capacity a queue may have.
 pub const MAX_CAPACITY: usize = 1 << 20;
 
-impl EventQueue {
+impl<S> EventQueue<S> {
     /// A queue holding at most `capacity` events (1 ..= [`MAX_CAPACITY`]).
-    pub fn new(capacity: usize) -> ExsResult<EventQueue> {
+    pub fn new(capacity: usize) -> ExsResult<EventQueue<S>> {
         if capacity == 0 || capacity > MAX_CAPACITY {
             return Err(ExsError::Invalid("event queue capacity"));
         }
@@ -121,7 +127,7 @@ impl EventQueue {
         })))
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State<S>> {
         self.0.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -141,7 +147,7 @@ impl EventQueue {
     }
 
     /// Queues the event of an operation that reserved its place.
-    pub(crate) fn deliver(&self, ev: Event) {
+    pub(crate) fn deliver(&self, ev: Event<S>) {
         let mut s = self.lock();
         let was_empty = s.events.is_empty();
         s.events.push_back(ev);
@@ -177,14 +183,14 @@ impl EventQueue {
     /// first. Returns an empty vector when the time ran out. Waiting drives the connections'
     /// progress: by polling (busy polling, the default) or by sleeping until the completion
     /// thread queues an event ([`super::Tunable::BusyPoll`]).
-    pub fn dequeue(&self, max: usize, timeout: Option<Duration>) -> Vec<Event> {
+    pub fn dequeue(&self, max: usize, timeout: Option<Duration>) -> Vec<Event<S>> {
         let mut out = Vec::new();
         self.dequeue_into(&mut out, max, timeout);
         out
     }
 
     /// [`EventQueue::dequeue`] into `out` (appended); returns how many were taken.
-    pub fn dequeue_into(&self, out: &mut Vec<Event>, max: usize, timeout: Option<Duration>) -> usize {
+    pub fn dequeue_into(&self, out: &mut Vec<Event<S>>, max: usize, timeout: Option<Duration>) -> usize {
         // The clock is read only once waiting starts.
         let mut deadline = None;
         let mut polling = Some(engine::Dequeuer::enter());
@@ -293,7 +299,7 @@ impl EventQueue {
     }
 
     /// Whether two handles name the same queue.
-    pub fn same(&self, other: &EventQueue) -> bool {
+    pub fn same(&self, other: &EventQueue<S>) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
 }

@@ -10,14 +10,20 @@ use std::time::Duration;
 use portability_verbs::cm::{self, CmAddr, Connection, QpSpec};
 use portability_verbs::{AccessFlags, MemoryRegion, QpCaps};
 
-use super::conn::{Conn, ConnMemory, Op, SEND_DEPTH};
+use super::conn::{ConnMemory, SEND_DEPTH};
 use super::engine;
 use super::error::{ExsError, ExsResult};
 use super::memory::Memory;
-use super::queue::{Event, EventKind, EventQueue};
+use super::queue::EventKind;
 use super::wire::{self, Hello, SocketKind, MAX_WRITE};
 use super::SMALL_MAX_LIMIT;
+use super::{Event, EventQueue};
 use crate::verbs_runtime::runtime;
+
+/// A socket's connection, its events naming sockets.
+type Conn = super::conn::Conn<ExsSocket>;
+/// An operation of a socket's connection.
+type Op = super::conn::Op<ExsSocket>;
 
 /// Control slots each end posts.
 const SLOTS: u16 = 64;
