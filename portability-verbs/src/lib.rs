@@ -47,6 +47,9 @@ pub mod soft;
 pub mod types;
 mod verbs;
 
+/// The stack's hand-made synchronization primitives (model-checked with loom).
+pub use pv_sync as sync;
+
 pub use endpoint::{EndpointInfo, HwEndpoint, SoftEndpoint};
 pub use error::{Result, VerbsError};
 pub use soft::SoftConfig;

@@ -14,6 +14,7 @@ type ModPath = Vec<String>;
 /// The source roots checked, relative to the workspace.
 const ROOTS: &[&str] = &[
     "portability-verbs/src",
+    "portability-verbs/sync/src",
     "madeleine/src",
     "sockets-compat/src",
     "sockets-compat/preload/src",

@@ -1,6 +1,6 @@
 //! Channels, connections, and the packing and unpacking of messages.
 
-use std::cell::{Cell, UnsafeCell};
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -1,8 +1,11 @@
 //! `Token` and `Claim`: the lock a connection's pipe and each direction are held by.
 
+use portability_verbs::sync::{SpinGuard, SpinLock};
+
 use super::*;
 
-/// A lock around state, taken two ways: claimed for a whole message (one direction of a
+/// A lock around state (the stack's spin lock, `portability_verbs::sync::SpinLock`), taken
+/// two ways: claimed for a whole message (one direction of a
 /// connection, with its next sequence number and a buffer kept between messages: no
 /// allocation, no thread-local lookup on a message's path), waiting as any blocking call
 /// does; or held for a short critical section that never waits inside (the connection's
@@ -10,23 +13,16 @@ use super::*;
 /// the one that took it, which coroutines migrating between `may` workers need; and its
 /// release is a plain store where a mutex's is an atomic exchange (the pipe is locked on
 /// every poll of a waiting receiver).
-pub(crate) struct Token<T> {
-    pub(super) busy: std::sync::atomic::AtomicBool,
-    pub(super) state: UnsafeCell<T>,
-}
-
-// SAFETY: `state` is reached only through a `Claim`, and `busy` admits one claim at a time
-// (acquire on claim, release on drop), as a lock does.
-unsafe impl<T: Send> Sync for Token<T> {}
+pub(crate) struct Token<T>(SpinLock<T>);
 
 impl<T> Token<T> {
     pub(super) fn new(state: T) -> Token<T> {
-        Token { busy: std::sync::atomic::AtomicBool::new(false), state: UnsafeCell::new(state) }
+        Token(SpinLock::new(state))
     }
 
     /// The state, through the only reference there is (no claim needed).
     pub(super) fn get_mut(&mut self) -> &mut T {
-        self.state.get_mut()
+        self.0.get_mut()
     }
 
     /// Takes the token for a short critical section (one that never waits inside): spins,
@@ -57,7 +53,7 @@ impl<T> Token<T> {
 
     #[inline]
     pub(super) fn try_claim(&self) -> Option<Claim<'_, T>> {
-        self.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).ok().map(|_| Claim { t: self })
+        self.0.try_lock()
     }
 
     /// Claims, yielding (coroutines) or spinning then napping (threads) while another holds it.
@@ -81,28 +77,5 @@ impl<T> Token<T> {
     }
 }
 
-/// A held [`Token`], giving access to its state; released on drop.
-pub(crate) struct Claim<'a, T> {
-    pub(super) t: &'a Token<T>,
-}
-
-impl<T> std::ops::Deref for Claim<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        // SAFETY: this claim is the only one (see `Token`).
-        unsafe { &*self.t.state.get() }
-    }
-}
-
-impl<T> std::ops::DerefMut for Claim<'_, T> {
-    fn deref_mut(&mut self) -> &mut T {
-        // SAFETY: this claim is the only one (see `Token`), and `&mut self` the only borrow.
-        unsafe { &mut *self.t.state.get() }
-    }
-}
-
-impl<T> Drop for Claim<'_, T> {
-    fn drop(&mut self) {
-        self.t.busy.store(false, Ordering::Release);
-    }
-}
+/// A held [`Token`], giving access to its state; released on drop (on any thread).
+pub(crate) type Claim<'a, T> = SpinGuard<'a, T>;

@@ -7,24 +7,22 @@
 //! shared by many (an `Arc<BufferPool>`), so that its memory does not grow with the number of
 //! peers. Acquire and release are lock-free (a tagged Treiber stack).
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Result, VerbsError};
 use crate::types::{AccessFlags, Sge};
 use crate::verbs::{MemoryRegion, ProtectionDomain};
 
-/// Index value marking the end of the free list.
-const NIL: u32 = u32::MAX;
+use pv_sync::stack::{IndexStack, NIL};
 
 /// A pool of registered buffers.
 pub struct BufferPool {
     mr: MemoryRegion,
     buf_size: usize,
     count: u32,
-    /// Free-list head: generation tag in the high 32 bits (against ABA), index in the low.
-    head: AtomicU64,
-    next: Box<[AtomicU32]>,
+    /// The free buffers.
+    free: IndexStack,
     in_use: AtomicUsize,
     high_water: AtomicUsize,
     acquires: AtomicU64,
@@ -57,14 +55,11 @@ impl BufferPool {
         }
         let total = buf_size.checked_mul(count).ok_or_else(|| VerbsError::invalid("pool size overflows"))?;
         let mr = pd.alloc(total, access | AccessFlags::LOCAL_WRITE)?;
-        let next: Box<[AtomicU32]> =
-            (0..count as u32).map(|i| AtomicU32::new(if i + 1 < count as u32 { i + 1 } else { NIL })).collect();
         Ok(Arc::new(BufferPool {
             mr,
             buf_size,
             count: count as u32,
-            head: AtomicU64::new(0),
-            next,
+            free: IndexStack::full(count as u32),
             in_use: AtomicUsize::new(0),
             high_water: AtomicUsize::new(0),
             acquires: AtomicU64::new(0),
@@ -94,37 +89,18 @@ impl BufferPool {
     }
 
     fn pop(&self) -> Option<u32> {
-        let mut head = self.head.load(Ordering::Acquire);
-        loop {
-            let index = head as u32;
-            if index == NIL {
-                self.exhausted.fetch_add(1, Ordering::Relaxed);
-                return None;
-            }
-            let next = self.next[index as usize].load(Ordering::Relaxed);
-            let new = ((head >> 32).wrapping_add(1) << 32) | next as u64;
-            match self.head.compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => {
-                    let used = self.in_use.fetch_add(1, Ordering::Relaxed) + 1;
-                    self.high_water.fetch_max(used, Ordering::Relaxed);
-                    self.acquires.fetch_add(1, Ordering::Relaxed);
-                    return Some(index);
-                }
-                Err(h) => head = h,
-            }
-        }
+        let Some(index) = self.free.pop() else {
+            self.exhausted.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        let used = self.in_use.fetch_add(1, Ordering::Relaxed) + 1;
+        self.high_water.fetch_max(used, Ordering::Relaxed);
+        self.acquires.fetch_add(1, Ordering::Relaxed);
+        Some(index)
     }
 
     fn push(&self, index: u32) {
-        let mut head = self.head.load(Ordering::Acquire);
-        loop {
-            self.next[index as usize].store(head as u32, Ordering::Relaxed);
-            let new = ((head >> 32).wrapping_add(1) << 32) | index as u64;
-            match self.head.compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => break,
-                Err(h) => head = h,
-            }
-        }
+        self.free.push(index);
         self.in_use.fetch_sub(1, Ordering::Relaxed);
     }
 
@@ -320,7 +296,7 @@ mod tests {
     #[test]
     fn concurrent_acquire_release_never_hands_a_buffer_twice() {
         let p = pool(8, 16);
-        let owners: Vec<AtomicU32> = (0..16).map(|_| AtomicU32::new(0)).collect();
+        let owners: Vec<std::sync::atomic::AtomicU32> = (0..16).map(|_| std::sync::atomic::AtomicU32::new(0)).collect();
         std::thread::scope(|s| {
             for t in 1..=4u32 {
                 let (p, owners) = (&p, &owners);

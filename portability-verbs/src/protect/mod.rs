@@ -27,7 +27,9 @@
 
 mod fault;
 
-use std::sync::atomic::{AtomicU32, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+use pv_sync::slot::{RangeSlot, FREE};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -50,7 +52,7 @@ pub enum Protection {
 }
 
 /// Strictness of a page or hold: 0 untouched, 1 read-only, 2 no access.
-const OPEN: u8 = 0;
+const OPEN: u8 = FREE;
 const READ_ONLY: u8 = 1;
 const NO_ACCESS: u8 = 2;
 /// A lazily released send hold: pages still read-only, nothing waits on them.
@@ -83,23 +85,16 @@ impl Protection {
     }
 }
 
-/// One hold as the fault handler sees it: written only under [`WRITER`], read lock-free.
+/// One hold as the fault handler sees it: published only under [`WRITER`], read lock-free
+/// (level `OPEN` while the slot is free).
 struct Slot {
-    start: AtomicUsize,
-    end: AtomicUsize,
-    /// `OPEN` while the slot is free.
-    level: AtomicU8,
+    hold: RangeSlot,
     /// Faults the handler waited out on this hold.
     faults: AtomicU32,
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
-const FREE_SLOT: Slot = Slot {
-    start: AtomicUsize::new(0),
-    end: AtomicUsize::new(0),
-    level: AtomicU8::new(OPEN),
-    faults: AtomicU32::new(0),
-};
+const FREE_SLOT: Slot = Slot { hold: RangeSlot::new(), faults: AtomicU32::new(0) };
 static SLOTS: [Slot; MAX_HOLDS] = [FREE_SLOT; MAX_HOLDS];
 /// One past the highest slot index ever used (bounds the lock-free scans).
 static USED: AtomicUsize = AtomicUsize::new(0);
@@ -175,10 +170,9 @@ struct Seen {
 fn overlapping(start: usize, end: usize) -> impl Iterator<Item = Seen> {
     let used = USED.load(Ordering::Acquire);
     SLOTS[..used].iter().enumerate().filter_map(move |(index, s)| {
-        // The level first (published last by writers), then the range it guards.
-        let level = s.level.load(Ordering::Acquire);
-        let (a, b) = (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed));
-        (level != OPEN && a < end && start < b).then_some(Seen { index, level, start: a, end: b })
+        // One publication's range and level (a slot being republished reads as free).
+        let h = s.hold.snapshot()?;
+        (h.start < end && start < h.end).then_some(Seen { index, level: h.level, start: h.start, end: h.end })
     })
 }
 
@@ -231,10 +225,10 @@ fn lazy_at(addr: usize) -> Option<usize> {
 /// it. Async-signal-safe: the fault handler calls it on a write to such a range.
 fn open_lazy(i: usize) -> bool {
     let s = &SLOTS[i];
-    if s.level.compare_exchange(LAZY, LAZY_OPENING, Ordering::AcqRel, Ordering::Acquire).is_err() {
+    if !s.hold.swap_level(LAZY, LAZY_OPENING) {
         return false;
     }
-    let (start, end) = (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed));
+    let (start, end) = s.hold.range();
     let rw = libc::PROT_READ | libc::PROT_WRITE;
     // SAFETY: the range was protected by a hold whose owner vouched for it and keeps it mapped
     // while the lazy range lives (a hole unmapped against that contract just fails, page by
@@ -248,16 +242,16 @@ fn open_lazy(i: usize) -> bool {
     }
     // Pages open first, then the generation moves (see `fault`).
     RELEASES.fetch_add(1, Ordering::AcqRel);
-    s.level.store(LAZY_OPEN, Ordering::Release);
+    s.hold.set_level(LAZY_OPEN);
     fault::wake_releases();
     true
 }
 
 /// Waits while someone else opens lazy range `i`. Async-signal-safe.
 fn wait_opened(i: usize) {
-    while SLOTS[i].level.load(Ordering::Acquire) == LAZY_OPENING {
+    while SLOTS[i].hold.level() == LAZY_OPENING {
         let seen = RELEASES.load(Ordering::Acquire);
-        if SLOTS[i].level.load(Ordering::Acquire) != LAZY_OPENING {
+        if SLOTS[i].hold.level() != LAZY_OPENING {
             break;
         }
         fault::sleep_on_releases(seen, Duration::from_micros(100));
@@ -394,16 +388,16 @@ impl ProtectedRange {
         let [i] = self.slots[..] else { return None };
         let w = writer();
         let s = &SLOTS[i];
-        let (start, end) = (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed));
+        let (start, end) = s.hold.range();
         let shared = overlapping(start, end).any(|o| o.index != i && is_hold(o.level));
-        if s.level.load(Ordering::Relaxed) != READ_ONLY || shared {
+        if s.hold.level() != READ_ONLY || shared {
             return None; // `self` drops here, after the lock: an ordinary release
         }
         self.slots.clear();
         s.faults.store(0, Ordering::Relaxed);
         // A writer waiting in the handler wakes, finds no hold, and opens the range itself.
         RELEASES.fetch_add(1, Ordering::AcqRel);
-        s.level.store(LAZY, Ordering::Release);
+        s.hold.set_level(LAZY);
         ACTIVE.fetch_sub(1, Ordering::AcqRel);
         drop(w);
         fault::wake_releases();
@@ -459,9 +453,9 @@ impl LazyRange {
         std::mem::forget(self); // the slot becomes the new hold's
         let s = &SLOTS[i];
         // Claimed back before the fault handler can start opening it; if it has, wait for it.
-        if s.level.compare_exchange(LAZY, READ_ONLY, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        if !s.hold.swap_level(LAZY, READ_ONLY) {
             wait_opened(i);
-            s.level.store(READ_ONLY, Ordering::Release);
+            s.hold.set_level(READ_ONLY);
         }
         open_lazy_overlapping(addr, addr + len, Some(i));
         apply_hold(&mut w, i, addr, addr + len, READ_ONLY)?;
@@ -477,7 +471,7 @@ impl Drop for LazyRange {
         if !open_lazy(self.slot) {
             wait_opened(self.slot);
         }
-        SLOTS[self.slot].level.store(OPEN, Ordering::Release);
+        SLOTS[self.slot].hold.set_level(OPEN);
         w.free.push(self.slot);
     }
 }
@@ -521,10 +515,8 @@ fn add_hold(w: &mut Writer, start: usize, end: usize, level: u8) -> Result<usize
     };
     open_lazy_overlapping(start, end, None);
     let s = &SLOTS[i];
-    s.start.store(start, Ordering::Relaxed);
-    s.end.store(end, Ordering::Relaxed);
     // Published before the pages close, so a fault always finds its hold.
-    s.level.store(level, Ordering::Release);
+    s.hold.publish(start, end, level);
     if has_twin(start, end, level, i) {
         // The same buffer is in flight already (a stream writing one buffer over and over):
         // its pages are closed as far as this hold needs.
@@ -560,7 +552,7 @@ fn apply_hold(w: &mut Writer, i: usize, start: usize, end: usize, level: u8) -> 
                 // SAFETY: restores what was there before on the same range.
                 let _ = unsafe { set_protection(x, y, base) };
             }
-            SLOTS[i].level.store(OPEN, Ordering::Release);
+            SLOTS[i].hold.set_level(OPEN);
             ACTIVE.fetch_sub(1, Ordering::AcqRel);
             w.free.push(i);
             return Err(e);
@@ -572,8 +564,7 @@ fn apply_hold(w: &mut Writer, i: usize, start: usize, end: usize, level: u8) -> 
 
 fn remove_hold(w: &mut Writer, i: usize) {
     let s = &SLOTS[i];
-    let (start, end, level) =
-        (s.start.load(Ordering::Relaxed), s.end.load(Ordering::Relaxed), s.level.load(Ordering::Relaxed));
+    let ((start, end), level) = (s.hold.range(), s.hold.level());
     let pieces = if has_twin(start, end, level, i) { SmallVec::new() } else { segments(start, end, Some(i)) };
     for (x, y, base) in pieces {
         if base.max(level) != base {
@@ -595,7 +586,7 @@ fn remove_hold(w: &mut Writer, i: usize) {
     // Pages open first, then the generation moves, then the slot goes: a fault handler that no
     // longer finds the hold is sure to see the new generation (see `fault`).
     RELEASES.fetch_add(1, Ordering::AcqRel);
-    s.level.store(OPEN, Ordering::Release);
+    s.hold.set_level(OPEN);
     ACTIVE.fetch_sub(1, Ordering::AcqRel);
     w.free.push(i);
 }

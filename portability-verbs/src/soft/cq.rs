@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::ctx::CtxInner;
-use super::spin::SpinLock;
 use crate::error::{Result, VerbsError};
 use crate::os;
 use crate::types::WorkCompletion;
+use pv_sync::SpinLock;
 
 /// Completions produced by one pass, `true` for send-queue ones; inline up to 8 (no allocation).
 pub(crate) type Out = smallvec::SmallVec<[(bool, WorkCompletion); 8]>;

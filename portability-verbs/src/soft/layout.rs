@@ -139,26 +139,7 @@ pub struct RingConsumer {
     pub taking: AtomicU64,
 }
 
-/// Third line of a queue-pair segment: a shared copy the peer offers this side to help with
-/// (see `assist`). Written by the peer (the copier); this side (the helper) takes jobs from it.
-#[repr(C, align(64))]
-#[derive(Default)]
-pub struct AssistLine {
-    /// `job id << 8 | flags`, 0 while no job is open.
-    pub state: AtomicU64,
-    /// Source address, in the helper.
-    pub src: AtomicU64,
-    /// Destination address, in the copier.
-    pub dst: AtomicU64,
-    /// Bytes of the whole copy.
-    pub len: AtomicU64,
-    /// Where the back half (the helper's part) starts.
-    pub split: AtomicU64,
-    /// Key of the helper's registration of the source.
-    pub key: AtomicU32,
-    /// Access rights that registration must grant (access flag bits).
-    pub need: AtomicU32,
-}
+pub use pv_sync::copyline::AssistLine;
 
 /// Magic of a queue-pair segment (its low bits change with the segment's format).
 pub const QP_MAGIC: u64 = 0x5056_5150_5347_0003;

@@ -28,7 +28,6 @@ mod layout;
 mod peer;
 mod qp;
 mod segment;
-mod spin;
 pub mod tcp;
 pub mod wire;
 

@@ -18,10 +18,10 @@ use super::keys::LocalKeys;
 use super::layout::{qp_state_code, QpSeg, QP_DESTROYED, QP_MAGIC, RING_OFFSET};
 use super::peer::PeerCtx;
 use super::segment::{qp_name, Segment};
-use super::spin::SpinLock;
 use super::wire::{self, status, Descriptor, RecordHeader, RecordKind, FIELDS_BYTES};
 use super::CqInner;
 use crate::os;
+use pv_sync::SpinLock;
 
 mod drive;
 mod ring;
