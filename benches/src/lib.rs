@@ -4,6 +4,7 @@
 pub mod exs_peer;
 pub mod hosts;
 pub mod plot;
+pub mod results;
 
 use std::time::{Duration, Instant};
 

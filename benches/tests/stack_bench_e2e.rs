@@ -48,9 +48,13 @@ fn runs_end_to_end_and_writes_complete_results() {
     }
     assert!(stdout.contains("crossover chosen"), "{stdout}");
     let json = std::fs::read_to_string(out.join("results.json")).unwrap();
-    assert!(json.starts_with("{\"meta\":{") && json.trim_end().ends_with("]}"));
-    assert_eq!(json.matches("\"layer\":").count(), layers.len() * sizes);
-    assert_eq!(json.matches("\"minus_raw_us\":null").count(), sizes, "raw-send's own rows only");
+    let json: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
+    assert!(json["meta"]["host"]["cpus"].as_u64().is_some_and(|n| n >= 1), "{json}");
+    assert!(json["meta"]["command"].as_array().is_some_and(|c| c.iter().any(|a| a == "--max-size")), "{json}");
+    assert!(json["settings"]["timer_ns"].is_number(), "{json}");
+    let rows = json["results"].as_array().expect("the points");
+    assert_eq!(rows.len(), layers.len() * sizes);
+    assert_eq!(rows.iter().filter(|r| r["minus_raw_us"].is_null()).count(), sizes, "raw-send's own rows only");
     for svg in ["latency.svg", "bandwidth.svg"] {
         let s = std::fs::read_to_string(out.join(svg)).unwrap();
         assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"), "{svg}");

@@ -191,10 +191,8 @@ fn run(args: &Args) -> Result<(), String> {
     let q = EventQueue::new(2 * MAX_DEPTH).map_err(|e| e.to_string())?;
     let mut links = Links { peer, exs, kind: kind.to_string(), tx, q, raw };
     let out = exs_peer::results_dir(args.out.as_deref(), "exs-blast")?;
-    let mut csv = String::from(
-        "size,depth,exs_gbps,raw_gbps,exs_over_raw,exs_cpu_s_per_gb,exs_user_pct,exs_sys_pct,raw_cpu_s_per_gb\n",
-    );
-    let mut sdp_csv = String::from("size,design,gbps,cpu_s_per_gb,user_pct,sys_pct\n");
+    let mut rows: Vec<BlastRow> = Vec::new();
+    let mut sdp_rows: Vec<SdpRow> = Vec::new();
     let mut exs_series: Vec<Series> =
         args.depths.iter().map(|d| Series { name: format!("EXS {d} out"), points: vec![] }).collect();
     let mut raw_series: Vec<Series> =
@@ -228,8 +226,18 @@ fn run(args: &Args) -> Result<(), String> {
                 [e.gbps(), r.gbps(), e.gbps() / r.gbps(), e.cpu_per_gb(), e.pct(e.user), e.pct(e.sys), r.cpu_per_gb()];
             let cells: Vec<String> = row.iter().map(|v| format!("{v:>9.3}")).collect();
             println!("{:>8} {:>4} {}", fmt_size(size), depth, cells.join(" "));
-            let cells: Vec<String> = row.iter().map(|v| format!("{v:.5}")).collect();
-            csv.push_str(&format!("{size},{depth},{}\n", cells.join(",")));
+            let [exs_gbps, raw_gbps, exs_over_raw, exs_cpu_s_per_gb, exs_user_pct, exs_sys_pct, raw_cpu_s_per_gb] = row;
+            rows.push(BlastRow {
+                size,
+                depth,
+                exs_gbps,
+                raw_gbps,
+                exs_over_raw,
+                exs_cpu_s_per_gb,
+                exs_user_pct,
+                exs_sys_pct,
+                raw_cpu_s_per_gb,
+            });
             exs_series[di].points.push((size as f64, e.gbps()));
             raw_series[di].points.push((size as f64, r.gbps()));
             cpu_series[di].points.push((size as f64, e.cpu_per_gb()));
@@ -250,14 +258,14 @@ fn run(args: &Args) -> Result<(), String> {
                     m.pct(m.user),
                     m.pct(m.sys)
                 );
-                sdp_csv.push_str(&format!(
-                    "{size},{},{:.4},{:.5},{:.2},{:.2}\n",
-                    d.name(),
-                    m.gbps(),
-                    m.cpu_per_gb(),
-                    m.pct(m.user),
-                    m.pct(m.sys)
-                ));
+                sdp_rows.push(SdpRow {
+                    size,
+                    design: d.name().to_string(),
+                    gbps: m.gbps(),
+                    cpu_s_per_gb: m.cpu_per_gb(),
+                    user_pct: m.pct(m.user),
+                    sys_pct: m.pct(m.sys),
+                });
                 sdp_cpu[i].points.push((size as f64, m.cpu_per_gb()));
                 best = best.min(m.cpu_per_gb());
             }
@@ -266,21 +274,23 @@ fn run(args: &Args) -> Result<(), String> {
         std::io::stdout().flush().ok();
     }
     // The targets: 4 outstanding messages of 512 KiB.
-    if let Some(row) = csv.lines().find(|l| l.starts_with(&format!("{},4,", 512 << 10))) {
-        let f: Vec<f64> = row.split(',').filter_map(|v| v.parse().ok()).collect();
+    if let Some(row) = rows.iter().find(|r| r.size == 512 << 10 && r.depth == 4) {
         let sdp = sdp_best_at.get(&(512 << 10)).copied();
         println!(
             "target (4 x 512 KiB): EXS/raw {:.2} (>= 0.90: {}); EXS {:.3} CPU-s/GB against SDP's best {} ({})",
-            f[4],
-            if f[4] >= 0.9 { "met" } else { "NOT met" },
-            f[5],
+            row.exs_over_raw,
+            if row.exs_over_raw >= 0.9 { "met" } else { "NOT met" },
+            row.exs_cpu_s_per_gb,
             sdp.map_or("not measured".into(), |v| format!("{v:.3}")),
-            sdp.map_or("-", |v| if f[5] < v { "met" } else { "NOT met" })
+            sdp.map_or("-", |v| if row.exs_cpu_s_per_gb < v { "met" } else { "NOT met" })
         );
     }
     let w = |name: &str, body: String| std::fs::write(out.join(name), body).map_err(|e| e.to_string());
-    w("exs_blast.csv", csv)?;
-    w("sdp.csv", sdp_csv)?;
+    benches::results::write_csv(&out.join("exs_blast.csv"), &rows).map_err(|e| e.to_string())?;
+    benches::results::write_csv(&out.join("sdp.csv"), &sdp_rows).map_err(|e| e.to_string())?;
+    let settings = serde_json::json!({ "kind": kind, "volume": args.volume, "repeat": args.repeat });
+    let results = serde_json::json!({ "exs": rows, "sdp": sdp_rows });
+    benches::results::write_json(&out.join("results.json"), &settings, &results).map_err(|e| e.to_string())?;
     let mut bw = exs_series;
     bw.extend(raw_series);
     w(
@@ -306,4 +316,29 @@ fn run(args: &Args) -> Result<(), String> {
     )?;
     println!("results in {}", out.display());
     Ok(())
+}
+
+/// One row of the EXS results: EXS against raw RDMA writes at one size and depth.
+#[derive(serde::Serialize)]
+struct BlastRow {
+    size: usize,
+    depth: usize,
+    exs_gbps: f64,
+    raw_gbps: f64,
+    exs_over_raw: f64,
+    exs_cpu_s_per_gb: f64,
+    exs_user_pct: f64,
+    exs_sys_pct: f64,
+    raw_cpu_s_per_gb: f64,
+}
+
+/// One row of the SDP comparison.
+#[derive(serde::Serialize)]
+struct SdpRow {
+    size: usize,
+    design: String,
+    gbps: f64,
+    cpu_s_per_gb: f64,
+    user_pct: f64,
+    sys_pct: f64,
 }

@@ -157,7 +157,7 @@ fn run(args: &Args) -> Result<(), String> {
     let q = EventQueue::new(64).map_err(|e| e.to_string())?;
     let mut links = Links { peer, exs, mem, q, raw };
     let out = exs_peer::results_dir(args.out.as_deref(), "exs-pingpong")?;
-    let mut csv = String::from("mode,pinned,size,median_us,p99_us,raw_median_us,minus_raw_us,user_pct,sys_pct\n");
+    let mut rows: Vec<PingRow> = Vec::new();
     let mut series = Vec::new();
     println!("EXS SOCK_SEQPACKET ping-pong, one-way (half round trip); raw = write-with-immediate, busy-polled, same pinning");
     println!(
@@ -186,8 +186,18 @@ fn run(args: &Args) -> Result<(), String> {
                 let row = [e.us(0.5), e.us(0.99), r.us(0.5), diff, e.user / e.secs * 100.0, e.sys / e.secs * 100.0];
                 let cells: Vec<String> = row.iter().map(|v| format!("{v:>9.2}")).collect();
                 println!("{mode:<8} {pinned:<8} {:>7} {}", fmt_size(size), cells.join(" "));
-                let cells: Vec<String> = row.iter().map(|v| format!("{v:.3}")).collect();
-                csv.push_str(&format!("{mode},{pinned},{size},{}\n", cells.join(",")));
+                let [median_us, p99_us, raw_median_us, minus_raw_us, user_pct, sys_pct] = row;
+                rows.push(PingRow {
+                    mode: mode.to_string(),
+                    pinned,
+                    size,
+                    median_us,
+                    p99_us,
+                    raw_median_us,
+                    minus_raw_us,
+                    user_pct,
+                    sys_pct,
+                });
                 points.push((size as f64, e.us(0.5)));
                 if busy && pinned && size == 8 {
                     target = Some(diff);
@@ -203,7 +213,9 @@ fn run(args: &Args) -> Result<(), String> {
             if d <= 0.1 { "met" } else { "NOT met" }
         );
     }
-    std::fs::write(out.join("exs_pingpong.csv"), csv).map_err(|e| e.to_string())?;
+    benches::results::write_csv(&out.join("exs_pingpong.csv"), &rows).map_err(|e| e.to_string())?;
+    let settings = serde_json::json!({ "iters": args.iters, "notify_iters": args.notify_iters });
+    benches::results::write_json(&out.join("results.json"), &settings, &rows).map_err(|e| e.to_string())?;
     let chart = line_chart(
         &Axes { title: "EXS one-way latency (us, median)", x_label: "message size", x_sizes: true, log_y: true },
         &series,
@@ -211,4 +223,19 @@ fn run(args: &Args) -> Result<(), String> {
     std::fs::write(out.join("latency.svg"), chart).map_err(|e| e.to_string())?;
     println!("results in {}", out.display());
     Ok(())
+}
+
+/// One row of the results: EXS against raw write-with-immediate at one size, waiting mode and
+/// pinning.
+#[derive(serde::Serialize)]
+struct PingRow {
+    mode: String,
+    pinned: bool,
+    size: usize,
+    median_us: f64,
+    p99_us: f64,
+    raw_median_us: f64,
+    minus_raw_us: f64,
+    user_pct: f64,
+    sys_pct: f64,
 }

@@ -641,31 +641,24 @@ impl Table {
         self.rows.push((x, medians, samples));
     }
 
-    fn json(&self) -> String {
-        let rows: Vec<String> = self
+    /// The table as the results file holds it: per row, `x`, each layer's median and samples.
+    fn json(&self) -> serde_json::Value {
+        let rows: Vec<serde_json::Value> = self
             .rows
             .iter()
-            .map(|(x, v, samples)| {
-                let figs: Vec<String> = self.layers.iter().zip(v).map(|(l, f)| format!("\"{l}\":{f:.4}")).collect();
-                let all: Vec<String> = self
-                    .layers
-                    .iter()
-                    .zip(samples)
-                    .map(|(l, s)| {
-                        let s: Vec<String> = s.iter().map(|f| format!("{f:.4}")).collect();
-                        format!("\"{l}\":[{}]", s.join(","))
-                    })
-                    .collect();
-                format!("{{\"x\":{x},{},\"samples\":{{{}}}}}", figs.join(","), all.join(","))
+            .map(|(x, medians, samples)| {
+                let mut row = serde_json::Map::new();
+                row.insert("x".into(), serde_json::json!(x));
+                for (l, m) in self.layers.iter().zip(medians) {
+                    row.insert(l.clone(), serde_json::json!(m));
+                }
+                let all: serde_json::Map<String, serde_json::Value> =
+                    self.layers.iter().zip(samples).map(|(l, s)| (l.clone(), serde_json::json!(s))).collect();
+                row.insert("samples".into(), all.into());
+                row.into()
             })
             .collect();
-        format!(
-            "{{\"key\":\"{}\",\"title\":\"{}\",\"x\":\"{}\",\"rows\":[{}]}}",
-            self.key,
-            self.title,
-            self.x_name,
-            rows.join(",")
-        )
+        serde_json::json!({ "key": self.key, "title": self.title, "x": self.x_name, "rows": rows })
     }
 
     fn svg(&self) -> String {
@@ -812,14 +805,9 @@ fn main() {
         PathBuf::from("results").join(format!("sdp-{t}"))
     });
     let written = std::fs::create_dir_all(&out).and_then(|_| {
-        let json: Vec<String> = tables.iter().map(Table::json).collect();
-        std::fs::write(
-            out.join("results.json"),
-            format!(
-                "{{\"meta\":{{\"floor_ns\":{floor:.1},\"zcopy_threshold\":{zt},\"peer\":\"{ends}\"}},\"tables\":[{}]}}\n",
-                json.join(",")
-            ),
-        )?;
+        let json: Vec<serde_json::Value> = tables.iter().map(Table::json).collect();
+        let settings = serde_json::json!({ "floor_ns": floor, "zcopy_threshold": zt, "peer": ends.to_string() });
+        benches::results::write_json(&out.join("results.json"), &settings, &json)?;
         for t in &tables {
             std::fs::write(out.join(format!("{}.svg", t.key)), t.svg())?;
         }

@@ -67,7 +67,7 @@ struct Args {
     /// buffer (the default, as perftest and ucx_perftest do; spreading measures memory bandwidth).
     #[arg(long)]
     spread: bool,
-    /// Also write the results as JSON lines to this file.
+    /// Also write the results, with the run's metadata (host, commit, arguments), as JSON to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
     #[arg(long, value_enum, default_value_t = Role::Client, hide = true)]
@@ -636,7 +636,7 @@ fn client_main(args: &Args) -> Result<()> {
     let status = wait_child(&mut child);
     let rows = rows?;
     status?;
-    let mut json = String::new();
+    let mut json_rows = Vec::new();
     for op in &args.ops {
         println!("\n## {op:?}");
         println!("{:>10} {:>12} {:>12} {:>12}", "size", "median us", "p99 us", "GB/s");
@@ -644,20 +644,21 @@ fn client_main(args: &Args) -> Result<()> {
             let f = |v: Option<f64>| v.map(|x| format!("{x:.3}")).unwrap_or_else(|| "-".into());
             let bw = r.gbps.map(|x| format!("{x:.2}")).unwrap_or_else(|| "-".into());
             println!("{:>10} {:>12} {:>12} {:>12}", fmt_size(r.size), f(r.median_us), f(r.p99_us), bw);
-            json.push_str(&format!(
-                "{{\"layer\":\"raw\",\"op\":\"{:?}\",\"size\":{},\"median_us\":{},\"p99_us\":{},\"gbps\":{}}}\n",
-                r.op,
-                r.size,
-                r.median_us.map(|v| format!("{v:.4}")).unwrap_or("null".into()),
-                r.p99_us.map(|v| format!("{v:.4}")).unwrap_or("null".into()),
-                r.gbps.map(|v| format!("{v:.4}")).unwrap_or("null".into())
-            ));
+            json_rows.push(serde_json::json!({
+                "layer": "raw",
+                "op": format!("{:?}", r.op),
+                "size": r.size,
+                "median_us": r.median_us,
+                "p99_us": r.p99_us,
+                "gbps": r.gbps,
+            }));
         }
     }
     let (pss, ring) = memory_per_qp_pair()?;
     println!("\n# memory per connected QP pair: {pss:.0} KiB resident (PSS growth over 32 pairs; each QP maps a {} KiB ring)", ring / 1024);
     if let Some(path) = &args.json {
-        std::fs::write(path, json)
+        let settings = serde_json::json!({ "floor_ns": floor });
+        benches::results::write_json(path, &settings, &json_rows)
             .map_err(|e| VerbsError::Os { context: format!("writing {}", path.display()), source: e })?;
     }
     Ok(())

@@ -51,42 +51,45 @@ pub(crate) fn print_table(points: &[Point], layers: &[Layer]) {
     }
 }
 
-pub(crate) fn write_results(dir: &std::path::Path, points: &[Point], meta: &str) -> std::io::Result<()> {
+/// One point as the results files hold it.
+#[derive(serde::Serialize)]
+struct PointRow {
+    layer: &'static str,
+    size: usize,
+    median_us: f64,
+    p99_us: Option<f64>,
+    minus_raw_us: Option<f64>,
+    gbps: f64,
+    mb_per_cpu_s: Option<f64>,
+    minus_ucx_us: Option<f64>,
+}
+
+/// The run's own settings, beside its figures in results.json.
+#[derive(serde::Serialize)]
+pub(crate) struct Settings {
+    pub provider: String,
+    pub wait: String,
+    pub timer_ns: f64,
+    pub floor_ns: Option<f64>,
+}
+
+pub(crate) fn write_results(dir: &std::path::Path, points: &[Point], settings: &Settings) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let mut csv = String::from("layer,size,median_us,p99_us,minus_raw_us,gbps,mb_per_cpu_s,minus_ucx_us\n");
-    let mut json = format!("{{\"meta\":{meta},\"points\":[");
-    for (i, p) in points.iter().enumerate() {
-        // Absent values: empty in the CSV, null in the JSON.
-        let opt = |v: Option<f64>, digits: usize, none: &str| {
-            v.map(|v| format!("{v:.digits$}")).unwrap_or_else(|| none.into())
-        };
-        csv.push_str(&format!(
-            "{},{},{:.4},{},{},{:.4},{},{}\n",
-            p.layer.name(),
-            p.size,
-            p.median_us,
-            opt(p.p99_us, 4, ""),
-            opt(p.minus_raw_us, 4, ""),
-            p.gbps,
-            opt(p.mb_per_cpu_s, 1, ""),
-            opt(p.minus_ucx_us, 4, "")
-        ));
-        json.push_str(&format!(
-            "{}{{\"layer\":\"{}\",\"size\":{},\"median_us\":{:.4},\"p99_us\":{},\"minus_raw_us\":{},\"gbps\":{:.4},\"mb_per_cpu_s\":{},\"minus_ucx_us\":{}}}",
-            if i > 0 { "," } else { "" },
-            p.layer.name(),
-            p.size,
-            p.median_us,
-            opt(p.p99_us, 4, "null"),
-            opt(p.minus_raw_us, 4, "null"),
-            p.gbps,
-            opt(p.mb_per_cpu_s, 1, "null"),
-            opt(p.minus_ucx_us, 4, "null")
-        ));
-    }
-    json.push_str("]}\n");
-    std::fs::write(dir.join("results.csv"), csv)?;
-    std::fs::write(dir.join("results.json"), json)?;
+    let rows: Vec<PointRow> = points
+        .iter()
+        .map(|p| PointRow {
+            layer: p.layer.name(),
+            size: p.size,
+            median_us: p.median_us,
+            p99_us: p.p99_us,
+            minus_raw_us: p.minus_raw_us,
+            gbps: p.gbps,
+            mb_per_cpu_s: p.mb_per_cpu_s,
+            minus_ucx_us: p.minus_ucx_us,
+        })
+        .collect();
+    benches::results::write_csv(&dir.join("results.csv"), &rows)?;
+    benches::results::write_json(&dir.join("results.json"), settings, &rows)?;
     std::fs::write(dir.join("latency.svg"), svg_plot(points, "one-way latency (us, median)", |p| p.median_us))?;
     std::fs::write(dir.join("bandwidth.svg"), svg_plot(points, "bandwidth (GB/s)", |p| p.gbps))?;
     Ok(())
@@ -149,13 +152,13 @@ pub(crate) fn report(args: &Args, points: &[Point], floor: Option<f64>) -> Resul
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         PathBuf::from("results").join(format!("stack-{t}"))
     });
-    let meta = format!(
-        "{{\"provider\":\"{:?}\",\"wait\":\"{:?}\",\"timer_ns\":{timer:.1},\"floor_ns\":{}}}",
-        args.provider,
-        args.wait,
-        floor.map(|f| format!("{f:.1}")).unwrap_or_else(|| "null".into())
-    );
-    write_results(&out, points, &meta).map_err(|e| format!("writing {}: {e}", out.display()))?;
+    let settings = Settings {
+        provider: format!("{:?}", args.provider),
+        wait: format!("{:?}", args.wait),
+        timer_ns: timer,
+        floor_ns: floor,
+    };
+    write_results(&out, points, &settings).map_err(|e| format!("writing {}: {e}", out.display()))?;
     println!("# results (JSON, CSV, latency.svg, bandwidth.svg) in {}", out.display());
     Ok(())
 }
