@@ -5,52 +5,27 @@ use std::time::Duration;
 
 use crate::endpoint::EndpointInfo;
 
-/// Memory-region and queue-pair access rights (the verbs `IBV_ACCESS_*` flags).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct AccessFlags(u32);
+bitflags::bitflags! {
+    /// Memory-region and queue-pair access rights (the verbs `IBV_ACCESS_*` flags, same bits).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+    pub struct AccessFlags: u32 {
+        /// The provider may write into the region on behalf of local work requests (receives,
+        /// READ results, atomic results).
+        const LOCAL_WRITE = 1;
+        /// Peers may RDMA-write the region.
+        const REMOTE_WRITE = 2;
+        /// Peers may RDMA-read the region.
+        const REMOTE_READ = 4;
+        /// Peers may run atomics on the region.
+        const REMOTE_ATOMIC = 8;
+    }
+}
 
 impl AccessFlags {
     /// No rights beyond local read.
-    pub const NONE: AccessFlags = AccessFlags(0);
-    /// The provider may write into the region on behalf of local work requests (receives, READ
-    /// results, atomic results).
-    pub const LOCAL_WRITE: AccessFlags = AccessFlags(1);
-    /// Peers may RDMA-write the region.
-    pub const REMOTE_WRITE: AccessFlags = AccessFlags(2);
-    /// Peers may RDMA-read the region.
-    pub const REMOTE_READ: AccessFlags = AccessFlags(4);
-    /// Peers may run atomics on the region.
-    pub const REMOTE_ATOMIC: AccessFlags = AccessFlags(8);
+    pub const NONE: AccessFlags = AccessFlags::empty();
     /// Every right.
-    pub const ALL: AccessFlags = AccessFlags(15);
-
-    /// The raw bits (the same values as `IBV_ACCESS_*`).
-    pub const fn bits(self) -> u32 {
-        self.0
-    }
-    /// Builds flags from raw bits, dropping unknown ones.
-    pub const fn from_bits_truncate(bits: u32) -> Self {
-        AccessFlags(bits & 15)
-    }
-    /// True when every right of `other` is in `self`.
-    pub const fn contains(self, other: AccessFlags) -> bool {
-        self.0 & other.0 == other.0
-    }
-}
-
-impl std::ops::BitOr for AccessFlags {
-    type Output = AccessFlags;
-    fn bitor(self, rhs: AccessFlags) -> AccessFlags {
-        AccessFlags(self.0 | rhs.0)
-    }
-}
-
-impl std::fmt::Debug for AccessFlags {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let names = [(1, "LOCAL_WRITE"), (2, "REMOTE_WRITE"), (4, "REMOTE_READ"), (8, "REMOTE_ATOMIC")];
-        let set: Vec<&str> = names.iter().filter(|(b, _)| self.0 & b != 0).map(|(_, n)| *n).collect();
-        write!(f, "AccessFlags({})", if set.is_empty() { "NONE".to_string() } else { set.join("|") })
-    }
+    pub const ALL: AccessFlags = AccessFlags::all();
 }
 
 /// One scatter/gather element: `length` bytes at `addr`, inside the local region of `lkey`.

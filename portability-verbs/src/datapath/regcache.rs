@@ -83,6 +83,12 @@ pub struct RegistrationCache {
     id: u64,
 }
 
+impl std::fmt::Debug for RegistrationCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistrationCache").finish_non_exhaustive()
+    }
+}
+
 /// A registration in use, covering at least the buffer asked for. Borrowing the buffer keeps it
 /// alive (and its memory unchanged) while the registration is used.
 pub struct Registration<'a> {
@@ -90,6 +96,12 @@ pub struct Registration<'a> {
     start: u64,
     mr: Arc<MemoryRegion>,
     _buf: PhantomData<&'a [u8]>,
+}
+
+impl std::fmt::Debug for Registration<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration").finish_non_exhaustive()
+    }
 }
 
 impl Registration<'_> {
@@ -178,7 +190,7 @@ impl RegistrationCache {
             let e = &g.entries[s];
             new_start = new_start.min(*s);
             new_end = new_end.max(e.end);
-            new_access = new_access | e.access;
+            new_access |= e.access;
         }
         // Registering the union is safe as far as the caller's range goes; the parts that come
         // from other entries are memory those entries' callers vouched for, and still mapped
@@ -283,6 +295,12 @@ impl RegistrationCache {
 pub struct CachedBuffer {
     cache: Arc<RegistrationCache>,
     buf: Box<[u8]>,
+}
+
+impl std::fmt::Debug for CachedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachedBuffer").finish_non_exhaustive()
+    }
 }
 
 impl CachedBuffer {
