@@ -23,6 +23,7 @@ use crate::wire::{Advert, Bsdh, Design, Message, Sequencer, WireError};
 
 /// How a peer broke the protocol.
 #[derive(Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ProtoError {
     /// The message does not decode, or is out of sequence.
     #[error("malformed SDP message: {0}")]

@@ -16,6 +16,7 @@ pub const BSDH_LEN: usize = 16;
 
 /// A malformed SDP message.
 #[derive(Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum WireError {
     /// Fewer bytes than the header, or than the header's length field claims.
     #[error("truncated SDP message: {have} bytes, {need} needed")]

@@ -19,6 +19,7 @@ pub const RECORD_HEADER: usize = 16;
 
 /// Why a peer's flow-control data was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum FcError {
     /// The peer granted credits it cannot have (more than it was ever given).
     #[error("peer granted {granted} credits, more than the {limit} it could owe")]
@@ -176,6 +177,7 @@ pub fn records(chunk: &[u8]) -> Records<'_> {
 }
 
 /// Iterator of [`records`].
+#[derive(Debug)]
 pub struct Records<'a> {
     chunk: &'a [u8],
     at: usize,

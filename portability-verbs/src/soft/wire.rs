@@ -135,6 +135,7 @@ pub struct RecordHeader {
 
 /// Why a record was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RecordError {
     /// Unknown kind byte.
     #[error("unknown record kind {0}")]

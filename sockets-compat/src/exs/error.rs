@@ -6,6 +6,7 @@ use super::proto::Errno;
 
 /// A failed EXS call.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ExsError {
     /// An argument out of range or a flag not supported.
     #[error("invalid argument: {0}")]

@@ -36,6 +36,7 @@ const IMM_FLAG: u32 = 1 << 30;
 
 /// A malformed EXS message.
 #[derive(Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum WireError {
     /// Fewer bytes than the message kind needs.
     #[error("truncated EXS message: {have} bytes, {need} needed")]

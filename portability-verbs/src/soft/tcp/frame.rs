@@ -141,6 +141,7 @@ pub struct Frame {
 
 /// Why a header was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum FrameError {
     /// The kind byte names no frame.
     #[error("unknown frame kind {0}")]

@@ -206,6 +206,7 @@ enum Early {
 
 /// Why a peer broke the protocol.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ProtoError {
     /// A malformed message.
     #[error(transparent)]
