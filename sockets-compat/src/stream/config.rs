@@ -51,11 +51,13 @@ impl SdpConfig {
 
     /// The settings from the environment (invalid values are an error, not ignored).
     pub fn from_env() -> io::Result<SdpConfig> {
+        use portability_verbs::env;
+        let strict = |e: portability_verbs::VerbsError| invalid(e.to_string());
         let mut c = SdpConfig::default();
-        if let Ok(v) = std::env::var("SDP_DESIGN") {
+        if let Some(v) = env::text("SDP_DESIGN").map_err(strict)? {
             c.design = Design::by_name(&v).ok_or_else(|| invalid(format!("SDP_DESIGN={v:?}: bsdp, zsdp or azsdp")))?;
         }
-        if let Ok(v) = std::env::var("SDP_FLOW") {
+        if let Some(v) = env::text("SDP_FLOW").map_err(strict)? {
             c.flow = match v.as_str() {
                 "credit" => Self::CREDIT,
                 "rdma" => Self::RDMA,
@@ -64,31 +66,23 @@ impl SdpConfig {
                 _ => return Err(invalid(format!("SDP_FLOW={v:?}: credit, rdma, window or polled"))),
             };
         }
-        if let Ok(v) = std::env::var("SDP_ZCOPY_THRESHOLD") {
-            c.zcopy_threshold = v.parse().map_err(|_| invalid(format!("SDP_ZCOPY_THRESHOLD={v:?}: bytes")))?;
+        let bytes = |name: &str, into: &mut usize| -> io::Result<()> {
+            if let Some(v) = env::parse(name, "bytes").map_err(strict)? {
+                *into = v;
+            }
+            Ok(())
+        };
+        bytes("SDP_ZCOPY_THRESHOLD", &mut c.zcopy_threshold)?;
+        bytes("SDP_AZ_HOLD_MIN", &mut c.az_hold_min)?;
+        bytes("SDP_BULK_RING", &mut c.bulk_ring)?;
+        bytes("SDP_BULK_MIN", &mut c.bulk_min)?;
+        if let Some(v) = env::parse("SDP_AZ_OUTSTANDING", "a count").map_err(strict)? {
+            c.az_max_outstanding = v;
         }
-        if let Ok(v) = std::env::var("SDP_AZ_OUTSTANDING") {
-            c.az_max_outstanding = v.parse().map_err(|_| invalid(format!("SDP_AZ_OUTSTANDING={v:?}: a count")))?;
+        if let Some(v) = env::parse("SDP_AZ_FAULT_LIMIT", "a count").map_err(strict)? {
+            c.az_fault_limit = v;
         }
-        if let Ok(v) = std::env::var("SDP_AZ_FAULT_LIMIT") {
-            c.az_fault_limit = v.parse().map_err(|_| invalid(format!("SDP_AZ_FAULT_LIMIT={v:?}: a count")))?;
-        }
-        if let Ok(v) = std::env::var("SDP_AZ_HOLD_MIN") {
-            c.az_hold_min = v.parse().map_err(|_| invalid(format!("SDP_AZ_HOLD_MIN={v:?}: bytes")))?;
-        }
-        if let Ok(v) = std::env::var("SDP_BULK_RING") {
-            c.bulk_ring = v.parse().map_err(|_| invalid(format!("SDP_BULK_RING={v:?}: bytes")))?;
-        }
-        if let Ok(v) = std::env::var("SDP_BULK_MIN") {
-            c.bulk_min = v.parse().map_err(|_| invalid(format!("SDP_BULK_MIN={v:?}: bytes")))?;
-        }
-        if let Ok(v) = std::env::var("SDP_AZ_COW") {
-            c.az_copy_on_write = match v.as_str() {
-                "1" | "true" | "on" => true,
-                "0" | "false" | "off" => false,
-                _ => return Err(invalid(format!("SDP_AZ_COW={v:?}: 1 or 0"))),
-            };
-        }
+        c.az_copy_on_write = env::flag("SDP_AZ_COW", c.az_copy_on_write).map_err(strict)?;
         c.validate()?;
         Ok(c)
     }
