@@ -31,6 +31,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
+#![warn(missing_debug_implementations)]
 
 pub mod cm;
 pub mod copy;
@@ -46,6 +47,7 @@ pub mod protect;
 pub mod soft;
 pub mod types;
 mod verbs;
+mod wait;
 
 /// The stack's hand-made synchronization primitives (model-checked with loom).
 pub use pv_sync as sync;
@@ -55,3 +57,4 @@ pub use error::{Result, VerbsError};
 pub use soft::SoftConfig;
 pub use types::*;
 pub use verbs::*;
+pub use wait::{spin_yields, wait_any};

@@ -61,6 +61,12 @@ enum CtxImpl {
 #[derive(Clone)]
 pub struct Context(CtxImpl);
 
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").field("provider", &self.provider()).finish_non_exhaustive()
+    }
+}
+
 impl Context {
     /// Opens the provider named by `PV_PROVIDER` (default: software).
     pub fn open_default() -> Result<Context> {
@@ -137,7 +143,14 @@ enum PdImpl {
 #[derive(Clone)]
 pub struct ProtectionDomain(PdImpl);
 
+impl std::fmt::Debug for ProtectionDomain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProtectionDomain").field("provider", &self.provider()).finish_non_exhaustive()
+    }
+}
+
 /// What a queue pair is created with.
+#[derive(Debug)]
 pub struct QpInit<'a> {
     /// Queue for send-side completions.
     pub send_cq: &'a CompletionQueue,
@@ -272,6 +285,17 @@ enum MrImpl {
 /// Registered memory: local accesses name it by `lkey`, peers by `rkey`. Deregistered on drop
 /// (after any peer access in progress has finished).
 pub struct MemoryRegion(MrImpl);
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("lkey", &format_args!("{:#x}", self.lkey()))
+            .field("rkey", &format_args!("{:#x}", self.rkey()))
+            .finish()
+    }
+}
 
 impl MemoryRegion {
     /// Start address.
@@ -408,33 +432,10 @@ enum CqImpl {
 #[derive(Clone)]
 pub struct CompletionQueue(CqImpl);
 
-/// Whether a busy-polling wait yields the CPU before its `n`-th poll (from 1): not in the
-/// first 128 polls (about ten microseconds: the latency path), then on every 16th. With more
-/// busy threads than CPUs, the thread that would end the wait may be the one waiting for this
-/// CPU; spinning alone would keep it out for a whole time slice. Pair it with [`wait_any`]
-/// once a wait has spun long enough to sleep.
-pub fn spin_yields(n: u32) -> bool {
-    n >= 128 && n.is_multiple_of(16)
-}
-
-/// Sleeps until one of `cqs` has an event (a completion, or on the software provider a dead
-/// peer) or `timeout` passes: arms each queue, sleeps on their descriptors together, and
-/// acknowledges the events it woke for. Returns whether one fired. Waking a sleeping thread
-/// costs tens of microseconds: spin on `poll` first where latency matters.
-pub fn wait_any(cqs: &[&CompletionQueue], timeout: Duration) -> Result<bool> {
-    let mut fds: smallvec::SmallVec<[libc::pollfd; 8]> = smallvec::SmallVec::with_capacity(cqs.len());
-    for cq in cqs {
-        // Armed before sleeping; a queue with work already pending fires at once.
-        cq.req_notify()?;
-        fds.push(libc::pollfd { fd: cq.event_fd(), events: libc::POLLIN, revents: 0 });
+impl std::fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionQueue").field("capacity", &self.capacity()).finish_non_exhaustive()
     }
-    let fired = crate::os::wait_any_readable(&mut fds, Some(timeout))?;
-    for (cq, fd) in cqs.iter().zip(&fds) {
-        if fd.revents != 0 {
-            cq.ack_event();
-        }
-    }
-    Ok(fired)
 }
 
 impl CompletionQueue {
@@ -526,6 +527,12 @@ impl Drop for QpHandle {
 /// the last clone drops.
 #[derive(Clone)]
 pub struct QueuePair(Arc<QpHandle>);
+
+impl std::fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuePair").field("qpn", &self.qpn()).field("state", &self.state()).finish_non_exhaustive()
+    }
+}
 
 impl QueuePair {
     /// Queue-pair number.
@@ -746,6 +753,12 @@ enum SrqImpl {
 
 /// A shared receive queue: receives posted once, consumed by any of its queue pairs.
 pub struct SharedReceiveQueue(SrqImpl);
+
+impl std::fmt::Debug for SharedReceiveQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedReceiveQueue").finish_non_exhaustive()
+    }
+}
 
 impl SharedReceiveQueue {
     /// Posts receives.
