@@ -38,6 +38,8 @@
 //! ready to run than there are CPUs ([`Spin::Adaptive`], the default of
 //! [`SessionConfig::spin`]), or spin for a fixed time ([`Spin::For`]). The library never calls `may::config()` and never requires coroutines.
 
+#![warn(missing_debug_implementations)]
+
 mod channel;
 mod config;
 mod pmix;

@@ -35,6 +35,12 @@ pub struct Session {
     pub(crate) inner: Arc<SessionInner>,
 }
 
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("rank", &self.rank()).field("size", &self.size()).finish_non_exhaustive()
+    }
+}
+
 /// What a handshake carries of the job key (FNV-1a: a mix, not a secret).
 fn job_tag(job: &str) -> u64 {
     job.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))

@@ -607,7 +607,7 @@ fn what_was_sent_before_a_close_arrives_then_the_close_is_an_error() {
                 u.end_unpacking().unwrap();
                 assert_eq!(b, [k; 5]);
             }
-            let e = ch.begin_unpacking_from(0).err().expect("rank 0 closed");
+            let e = ch.begin_unpacking_from(0).expect_err("rank 0 closed");
             assert!(matches!(e, MadError::PeerClosed { rank: 0 }), "{e}");
             // Any sender: rank 1 is still there and sends one message when told, then closes.
             let mut p = ch.begin_packing(1).unwrap();
@@ -618,7 +618,7 @@ fn what_was_sent_before_a_close_arrives_then_the_close_is_an_error() {
             let mut b = [0u8; 1];
             u.unpack_express(&mut b, SendMode::Safer).unwrap();
             u.end_unpacking().unwrap();
-            let e = ch.begin_unpacking().err().expect("every sender closed");
+            let e = ch.begin_unpacking().expect_err("every sender closed");
             assert!(matches!(e, MadError::AllPeersClosed), "{e}");
             assert!(t.elapsed() < Duration::from_secs(30), "waited for the timeout: {:?}", t.elapsed());
             // Sending to a peer known to have closed fails too.

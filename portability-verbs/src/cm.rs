@@ -119,7 +119,7 @@ impl Frame {
 }
 
 /// Accumulates bytes and yields whole frames.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct FrameDecoder {
     buf: Vec<u8>,
 }
@@ -320,6 +320,12 @@ pub struct Listener {
     addr: CmAddr,
     pending: Mutex<Vec<Handshake>>,
     handshake_timeout: Mutex<Duration>,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener").field("addr", self.local_addr()).finish_non_exhaustive()
+    }
 }
 
 enum ListenerImpl {

@@ -71,6 +71,12 @@ pub struct Spinners {
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
+impl std::fmt::Debug for Spinners {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Spinners").field("threads", &self.threads.len()).finish()
+    }
+}
+
 impl Spinners {
     /// Starts `n` busy threads.
     pub fn start(n: usize) -> Spinners {

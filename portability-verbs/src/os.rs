@@ -195,6 +195,12 @@ pub struct RemoteMemory {
     mem: File,
 }
 
+impl std::fmt::Debug for RemoteMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteMemory").finish_non_exhaustive()
+    }
+}
+
 impl RemoteMemory {
     /// Opens access to process `pid`'s memory.
     pub fn open(pid: u32) -> Result<RemoteMemory> {

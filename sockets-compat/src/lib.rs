@@ -10,6 +10,8 @@
 //! AZ-SDP (asynchronous zero-copy: the buffer is memory-protected until the transfer completes,
 //! so `write` and `read` return at once; see [`stream`] for the contract).
 
+#![warn(missing_debug_implementations)]
+
 pub mod discovery;
 mod engine;
 pub mod exs;

@@ -189,7 +189,7 @@ fn ring_succeeded_all<const N: usize>(jobs: [Child; N], ranks: [usize; N]) {
 /// its rank, the exit status the job's; a failing rank ends the others and the job fails.
 #[test]
 fn madrun_starts_a_job_and_ends_it_when_a_rank_fails() {
-    let out = Command::new(env!("CARGO_BIN_EXE_madrun"))
+    let out = Command::new(env!("CARGO_BIN_EXE_madrun-for-tests"))
         .args(["-n", "3", env!("CARGO_BIN_EXE_mad_ring")])
         .env_remove("MAD_RENDEZVOUS")
         .output()
@@ -201,7 +201,7 @@ fn madrun_starts_a_job_and_ends_it_when_a_rank_fails() {
     let script = "echo up; if [ \"$MAD_RANK\" = 1 ]; then for i in $(seq 500); do [ -e \"$0\" ] && break; \
                   sleep 0.01; done; exit 3; fi; touch \"$0\"; sleep 60";
     let start = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_madrun"))
+    let out = Command::new(env!("CARGO_BIN_EXE_madrun-for-tests"))
         .args(["-n", "2", "/bin/sh", "-c", script])
         .arg(&flag)
         .output()

@@ -40,6 +40,16 @@ pub struct Channel {
     next_source: AtomicUsize,
 }
 
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Channel")
+            .field("id", &self.id)
+            .field("rank", &self.rank())
+            .field("size", &self.size())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Channel {
     pub(crate) fn new(res: Arc<Resources>, id: u32, conns: Vec<Option<Arc<Conn>>>) -> Channel {
         Channel { res, id, conns, next_source: AtomicUsize::new(0) }

@@ -61,6 +61,12 @@ pub struct Packer<'p> {
     pub(super) rdv: Held1<'p>,
 }
 
+impl std::fmt::Debug for Packer<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Packer").finish_non_exhaustive()
+    }
+}
+
 /// Rendezvous packs held until the receiver released them, one without allocating.
 pub(super) type Held1<'p> = SmallVec<[Held<'p>; 1]>;
 
@@ -649,6 +655,12 @@ pub struct PendingSend<'p> {
     pub(super) conn: &'p Conn,
     /// The zero-copy packs not read yet, with their registrations (and copies).
     pub(super) rdv: Held1<'p>,
+}
+
+impl std::fmt::Debug for PendingSend<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingSend").finish_non_exhaustive()
+    }
 }
 
 impl PendingSend<'_> {

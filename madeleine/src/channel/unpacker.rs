@@ -42,6 +42,12 @@ pub struct Unpacker<'u> {
     pub(super) note: Cell<Option<(Mismatch, u32)>>,
 }
 
+impl std::fmt::Debug for Unpacker<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Unpacker").finish_non_exhaustive()
+    }
+}
+
 /// A message that came whole (its packs' records are in the receiving side's buffer): how
 /// far they were unpacked.
 #[derive(Clone, Copy)]

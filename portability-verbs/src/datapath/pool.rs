@@ -29,6 +29,12 @@ pub struct BufferPool {
     exhausted: AtomicU64,
 }
 
+impl std::fmt::Debug for BufferPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BufferPool").field("stats", &self.stats()).finish_non_exhaustive()
+    }
+}
+
 /// Occupancy figures of a pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolStats {
@@ -177,6 +183,12 @@ pub struct PoolBuf {
     len: usize,
     /// Given up by [`PoolBuf::into_index`]: dropping the handle leaves the free list alone.
     in_flight: bool,
+}
+
+impl std::fmt::Debug for PoolBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolBuf").field("index", &self.index).field("len", &self.len).finish_non_exhaustive()
+    }
 }
 
 impl PoolBuf {

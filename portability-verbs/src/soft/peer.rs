@@ -557,6 +557,12 @@ pub struct SoftWindow {
     _seg: Arc<Segment>,
 }
 
+impl std::fmt::Debug for SoftWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SoftWindow").field("len", &self.len).finish_non_exhaustive()
+    }
+}
+
 // SAFETY: `base` points into `_seg`, a shared mapping owned by the window; writes through it
 // are plain stores any thread may make (the caller orders its own writes).
 unsafe impl Send for SoftWindow {}

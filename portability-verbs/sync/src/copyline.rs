@@ -23,7 +23,7 @@ use crate::atomic::{fence, spin_loop, yield_now, AtomicU32, AtomicU64, Ordering}
 /// Third line of a queue-pair segment: a shared copy the peer offers this side to help with
 /// (see the module's doc). Written by the peer (the copier); this side (the helper) takes jobs from it.
 #[repr(C, align(64))]
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct AssistLine {
     /// `job id << 8 | flags`, 0 while no job is open.
     pub state: AtomicU64,
@@ -106,6 +106,7 @@ pub enum Waited {
 
 /// An open job, from the copier's side. Dropping it without [`Offer::settle`] is allowed only
 /// before a helper can have taken the back half; `settle` closes the line.
+#[derive(Debug)]
 pub struct Offer<'a> {
     line: &'a AssistLine,
     word: u64,
@@ -206,6 +207,7 @@ impl Offer<'_> {
 
 /// A back half a helper took: copy it, then [`Taken::finish`].
 #[must_use]
+#[derive(Debug)]
 pub struct Taken<'a> {
     line: &'a AssistLine,
     word: u64,

@@ -12,6 +12,8 @@
 //! - [`slot`]: a slot publishing a range and its level to lock-free readers (a seqlock), the
 //!   memory-protection hold table's entry.
 
+#![warn(missing_debug_implementations)]
+
 mod atomic;
 pub mod copyline;
 pub mod slot;

@@ -5,7 +5,7 @@ use super::*;
 
 /// Reads the latest notice the peer of a pipe sent ([`MsgPipe::notice_to`]): all zero before
 /// the first. The last word is read first: a notice whose last word has changed is complete.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct NoticeBoard {
     slots: Arc<MemoryRegion>,
 }

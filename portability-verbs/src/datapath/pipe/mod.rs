@@ -29,7 +29,7 @@ pub use acks::NoticeBoard;
 pub use strategy::FlowStrategy;
 
 /// Options of a pipe end.
-#[derive(Clone, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct PipeOptions {
     /// Bytes of this end's inbound bulk ring (0: none). The bulk lane carries large data in
     /// chunks of up to a quarter of the peer's ring, RDMA-written straight from the sender's
@@ -290,6 +290,12 @@ pub struct MsgPipe {
     next_user: u64,
     /// Requests posted through `post_user` whose completion has not come.
     user_in_flight: usize,
+}
+
+impl std::fmt::Debug for MsgPipe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MsgPipe").field("strategy", &self.strategy).field("stats", &self.stats).finish_non_exhaustive()
+    }
 }
 
 // SAFETY: the raw pointers in `ChunkStore` point into `ring`, `bulk_ring` or the receive
