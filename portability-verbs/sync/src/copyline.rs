@@ -216,6 +216,7 @@ pub struct Taken<'a> {
 
 /// The helper's side: if `line` holds an open job whose back half nobody took, takes it.
 /// One load when the line is idle (a helper calls this on every progress pass).
+#[inline]
 pub fn try_take(line: &AssistLine) -> Option<Taken<'_>> {
     let s = line.state.load(Ordering::Acquire);
     if s == 0 || s & FLAGS != 0 {
