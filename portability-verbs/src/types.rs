@@ -478,7 +478,7 @@ mod tests {
         let a = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
         assert!(a.contains(AccessFlags::REMOTE_READ));
         assert!(!a.contains(AccessFlags::REMOTE_WRITE));
-        assert_eq!(format!("{a:?}"), "AccessFlags(LOCAL_WRITE|REMOTE_READ)");
+        assert_eq!(format!("{a:?}"), "AccessFlags(LOCAL_WRITE | REMOTE_READ)");
     }
 
     #[test]
