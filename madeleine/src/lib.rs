@@ -44,6 +44,7 @@ mod channel;
 mod config;
 mod pmix;
 mod probe;
+mod protocol;
 pub mod rendezvous;
 mod resources;
 mod session;

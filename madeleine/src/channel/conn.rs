@@ -2,6 +2,7 @@
 //! sending and receiving sides, and the records read in place.
 
 use super::*;
+use crate::protocol::released;
 use crate::wait::Sleeper;
 
 /// Inline bytes of a received record: small ones (the latency-critical case) without a heap
@@ -77,27 +78,6 @@ pub(super) fn step_past(
 /// once all are taken.
 pub(super) fn take_from_front(pipe: &mut MsgPipe, n: usize, len: usize) -> std::result::Result<(), Broken> {
     if n >= len { pipe.pop_front() } else { pipe.consume_front(n) }.map_err(lost)
-}
-
-/// Reads the peer's release count (how many of our rendezvous it has read, in the order we
-/// issued them: see [`Unpacker::release`]) and checks it: it never goes back from `seen`, the
-/// count we last read, nor past `issued`, the rendezvous our packers took so far (all
-/// counted in wrapping u32, as the ids are). Anything else is a broken peer.
-pub(super) fn released(seen: u32, now: u32, issued: u32) -> std::result::Result<u32, Broken> {
-    if now.wrapping_sub(seen) > issued.wrapping_sub(seen) {
-        return Err(Broken::Protocol(format!(
-            "released {now} rendezvous, {} of them after {seen} when only {issued} were issued",
-            now.wrapping_sub(seen)
-        )));
-    }
-    Ok(now)
-}
-
-/// Whether rendezvous `id` is among the first `released` (wrapping: the ids within 2^31
-/// below the count).
-#[inline]
-pub(super) fn is_released(released: u32, id: u32) -> bool {
-    released.wrapping_sub(id).wrapping_sub(1) < 1 << 31
 }
 
 pub(super) struct ConnIo {
@@ -198,7 +178,8 @@ impl ConnIo {
         let now = self.pipe.peer_released() as u32;
         // The issued count is read after the release that may count our latest rendezvous.
         std::sync::atomic::fence(Ordering::Acquire);
-        self.rdv_released = released(self.rdv_released, now, issued.load(Ordering::Acquire))?;
+        self.rdv_released =
+            released(self.rdv_released, now, issued.load(Ordering::Acquire)).map_err(|e| Broken::Protocol(e.0))?;
         Ok(now)
     }
 
@@ -274,55 +255,6 @@ pub(super) enum Pump {
     StopAtBulk,
     /// Take everything out, bulk data too (for a waiter that must see what lies behind it).
     Drain,
-}
-
-/// The sending direction of a connection, held by a packer for a whole message.
-pub(crate) struct SendSide {
-    /// Sequence number of the next message.
-    pub(super) seq: u32,
-    /// Records of the pipe message being filled.
-    pub(super) agg: Vec<u8>,
-    /// Copy or zero-copy for large packs, from the probe and the copies timed since.
-    pub(super) crossover: AdaptiveCrossover,
-    // The message being packed (here rather than in the `Packer`, which is returned by value
-    // on every message and so stays a few words).
-    /// Packs so far.
-    pub(super) packs: u32,
-    /// Part of the message was handed to the network already (it cannot go as one `Whole`).
-    pub(super) flushed: bool,
-    /// Modes of the last pack appended whole inline (a message of that pack alone goes as
-    /// one `One` record).
-    pub(super) inline_modes: Modes,
-    /// `end_packing` ran (or the packer was dropped).
-    pub(super) finished: bool,
-    /// The last word of the peer's latest mismatch report that was returned to a packer.
-    pub(super) notice_seen: u64,
-}
-
-/// The receiving direction of a connection, held by an unpacker for a whole message.
-pub(crate) struct RecvSide {
-    /// Sequence number of the next message.
-    pub(super) seq: u32,
-    /// The records of a message that came whole, taken out of the pipe at once.
-    pub(super) body: Vec<u8>,
-    // The message being unpacked (here rather than in the `Unpacker`, which is returned by
-    // value on every message and so stays a few words).
-    /// Unpacks so far.
-    pub(super) unpacks: u32,
-    /// The message's `End` (its pack count), once taken.
-    pub(super) end: Option<u32>,
-    /// The message, if it came whole (its records are in `body`).
-    pub(super) whole: Option<WholeMsg>,
-    /// `end_unpacking` ran (or the unpacker was dropped).
-    pub(super) finished: bool,
-    /// The id of the sender's next rendezvous (they come in the order it issued them)...
-    pub(super) rdv_next: u32,
-    /// ...and how many we told it we read ([`Unpacker::release`]).
-    pub(super) rdv_released: u32,
-    /// Mismatches reported to the sender so far (the count in each notice)...
-    pub(super) notices: u32,
-    /// ...the last of them about this message (sequence number).
-    pub(super) told: Option<u32>,
 }
 
 /// A connection to one peer on one channel.
@@ -427,28 +359,8 @@ impl Conn {
                 closed: false,
                 bulk_left: 0,
             }),
-            send_side: Token::new(SendSide {
-                seq: 0,
-                agg: Vec::with_capacity(max_msg),
-                crossover,
-                packs: 0,
-                flushed: false,
-                inline_modes: Modes { send: SendMode::Safer, recv: RecvMode::Express },
-                finished: true,
-                notice_seen: 0,
-            }),
-            recv_side: Token::new(RecvSide {
-                seq: 0,
-                body: Vec::new(),
-                unpacks: 0,
-                end: None,
-                whole: None,
-                finished: true,
-                rdv_next: 0,
-                rdv_released: 0,
-                notices: 0,
-                told: None,
-            }),
+            send_side: Token::new(SendSide::new(max_msg, crossover)),
+            recv_side: Token::new(RecvSide::default()),
             next_rdv: AtomicU32::new(0),
             cq,
         })
@@ -457,6 +369,12 @@ impl Conn {
     #[inline]
     pub(super) fn io(&self) -> Claim<'_, ConnIo> {
         self.io.hold()
+    }
+
+    /// The limits the sending side's decisions take.
+    #[inline]
+    pub(super) fn limits(&self) -> Limits {
+        Limits { threshold: self.threshold, max_msg: self.max_msg, bulk_chunk: self.bulk_chunk }
     }
 
     /// The sender's error for the peer's latest mismatch report: which message of ours it
@@ -475,8 +393,8 @@ impl Conn {
     }
 
     #[cold]
-    pub(super) fn out_of_sequence(&self, seq: u32, due: u32) -> MadError {
-        MadError::Protocol { rank: self.peer, why: format!("message {seq} where {due} was due") }
+    pub(super) fn out_of_sequence(&self, e: crate::protocol::recv::OutOfSequence) -> MadError {
+        MadError::Protocol { rank: self.peer, why: format!("message {} where {} was due", e.got, e.due) }
     }
 
     pub(super) fn lost(&self, why: impl std::fmt::Display) -> MadError {

@@ -18,19 +18,17 @@ use crate::wire::{self, Modes, Record};
 use crate::{MadError, RecvMode, Result, SendMode};
 
 mod conn;
-mod mismatch;
 mod packer;
 mod token;
 mod unpacker;
 
+use crate::protocol::{is_released, Framing, InlineStep, Limits, Mismatch, RecvSide, Route, SendSide, WholeMsg};
 pub(crate) use conn::Conn;
 use conn::*;
-use mismatch::Mismatch;
 use packer::*;
 pub use packer::{LaterPack, Packer, PendingSend};
 use token::*;
 pub use unpacker::Unpacker;
-use unpacker::*;
 
 /// A communication context with a connection to every other process of the session.
 pub struct Channel {
@@ -94,11 +92,7 @@ impl Channel {
             tx.notice_seen = reported;
             return Err(conn.reported_mismatch());
         }
-        let SendSide { seq, agg, packs, flushed, finished, .. } = &mut *tx;
-        (*packs, *flushed, *finished) = (0, false, false);
-        agg.clear();
-        agg.reserve(conn.max_msg);
-        Record::Begin { seq: *seq }.encode(agg);
+        tx.begin(&conn.limits());
         Ok(Packer { ch: self, conn, tx, more: None, rdv: SmallVec::new() })
     }
 
@@ -215,15 +209,12 @@ impl Channel {
     fn try_begin(&self, conn: &Conn, rx: &mut RecvSide) -> Result<bool> {
         let mut io = conn.io();
         let (seq, whole) = match io.take_one(&mut rx.body) {
-            OneMsg::Taken(seq, modes) => (seq, WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes) }),
+            OneMsg::Taken(seq, modes) => (seq, WholeMsg::single(modes)),
             OneMsg::Nothing => return Ok(false),
             OneMsg::Other => return self.try_begin_other(conn, rx, io),
         };
         drop(io);
-        if seq != rx.seq {
-            return Err(conn.out_of_sequence(seq, rx.seq));
-        }
-        (rx.unpacks, rx.end, rx.whole, rx.finished) = (0, None, Some(whole), false);
+        rx.begin(seq, Some(whole)).map_err(|e| conn.out_of_sequence(e))?;
         Ok(true)
     }
 
@@ -258,17 +249,14 @@ impl Channel {
         let (seq, whole) = match got {
             Err(_) => return Ok(false),
             Ok(Start::Begin(seq)) => (seq, None),
-            Ok(Start::Whole(seq, packs)) => (seq, Some(WholeMsg { at: 0, taken: 0, packs, single: None })),
-            Ok(Start::One(seq, modes)) => (seq, Some(WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes) })),
+            Ok(Start::Whole(seq, packs)) => (seq, Some(WholeMsg::of(packs))),
+            Ok(Start::One(seq, modes)) => (seq, Some(WholeMsg::single(modes))),
             Ok(Start::Other) => {
                 return Err(MadError::Protocol { rank: conn.peer, why: "data outside a message".into() })
             }
         };
         drop(io);
-        if seq != rx.seq {
-            return Err(conn.out_of_sequence(seq, rx.seq));
-        }
-        (rx.unpacks, rx.end, rx.whole, rx.finished) = (0, None, whole, false);
+        rx.begin(seq, whole).map_err(|e| conn.out_of_sequence(e))?;
         Ok(true)
     }
 }
@@ -277,27 +265,6 @@ impl Channel {
 mod tests {
     use super::*;
 
-    /// What the sender reads of a report is what the receiver found; words no receiver
-    /// writes are refused, not misread.
-    #[test]
-    fn mismatch_reports_round_trip_and_bad_words_are_refused() {
-        let m = |send, recv| Modes { send, recv };
-        for x in [
-            Mismatch::ExtraUnpack { packs: 3 },
-            Mismatch::Count { packs: 2, unpacks: 1 },
-            Mismatch::Size { pack: 7, sent: 1 << 40, asked: 5 },
-            Mismatch::Modes {
-                pack: 1,
-                sent: m(SendMode::Later, RecvMode::Cheaper),
-                asked: m(SendMode::Safer, RecvMode::Express),
-            },
-        ] {
-            assert_eq!(Mismatch::from_words(x.words()), Some(x));
-        }
-        assert_eq!(Mismatch::from_words([9 << 32, 0, 0]), None);
-        assert_eq!(Mismatch::from_words([1 << 32, 1 << 33, 0]), None);
-        assert_eq!(Mismatch::from_words([4 << 32, 200, 0]), None);
-    }
     use crate::{Session, SessionConfig};
     use std::time::Duration;
 
@@ -473,21 +440,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn release_counts_may_only_move_forward_up_to_what_was_issued() {
-        assert_eq!(released(0, 0, 0).ok(), Some(0));
-        assert_eq!(released(0, 2, 3).ok(), Some(2));
-        assert_eq!(released(2, 3, 3).ok(), Some(3));
-        assert!(released(0, 4, 3).is_err(), "past what was issued");
-        assert!(released(2, 1, 3).is_err(), "back");
-        assert!(released(0, 1, 0).is_err(), "nothing issued");
-        // Across the wrap of the counters.
-        assert_eq!(released(u32::MAX - 1, 1, 2).ok(), Some(1));
-        assert!(released(u32::MAX - 1, 3, 2).is_err());
-        assert!(is_released(3, 2) && !is_released(3, 3) && !is_released(3, 4));
-        assert!(is_released(1, u32::MAX) && is_released(0, u32::MAX) && !is_released(u32::MAX, u32::MAX));
-    }
-
     /// A peer that says it read rendezvous we never issued fails that connection only.
     #[test]
     fn a_release_count_past_what_was_issued_fails_that_connection_only() {
@@ -527,7 +479,7 @@ mod tests {
     /// never registered fails, every request of it waited for.
     #[test]
     fn rendezvous_packs_are_read_in_requests_of_read_chunk_bytes() {
-        let len = 5 * READ_CHUNK / 2;
+        let len = 5 * unpacker::READ_CHUNK / 2;
         let body: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
         let cheaper = Modes { send: SendMode::Cheaper, recv: RecvMode::Cheaper };
         trio("read-chunks", |rank, ch| match rank {

@@ -3,17 +3,6 @@
 
 use super::*;
 
-/// How a pack travels.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Route {
-    /// Copied into pipe messages.
-    Inline,
-    /// Copied through the bulk lane.
-    Bulk,
-    /// Read by the receiver from the sender's memory (zero-copy).
-    Rendezvous,
-}
-
 /// A pack queued behind a `SendMode::Later` pack (sent at `end_packing`, in order).
 pub(super) enum Deferred<'p> {
     Borrowed(&'p [u8], Modes),
@@ -123,7 +112,7 @@ impl<'p> Packer<'p> {
         // A borrowed pack larger than a pipe message waits for the message's end too: how the
         // message ends decides how it goes (`end_packing_nowait` must not leave it waiting for
         // room in the receiver's bulk ring), and it is the packer's until then anyway.
-        let large = buf.len() > self.conn.max_msg - 3 * wire::HEADER;
+        let large = self.conn.limits().too_large_for_a_message(buf.len());
         if send == SendMode::Later || large || self.has_deferred() {
             // Read at end_packing; what follows a Later pack waits behind it, in order.
             self.more().deferred.push(match send {
@@ -235,19 +224,9 @@ impl<'p> Packer<'p> {
         }
     }
 
-    /// How a pack of `len` bytes travels: by rendezvous from the connection's crossover on,
-    /// else by the bulk lane if it is more than fits one pipe message, else inline.
+    /// How a pack of `len` bytes travels (see `SendSide::route`).
     pub(super) fn route(&mut self, len: usize) -> Route {
-        let large = len >= AdaptiveCrossover::MIN_PACK.min(self.conn.threshold);
-        // (Packs from the probed threshold on always go zero-copy: no clock read for them.)
-        let crossover = &mut self.tx.crossover;
-        if large && (len >= crossover.probed() || crossover.zero_copy(len, std::time::Instant::now())) {
-            Route::Rendezvous
-        } else if self.conn.bulk_chunk > 0 && len > self.conn.max_msg - 3 * wire::HEADER {
-            Route::Bulk
-        } else {
-            Route::Inline
-        }
+        self.tx.route(len, &self.conn.limits(), std::time::Instant::now)
     }
 
     /// Tells the crossover that handing `bytes` of bulk packs over took `took`: from their
@@ -357,42 +336,33 @@ impl<'p> Packer<'p> {
     #[inline]
     pub(super) fn fits_now(&self, len: usize) -> bool {
         self.more.as_ref().is_none_or(|m| m.deferred.is_empty() && m.pending_bulk.is_none())
-            && len < self.conn.threshold
-            && self.tx.agg.len() + wire::HEADER + len <= self.conn.max_msg
+            && self.tx.fits_whole(len, &self.conn.limits())
     }
 
     /// Appends a whole inline pack to the message being filled (the caller checked it fits).
     #[inline]
     pub(super) fn append_inline(&mut self, buf: &[u8], modes: Modes) {
-        let rec = Record::Inline { modes, len: buf.len() as u32, last: true, total: buf.len() as u64 };
-        self.tx.agg.extend_from_slice(&rec.header());
-        copy::extend_vec(&mut self.tx.agg, buf);
-        self.tx.inline_modes = modes;
+        self.tx.append_inline(buf, modes);
     }
 
     pub(super) fn inline(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
-        if self.tx.agg.len() + wire::HEADER + buf.len() <= self.conn.max_msg {
+        let limits = self.conn.limits();
+        if self.tx.agg.len() + wire::HEADER + buf.len() <= limits.max_msg {
             // The usual case: the whole pack fits the pipe message being filled.
             self.append_inline(buf, modes);
             return Ok(());
         }
-        let total = buf.len() as u64;
         let mut off = 0;
         loop {
-            // A record header must fit, and some data too unless little is left.
-            let fits_header = self.tx.agg.len() + wire::HEADER <= self.conn.max_msg;
-            let room = self.conn.max_msg.saturating_sub(self.tx.agg.len() + wire::HEADER);
-            if !fits_header || room < 64.min(buf.len() - off) {
-                self.flush()?;
-                continue;
-            }
-            let n = room.min(buf.len() - off);
-            let last = off + n == buf.len();
-            Record::Inline { modes, len: n as u32, last, total }.encode(&mut self.tx.agg);
-            self.tx.agg.extend_from_slice(&buf[off..off + n]);
-            off += n;
-            if last {
-                return Ok(());
+            match self.tx.inline_step(buf.len() - off, &limits) {
+                InlineStep::Flush => self.flush()?,
+                InlineStep::Fragment { n, last } => {
+                    self.tx.append_fragment(&buf[off..off + n], modes, last, buf.len() as u64);
+                    off += n;
+                    if last {
+                        return Ok(());
+                    }
+                }
             }
         }
     }
@@ -412,7 +382,7 @@ impl<'p> Packer<'p> {
         // reads the count with a fence before this counter.)
         let id = self.conn.next_rdv.fetch_add(1, Ordering::Relaxed);
         let rec = Record::Rdv { modes, len, addr, rkey: reg.rkey(), id };
-        if self.tx.agg.len() + rec.encoded_len() > self.conn.max_msg {
+        if self.tx.needs_flush_for(&rec, &self.conn.limits()) {
             self.flush()?;
         }
         rec.encode(&mut self.tx.agg);
@@ -485,10 +455,10 @@ impl<'p> Packer<'p> {
             return Ok(());
         }
         self.tx.finished = true;
-        if self.more.is_none() && self.rdv.is_empty() && self.tx.packs == 1 && !self.tx.flushed {
+        if self.more.is_none() && self.rdv.is_empty() && self.tx.framing(false) == Framing::One {
             // The commonest message: one small pack, all here, nothing else to wait for.
             self.send_one()?;
-            self.tx.seq = self.tx.seq.wrapping_add(1);
+            self.tx.message_sent();
             return Ok(());
         }
         self.finish_other(wait_reads)
@@ -498,15 +468,8 @@ impl<'p> Packer<'p> {
     /// the second half of its `Inline` header.
     #[inline]
     pub(super) fn send_one(&mut self) -> Result<()> {
-        let at = 2 * wire::HEADER - wire::ONE_HEADER;
-        debug_assert!(matches!(
-            wire::decode_one(&self.tx.agg, wire::HEADER),
-            Ok((Record::Inline { last: true, .. }, _, n)) if n == self.tx.agg.len()
-        ));
-        let one = Record::one_header(self.tx.seq, self.tx.inline_modes);
-        self.tx.agg[at..2 * wire::HEADER].copy_from_slice(&one);
-        self.tx.flushed = true;
-        self.conn.send_msg(&self.tx.agg[at..], self.ch.res.cfg.patience())?;
+        let patience = self.ch.res.cfg.patience();
+        self.conn.send_msg(self.tx.one_message(), patience)?;
         self.tx.agg.clear();
         Ok(())
     }
@@ -526,7 +489,7 @@ impl<'p> Packer<'p> {
         if self.more.as_ref().is_some_and(|m| m.pending_bulk.is_some()) {
             // The last pack is bulk: the message ends in its last chunk.
             self.send_pending(true)?;
-        } else if !self.tx.flushed {
+        } else {
             // Every record in one pipe message (a pack that did not fit whole would have
             // flushed): the message goes whole, whatever its size. The receiver then copies
             // its inline packs twice (out of the pipe, then into the unpacks' buffers), which
@@ -534,18 +497,16 @@ impl<'p> Packer<'p> {
             // less one way from 256 B to 4 KiB (stack_bench, window and rdma strategies). A
             // rendezvous travels whole too (its record is all there is to copy): the receiver
             // goes from one read to the next without two more trips to the pipe.
-            if self.tx.packs == 1 && !self.has_rdv() {
-                self.send_one()?;
-            } else {
-                // One Whole record instead of Begin .. End.
-                let whole = Record::Whole { seq: self.tx.seq, packs: self.tx.packs };
-                whole.write_header((&mut self.tx.agg[..wire::HEADER]).try_into().expect("a Begin header"));
+            match self.tx.framing(self.has_rdv()) {
+                Framing::One => self.send_one()?,
+                Framing::Whole => self.tx.close_whole(),
+                Framing::End => {
+                    if self.tx.end_needs_flush(&self.conn.limits()) {
+                        self.flush()?;
+                    }
+                    self.tx.append_end();
+                }
             }
-        } else {
-            if self.tx.agg.len() + wire::HEADER > self.conn.max_msg {
-                self.flush()?;
-            }
-            Record::End { packs: self.tx.packs }.encode(&mut self.tx.agg);
         }
         self.flush()?;
         let (mut tokens, timed) = self
@@ -567,7 +528,7 @@ impl<'p> Packer<'p> {
             let (conn, patience) = (self.conn, self.ch.res.cfg.patience());
             conn.wait_released(&mut self.rdv, patience)?;
         }
-        self.tx.seq = self.tx.seq.wrapping_add(1);
+        self.tx.message_sent();
         Ok(())
     }
 }

@@ -48,18 +48,6 @@ impl std::fmt::Debug for Unpacker<'_> {
     }
 }
 
-/// A message that came whole (its packs' records are in the receiving side's buffer): how
-/// far they were unpacked.
-#[derive(Clone, Copy)]
-pub(super) struct WholeMsg {
-    pub(super) at: usize,
-    /// Records taken (by unpacks, matching or not).
-    pub(super) taken: u32,
-    pub(super) packs: u32,
-    /// A `One` message: the pack's modes (the buffer holds its bytes alone).
-    pub(super) single: Option<Modes>,
-}
-
 impl<'u> Unpacker<'u> {
     /// The sender's rank.
     pub fn source(&self) -> usize {
@@ -395,23 +383,14 @@ impl<'u> Unpacker<'u> {
 
     /// Checks that rendezvous `id` is the one the sender issued next, and counts it.
     pub(super) fn note_rdv(&mut self, id: u32) -> Result<()> {
-        let due = self.rx.rdv_next;
-        if id != due {
-            return Err(self.bad(&format!("rendezvous {id} where {due} was due")));
-        }
-        self.rx.rdv_next = due.wrapping_add(1);
-        Ok(())
+        self.rx.note_rdv(id).map_err(|e| self.bad(&format!("rendezvous {} where {} was due", e.got, e.due)))
     }
 
     /// After a read of the message's last pack, all reads done: releases the sender's
     /// zero-copy buffers now rather than at `end_unpacking` (a sender waiting for them, or
     /// streaming with a bounded number of pending sends, goes on that much sooner).
     pub(super) fn release_if_last(&mut self) -> Result<()> {
-        let last = match self.rx.whole {
-            Some(w) => w.taken == w.packs,
-            None => self.rx.end == Some(self.rx.unpacks),
-        };
-        if last && self.pending.is_empty() {
+        if self.rx.read_last() && self.pending.is_empty() {
             self.release()?;
         }
         Ok(())
@@ -440,15 +419,9 @@ impl<'u> Unpacker<'u> {
         }
     }
 
+    #[inline]
     pub(super) fn check(&self, sent: Modes, sent_len: u64, asked: Modes, len: usize) -> Result<()> {
-        let pack = self.rx.unpacks;
-        if sent != asked {
-            return Err(self.mismatch(Mismatch::Modes { pack, sent, asked }));
-        }
-        if sent_len != len as u64 {
-            return Err(self.mismatch(Mismatch::Size { pack, sent: sent_len, asked: len as u64 }));
-        }
-        Ok(())
+        self.rx.check(sent, sent_len, asked, len).map_err(|m| self.mismatch(m))
     }
 
     pub(super) fn unexpected(&self, r: Record) -> MadError {
@@ -570,16 +543,8 @@ impl<'u> Unpacker<'u> {
     /// exactly what was unpacked, and tells the sender its zero-copy buffers are free.
     #[inline]
     pub fn end_unpacking(mut self) -> Result<()> {
-        let rx = &mut *self.rx;
-        if !rx.finished
-            && rx.rdv_next == rx.rdv_released
-            && self.pending.is_empty()
-            && rx.unpacks == 1
-            && matches!(rx.whole, Some(WholeMsg { single: Some(_), taken: 1, .. }))
-        {
+        if self.pending.is_empty() && self.rx.end_single() {
             // A message of one small pack, unpacked: nothing to wait for or check.
-            rx.finished = true;
-            rx.seq = rx.seq.wrapping_add(1);
             return Ok(());
         }
         self.finish().map_err(|e| self.report(e))
@@ -620,12 +585,8 @@ impl<'u> Unpacker<'u> {
             self.note_rdv(id)?;
         }
         self.release()?;
-        let counted = if packs != self.rx.unpacks || extra > 0 {
-            Err(self.mismatch(Mismatch::Count { packs, unpacks: self.rx.unpacks }))
-        } else {
-            Ok(())
-        };
-        self.rx.seq = self.rx.seq.wrapping_add(1);
+        let counted = self.rx.check_end(packs, extra).map_err(|m| self.mismatch(m));
+        self.rx.next_message();
         counted
     }
 

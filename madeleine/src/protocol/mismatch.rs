@@ -1,12 +1,12 @@
 //! What differs between a message as packed and as unpacked, and how it is told to the sender.
 
-use super::*;
+use crate::wire::Modes;
 
 /// What differs between a message as packed and as unpacked: found by the receiver, reported
 /// to it as [`MadError::Mismatch`] and to the sender, out of band, as a pipe notice (see
 /// [`Mismatch::words`]), which the sender's next `begin_packing` to that rank returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Mismatch {
+pub(crate) enum Mismatch {
     /// The receiver asked for more packs than the sender packed.
     ExtraUnpack { packs: u32 },
     /// The receiver unpacked fewer packs than the sender packed.
@@ -18,7 +18,7 @@ pub(super) enum Mismatch {
 }
 
 impl Mismatch {
-    pub(super) fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match *self {
             Mismatch::ExtraUnpack { packs } => format!("the sender packed {packs} items, the receiver asked for more"),
             Mismatch::Count { packs, unpacks } => {
@@ -30,7 +30,7 @@ impl Mismatch {
     }
 
     /// The notice's first words: kind and pack, what was sent, what was asked.
-    pub(super) fn words(&self) -> [u64; 3] {
+    pub(crate) fn words(&self) -> [u64; 3] {
         let (kind, pack, sent, asked) = match *self {
             Mismatch::ExtraUnpack { packs } => (1, 0, packs as u64, 0),
             Mismatch::Count { packs, unpacks } => (2, 0, packs as u64, unpacks as u64),
@@ -41,7 +41,7 @@ impl Mismatch {
     }
 
     /// The mismatch a notice's words describe (None if they are not one: a bad peer).
-    pub(super) fn from_words(w: [u64; 3]) -> Option<Mismatch> {
+    pub(crate) fn from_words(w: [u64; 3]) -> Option<Mismatch> {
         let (kind, pack) = (w[0] >> 32, w[0] as u32);
         let modes = |x: u64| u8::try_from(x).ok().and_then(Modes::from_code);
         Some(match kind {

@@ -7,6 +7,7 @@ pub mod fc;
 pub mod pipe;
 pub mod pool;
 pub mod regcache;
+pub mod signals;
 
 pub use crossover::{AdaptiveCrossover, Crossover, CrossoverSource, Stores};
 pub use pipe::{FlowStrategy, Lane, MsgPipe, NoticeBoard, PipeOptions, PipeStats, NOTICE_WORDS};

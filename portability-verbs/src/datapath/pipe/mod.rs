@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::fc::{self, Coalescer, Credits, FcError, Record, RecordKind, RingReceiver, RingSender, RECORD_HEADER};
 use super::pool::{BufferPool, PoolBuf};
+use super::signals::{Signalling, SleepHandshake};
 use crate::error::{Result, VerbsError};
 use crate::types::*;
 use crate::verbs::{CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RemoteWindow};
@@ -120,21 +121,10 @@ const TAG_INLINE_SEND: u64 = 8;
 /// Largest record (header and payload) sent inline, straight from the caller's bytes.
 const INLINE_MAX: usize = 256;
 
-/// An inline send is signaled once this many (itself included) went since the last signaled
-/// one, or when it fills the send window; the completion of a signaled send covers every
-/// send before it. While a signaled send is in flight, the sender's polls read the peer's
-/// consumer counter, and the peer's next write of it must take the cache line back before
-/// anything the peer stores after it (its reply) can be seen: a cross-core transfer, hidden
-/// behind the peer's work when transfers are quick, on the ping-pong's path when they are
-/// slow (as between sockets, or in this VM's slow phases).
-const SIGNAL_EVERY: usize = 8;
 /// Most frames a progress pass takes in from a polled ring.
 const FRAMES_PER_PASS: usize = 32;
 /// A polled pipe's empty [`MsgPipe::front`] calls per full progress pass.
 const PROGRESS_EVERY: u32 = 8;
-/// Progress passes with unsignaled sends pending and no send since, after which a signaled
-/// empty RDMA write is posted behind them so that their completion becomes known (`idle`).
-const SETTLE_AFTER_PASSES: u32 = 256;
 
 fn wr_id(tag: u64, low: u64) -> u64 {
     tag << TAG_SHIFT | low
@@ -259,18 +249,14 @@ pub struct MsgPipe {
     /// Sends posted whose completion is not known yet (their own, or that of a later
     /// signaled send).
     outstanding: usize,
-    /// Sends posted unsignaled since the last signaled one.
-    unsignaled: usize,
-    /// Progress passes since the last send, while `unsignaled` > 0.
-    unsettled_passes: u32,
+    /// Which sends ask for a completion.
+    signals: Signalling,
     /// Records up to this size go inline (the queue pair's limit, at most `INLINE_MAX`; 0 if
     /// it takes a single SGE per send).
     inline_max: usize,
     peer_ack_seen: u64,
-    /// Polled strategy: our sleep announcements so far, and the peer's latest one we
-    /// answered (0: none).
-    sleeps_announced: u32,
-    peer_sleep_answered: u64,
+    /// Polled strategy: our sleep announcements, and our answers to the peer's.
+    sleep: SleepHandshake,
     /// A sleep was announced since the last full progress pass: the peer's wake-up may be
     /// waiting in the completion queue, and until it is taken the peer's later requests
     /// complete behind it (in order), which holds its send window.
@@ -401,12 +387,10 @@ impl MsgPipe {
             inbox: VecDeque::new(),
             msgs: VecDeque::new(),
             outstanding: 0,
-            unsignaled: 0,
-            unsettled_passes: 0,
+            signals: Signalling::default(),
             inline_max,
             peer_ack_seen: 0,
-            sleeps_announced: 0,
-            peer_sleep_answered: 0,
+            sleep: SleepHandshake::default(),
             reap_wake: false,
             empty_fronts: 0,
             failed: None,
@@ -585,11 +569,8 @@ impl MsgPipe {
     fn progress_inner(&mut self) -> Result<()> {
         self.reap_wake = false;
         self.post_freed()?;
-        if self.unsignaled > 0 {
-            self.unsettled_passes += 1;
-            if self.unsettled_passes >= SETTLE_AFTER_PASSES {
-                self.settle()?;
-            }
+        if self.signals.pass() {
+            self.settle()?;
         }
         if let FlowStrategy::Polled { .. } = self.strategy {
             self.poll_frames(FRAMES_PER_PASS)?;
@@ -722,9 +703,9 @@ impl MsgPipe {
     /// comes once the peer took them, is theirs.
     fn settle(&mut self) -> Result<()> {
         let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("a send before setup".into()))?;
-        self.qp.post_send(&[SendWr::write(wr_id(TAG_INLINE_SEND, self.unsignaled as u64), &[], addr, rkey)])?;
-        self.unsignaled = 0;
-        self.unsettled_passes = 0;
+        let covers = self.signals.unsignaled();
+        self.qp.post_send(&[SendWr::write(wr_id(TAG_INLINE_SEND, covers as u64), &[], addr, rkey)])?;
+        self.signals.settle();
         Ok(())
     }
 
@@ -784,6 +765,7 @@ impl MsgPipe {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::datapath::signals::{SETTLE_AFTER_PASSES, SIGNAL_EVERY};
     use crate::{Context, Provider, QpInit};
     use proptest::prelude::*;
 
@@ -873,7 +855,7 @@ mod tests {
             for n in [1usize, SIGNAL_EVERY - 1, SIGNAL_EVERY, 3 * SIGNAL_EVERY + 2, 200] {
                 let (_pd, mut a, mut b) = pair_with(s, PipeOptions { posted_frames, ..PipeOptions::default() });
                 stream(&mut a, &mut b, &vec![24; n]);
-                assert!(a.unsignaled < SIGNAL_EVERY, "{s:?} {n}: {} unsignaled", a.unsignaled);
+                assert!(a.signals.unsignaled() < SIGNAL_EVERY, "{s:?} {n}: {} unsignaled", a.signals.unsignaled());
                 let deadline = Instant::now() + T;
                 let mut passes = 0u32;
                 while !a.idle() {
@@ -883,7 +865,7 @@ mod tests {
                     passes += 1;
                 }
                 assert!(passes <= SETTLE_AFTER_PASSES + 100, "{s:?} {n}: idle after {passes} passes");
-                assert_eq!((a.outstanding, a.unsignaled), (0, 0));
+                assert_eq!((a.outstanding, a.signals.unsignaled()), (0, 0));
                 // The pipe goes on working after the settling write.
                 stream(&mut a, &mut b, &[5, 300, 24]);
             }

@@ -134,11 +134,12 @@ impl MsgPipe {
     /// [`MsgPipe::post_inline_counted`] says.
     #[inline]
     pub(super) fn post_counted(&mut self, post: impl FnOnce(&QueuePair, u64, bool) -> Result<()>) -> Result<()> {
-        let covers = self.unsignaled + 1;
-        let signaled = covers >= SIGNAL_EVERY || self.outstanding + 1 >= self.strategy.straight_sends();
-        post(&self.qp, wr_id(TAG_INLINE_SEND, covers as u64), signaled)?;
-        self.unsignaled = if signaled { 0 } else { covers };
-        self.unsettled_passes = 0;
+        let before = self.signals;
+        let (covers, signaled) = self.signals.inline_post(self.outstanding, self.strategy.straight_sends());
+        if let Err(e) = post(&self.qp, wr_id(TAG_INLINE_SEND, covers as u64), signaled) {
+            self.signals = before;
+            return Err(e);
+        }
         self.outstanding += 1;
         Ok(())
     }
@@ -219,12 +220,12 @@ impl MsgPipe {
         let peer = self.peer_ring.as_ref().ok_or_else(|| VerbsError::Protocol("a frame before setup".into()))?;
         let sge = b.sge();
         let inline = sge.length as usize <= self.inline_max;
-        let id = staged_wr_id(b.into_index(), self.unsignaled + 1);
+        let id = staged_wr_id(b.into_index(), self.signals.unsignaled() + 1);
         // Its staging buffer is free once the provider wrote it out (the ring's flow control,
         // not this completion, says when the peer has read it).
         let wr = SendWr::write(id, &[sge], peer.addr + place.offset, peer.rkey).inline(inline).inject_complete(true);
         self.qp.post_send(&[wr])?;
-        self.unsignaled = 0;
+        self.signals.signaled_post();
         self.outstanding += 1;
         self.stats.transfers += 1;
         self.after_frame()
@@ -290,14 +291,9 @@ impl MsgPipe {
     #[inline]
     pub(super) fn answer_peer_sleep(&mut self) -> Result<()> {
         let said = self.ack_mr.read_u64(ACK_SLEEP);
-        if said == self.peer_sleep_answered {
+        if !self.sleep.answer(said, self.ring_tx.sent()) {
             return Ok(());
         }
-        // Low halves of the positions: it waits at most a ring behind what we wrote.
-        if (self.ring_tx.sent() as u32).wrapping_sub(said as u32) == 0 {
-            return Ok(()); // it waits for our next frame: answered when that is written
-        }
-        self.peer_sleep_answered = said;
         let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("a wake-up before setup".into()))?;
         self.post_inline_counted(SendWr::write_with_imm(0, &[], addr, rkey, IMM_WAKE))?;
         self.stats.control += 1;
@@ -323,8 +319,7 @@ impl MsgPipe {
                 return Ok(false);
             }
             let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("sleep before setup".into()))?;
-            self.sleeps_announced = self.sleeps_announced.wrapping_add(1).max(1);
-            let word = (self.sleeps_announced as u64) << 32 | self.ring_rx.received() as u32 as u64;
+            let word = self.sleep.announce(self.ring_rx.received());
             self.ack_mr.write(ACK_SLEEP_SRC, &word.to_ne_bytes());
             let sge = self.ack_mr.sge(ACK_SLEEP_SRC, 8);
             // Mostly unsignaled: a completion of our own would end the sleep it announces (and,
@@ -343,9 +338,9 @@ impl MsgPipe {
 
     pub(super) fn post_staged(&mut self, b: PoolBuf) -> Result<()> {
         let sge = b.sge();
-        let id = staged_wr_id(b.into_index(), self.unsignaled + 1);
+        let id = staged_wr_id(b.into_index(), self.signals.unsignaled() + 1);
         self.qp.post_send(&[SendWr::send(id, &[sge]).inline(sge.length <= 64)])?;
-        self.unsignaled = 0;
+        self.signals.signaled_post();
         self.outstanding += 1;
         self.stats.transfers += 1;
         Ok(())
@@ -391,9 +386,9 @@ impl MsgPipe {
         self.coalescer.clear();
         let imm = len as u32 | if place.wrapped { 1 << 31 } else { 0 };
         let sge = b.sge();
-        let id = staged_wr_id(b.into_index(), self.unsignaled + 1);
+        let id = staged_wr_id(b.into_index(), self.signals.unsignaled() + 1);
         self.qp.post_send(&[SendWr::write_with_imm(id, &[sge], addr, rkey, imm)])?;
-        self.unsignaled = 0;
+        self.signals.signaled_post();
         self.outstanding += 1;
         self.stats.transfers += 1;
         Ok(())

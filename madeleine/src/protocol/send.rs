@@ -1,0 +1,217 @@
+//! The sending side of a connection as plain state: the message being packed, the pipe
+//! message being filled, and the decisions the packer asks for (how a pack travels, whether it
+//! goes whole into the current pipe message, how a message is framed and numbered). The
+//! packer (`channel::packer`) moves the bytes: it sends [`SendSide::agg`] when told to flush.
+
+use std::time::Instant;
+
+use portability_verbs::datapath::AdaptiveCrossover;
+
+use crate::wire::{self, Modes, Record};
+use crate::{RecvMode, SendMode};
+
+/// How a pack travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// Copied into pipe messages.
+    Inline,
+    /// Copied through the bulk lane.
+    Bulk,
+    /// Read by the receiver from the sender's memory (zero-copy).
+    Rendezvous,
+}
+
+/// A connection's limits, fixed at set-up.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    /// Packs from this size on may go zero-copy (the session's setting or the probe's).
+    pub threshold: usize,
+    /// The largest pipe message.
+    pub max_msg: usize,
+    /// The largest bulk-lane chunk (0: no bulk lane).
+    pub bulk_chunk: usize,
+}
+
+impl Limits {
+    /// Whether a pack of `len` bytes is more than fits one pipe message with its records.
+    #[inline]
+    pub fn too_large_for_a_message(&self, len: usize) -> bool {
+        len > self.max_msg - 3 * wire::HEADER
+    }
+}
+
+/// How a message ends on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Framing {
+    /// One inline pack, alone: a `One` record (its header over the pack's `Inline` header).
+    One,
+    /// Every record in one pipe message: a `Whole` header over the `Begin` one.
+    Whole,
+    /// Records spread over pipe messages: an `End` closes them.
+    End,
+}
+
+/// A step of an inline pack that does not fit the pipe message being filled whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum InlineStep {
+    /// Send the pipe message being filled first.
+    Flush,
+    /// Append the next `n` bytes as one fragment (`last`: the pack's end).
+    Fragment { n: usize, last: bool },
+}
+
+/// The sending direction of a connection, held by a packer for a whole message.
+#[derive(Debug)]
+pub(crate) struct SendSide {
+    /// Sequence number of the next message.
+    pub seq: u32,
+    /// Records of the pipe message being filled.
+    pub agg: Vec<u8>,
+    /// Copy or zero-copy for large packs, from the probe and the copies timed since.
+    pub crossover: AdaptiveCrossover,
+    // The message being packed (here rather than in the `Packer`, which is returned by value
+    // on every message and so stays a few words).
+    /// Packs so far.
+    pub packs: u32,
+    /// Part of the message was handed to the network already (it cannot go whole).
+    pub flushed: bool,
+    /// Modes of the last pack appended whole inline (a message of that pack alone goes as
+    /// one `One` record).
+    pub inline_modes: Modes,
+    /// `end_packing` ran (or the packer was dropped).
+    pub finished: bool,
+    /// The last word of the peer's latest mismatch report that was returned to a packer.
+    pub notice_seen: u64,
+}
+
+impl SendSide {
+    /// A side with no message begun; pipe messages of up to `max_msg` bytes.
+    pub fn new(max_msg: usize, crossover: AdaptiveCrossover) -> SendSide {
+        SendSide {
+            seq: 0,
+            agg: Vec::with_capacity(max_msg),
+            crossover,
+            packs: 0,
+            flushed: false,
+            inline_modes: Modes { send: SendMode::Safer, recv: RecvMode::Express },
+            finished: true,
+            notice_seen: 0,
+        }
+    }
+
+    /// Begins a message: its `Begin` header opens the pipe message (overwritten by `Whole`
+    /// or `One` if the message goes whole).
+    #[inline]
+    pub fn begin(&mut self, limits: &Limits) {
+        self.agg.clear();
+        self.agg.reserve(limits.max_msg);
+        Record::Begin { seq: self.seq }.encode(&mut self.agg);
+        (self.packs, self.flushed, self.finished) = (0, false, false);
+    }
+
+    /// How a pack of `len` bytes travels: by rendezvous from the connection's crossover on
+    /// (`now` is asked only where the crossover adapts), else by the bulk lane if it is more
+    /// than fits one pipe message, else inline.
+    #[inline]
+    pub fn route(&mut self, len: usize, limits: &Limits, now: impl FnOnce() -> Instant) -> Route {
+        let large = len >= AdaptiveCrossover::MIN_PACK.min(limits.threshold);
+        // (Packs from the probed threshold on always go zero-copy: no clock read for them.)
+        if large && (len >= self.crossover.probed() || self.crossover.zero_copy(len, now())) {
+            Route::Rendezvous
+        } else if limits.bulk_chunk > 0 && limits.too_large_for_a_message(len) {
+            Route::Bulk
+        } else {
+            Route::Inline
+        }
+    }
+
+    /// Whether a pack of `len` bytes below the rendezvous threshold goes whole into the pipe
+    /// message being filled.
+    #[inline]
+    pub fn fits_whole(&self, len: usize, limits: &Limits) -> bool {
+        len < limits.threshold && self.agg.len() + wire::HEADER + len <= limits.max_msg
+    }
+
+    /// Appends a whole inline pack to the pipe message being filled (the caller checked
+    /// that it fits).
+    #[inline]
+    pub fn append_inline(&mut self, buf: &[u8], modes: Modes) {
+        let rec = Record::Inline { modes, len: buf.len() as u32, last: true, total: buf.len() as u64 };
+        self.agg.extend_from_slice(&rec.header());
+        portability_verbs::copy::extend_vec(&mut self.agg, buf);
+        self.inline_modes = modes;
+    }
+
+    /// The next step of an inline pack with `left` of its bytes still to append: a fragment
+    /// as large as the pipe message has room for, or a flush where not even a header and a
+    /// little data (64 bytes, or all that is left) fit.
+    pub fn inline_step(&self, left: usize, limits: &Limits) -> InlineStep {
+        let fits_header = self.agg.len() + wire::HEADER <= limits.max_msg;
+        let room = limits.max_msg.saturating_sub(self.agg.len() + wire::HEADER);
+        if !fits_header || room < 64.min(left) {
+            return InlineStep::Flush;
+        }
+        let n = room.min(left);
+        InlineStep::Fragment { n, last: n == left }
+    }
+
+    /// Appends a fragment of an inline pack of `total` bytes (after [`SendSide::inline_step`]).
+    pub fn append_fragment(&mut self, data: &[u8], modes: Modes, last: bool, total: u64) {
+        Record::Inline { modes, len: data.len() as u32, last, total }.encode(&mut self.agg);
+        self.agg.extend_from_slice(data);
+    }
+
+    /// Whether `rec` needs the pipe message being filled sent first.
+    pub fn needs_flush_for(&self, rec: &Record, limits: &Limits) -> bool {
+        self.agg.len() + rec.encoded_len() > limits.max_msg
+    }
+
+    /// How the message ends: whole if nothing of it went out yet (as one `One` record if it is
+    /// one inline pack and no rendezvous), else closed by an `End`.
+    #[inline]
+    pub fn framing(&self, has_rdv: bool) -> Framing {
+        match (self.flushed, self.packs == 1 && !has_rdv) {
+            (false, true) => Framing::One,
+            (false, false) => Framing::Whole,
+            (true, _) => Framing::End,
+        }
+    }
+
+    /// A message of one inline pack, whole: its bytes behind a `One` header written over the
+    /// second half of its `Inline` header. Returns what to send.
+    #[inline]
+    pub fn one_message(&mut self) -> &[u8] {
+        let at = 2 * wire::HEADER - wire::ONE_HEADER;
+        debug_assert!(matches!(
+            wire::decode_one(&self.agg, wire::HEADER),
+            Ok((Record::Inline { last: true, .. }, _, n)) if n == self.agg.len()
+        ));
+        let one = Record::one_header(self.seq, self.inline_modes);
+        self.agg[at..2 * wire::HEADER].copy_from_slice(&one);
+        self.flushed = true;
+        &self.agg[at..]
+    }
+
+    /// Turns the `Begin` header of a message that goes whole into its `Whole` header.
+    pub fn close_whole(&mut self) {
+        let whole = Record::Whole { seq: self.seq, packs: self.packs };
+        whole.write_header((&mut self.agg[..wire::HEADER]).try_into().expect("a Begin header"));
+    }
+
+    /// Whether the `End` of a message whose records went out over several pipe messages needs
+    /// the pipe message being filled sent first (it does not fit).
+    pub fn end_needs_flush(&self, limits: &Limits) -> bool {
+        self.agg.len() + wire::HEADER > limits.max_msg
+    }
+
+    /// Appends the message's `End` (after [`SendSide::end_needs_flush`] and its flush).
+    pub fn append_end(&mut self) {
+        Record::End { packs: self.packs }.encode(&mut self.agg);
+    }
+
+    /// The message went out: the next one takes the next sequence number.
+    #[inline]
+    pub fn message_sent(&mut self) {
+        self.seq = self.seq.wrapping_add(1);
+    }
+}
