@@ -17,21 +17,12 @@
 
 use std::time::{Duration, Instant};
 
+use portability_verbs::wait::{Backoff, Pause};
 use portability_verbs::CompletionQueue;
 use smallvec::SmallVec;
 
 use crate::{MadError, Result};
 
-/// How long an adaptive wait polls (yielding its CPU now and then) while threads ready to run
-/// outnumber the CPUs, before it sleeps: waking costs 30-280 us here, so a shorter wait (a
-/// partner that computes between messages on the same CPU) is cheaper polling and yielding; a
-/// longer one sleeps and leaves the CPU to others.
-const CONTENDED_SPIN: Duration = Duration::from_millis(1);
-/// How long an adaptive wait polls while its thread has a CPU to itself: past it, a wake-up
-/// costs at most about 1% of the wait, and an idle rank stops burning its CPU.
-const IDLE_SPIN: Duration = Duration::from_millis(10);
-/// Polls between clock reads while spinning.
-const CHECK_EVERY: u32 = 64;
 /// Longest sleep on completion queues: bounds what a wake-up taken by another thread sleeping
 /// on the same queue costs.
 const SLEEP_SLICE: Duration = Duration::from_millis(2);
@@ -39,20 +30,8 @@ const SLEEP_SLICE: Duration = Duration::from_millis(2);
 /// RDMA write).
 const NAP: Duration = Duration::from_micros(20);
 
-/// How a blocking call on an OS thread waits for its event.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Spin {
-    /// Poll while the thread has a CPU to itself (for up to 10 ms, after which a wake-up costs
-    /// about 1% of the wait); while threads ready to run outnumber the CPUs (more ranks or
-    /// threads than cores, looked at every millisecond), sleep after 1 ms. Waking a sleeping
-    /// thread costs 30-280 us here against 0.3 us for a polled message, and a polling thread
-    /// yields its CPU now and then: `benches/src/bin/mad_waiting.rs` measures the choice
-    /// (docs/PERFORMANCE.md).
-    Adaptive,
-    /// Poll this long, then sleep: `Duration::ZERO` sleeps at once, `Duration::MAX` never
-    /// sleeps.
-    For(Duration),
-}
+/// How a blocking call on an OS thread waits for its event (the stack's one waiting policy).
+pub use portability_verbs::wait::Spin;
 
 /// How long a blocking call may wait, and how long it spins before it sleeps (from the
 /// session's configuration).
@@ -74,13 +53,10 @@ pub(crate) trait Sleeper {
 
 /// One blocking wait.
 pub(crate) struct Waiter {
-    /// Set at the first clock read.
-    start: Option<Instant>,
     timeout: Duration,
-    spin: Spin,
     what: &'static str,
-    polls: u32,
-    sleeping: bool,
+    /// When it yields and when it sleeps.
+    backoff: Backoff,
     /// Whether the wait runs in a coroutine, looked up at the first pause (a thread-local
     /// lookup a spinning waiter need not repeat on every poll).
     in_coroutine: Option<bool>,
@@ -89,9 +65,13 @@ pub(crate) struct Waiter {
 impl Waiter {
     #[inline]
     pub fn new(p: Patience, what: &'static str) -> Waiter {
-        // No spin phase: sleep from the first pause.
-        let sleeping = p.spin == Spin::For(Duration::ZERO);
-        Waiter { start: None, timeout: p.timeout, spin: p.spin, what, polls: 0, sleeping, in_coroutine: None }
+        Waiter { timeout: p.timeout, what, backoff: Backoff::new(p.spin), in_coroutine: None }
+    }
+
+    /// Whether the wait is past its spin phase.
+    #[cfg(test)]
+    fn sleeping(&self) -> bool {
+        self.backoff.sleeping()
     }
 
     /// Called when a poll found nothing and no completion will say when to look again:
@@ -104,40 +84,30 @@ impl Waiter {
     /// spins, or (after the spin phase, on an OS thread) sleeps on their completion queues;
     /// fails after the timeout.
     pub fn pause_on<S: Sleeper>(&mut self, conns: &[&S]) -> Result<()> {
-        self.polls = self.polls.wrapping_add(1);
+        let step = self.backoff.pause(Instant::now);
         let mut left = self.timeout;
-        if self.sleeping || self.polls.is_multiple_of(CHECK_EVERY) {
-            let now = Instant::now();
-            let waited = now - *self.start.get_or_insert(now);
+        if let Some(waited) = step.waited {
             if waited > self.timeout {
                 return Err(MadError::Timeout(format!("{} ({:?})", self.what, self.timeout)));
             }
             left = self.timeout - waited;
-            let spin = match self.spin {
-                Spin::Adaptive if waited < CONTENDED_SPIN => Duration::MAX,
-                Spin::Adaptive if portability_verbs::cores::oversubscribed(now) => CONTENDED_SPIN,
-                Spin::Adaptive => IDLE_SPIN,
-                Spin::For(spin) => spin,
-            };
-            self.sleeping = waited >= spin;
         }
         if *self.in_coroutine.get_or_insert_with(may::coroutine::is_coroutine) {
             // Yielding alone can starve coroutines queued behind two waiters that keep yielding
             // to each other: after a few rounds, sleep (which parks this coroutine, not the
             // worker thread).
-            if self.polls < 16 {
+            if self.backoff.polls() < 16 {
                 may::coroutine::yield_now();
             } else {
                 may::coroutine::sleep(NAP);
             }
-        } else if !self.sleeping {
-            // Spinning: poll again at once. A poll is a full trip through the transport's
-            // queues; a pause instruction (about 25 ns here) would only delay seeing the event.
-            // Past the first polls, other threads of this CPU get it now and then: with more
-            // busy threads than CPUs, the one that would end this wait may be waiting for it.
-            if portability_verbs::spin_yields(self.polls) {
-                std::thread::yield_now();
-            }
+        } else if step.pause == Pause::Spin {
+            // Poll again at once. A poll is a full trip through the transport's queues; a
+            // pause instruction (about 25 ns here) would only delay seeing the event.
+        } else if step.pause == Pause::Yield {
+            // With more busy threads than CPUs, the one that would end this wait may be
+            // waiting for this one.
+            std::thread::yield_now();
         } else if conns.is_empty() {
             std::thread::sleep(NAP);
         } else if conns.iter().all(|c| c.prepare_sleep()) {
@@ -175,18 +145,18 @@ mod tests {
     #[test]
     fn no_spin_phase_sleeps_from_the_first_pause() {
         let mut w = waiter(Duration::ZERO);
-        assert!(w.sleeping);
+        assert!(w.sleeping());
         w.pause().unwrap();
-        assert!(w.sleeping);
+        assert!(w.sleeping());
     }
 
     #[test]
     fn an_endless_spin_phase_never_sleeps_and_still_times_out() {
         let mut w = waiter(Duration::MAX);
-        for _ in 0..10 * CHECK_EVERY {
+        for _ in 0..640 {
             w.pause().unwrap();
         }
-        assert!(!w.sleeping);
+        assert!(!w.sleeping());
         let mut w =
             Waiter::new(Patience { timeout: Duration::from_millis(20), spin: Spin::For(Duration::MAX) }, "a test");
         let t = Instant::now();
@@ -197,21 +167,21 @@ mod tests {
             assert!(t.elapsed() < Duration::from_secs(10), "no timeout");
         };
         assert!(matches!(e, MadError::Timeout(_)), "{e}");
-        assert!(!w.sleeping);
+        assert!(!w.sleeping());
     }
 
     #[test]
     fn a_spin_phase_spins_then_sleeps() {
         let mut w = waiter(Duration::from_millis(5));
-        for _ in 0..CHECK_EVERY {
+        for _ in 0..64 {
             w.pause().unwrap();
         }
-        assert!(!w.sleeping, "asleep before the spin phase ended");
+        assert!(!w.sleeping(), "asleep before the spin phase ended");
         std::thread::sleep(Duration::from_millis(10));
-        for _ in 0..CHECK_EVERY {
+        for _ in 0..64 {
             w.pause().unwrap();
         }
-        assert!(w.sleeping, "still spinning after the spin phase");
+        assert!(w.sleeping(), "still spinning after the spin phase");
     }
 
     #[test]
@@ -221,10 +191,10 @@ mod tests {
         let spinners = Spinners::start(8 * cpus);
         let mut w = Waiter::new(Patience { timeout: Duration::from_secs(10), spin: Spin::Adaptive }, "a test");
         let t = Instant::now();
-        while !w.sleeping && t.elapsed() < Duration::from_secs(5) {
+        while !w.sleeping() && t.elapsed() < Duration::from_secs(5) {
             w.pause().unwrap();
         }
         drop(spinners);
-        assert!(w.sleeping, "still polling with {} threads spinning on {cpus} CPUs", 8 * cpus);
+        assert!(w.sleeping(), "still polling with {} threads spinning on {cpus} CPUs", 8 * cpus);
     }
 }

@@ -47,7 +47,7 @@ pub mod protect;
 pub mod soft;
 pub mod types;
 mod verbs;
-mod wait;
+pub mod wait;
 
 /// The stack's hand-made synchronization primitives (model-checked with loom).
 pub use pv_sync as sync;

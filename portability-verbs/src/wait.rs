@@ -1,12 +1,124 @@
-//! How a thread waits for completions, one policy for every layer: a busy poll yields its CPU
-//! now and then ([`spin_yields`]), and a wait that has spun long enough sleeps on its queues'
-//! descriptors ([`wait_any`]). When to stop spinning depends on the state of the CPUs
-//! ([`crate::cores`]).
+//! How a thread waits for completions, one policy for every layer (the message pipe,
+//! Madeleine, SDP): a wait polls, yields its CPU now and then ([`spin_yields`]), and once it
+//! has spun long enough ([`Spin`], by default by the state of the CPUs: [`crate::cores`])
+//! sleeps on its queues' descriptors ([`wait_any`]). [`Backoff`] makes the decision for one
+//! wait; its caller polls and sleeps.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::Result;
 use crate::verbs::CompletionQueue;
+
+/// How long a wait polls before it sleeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spin {
+    /// Poll while the thread has a CPU to itself (for up to 10 ms, after which a wake-up costs
+    /// about 1% of the wait); while threads ready to run outnumber the CPUs (more ranks or
+    /// threads than cores, looked at every millisecond), sleep after 1 ms. Waking a sleeping
+    /// thread costs 30-280 us here against 0.3 us for a polled message, and a polling thread
+    /// yields its CPU now and then: `benches/src/bin/mad_waiting.rs` measures the choice
+    /// (docs/PERFORMANCE.md).
+    Adaptive,
+    /// Poll this long, then sleep: `Duration::ZERO` sleeps at once, `Duration::MAX` never
+    /// sleeps.
+    For(Duration),
+    /// Poll this many times, then sleep.
+    Polls(u32),
+}
+
+/// How long an adaptive wait polls (yielding its CPU now and then) while threads ready to run
+/// outnumber the CPUs, before it sleeps: waking costs 30-280 us here, so a shorter wait (a
+/// partner that computes between messages on the same CPU) is cheaper polling and yielding; a
+/// longer one sleeps and leaves the CPU to others.
+const CONTENDED_SPIN: Duration = Duration::from_millis(1);
+/// How long an adaptive wait polls while its thread has a CPU to itself: past it, a wake-up
+/// costs at most about 1% of the wait, and an idle waiter stops burning its CPU.
+const IDLE_SPIN: Duration = Duration::from_millis(10);
+/// Polls between clock reads while spinning: a wait that ends quickly (the common case, and
+/// the one latency depends on) never pays for one.
+const CHECK_EVERY: u32 = 64;
+
+/// What a polling wait does after a poll that found nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pause {
+    /// Poll again (a pause instruction at most).
+    Spin,
+    /// Poll again after yielding the CPU.
+    Yield,
+    /// Sleep (on the awaited completion queues, or a short nap), then poll again.
+    Sleep,
+}
+
+/// What [`Backoff::pause`] decided, and how long the wait has lasted when it read the clock
+/// (every [`CHECK_EVERY`] polls while spinning, every time once sleeping).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// What to do before the next poll.
+    pub pause: Pause,
+    /// How long since the wait's first clock read, if this step read the clock.
+    pub waited: Option<Duration>,
+}
+
+/// One polling wait's decisions: when it yields and when it sleeps.
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    spin: Spin,
+    /// Set at the first clock read.
+    start: Option<Instant>,
+    polls: u32,
+    sleeping: bool,
+}
+
+impl Backoff {
+    /// A wait that spins as `spin` says.
+    #[inline]
+    pub fn new(spin: Spin) -> Backoff {
+        let sleeping = matches!(spin, Spin::For(Duration::ZERO) | Spin::Polls(0));
+        Backoff { spin, start: None, polls: 0, sleeping }
+    }
+
+    /// Polls that found nothing so far.
+    #[inline]
+    pub fn polls(&self) -> u32 {
+        self.polls
+    }
+
+    /// Whether the wait is past its spin (its next pauses sleep).
+    #[inline]
+    pub fn sleeping(&self) -> bool {
+        self.sleeping
+    }
+
+    /// After a poll that found nothing: what to do before the next. `now` is asked only when
+    /// the clock is read.
+    #[inline]
+    pub fn pause(&mut self, now: impl FnOnce() -> Instant) -> Step {
+        self.polls = self.polls.wrapping_add(1);
+        let mut waited = None;
+        if self.sleeping || self.polls.is_multiple_of(CHECK_EVERY) {
+            let now = now();
+            let w = now - *self.start.get_or_insert(now);
+            waited = Some(w);
+            self.sleeping = match self.spin {
+                Spin::Adaptive if w < CONTENDED_SPIN => false,
+                Spin::Adaptive if crate::cores::oversubscribed(now) => w >= CONTENDED_SPIN,
+                Spin::Adaptive => w >= IDLE_SPIN,
+                Spin::For(spin) => w >= spin,
+                Spin::Polls(n) => self.polls >= n,
+            };
+        } else if let Spin::Polls(n) = self.spin {
+            self.sleeping = self.polls >= n;
+        }
+        let pause = if self.sleeping {
+            Pause::Sleep
+        } else if spin_yields(self.polls) {
+            Pause::Yield
+        } else {
+            Pause::Spin
+        };
+        Step { pause, waited }
+    }
+}
 
 /// Whether a busy-polling wait yields the CPU before its `n`-th poll (from 1): not in the
 /// first 128 polls (about ten microseconds: the latency path), then on every 16th. With more
@@ -35,4 +147,52 @@ pub fn wait_any(cqs: &[&CompletionQueue], timeout: Duration) -> Result<bool> {
         }
     }
     Ok(fired)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Steps `b` with a clock advancing `tick` per poll, until it sleeps or `max` polls.
+    fn polls_until_sleep(b: &mut Backoff, tick: Duration, max: u32) -> Option<u32> {
+        let t0 = Instant::now();
+        (1..=max).find(|&i| b.pause(|| t0 + tick * i).pause == Pause::Sleep)
+    }
+
+    #[test]
+    fn a_wait_spins_yields_now_and_then_and_sleeps_when_its_spin_is_over() {
+        let mut b = Backoff::new(Spin::For(Duration::from_micros(100)));
+        let t0 = Instant::now();
+        let steps: Vec<Step> = (1..=5000u32).map(|i| b.pause(|| t0 + Duration::from_nanos(100) * i)).collect();
+        assert!(steps[..127].iter().all(|s| s.pause == Pause::Spin), "the latency path never yields");
+        assert_eq!(steps[127].pause, Pause::Yield, "the 128th poll yields");
+        let first = steps.iter().position(|s| s.pause == Pause::Sleep).expect("sleeps") + 1;
+        assert!(steps[..first - 1].iter().enumerate().all(|(i, s)| s.waited.is_some() == ((i + 1) % 64 == 0)));
+        // 100 ns a poll, the clock first read at poll 64: the 100 us are over at poll 1064,
+        // seen at the next clock read.
+        assert_eq!(first, 1088);
+        assert!(
+            steps[first..].iter().all(|s| s.pause == Pause::Sleep && s.waited.is_some()),
+            "reads the clock each time"
+        );
+    }
+
+    #[test]
+    fn zero_sleeps_at_once_max_never_and_polls_count() {
+        assert_eq!(Backoff::new(Spin::For(Duration::ZERO)).pause(Instant::now).pause, Pause::Sleep);
+        assert_eq!(Backoff::new(Spin::Polls(0)).pause(Instant::now).pause, Pause::Sleep);
+        let mut never = Backoff::new(Spin::For(Duration::MAX));
+        assert_eq!(polls_until_sleep(&mut never, Duration::from_millis(1), 10_000), None);
+        let mut b = Backoff::new(Spin::Polls(6000));
+        assert_eq!(polls_until_sleep(&mut b, Duration::ZERO, 10_000), Some(6000));
+    }
+
+    #[test]
+    fn an_adaptive_wait_polls_for_at_least_a_millisecond_and_sleeps_after_ten() {
+        let mut b = Backoff::new(Spin::Adaptive);
+        // 1 us a poll: awake for the first millisecond whatever the CPUs do; asleep once 10 ms
+        // passed (or earlier, from 1 ms, on a machine with more runnable threads than CPUs).
+        let slept = polls_until_sleep(&mut b, Duration::from_micros(1), 20_000).expect("sleeps");
+        assert!((1000..=10_000 + 64).contains(&slept), "slept after {slept} polls");
+    }
 }

@@ -1,5 +1,7 @@
 //! How a socket call waits: its deadline, and the spin-yield-sleep pacing between polls.
 
+use portability_verbs::wait::{Backoff, Pause, Spin};
+
 use super::*;
 
 /// A call's timeout, turned into a point in time only when the call first has to wait: the
@@ -31,13 +33,22 @@ impl Deadline {
     }
 }
 
-/// Waits between polls: spins first (the latency path), then yields, then sleeps: on the
-/// socket's completion queue where the awaited event raises a completion (a message, bulk
-/// data, the peer's answer), else in short naps (a flow-control update is a plain RDMA write,
-/// a hold's release a futex wake-up).
-#[derive(Default)]
+/// Waits between polls, as the stack's waiting policy decides (`portability_verbs::wait`):
+/// spins first (the latency path), yields now and then, then sleeps: on the socket's
+/// completion queue where the awaited event raises a completion (a message, bulk data, the
+/// peer's answer), else in short naps (a flow-control update is a plain RDMA write, a hold's
+/// release a futex wake-up).
 pub(super) struct Pacer {
-    polls: u32,
+    backoff: Backoff,
+}
+
+/// Polls before a socket call sleeps.
+const SPIN_POLLS: u32 = 6000;
+
+impl Default for Pacer {
+    fn default() -> Self {
+        Pacer { backoff: Backoff::new(Spin::Polls(SPIN_POLLS)) }
+    }
 }
 
 /// Longest sleep on a completion queue: bounds what a wake-up taken by another thread
@@ -62,15 +73,14 @@ impl Pacer {
         cq: Option<&CompletionQueue>,
         prepare: impl FnOnce() -> bool,
     ) -> io::Result<()> {
-        self.polls += 1;
         let deadline = deadline.get();
-        let sleeping = self.polls >= 6000;
-        if (sleeping || self.polls.is_multiple_of(64)) && deadline.is_some_and(|d| Instant::now() >= d) {
+        let step = self.backoff.pause(Instant::now);
+        if step.waited.is_some() && deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(io::Error::new(io::ErrorKind::TimedOut, format!("timed out {what}")));
         }
-        if !sleeping && !portability_verbs::spin_yields(self.polls) {
+        if step.pause == Pause::Spin {
             std::hint::spin_loop();
-        } else if !sleeping {
+        } else if step.pause == Pause::Yield {
             // A server thread and its clients may outnumber the CPUs.
             std::thread::yield_now();
         } else if let Some(cq) = cq {

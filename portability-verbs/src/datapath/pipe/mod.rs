@@ -18,6 +18,7 @@ use super::signals::{Signalling, SleepHandshake};
 use crate::error::{Result, VerbsError};
 use crate::types::*;
 use crate::verbs::{CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RemoteWindow};
+use crate::wait::{Backoff, Pause, Spin};
 
 mod acks;
 mod bulk;
@@ -125,6 +126,20 @@ const INLINE_MAX: usize = 256;
 const FRAMES_PER_PASS: usize = 32;
 /// A polled pipe's empty [`MsgPipe::front`] calls per full progress pass.
 const PROGRESS_EVERY: u32 = 8;
+
+/// Between two polls of a blocking `send` or `recv` (they never sleep: a polled pipe's peer
+/// raises no completion unless told): spins, yields now and then; fails after `timeout`.
+fn pause(backoff: &mut Backoff, timeout: Duration) -> Result<()> {
+    let step = backoff.pause(Instant::now);
+    if step.waited.is_some_and(|w| w > timeout) {
+        return Err(VerbsError::Timeout(timeout));
+    }
+    match step.pause {
+        Pause::Spin => std::hint::spin_loop(),
+        Pause::Yield | Pause::Sleep => std::thread::yield_now(),
+    }
+    Ok(())
+}
 
 fn wr_id(tag: u64, low: u64) -> u64 {
     tag << TAG_SHIFT | low

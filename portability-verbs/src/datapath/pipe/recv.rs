@@ -326,16 +326,13 @@ impl MsgPipe {
 
     /// Receives the next message into a vector, waiting at most `timeout`.
     pub fn recv(&mut self, timeout: Duration) -> Result<Vec<u8>> {
-        let deadline = Instant::now() + timeout;
+        let mut backoff = Backoff::new(Spin::For(Duration::MAX));
         loop {
             if let Some(v) = self.recv_with(|b| b.to_vec())? {
                 return Ok(v);
             }
             self.flush()?;
-            if Instant::now() > deadline {
-                return Err(VerbsError::Timeout(timeout));
-            }
-            std::hint::spin_loop();
+            pause(&mut backoff, timeout)?;
         }
     }
 }

@@ -398,16 +398,13 @@ impl MsgPipe {
     /// Admitted may mean staged behind a full send window: keep driving the pipe until
     /// [`MsgPipe::staged`] is 0 before going idle.
     pub fn send(&mut self, msg: &[u8], timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let mut backoff = Backoff::new(Spin::For(Duration::MAX));
         loop {
             if self.try_send(msg)? {
                 return Ok(());
             }
             self.progress()?;
-            if Instant::now() > deadline {
-                return Err(VerbsError::Timeout(timeout));
-            }
-            std::hint::spin_loop();
+            pause(&mut backoff, timeout)?;
         }
     }
 }
