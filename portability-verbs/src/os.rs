@@ -7,6 +7,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::FileExt;
+use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
 use crate::error::{Result, VerbsError};
@@ -20,6 +21,38 @@ pub fn page_size() -> usize {
     } else {
         4096
     }
+}
+
+/// Sleeps while `*word == seen`, at most `timeout` (spurious wakeups are fine for callers).
+pub fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
+    // SAFETY: FUTEX_WAIT on a valid aligned u32 with a valid timeout; async-signal-safe.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            seen,
+            &ts as *const libc::timespec,
+        )
+    };
+}
+
+/// Wakes every sleeper on `word`.
+pub fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a valid aligned u32.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, i32::MAX) };
+}
+
+/// Sets the protection of `[addr, addr + len)` (`libc::PROT_*`); false if the kernel refused
+/// (a hole in the range, say). Async-signal-safe.
+///
+/// # Safety
+/// The range must be whole pages of memory whose protection the caller may change: nothing
+/// else of the process may rely on the pages' protection meanwhile.
+pub unsafe fn mprotect(addr: usize, len: usize, prot: i32) -> bool {
+    // SAFETY: forwarded from the caller; mprotect checks the range itself.
+    unsafe { libc::mprotect(addr as *mut libc::c_void, len, prot) == 0 }
 }
 
 /// A fresh, process-unique and reboot-unique 64-bit id.

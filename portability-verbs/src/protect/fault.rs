@@ -97,12 +97,12 @@ pub fn fault_bell() -> u32 {
 /// Rings the bell: wakes whoever sleeps in [`wait_bell`] (new work for a progress engine).
 pub fn ring_bell() {
     BELL.fetch_add(1, Ordering::AcqRel);
-    futex_wake_all(&BELL);
+    crate::os::futex_wake_all(&BELL);
 }
 
 /// Sleeps until the bell moves past `seen` or `timeout` passes.
 pub fn wait_bell(seen: u32, timeout: Duration) {
-    futex_wait(&BELL, seen, timeout);
+    crate::os::futex_wait(&BELL, seen, timeout);
 }
 
 /// Makes sure our handler is the current SIGSEGV handler, chaining to whatever was there. Cheap
@@ -271,21 +271,6 @@ fn chain(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     }
 }
 
-/// Sleeps while `*word == seen`, at most `timeout` (spurious wakeups are fine for callers).
-pub(super) fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
-    // SAFETY: FUTEX_WAIT on a valid aligned u32 with a valid timeout; async-signal-safe.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
-            seen,
-            &ts as *const libc::timespec,
-        )
-    };
-}
-
 /// Threads sleeping (or about to sleep) on the release generation: a release makes the wake-up
 /// system call only when there is someone to wake.
 static RELEASE_SLEEPERS: AtomicU32 = AtomicU32::new(0);
@@ -295,7 +280,7 @@ pub(super) fn sleep_on_releases(seen: u32, timeout: Duration) {
     RELEASE_SLEEPERS.fetch_add(1, Ordering::SeqCst);
     // A release after `seen` was read has moved the generation: the futex returns at once.
     // One that saw no sleeper happened before the increment above, so the same holds.
-    futex_wait(&RELEASES, seen, timeout);
+    crate::os::futex_wait(&RELEASES, seen, timeout);
     RELEASE_SLEEPERS.fetch_sub(1, Ordering::SeqCst);
 }
 
@@ -303,12 +288,6 @@ pub(super) fn sleep_on_releases(seen: u32, timeout: Duration) {
 pub(super) fn wake_releases() {
     std::sync::atomic::fence(Ordering::SeqCst);
     if RELEASE_SLEEPERS.load(Ordering::SeqCst) > 0 {
-        futex_wake_all(&RELEASES);
+        crate::os::futex_wake_all(&RELEASES);
     }
-}
-
-/// Wakes every sleeper on `word`.
-pub(super) fn futex_wake_all(word: &AtomicU32) {
-    // SAFETY: FUTEX_WAKE on a valid aligned u32.
-    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, i32::MAX) };
 }

@@ -233,11 +233,11 @@ fn open_lazy(i: usize) -> bool {
     // SAFETY: the range was protected by a hold whose owner vouched for it and keeps it mapped
     // while the lazy range lives (a hole unmapped against that contract just fails, page by
     // page, without opening anything mapped there since).
-    if unsafe { libc::mprotect(start as *mut libc::c_void, end - start, rw) } != 0 {
+    if !unsafe { crate::os::mprotect(start, end - start, rw) } {
         let page = crate::os::page_size();
         for p in (start..end).step_by(page) {
             // SAFETY: as above, one page at a time.
-            unsafe { libc::mprotect(p as *mut libc::c_void, page, rw) };
+            unsafe { crate::os::mprotect(p, page, rw) };
         }
     }
     // Pages open first, then the generation moves (see `fault`).
@@ -633,7 +633,7 @@ unsafe fn set_protection(x: usize, y: usize, level: u8) -> Result<()> {
         _ => libc::PROT_NONE,
     };
     // SAFETY: guaranteed by the caller.
-    if unsafe { libc::mprotect(x as *mut libc::c_void, y - x, p) } != 0 {
+    if !unsafe { crate::os::mprotect(x, y - x, p) } {
         return Err(VerbsError::last_os("mprotect"));
     }
     Ok(())
