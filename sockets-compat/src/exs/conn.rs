@@ -22,6 +22,8 @@ use super::wire::{self, Control, Hello, DATA_OVERHEAD, HEADER};
 const TAG_SLOT: u64 = 1 << 56;
 const TAG_TX: u64 = 2 << 56;
 const TAG_WRITE: u64 = 3 << 56;
+/// A SEND carrying our Close (always signaled: its completion completes the close).
+const TAG_CLOSE: u64 = 4 << 56;
 const TAG_MASK: u64 = 0xff << 56;
 /// The id of a request whose buffer was released at posting (inline data is copied then).
 const NO_BUFFER: u64 = (1 << 56) - 1;
@@ -239,16 +241,21 @@ impl<S> State<S> {
         let tag = wc.wr_id & TAG_MASK;
         let id = wc.wr_id & !TAG_MASK;
         match tag {
-            TAG_TX | TAG_WRITE => {
+            TAG_TX | TAG_WRITE | TAG_CLOSE => {
                 // Send completions come in posting order: this one ends its batch of
                 // unsignaled requests too.
                 self.sq_used -= self.batches.pop_front().unwrap_or(1);
                 if id != NO_BUFFER {
-                    if tag == TAG_TX {
+                    if tag == TAG_WRITE {
+                        if wc.status.is_success() {
+                            self.proto.on_write_done(id);
+                        }
+                    } else {
                         self.tx_free.push(id as u32);
-                    } else if wc.status.is_success() {
-                        self.proto.on_write_done(id);
                     }
+                }
+                if tag == TAG_CLOSE && wc.status.is_success() {
+                    self.proto.on_close_delivered();
                 }
             }
             _ => {}
@@ -325,7 +332,7 @@ impl<S> State<S> {
                 for r in &records {
                     at += self.encode(r, at);
                 }
-                self.post_tx(i, at - base)
+                self.post_tx(i, at - base, records.iter().any(Record::is_close))
             }
             Action::Write { send, piece, remote_addr, rkey, imm } => {
                 let sge = Sge { addr: piece.addr, length: piece.len, lkey: piece.lkey };
@@ -402,12 +409,13 @@ impl<S> State<S> {
         }
     }
 
-    fn post_tx(&mut self, i: u32, len: usize) -> portability_verbs::Result<()> {
+    fn post_tx(&mut self, i: u32, len: usize, close: bool) -> portability_verbs::Result<()> {
         let sge = self.mem.tx.sge(i as usize * self.mem.tx_size, len);
         let inline = len <= self.qp.caps().max_inline_data as usize;
         // Inline data is copied at posting: the buffer is free again at once.
-        let wr_id = if inline { TAG_TX | NO_BUFFER } else { TAG_TX | i as u64 };
-        let r = self.post(SendWr::send(wr_id, &[sge]).inline(inline), inline);
+        let buffer = if inline { NO_BUFFER } else { i as u64 };
+        let wr_id = if close { TAG_CLOSE | buffer } else { TAG_TX | buffer };
+        let r = self.post(SendWr::send(wr_id, &[sge]).inline(inline), inline && !close);
         if inline || r.is_err() {
             self.tx_free.push(i);
         }

@@ -364,8 +364,9 @@ impl ExsSocket {
     }
 
     /// Starts closing (`exs_close`): the bytes sent go first, then the peer sees the end of
-    /// the data; receives still waiting complete with `ECANCELED`. A listening socket stops
-    /// accepting (waiting accepts complete with `ECANCELED`).
+    /// the data; receives still waiting complete with `ECANCELED`. The close's event comes once
+    /// the peer has every byte and the end (the process may exit then). A listening socket
+    /// stops accepting (waiting accepts complete with `ECANCELED`).
     pub fn close(&self, queue: &EventQueue, req: u64) -> ExsResult<()> {
         let mut st = lock(&self.0.state);
         match &*st {

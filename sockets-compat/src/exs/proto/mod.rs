@@ -98,6 +98,12 @@ pub enum Record {
 }
 
 impl Record {
+    /// Whether this is our Close (the SEND carrying it is posted signaled, its completion
+    /// reported by [`Proto::on_close_delivered`]).
+    pub fn is_close(&self) -> bool {
+        matches!(self, Record::Control(Control::Close, _))
+    }
+
     /// Bytes of the record on the wire.
     pub fn encoded_len(&self) -> usize {
         match self {
@@ -233,6 +239,9 @@ pub struct Proto {
     ring_out: Option<RingSender>,
     close_wanted: Option<u64>,
     close_sent: bool,
+    /// The SEND carrying our Close completed: the peer has it (a process may exit now without
+    /// the peer seeing anything but the end of the data).
+    close_delivered: bool,
     close_reported: bool,
     // Receiving side.
     recvs: VecDeque<InRecv>,
@@ -270,6 +279,7 @@ impl Proto {
             ring_out,
             close_wanted: None,
             close_sent: false,
+            close_delivered: false,
             close_reported: false,
             recvs: VecDeque::new(),
             ads: VecDeque::new(),
@@ -350,9 +360,9 @@ impl Proto {
         self.peer_closed
     }
 
-    /// Our Close went and every send completed.
+    /// Our Close reached the peer and every send completed.
     pub fn closed(&self) -> bool {
-        self.close_sent && self.sends.is_empty()
+        self.close_delivered && self.sends.is_empty()
     }
 
     /// Operations not yet completed.
@@ -397,7 +407,9 @@ impl Proto {
     }
 
     /// Starts a close: Close follows every byte sent; receives still waiting are cancelled.
-    /// Its completion comes once the Close went and every send completed.
+    /// Its completion comes once every send completed and the SEND carrying the Close did (the
+    /// peer has it: the process may exit then, and the peer reads the end of the data, not a
+    /// reset).
     pub fn close(&mut self, req: u64) -> Result<(), Errno> {
         if self.close_wanted.is_some() {
             return Err(libc::EALREADY);
@@ -429,6 +441,13 @@ impl Proto {
             self.done(r.req, OpKind::Recv, Err(errno), false);
         }
         self.close_sent = true;
+        self.close_delivered = true;
+        self.finish_close();
+    }
+
+    /// The SEND that carried our Close completed (the driver posts it signaled and tells).
+    pub fn on_close_delivered(&mut self) {
+        self.close_delivered = true;
         self.finish_close();
     }
 

@@ -222,10 +222,10 @@ impl Proto {
         self.queue_control(Control::Close);
     }
 
-    /// Reports the close once its message went and every send completed.
+    /// Reports the close once its message reached the peer and every send completed.
     pub(super) fn finish_close(&mut self) {
         if let Some(req) = self.close_wanted {
-            if self.close_sent && self.sends.is_empty() && !self.close_reported {
+            if self.close_delivered && self.sends.is_empty() && !self.close_reported {
                 self.close_reported = true;
                 self.done(req, OpKind::Close, Ok(0), false);
             }

@@ -15,8 +15,15 @@ const KEY: u32 = 0x77;
 
 /// What travels from one end to the other, in order.
 enum Msg {
-    Control(Vec<u8>),
-    Write { send: u64, data: Vec<u8>, remote_addr: u64, rkey: u32, imm: Option<u32> },
+    /// A SEND's bytes, and whether it carries the sender's Close (its completion is reported).
+    Control(Vec<u8>, bool),
+    Write {
+        send: u64,
+        data: Vec<u8>,
+        remote_addr: u64,
+        rkey: u32,
+        imm: Option<u32>,
+    },
 }
 
 struct End {
@@ -67,6 +74,7 @@ impl Pair {
             let e = &mut self.ends[i];
             match a {
                 Action::Send(records) => {
+                    let close = records.iter().any(Record::is_close);
                     let mut b = Vec::new();
                     for r in records {
                         let (c, grant, data);
@@ -93,7 +101,7 @@ impl Pair {
                         c.encode(grant, &mut b[at..]);
                     }
                     assert!(b.len() <= wire::slot_size(self.small_max), "a SEND larger than the peer's slots");
-                    self.wires[i].push_back(Msg::Control(b));
+                    self.wires[i].push_back(Msg::Control(b, close));
                 }
                 Action::Write { send, piece, remote_addr, rkey, imm } => {
                     let at = (piece.addr - BASE) as usize;
@@ -121,8 +129,10 @@ impl Pair {
     fn deliver(&mut self, from: usize) -> bool {
         let to = 1 - from;
         let Some(m) = self.wires[from].pop_front() else { return false };
+        let mut close_delivered = false;
         let r = match m {
-            Msg::Control(b) => {
+            Msg::Control(b, close) => {
+                close_delivered = close;
                 let mem = &mut self.ends[to].mem;
                 self.ends[to].proto.on_control(&b, &mut |dst, data| {
                     let at = (dst - BASE) as usize;
@@ -145,6 +155,11 @@ impl Pair {
             self.failures.push(e);
         }
         self.act(to);
+        if close_delivered {
+            // The SEND's completion at the sender, now that the peer has it.
+            self.ends[from].proto.on_close_delivered();
+            self.act(from);
+        }
         true
     }
 
@@ -276,6 +291,21 @@ fn a_receive_after_the_peers_close_sees_the_end() {
     assert_eq!((r[0].req, r[0].outcome), (5, Ok(3)));
     assert_eq!((r[1].req, r[1].outcome), (6, Ok(0)));
     assert_eq!(p.ends[0].proto.post_send(9, BASE, 1, 1), Err(libc::EPIPE));
+}
+
+/// A close completes only once the SEND carrying the Close did (the peer has it): a program
+/// that exits at its close event leaves the peer the end of the data, never a reset.
+#[test]
+fn a_close_completes_once_the_peer_has_it() {
+    let mut p = Pair::new(SocketKind::Stream, 16, 64, 0, 4);
+    p.fill(0, BASE, b"last");
+    p.ends[0].proto.post_send(1, BASE, 4, 1).unwrap();
+    p.ends[0].proto.close(2).unwrap();
+    p.act(0);
+    assert!(done(&p, 0, OpKind::Close).is_empty(), "closed before the Close left");
+    while p.deliver(0) {}
+    assert_eq!(done(&p, 0, OpKind::Close)[0].outcome, Ok(0));
+    assert!(p.ends[0].proto.closed());
 }
 
 #[test]
