@@ -8,8 +8,6 @@ use std::time::Duration;
 
 use libc::{iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
 
-use sockets_compat::Design;
-
 use crate::guard::Inside;
 use crate::real::real;
 use crate::table::Connected;
@@ -28,156 +26,44 @@ fn receive_once(c: &Connected, buf: &mut [u8], peek: bool) -> io::Result<usize> 
     }
 }
 
-/// Between two attempts of a blocking receive as the kernel's: polls a while, then waits on
-/// the descriptor `fd` (the socket's readiness eventfd) until readable, where a signal ends the wait
-/// with `EINTR` (the program's handler has run; `SA_RESTART` does not restart socket waits
-/// with a timeout, and a program that wants the retry loops). The call's timeout (`limit`,
-/// from `start`) ends it with `EAGAIN`.
-struct Waiting {
-    fd: c_int,
-    start: std::time::Instant,
-    limit: Option<Duration>,
-    polls: u32,
-}
-
-impl Waiting {
-    fn new(fd: c_int, limit: Option<Duration>) -> Waiting {
-        Waiting { fd, start: std::time::Instant::now(), limit, polls: 0 }
-    }
-
-    /// After an attempt that would block: `Ok` to try again, or why the call ends.
-    fn pause(&mut self, c: &Connected) -> io::Result<()> {
-        self.polls = self.polls.wrapping_add(1);
-        if !self.polls.is_multiple_of(64) || self.start.elapsed() < RECEIVE_SPIN {
-            if self.polls.is_multiple_of(256) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-            return Ok(());
-        }
-        let wait_ms = match self.limit {
-            None => -1,
-            Some(t) => match t.checked_sub(self.start.elapsed()) {
-                Some(left) => left.as_millis().clamp(1, i32::MAX as u128) as c_int,
-                None => return Err(io::ErrorKind::WouldBlock.into()),
-            },
-        };
-        c.stream.about_to_wait();
-        let mut p = libc::pollfd { fd: self.fd, events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd; `poll` is not intercepted.
-        if unsafe { libc::poll(&mut p, 1, wait_ms) } < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINTR) && (self.limit.is_some() || !handlers_restart()) {
-                return Err(e);
-            }
-        }
-        Ok(())
-    }
-}
-
-/// A blocking receive as the kernel's (see [`Waiting`]; `SO_RCVTIMEO` is its timeout).
+/// A blocking receive as the kernel's: polls a while, then waits on the descriptor `fd` (the
+/// socket's readiness eventfd), where a signal ends the wait with `EINTR` (the program's
+/// handler has run; `SA_RESTART` does not restart socket waits with a timeout, and a program
+/// that wants the retry loops). `SO_RCVTIMEO` ends it with `EAGAIN`.
 fn receive_blocking(c: &Connected, fd: c_int, buf: &mut [u8], peek: bool) -> io::Result<usize> {
-    let mut waiting = Waiting::new(fd, c.stream.read_timeout()?);
+    let start = std::time::Instant::now();
+    let limit = c.stream.read_timeout()?;
+    let mut polls = 0u32;
     loop {
         match receive_once(c, buf, peek) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             other => return other,
         }
-        waiting.pause(c)?;
-    }
-}
-
-/// How long a blocking send polls for room before it naps between looks.
-const SEND_SPIN: Duration = Duration::from_micros(200);
-/// A blocking send's nap between two looks for room (the socket's descriptor cannot show
-/// room coming: it shows writable whenever it shows nothing else).
-const SEND_NAP: Duration = Duration::from_micros(50);
-
-/// A blocking send of a copying socket as the kernel's: what fits goes at once; while the
-/// rest waits for room, a signal (see [`Waiting`] for `SA_RESTART`) or `SO_SNDTIMEO` ends it
-/// with the bytes sent so far, or with `EINTR` (`EAGAIN`) if there are none. No signal is
-/// missed: after the spin, each look for room runs with the program's signals blocked, and
-/// the nap after it (`ppoll`) is the only place they are let in.
-fn transmit_blocking(c: &Connected, buf: &[u8]) -> io::Result<usize> {
-    let start = std::time::Instant::now();
-    let limit = c.stream.write_timeout()?;
-    let mut n = 0;
-    loop {
-        let mut blocked = None;
-        if start.elapsed() >= SEND_SPIN {
-            blocked = Some(SignalsBlocked::now());
-        }
-        match c.stream.try_write(&buf[n..]) {
-            Ok(k) => {
-                n += k;
-                if n == buf.len() {
-                    return Ok(n);
-                }
-                continue;
+        polls = polls.wrapping_add(1);
+        if !polls.is_multiple_of(64) || start.elapsed() < RECEIVE_SPIN {
+            if polls.is_multiple_of(256) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return if n > 0 { Ok(n) } else { Err(e) },
-        }
-        let Some(blocked) = blocked else {
-            std::hint::spin_loop();
             continue;
-        };
-        let nap = match limit {
-            None => SEND_NAP,
+        }
+        let wait_ms = match limit {
+            None => -1,
             Some(t) => match t.checked_sub(start.elapsed()) {
-                Some(left) => left.min(SEND_NAP),
-                None => return if n > 0 { Ok(n) } else { Err(io::ErrorKind::WouldBlock.into()) },
+                Some(left) => left.as_millis().clamp(1, i32::MAX as u128) as c_int,
+                None => return Err(io::ErrorKind::WouldBlock.into()),
             },
         };
-        if let Err(e) = blocked.nap(nap) {
-            if limit.is_some() || !handlers_restart() {
-                return if n > 0 { Ok(n) } else { Err(e) };
-            }
-        }
-    }
-}
-
-/// The calling thread's asynchronous signals blocked until dropped (the synchronous ones,
-/// which a fault raises, stay open: blocking them would kill the program at its next fault).
-struct SignalsBlocked {
-    old: libc::sigset_t,
-}
-
-impl SignalsBlocked {
-    fn now() -> SignalsBlocked {
-        // SAFETY: sigset operations on local sets; pthread_sigmask on the calling thread.
-        unsafe {
-            let mut all: libc::sigset_t = std::mem::zeroed();
-            libc::sigfillset(&mut all);
-            for s in [libc::SIGSEGV, libc::SIGBUS, libc::SIGILL, libc::SIGFPE, libc::SIGTRAP, libc::SIGSYS] {
-                libc::sigdelset(&mut all, s);
-            }
-            let mut old: libc::sigset_t = std::mem::zeroed();
-            libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
-            SignalsBlocked { old }
-        }
-    }
-
-    /// Sleeps up to `nap` with the program's own signal mask: a signal pending or arriving
-    /// ends it with `EINTR` (its handler has run).
-    fn nap(&self, nap: Duration) -> io::Result<()> {
-        let ts = libc::timespec { tv_sec: nap.as_secs() as libc::time_t, tv_nsec: nap.subsec_nanos() as _ };
-        // SAFETY: no descriptors, a valid timeout and signal mask.
-        if unsafe { libc::ppoll(std::ptr::null_mut(), 0, &ts, &self.old) } < 0 {
+        c.stream.about_to_wait();
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd; `poll` is not intercepted.
+        if unsafe { libc::poll(&mut p, 1, wait_ms) } < 0 {
             let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINTR) {
+            if e.raw_os_error() == Some(libc::EINTR) && (limit.is_some() || !handlers_restart()) {
                 return Err(e);
             }
         }
-        Ok(())
-    }
-}
-
-impl Drop for SignalsBlocked {
-    fn drop(&mut self) {
-        // SAFETY: restores the mask saved by `now` on the same thread.
-        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut()) };
     }
 }
 
@@ -228,10 +114,6 @@ fn transmit(c: &Connected, buf: &[u8], flags: c_int) -> ssize_t {
     let blocking = !dontwait && !c.nonblocking.load(Ordering::Relaxed);
     let sent = if dontwait {
         c.stream.try_write(buf)
-    } else if blocking && c.stream.effective_design() == Design::Bsdp {
-        // Copying: a signal may end the wait for room, as it ends the kernel's. (The
-        // zero-copy designs hold the caller's buffer inside one blocking write.)
-        transmit_blocking(c, buf)
     } else {
         (&c.stream).write(buf).map(|mut n| {
             while blocking && n < buf.len() {
