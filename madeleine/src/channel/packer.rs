@@ -347,7 +347,7 @@ impl<'p> Packer<'p> {
 
     pub(super) fn inline(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
         let limits = self.conn.limits();
-        if self.tx.agg.len() + wire::HEADER + buf.len() <= limits.max_msg {
+        if self.tx.fits_message(buf.len(), &limits) {
             // The usual case: the whole pack fits the pipe message being filled.
             self.append_inline(buf, modes);
             return Ok(());

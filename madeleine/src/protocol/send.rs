@@ -129,7 +129,14 @@ impl SendSide {
     /// message being filled.
     #[inline]
     pub fn fits_whole(&self, len: usize, limits: &Limits) -> bool {
-        len < limits.threshold && self.agg.len() + wire::HEADER + len <= limits.max_msg
+        len < limits.threshold && self.fits_message(len, limits)
+    }
+
+    /// Whether an inline pack of `len` bytes goes whole, with its record header, into the pipe
+    /// message being filled.
+    #[inline]
+    pub fn fits_message(&self, len: usize, limits: &Limits) -> bool {
+        self.agg.len() + wire::HEADER + len <= limits.max_msg
     }
 
     /// Appends a whole inline pack to the pipe message being filled (the caller checked
