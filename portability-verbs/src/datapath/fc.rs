@@ -327,6 +327,15 @@ impl RingSender {
     pub fn max_chunk(&self) -> u64 {
         self.size / 4
     }
+    /// The largest chunk [`RingSender::reserve`] places now: at most
+    /// [`RingSender::max_chunk`], 0 if the ring has no room (for a sender that takes what fits
+    /// rather than waiting for room for all it has).
+    pub fn largest_chunk(&self) -> u64 {
+        let free = self.size - (self.sent - self.acked);
+        let before_end = self.size - (self.sent & (self.size - 1));
+        // Up to the end of the ring, or, skipping that tail, from its start.
+        free.min(before_end).max(free.saturating_sub(before_end)).min(self.max_chunk())
+    }
     /// Reserves `len` bytes; None if the ring lacks room now.
     pub fn reserve(&mut self, len: u64) -> Option<ChunkPlace> {
         assert!(len > 0 && len <= self.max_chunk(), "chunk size out of range");
@@ -699,7 +708,7 @@ mod tests {
         /// A deterministic in-memory pair: random chunk sizes, random consumption and
         /// acknowledgement timing; nothing lost, duplicated, reordered or overrun.
         #[test]
-        fn ring_pair_never_loses_reorders_or_overruns(ops in proptest::collection::vec((1u64..256, 0u8..3), 1..400)) {
+        fn ring_pair_never_loses_reorders_or_overruns(ops in proptest::collection::vec((1u64..256, 0u8..4), 1..400)) {
             let size = 1024;
             let mut s = RingSender::new(size);
             let mut r = RingReceiver::new(size);
@@ -713,6 +722,21 @@ mod tests {
                         in_flight.push_back((next, len, p.wrapped, p.offset));
                         next += 1;
                     },
+                    3 => {
+                        // The largest chunk that fits is placed, and nothing larger would be.
+                        let len = s.largest_chunk();
+                        if len < s.max_chunk() {
+                            let mut more = s.clone();
+                            prop_assert!(more.reserve(len + 1).is_none(), "{} fit beyond the largest", len + 1);
+                        }
+                        if len > 0 {
+                            let p = s.reserve(len);
+                            prop_assert!(p.is_some(), "the largest chunk, {}, did not fit", len);
+                            let p = p.unwrap();
+                            in_flight.push_back((next, len, p.wrapped, p.offset));
+                            next += 1;
+                        }
+                    }
                     1 => if let Some((seq, len, wrapped, offset)) = in_flight.pop_front() {
                         let at = r.on_chunk(len, wrapped).unwrap();
                         prop_assert_eq!(at, offset);

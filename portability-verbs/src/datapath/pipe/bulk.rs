@@ -157,6 +157,86 @@ impl MsgPipe {
         }
     }
 
+    /// Whether [`MsgPipe::try_send_bulk_copy`] can store into the peer's bulk ring (the
+    /// software provider between processes of one host; not across hosts or on a NIC).
+    pub fn bulk_copies(&self) -> bool {
+        self.bulk_window.is_some()
+    }
+
+    /// The largest bulk chunk the peer's ring has room for now (0 without a bulk lane).
+    pub fn bulk_room(&self) -> usize {
+        if self.peer_bulk.is_some() {
+            self.bulk_tx.largest_chunk() as usize
+        } else {
+            0
+        }
+    }
+
+    /// Copies the front of `data` into the peer's bulk ring with plain stores and announces it
+    /// as one bulk chunk (in order with the messages, as [`Lane::Bulk`]); returns how many
+    /// bytes it took: as many as the ring has room for, at most [`MsgPipe::bulk_chunk_max`],
+    /// 0 if none now (call [`MsgPipe::progress`] and retry). `data` is free again when this
+    /// returns, as a socket's nonblocking write needs, at the cost of the stores on this CPU
+    /// (the receiver copies out as from any chunk). Refused where [`MsgPipe::bulk_copies`] is
+    /// false.
+    pub fn try_send_bulk_copy(&mut self, data: &[u8]) -> Result<usize> {
+        self.check_failed()?;
+        if self.bulk_window.is_none() {
+            return Err(VerbsError::invalid("bulk copies need the peer's bulk ring mapped (bulk_copies)"));
+        }
+        if data.is_empty() {
+            return Ok(0);
+        }
+        if !self.coalescer.is_empty() {
+            // Staged messages go first: the lanes share one order.
+            self.flush()?;
+            if !self.coalescer.is_empty() {
+                return Ok(0);
+            }
+        }
+        let polled = matches!(self.strategy, FlowStrategy::Polled { .. });
+        let credit = matches!(self.strategy, FlowStrategy::Credit { .. });
+        if !polled && self.outstanding >= self.strategy.send_slots() {
+            if let Err(e) = self.poll_completions() {
+                return Err(self.fail(e));
+            }
+        }
+        let announceable = if polled {
+            self.ring_tx.has_room_for_max() && (self.direct_now() || self.outstanding < self.strategy.send_slots())
+        } else {
+            self.outstanding < self.strategy.send_slots() && (!credit || self.credits.can_send_data())
+        };
+        let len = (data.len() as u64).min(self.bulk_tx.largest_chunk());
+        if !announceable || len == 0 {
+            self.stats.blocked += 1;
+            return Ok(0);
+        }
+        let place = self.bulk_tx.reserve(len).expect("largest_chunk fits");
+        let window = self.bulk_window.as_ref().expect("checked above");
+        if let Err(st) = window.write(place.offset as usize, &[&data[..len as usize]]) {
+            self.bulk_tx.unreserve();
+            return Err(
+                self.fail(VerbsError::PeerUnreachable(format!("bulk copy into the peer's ring failed: {st:?}")))
+            );
+        }
+        if polled {
+            self.note_bulk_chunk(len as u32, place.wrapped)?;
+        } else {
+            // A write with immediate of no bytes: the chunk's arrival, as a posted chunk's.
+            let peer = self.peer_bulk.as_ref().expect("a window implies the peer's ring");
+            let imm = len as u32 | IMM_BULK | if place.wrapped { IMM_WRAPPED } else { 0 };
+            let wr = SendWr::write_with_imm(0, &[], peer.addr + place.offset, peer.rkey, imm);
+            if let Err(e) = self.post_inline_counted(wr) {
+                return Err(self.fail(e));
+            }
+            if credit {
+                self.credits.on_send_bare();
+            }
+        }
+        self.stats.transfers += 1;
+        Ok(len as usize)
+    }
+
     /// Announces a bulk chunk just written (polled strategy): a note alone in the next frame,
     /// written after the chunk's data, so that the receiver finds the data placed.
     pub(super) fn note_bulk_chunk(&mut self, len: u32, wrapped: bool) -> Result<()> {

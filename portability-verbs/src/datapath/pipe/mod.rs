@@ -247,6 +247,9 @@ pub struct MsgPipe {
     /// Our inbound bulk ring, and the peer's (None: that direction has no bulk lane).
     bulk_ring: Option<MemoryRegion>,
     peer_bulk: Option<PeerRing>,
+    /// The peer's bulk ring mapped for plain stores, where the provider can
+    /// ([`MsgPipe::try_send_bulk_copy`]).
+    bulk_window: Option<RemoteWindow>,
     bulk_tx: RingSender,
     bulk_rx: RingReceiver,
     /// Bulk chunks are written with the [`SendFlags::streaming`] hint.
@@ -391,6 +394,7 @@ impl MsgPipe {
             bulk_rx: RingReceiver::new(options.bulk_ring as u64),
             bulk_ring,
             peer_bulk: None,
+            bulk_window: None,
             bulk_tx: RingSender::new(1),
             bulk_streaming: false,
             peer_bulk_ack_seen: 0,
@@ -537,6 +541,11 @@ impl MsgPipe {
             }
             self.peer_bulk = Some(PeerRing { addr: v(6), rkey: v(7) as u32 });
             self.bulk_tx = RingSender::new(bulk_len);
+            // A refusal only leaves bulk data posted (each write checks again what the peer named).
+            self.bulk_window = self.qp.map_remote_write(v(6), bulk_len, v(7) as u32).unwrap_or_else(|e| {
+                log::debug!("pipe: bulk copies go as posted writes, the peer's bulk ring does not map: {e}");
+                None
+            });
         }
         Ok(())
     }
@@ -1058,6 +1067,84 @@ mod tests {
                     a.progress().unwrap();
                 }
             }
+        }
+    }
+
+    /// Bulk copies (stored into the peer's ring, the caller's bytes free at once) take what
+    /// the ring has room for, and arrive whole and in order with the messages, on every
+    /// strategy; without a peer's ring to store into they are refused.
+    #[test]
+    fn bulk_copies_take_what_fits_and_arrive_in_order() {
+        let credit = FlowStrategy::Credit { buffers: 4, buf_size: 512 };
+        let (_pd, mut a, _b) = pair_with(credit, PipeOptions { bulk_ring: 0, ..PipeOptions::default() });
+        assert!(!a.bulk_copies() && a.try_send_bulk_copy(b"x").is_err());
+        let polled = FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 };
+        for (s, posted_frames) in [
+            (FlowStrategy::Rdma { ring_bytes: 4096, coalesce: 700 }, false),
+            (FlowStrategy::Window { window: 512, buffers: 4 }, false),
+            (FlowStrategy::Credit { buffers: 4, buf_size: 512 }, false),
+            (polled, false),
+            (polled, true),
+        ] {
+            let o = PipeOptions { bulk_ring: 16 * 1024, posted_frames, ..PipeOptions::default() };
+            let (_pd, mut a, mut b) = pair_with(s, o);
+            assert!(a.bulk_copies(), "{s:?}: one process maps the peer's ring");
+            let deadline = Instant::now() + T;
+            // Item i: a message (i % 3 == 0) or bulk bytes, up to twice the largest chunk.
+            let item_len = |i: usize| if i.is_multiple_of(3) { 1 + i % 400 } else { 1 + (i * 1237) % 9000 };
+            let item = |i: usize| -> Vec<u8> { (0..item_len(i)).map(|k| ((k * 7 + i * 13) % 251) as u8).collect() };
+            let (mut next, mut offset, mut got, mut partial, mut blocked) = (0usize, 0usize, 0usize, 0usize, 0usize);
+            let mut pending: Vec<u8> = Vec::new();
+            const N: usize = 300;
+            let mut round = 0usize;
+            while got < N {
+                assert!(Instant::now() < deadline, "{s:?}: stalled at {got}");
+                round += 1;
+                if next < N {
+                    let bytes = item(next);
+                    if next % 3 == 0 {
+                        if a.try_send(&msg(next as u64, bytes.len())).unwrap() {
+                            next += 1;
+                        } else {
+                            blocked += 1;
+                        }
+                    } else {
+                        let n = a.try_send_bulk_copy(&bytes[offset..]).unwrap();
+                        assert!(n <= a.bulk_chunk_max());
+                        if n == 0 {
+                            blocked += 1;
+                        } else if offset + n < bytes.len() {
+                            offset += n;
+                            partial += 1;
+                        } else {
+                            (next, offset) = (next + 1, 0);
+                        }
+                    }
+                }
+                a.progress().unwrap();
+                a.flush().unwrap();
+                if round.is_multiple_of(16) || next == N {
+                    while let Some((lane, bytes)) = b.recv_lane(|l, m| (l, m.to_vec())).unwrap() {
+                        if got % 3 == 0 {
+                            assert_eq!((lane, bytes), (Lane::Message, msg(got as u64, item_len(got))), "item {got}");
+                            got += 1;
+                        } else {
+                            assert_eq!(lane, Lane::Bulk, "item {got}");
+                            pending.extend_from_slice(&bytes);
+                            if pending.len() >= item_len(got) {
+                                assert_eq!(pending, item(got), "{s:?}: item {got}");
+                                pending.clear();
+                                got += 1;
+                            }
+                        }
+                    }
+                }
+                b.progress().unwrap();
+            }
+            assert!(
+                blocked > 0 && partial > 0,
+                "{s:?}: the ring never filled up ({blocked} blocked, {partial} partial)"
+            );
         }
     }
 
