@@ -1,6 +1,6 @@
 //! The Linux calls the stack is built on, each wrapped once with its error handling: the page
 //! size, memfd segments, eventfd doorbells, epoll and poll, pidfd (liveness and descriptor
-//! fetching), process-unique ids, and copies into and out of another process (cross-memory attach, with `/proc/PID/mem` as the fallback that
+//! fetching), process-unique ids, the stack's own threads (signals blocked), and copies into and out of another process (cross-memory attach, with `/proc/PID/mem` as the fallback that
 //! reaches memory-protected pages the way a NIC's DMA does).
 
 use std::fs::File;
@@ -11,6 +11,37 @@ use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
 use crate::error::{Result, VerbsError};
+
+/// Starts one of the stack's own threads (progress, readiness, completion threads) with
+/// every asynchronous signal blocked in it, so that the program's signals reach the program's
+/// threads as they would without the stack (a signal sent to the process goes to a thread
+/// that does not block it: a waiting call the stack makes with the program's signals blocked
+/// must still be the one that reports it). Faults (SIGSEGV, SIGBUS, ...) stay deliverable.
+pub fn spawn_quiet<T: Send + 'static>(
+    name: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> io::Result<std::thread::JoinHandle<T>> {
+    let mut all = empty_sigset();
+    let mut old = empty_sigset();
+    // SAFETY: valid sets; the calling thread's mask is restored below (the new thread inherits
+    // the blocked one).
+    unsafe {
+        libc::sigfillset(&mut all);
+        for sig in [libc::SIGSEGV, libc::SIGBUS, libc::SIGFPE, libc::SIGILL, libc::SIGTRAP, libc::SIGSYS] {
+            libc::sigdelset(&mut all, sig);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
+    }
+    let spawned = std::thread::Builder::new().name(name.into()).spawn(f);
+    // SAFETY: restores the mask saved above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    spawned
+}
+
+fn empty_sigset() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; all zeroes is the empty set.
+    unsafe { std::mem::zeroed() }
+}
 
 /// The system page size.
 pub fn page_size() -> usize {

@@ -64,7 +64,7 @@ struct Engine {
 fn engine() -> &'static Engine {
     static ENGINE: OnceLock<Engine> = OnceLock::new();
     ENGINE.get_or_init(|| {
-        let spawned = std::thread::Builder::new().name("sdp-progress".into()).spawn(run);
+        let spawned = portability_verbs::os::spawn_quiet("sdp-progress", run);
         if let Err(e) = spawned {
             // Sockets still progress on their own calls; only waits in faults would depend on it.
             log::error!("cannot start the SDP progress thread: {e}");

@@ -52,7 +52,7 @@ pub(crate) fn watch(qp: Weak<dyn Waiting>) {
     w.qps.push(qp);
     let me = std::process::id();
     if w.thread_of != Some(me) {
-        let spawned = std::thread::Builder::new().name("pv-soft-backstop".into()).spawn(run);
+        let spawned = crate::os::spawn_quiet("pv-soft-backstop", run);
         match spawned {
             Ok(_) => w.thread_of = Some(me),
             // Requests still start whenever their owner drives the queue pair.

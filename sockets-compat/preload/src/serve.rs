@@ -175,7 +175,7 @@ fn responder() -> io::Result<&'static Responder> {
         }
         // SAFETY: a new descriptor nothing else owns.
         let bell = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        std::thread::Builder::new().name("sdp-preload".into()).spawn(run).map_err(|e| e.to_string())?;
+        portability_verbs::os::spawn_quiet("sdp-preload", run).map_err(|e| e.to_string())?;
         Ok(Responder { listening: Mutex::new(Vec::new()), bell })
     });
     r.as_ref().map_err(|e| io::Error::other(format!("starting the SDP responder: {e}")))

@@ -80,9 +80,7 @@ pub(crate) fn start() -> ExsResult<()> {
     static STARTED: OnceLock<Result<(), String>> = OnceLock::new();
     STARTED
         .get_or_init(|| {
-            let t = std::thread::Builder::new()
-                .name("exs-completion".into())
-                .spawn(completion_thread)
+            let t = portability_verbs::os::spawn_quiet("exs-completion", completion_thread)
                 .map_err(|e| format!("starting the EXS completion thread: {e}"))?;
             *thread_handle().lock().unwrap_or_else(|p| p.into_inner()) = Some(t.thread().clone());
             Ok(())

@@ -199,9 +199,7 @@ impl ExsSocket {
         });
         let (kind, options) = (self.0.kind, *lock(&self.0.options));
         let l2 = l.clone();
-        std::thread::Builder::new()
-            .name("exs-accept".into())
-            .spawn(move || accept_loop(listener, l2, kind, options))
+        portability_verbs::os::spawn_quiet("exs-accept", move || accept_loop(listener, l2, kind, options))
             .map_err(ExsError::io)?;
         *st = State::Listening(l);
         Ok(())
@@ -255,7 +253,7 @@ impl ExsSocket {
             *st = State::Connecting;
         }
         let (me, queue) = (self.clone(), queue.clone());
-        let spawned = std::thread::Builder::new().name("exs-connect".into()).spawn(move || {
+        let spawned = portability_verbs::os::spawn_quiet("exs-connect", move || {
             let (kind, options) = (me.0.kind, *lock(&me.0.options));
             let result = prepare(kind, &options).and_then(|(mem, hello)| {
                 let rt = runtime().map_err(ExsError::io)?;

@@ -77,9 +77,7 @@ fn start(addr: SocketAddr, accept: Acceptor) -> Result<&'static Engine> {
         next_token: AtomicU64::new(1),
         urgent: AtomicUsize::new(0),
     }));
-    std::thread::Builder::new()
-        .name("pv-tcp".into())
-        .spawn(move || engine.run(listener))
+    crate::os::spawn_quiet("pv-tcp", move || engine.run(listener))
         .map_err(|e| VerbsError::Exhausted(format!("cannot start the TCP progress thread: {e}")))?;
     log::debug!("TCP transport listening on {addr}");
     Ok(engine)
