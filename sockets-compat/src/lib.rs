@@ -21,5 +21,5 @@ pub mod stream;
 mod verbs_runtime;
 pub mod wire;
 
-pub use stream::{SdpConfig, SdpListener, SdpStream};
+pub use stream::{ReadyState, SdpConfig, SdpListener, SdpStream};
 pub use wire::Design;

@@ -70,6 +70,7 @@ pub use config::SdpConfig;
 pub use listener::SdpListener;
 use pace::{Deadline, Pacer};
 use ready::Locked;
+pub use ready::ReadyState;
 use runtime::{qp_spec, resolve, verbs_io};
 
 /// How long connection setup may take.
@@ -412,6 +413,22 @@ impl SdpStream {
     /// control takes now (copied), `WouldBlock` if nothing.
     pub fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         self.write_impl(buf, true)
+    }
+
+    /// For an event loop about to wait on the socket's descriptor (the preload library's
+    /// `poll`, `select` and `epoll_wait` call it while they poll): takes in what arrived,
+    /// without waiting, shows it on the descriptor and returns it. `None` while another thread
+    /// is in a call on the socket (that call shows the state it leaves).
+    pub fn poll_ready(&self) -> Option<ReadyState> {
+        let mut c = match self.conn.try_lock() {
+            Ok(c) => Locked(c),
+            Err(std::sync::TryLockError::Poisoned(p)) => Locked(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        // An application call: the readiness thread leaves the socket to it.
+        c.calls = c.calls.wrapping_add(1);
+        c.take_in();
+        Some(ReadyState { readable: c.readable(), writable: c.writable() })
     }
 
     /// Tells the readiness thread that the caller is about to wait on the socket's descriptor

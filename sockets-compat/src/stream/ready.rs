@@ -87,7 +87,29 @@ impl Readiness {
     }
 }
 
+/// What a socket's state allows now, as [`SdpStream::poll_ready`] finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadyState {
+    /// A read returns at once (bytes, end of stream, or the failure it reports).
+    pub readable: bool,
+    /// A nonblocking write takes bytes now, or fails at once.
+    pub writable: bool,
+}
+
 impl Conn {
+    /// Takes in what arrived, without waiting: the peer's transfers complete, control
+    /// messages at the front are applied. Failures are recorded in the socket and shown as
+    /// readiness; its next call reports them.
+    pub(super) fn take_in(&mut self) {
+        if self.failed.is_none() && self.closing.is_none() {
+            if let Err(e) = self.pipe.progress() {
+                self.fail_verbs(e);
+            } else {
+                let _ = self.pump_control();
+            }
+        }
+    }
+
     /// Whether a read would return at once: bytes queued or in the pipe, end of stream, a
     /// failure (reported by the read), or reading shut down. (A control message at the front
     /// of the pipe counts too: the read that takes it in then finds the truth.)
@@ -99,9 +121,16 @@ impl Conn {
             || self.pipe.peek_lane().is_some()
     }
 
-    /// Whether a nonblocking write would take bytes now, or fail at once.
+    /// Whether a nonblocking write would take bytes now, or fail at once. Where large writes
+    /// are stored into the peer's bulk ring, that ring must have room for one of them too (a
+    /// socket shown writable whose next write finds no room would make an event loop spin).
     pub(super) fn writable(&self) -> bool {
-        self.write_shut || self.failed.is_some() || self.proto.peer_closed() || self.pipe.has_room()
+        let room = || {
+            self.pipe.has_room()
+                && (!self.pipe.bulk_copies()
+                    || self.pipe.bulk_room() >= self.config.bulk_min.min(self.pipe.bulk_chunk_max()))
+        };
+        self.write_shut || self.failed.is_some() || self.proto.peer_closed() || room()
     }
 
     /// Shows the socket's state on its readiness descriptor, if one was asked for.
@@ -164,7 +193,7 @@ static WATCHER_REF: OnceLock<Result<Watcher, String>> = OnceLock::new();
 fn watcher() -> io::Result<&'static Watcher> {
     let w = WATCHER_REF.get_or_init(|| {
         let bell = Readiness::new().map_err(|e| e.to_string())?.fd;
-        std::thread::Builder::new().name("sdp-ready".into()).spawn(run).map_err(|e| e.to_string())?;
+        portability_verbs::os::spawn_quiet("sdp-ready", run).map_err(|e| e.to_string())?;
         Ok(Watcher { watched: Mutex::new(Watched::default()), bell })
     });
     w.as_ref().map_err(|e| io::Error::other(format!("starting the SDP readiness thread: {e}")))
@@ -215,15 +244,7 @@ fn look_at_socket(conn: &Arc<Mutex<Conn>>, sleep: bool) -> Look {
         // its lock here would only make it wait); a call that finds nothing wakes us.
         return Look { soon: true, cq: None };
     }
-    if c.failed.is_none() && c.closing.is_none() {
-        // Failures are recorded in the socket and shown as readiness; its next call reports
-        // them.
-        if let Err(e) = c.pipe.progress() {
-            c.fail_verbs(e);
-        } else {
-            let _ = c.pump_control();
-        }
-    }
+    c.take_in();
     c.show_ready();
     if c.failed.is_some() || c.ready.is_none() {
         return Look { soon: false, cq: None };

@@ -4,30 +4,36 @@
 use super::*;
 
 impl SdpStream {
-    /// BSDP: copies `buf` into Data messages; may send part of it (nonblocking, or timed out
-    /// after some progress).
+    /// BSDP: copies `buf` into Data messages, or, from the bulk threshold on where the
+    /// provider can store into the peer's bulk ring, straight into that ring; may send part of
+    /// it (nonblocking, or timed out after some progress).
     pub(super) fn write_copy(&self, buf: &[u8], nonblocking: bool, deadline: &Deadline) -> io::Result<usize> {
-        if !nonblocking {
-            let chunk = {
-                let c = self.lock();
-                if buf.len() >= c.config.bulk_min {
-                    c.pipe.bulk_chunk_max()
-                } else {
-                    0
-                }
-            };
-            if chunk > 0 {
-                return self.write_bulk(buf, chunk, deadline);
-            }
+        let (bulk, copies) = {
+            let c = self.lock();
+            let bulk = buf.len() >= c.config.bulk_min && c.pipe.bulk_chunk_max() > 0;
+            (bulk, bulk && c.pipe.bulk_copies())
+        };
+        if bulk && !nonblocking && !copies {
+            let chunk = self.lock().pipe.bulk_chunk_max();
+            return self.write_bulk(buf, chunk, deadline);
         }
         let mut pacer = Pacer::default();
         let mut sent = 0;
         while sent < buf.len() {
             let progressed = {
                 let mut c = self.lock();
-                let chunk = (buf.len() - sent).min(c.max_payload());
-                if c.try_send(&Message::Data(&buf[sent..sent + chunk]))? {
-                    sent += chunk;
+                let n = if copies {
+                    c.bulk_copy(&buf[sent..])?
+                } else {
+                    let chunk = (buf.len() - sent).min(c.max_payload());
+                    if c.try_send(&Message::Data(&buf[sent..sent + chunk]))? {
+                        chunk
+                    } else {
+                        0
+                    }
+                };
+                if n > 0 {
+                    sent += n;
                     true
                 } else {
                     c.pump()?;
@@ -276,6 +282,13 @@ impl Conn {
     /// the peer's ring has room; otherwise takes in what arrived (the peer may be writing to
     /// us too, and its chunks must not wait for ours) and collects the chunks completed, in
     /// order, from `tokens`. Returns the bytes started.
+    /// BSDP: stores the front of `rest` into the peer's bulk ring (the bytes are free when it
+    /// returns); how many it took, 0 if the ring has no room now.
+    pub(super) fn bulk_copy(&mut self, rest: &[u8]) -> io::Result<usize> {
+        self.check_writable()?;
+        self.pipe.try_send_bulk_copy(rest).map_err(|e| self.fail_verbs(e))
+    }
+
     pub(super) fn bulk_step(
         &mut self,
         rest: &[u8],
