@@ -3,7 +3,9 @@
 //! `8000,9000-9100`; every port by default), `SDP_PRELOAD_PROBE_MS` (how long a client waits
 //! for a server's answer, 50 by default), `SDP_PRELOAD_RULES` (a rules file, see [`crate::rules`],
 //! consulted first), `SDP_PRELOAD_LOG` (a `log` filter for messages on stderr, e.g. `info`;
-//! none by default). A value that does not parse turns the library off (with a message): a
+//! none by default), `SDP_PRELOAD_POLL_US` (how long `poll`, `select` and `epoll_wait` poll
+//! the accelerated sockets of their set before the thread sleeps, 50 by default; 0: never).
+//! A value that does not parse turns the library off (with a message): a
 //! program must never run differently because of a typo.
 
 use std::net::SocketAddr;
@@ -20,11 +22,19 @@ pub struct Config {
     pub ports: Vec<(u16, u16)>,
     pub probe: Duration,
     pub rules: Rules,
+    /// How long a waiting call polls its set's accelerated sockets before it sleeps.
+    pub poll_spin: Duration,
 }
 
 impl Config {
-    const OFF: Config =
-        Config { client: false, server: false, ports: Vec::new(), probe: Duration::ZERO, rules: Rules::EMPTY };
+    const OFF: Config = Config {
+        client: false,
+        server: false,
+        ports: Vec::new(),
+        probe: Duration::ZERO,
+        rules: Rules::EMPTY,
+        poll_spin: Duration::ZERO,
+    };
 
     /// Whether anything may be accelerated (else sockets are never looked at).
     pub fn enabled(&self) -> bool {
@@ -88,7 +98,14 @@ impl Config {
                 Rules::parse(&text).map_err(|e| format!("SDP_PRELOAD_RULES={path:?}: {e}"))?
             }
         };
-        Ok(Config { client, server, ports, probe, rules })
+        let poll_spin = match get("SDP_PRELOAD_POLL_US") {
+            None => Duration::from_micros(50),
+            Some(v) => match v.trim().parse::<u64>() {
+                Ok(us) if us <= 1_000_000 => Duration::from_micros(us),
+                _ => return Err(format!("SDP_PRELOAD_POLL_US={v:?}: microseconds, 0 to 1000000")),
+            },
+        };
+        Ok(Config { client, server, ports, probe, rules, poll_spin })
     }
 }
 
@@ -128,6 +145,8 @@ mod tests {
         let c = parse(&[]).unwrap();
         assert!(c.client && c.server && c.port(1) && c.port(65535));
         assert_eq!(c.probe, Duration::from_millis(50));
+        assert_eq!(c.poll_spin, Duration::from_micros(50));
+        assert_eq!(parse(&[("SDP_PRELOAD_POLL_US", "0")]).unwrap().poll_spin, Duration::ZERO);
     }
 
     #[test]
@@ -156,6 +175,8 @@ mod tests {
             ("SDP_PRELOAD_PORTS", "80-"),
             ("SDP_PRELOAD_PORTS", "9-8"),
             ("SDP_PRELOAD_PROBE_MS", "0"),
+            ("SDP_PRELOAD_POLL_US", "-1"),
+            ("SDP_PRELOAD_POLL_US", "2000000"),
         ] {
             assert!(parse(&[bad]).is_err(), "{bad:?}");
         }

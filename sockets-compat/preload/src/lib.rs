@@ -18,15 +18,18 @@
 //! Calls on accelerated descriptors (`read`, `recv`, `send`, `writev`, `sendfile`, `shutdown`,
 //! `getsockopt`, `fcntl`, `ioctl`, `dup`, `close`, ...) go to the SDP socket; everything else
 //! goes to the C library after one atomic load. Settings: [`config`]. A blocking receive polls
-//! briefly, then waits on the descriptor, where a signal interrupts it (`EINTR`). Limits: a
-//! connection is not shared with a child after `fork` (the child must not use it); a blocking
-//! send is not interrupted by a signal; a socket registered with `epoll` before `connect` must
-//! be registered again after it.
+//! briefly, then waits on the descriptor, where a signal interrupts it (`EINTR`). `poll`,
+//! `select` and `epoll_wait` on sets holding accelerated sockets poll those sockets briefly
+//! before the kernel sleeps (module `waits`); `epoll_ctl` is watched so that a socket registered
+//! before `connect` stays registered after it (module `epoll`). Limits: a connection is not shared
+//! with a child after `fork` (the child must not use it); a blocking send is not interrupted by
+//! a signal.
 
 #![allow(clippy::missing_safety_doc)] // C entry points: their contracts are the C library's.
 
 mod addr;
 mod config;
+mod epoll;
 mod guard;
 mod io_calls;
 mod options;
@@ -36,6 +39,7 @@ mod rules;
 mod serve;
 mod stats;
 mod table;
+mod waits;
 
 use std::ffi::{c_int, c_long, c_ulong, c_void};
 use std::io;
@@ -58,7 +62,7 @@ use table::{Candidate, Connected, Entry};
 /// How long an SDP connection's set-up may take before the client falls back to TCP.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-fn set_errno(e: c_int) {
+pub(crate) fn set_errno(e: c_int) {
     // SAFETY: the calling thread's errno.
     unsafe { *libc::__errno_location() = e };
 }
@@ -143,6 +147,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                     }
                 }
             }
+            epoll::forget_candidate(fd);
             stats::count(&stats::TCP_CONNECTS);
         }
     }
@@ -180,8 +185,10 @@ unsafe fn adopt(
     if unsafe { (real().dup3)(efd, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) } < 0 {
         return Err(io::Error::last_os_error());
     }
-    let c = Connected { stream, domain, local, peer, nonblocking: nonblocking.into() };
-    table::insert(fd, Entry::Connected(Arc::new(c)));
+    let c = Arc::new(Connected { stream, domain, local, peer, nonblocking: nonblocking.into() });
+    table::insert(fd, Entry::Connected(c.clone()));
+    // Epoll sets that held the candidate socket now hold the connection's descriptor.
+    epoll::connected(fd, &c);
     Ok(())
 }
 
@@ -291,7 +298,7 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
 
 /// The accelerated connection at `fd`, if it is one (and the call is the program's).
 #[inline]
-fn connected(fd: c_int) -> Option<Arc<Connected>> {
+pub(crate) fn connected(fd: c_int) -> Option<Arc<Connected>> {
     if inside() || !table::maybe_ours(fd) {
         return None;
     }
@@ -304,6 +311,7 @@ fn connected(fd: c_int) -> Option<Arc<Connected>> {
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     let gone = table::remove(fd);
+    forget_if_candidate(fd, &gone);
     // SAFETY: the caller's descriptor.
     let r = unsafe { (real().close)(fd) };
     if gone.is_some() {
@@ -312,6 +320,14 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         drop(gone);
     }
     r
+}
+
+/// A candidate socket at `fd` is gone: epoll sets no longer hold it.
+fn forget_if_candidate(fd: c_int, gone: &Option<Entry>) {
+    if let Some(Entry::Candidate(_)) = gone {
+        let _in = Inside::enter();
+        epoll::forget_candidate(fd);
+    }
 }
 
 /// `new` now names what `old` names: ours too if `old` is.
@@ -341,6 +357,7 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
     let r = unsafe { (real().dup2)(old, new) };
     if r >= 0 && old != new && !inside() {
         let before = table::remove(new);
+        forget_if_candidate(new, &before);
         alias(old, new);
         let _in = Inside::enter();
         drop(before);
@@ -354,6 +371,7 @@ pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
     let r = unsafe { (real().dup3)(old, new, flags) };
     if r >= 0 && !inside() {
         let before = table::remove(new);
+        forget_if_candidate(new, &before);
         alias(old, new);
         let _in = Inside::enter();
         drop(before);

@@ -4,7 +4,10 @@
 use std::ffi::{c_char, c_int, c_long, c_ulong, c_void};
 use std::sync::OnceLock;
 
-use libc::{iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use libc::{
+    epoll_event, fd_set, iovec, msghdr, nfds_t, off_t, pollfd, sigset_t, size_t, sockaddr, socklen_t, ssize_t,
+    timespec, timeval,
+};
 
 macro_rules! real {
     ($($name:ident : fn($($arg:ident : $ty:ty),*) -> $ret:ty;)*) => {
@@ -65,6 +68,14 @@ real! {
     dup3: fn(old: c_int, new: c_int, flags: c_int) -> c_int;
     sendfile: fn(out: c_int, input: c_int, off: *mut off_t, n: size_t) -> ssize_t;
     sendfile64: fn(out: c_int, input: c_int, off: *mut off_t, n: size_t) -> ssize_t;
+    poll: fn(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int;
+    __poll_chk: fn(fds: *mut pollfd, n: nfds_t, timeout: c_int, fdslen: size_t) -> c_int;
+    select: fn(n: c_int, r: *mut fd_set, w: *mut fd_set, e: *mut fd_set, timeout: *mut timeval) -> c_int;
+    epoll_wait: fn(epfd: c_int, events: *mut epoll_event, max: c_int, timeout: c_int) -> c_int;
+    ppoll: fn(fds: *mut pollfd, n: nfds_t, timeout: *const timespec, mask: *const sigset_t) -> c_int;
+    pselect: fn(n: c_int, r: *mut fd_set, w: *mut fd_set, e: *mut fd_set, timeout: *const timespec, mask: *const sigset_t) -> c_int;
+    epoll_ctl: fn(epfd: c_int, op: c_int, fd: c_int, event: *mut epoll_event) -> c_int;
+    epoll_pwait: fn(epfd: c_int, events: *mut epoll_event, max: c_int, timeout: c_int, mask: *const sigset_t) -> c_int;
 }
 
 /// The C library's calls (resolved once, at the first intercepted call).

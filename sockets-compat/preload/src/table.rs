@@ -1,7 +1,8 @@
 //! Which descriptors are this library's, and what each is: a stream socket not yet connected
 //! or listening (still the kernel's), an SDP connection (its number now a readiness eventfd),
-//! or a listening socket that also takes SDP clients. Every other descriptor is passed
-//! straight to the C library after one atomic load ([`maybe_ours`]).
+//! a listening socket that also takes SDP clients, or an epoll set holding SDP connections.
+//! Every other descriptor is passed straight to the C library after one atomic load
+//! ([`maybe_ours`]).
 
 use std::collections::BTreeMap;
 use std::ffi::c_int;
@@ -11,6 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use sockets_compat::SdpStream;
 
+use crate::epoll::EpollSet;
 use crate::serve::Listening;
 
 /// A TCP socket the program made, not yet connected or listening.
@@ -36,6 +38,8 @@ pub enum Entry {
     Candidate(Candidate),
     Connected(Arc<Connected>),
     Listening(Arc<Listening>),
+    /// An epoll set of the program's holding accelerated sockets.
+    Epoll(Arc<EpollSet>),
 }
 
 /// Descriptors below this are looked up in a bitmap; above it, `HIGH` says whether any is ours.
@@ -52,6 +56,18 @@ pub fn maybe_ours(fd: c_int) -> bool {
         Ok(_) => HIGH.load(Ordering::Relaxed),
         Err(_) => false,
     }
+}
+
+/// The descriptors below `n` that may be ours (`n` at most 65536), a word of the bitmap at a time.
+pub fn ours_below(n: c_int) -> impl Iterator<Item = c_int> {
+    let n = n.clamp(0, BITMAP_FDS as c_int) as usize;
+    (0..n.div_ceil(64)).flat_map(move |w| {
+        let bits = OURS[w].load(Ordering::Relaxed);
+        (0..64)
+            .filter(move |b| bits & (1 << b) != 0)
+            .map(move |b| (w * 64 + b) as c_int)
+            .filter(move |&fd| (fd as usize) < n)
+    })
 }
 
 fn mark(fd: c_int, on: bool) {
@@ -79,6 +95,17 @@ pub fn get(fd: c_int) -> Option<Entry> {
         return None;
     }
     table().get(&fd).cloned()
+}
+
+/// The epoll sets that hold accelerated sockets, with their descriptors.
+pub fn epoll_sets() -> Vec<(c_int, Arc<EpollSet>)> {
+    table()
+        .iter()
+        .filter_map(|(fd, e)| match e {
+            Entry::Epoll(s) => Some((*fd, s.clone())),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Makes `fd` ours as `e` (replacing what it was); returns what it was.

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
+#include <sys/select.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -67,7 +68,7 @@ int main(int argc, char **argv) {
         epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
         struct epoll_event pev = {.events = EPOLLIN, .data.fd = p[0]};
         epoll_ctl(ep, EPOLL_CTL_ADD, p[0], &pev);
-        usleep(1500000); /* the client's receive meanwhile is interrupted by its alarm */
+        usleep(3000000); /* the client's waits meanwhile are interrupted by its alarms */
         CHECK(send(fd, "go", 2, 0) == 2, "send");
         struct epoll_event out[4];
         int n = epoll_wait(ep, out, 4, 10000);
@@ -87,7 +88,11 @@ int main(int argc, char **argv) {
         for (int i = 0; i < 1000; i++) { r = send(fd, "z", 1, MSG_NOSIGNAL); if (r < 0) break; usleep(1000); }
         CHECK(r == -1 && errno == EPIPE && sigpipes == 0, "MSG_NOSIGNAL: EPIPE, no signal");
         CHECK(send(fd, "z", 1, 0) == -1 && errno == EPIPE && sigpipes == 1, "EPIPE raises SIGPIPE");
-        CHECK(close(fd) == 0 && close(l) == 0, "close");
+        CHECK(close(fd) == 0, "close");
+        /* The client's second connection, registered with epoll before it connected. */
+        fd = accept(l, NULL, NULL);
+        CHECK(fd >= 0 && recv_all(fd, buf, 6) == 6 && memcmp(buf, "second", 6) == 0, "the second connection's bytes");
+        CHECK(recv_all(fd, buf, 1) == 0 && close(fd) == 0 && close(l) == 0, "EOF and close");
         printf("ALL OK\n");
         return 0;
     }
@@ -114,11 +119,51 @@ int main(int argc, char **argv) {
     sigaction(SIGALRM, &sa, NULL);
     alarm(1);
     CHECK(recv(fd, buf, 2, 0) == -1 && errno == EINTR && alarms == 1, "EINTR from a waiting recv");
+    /* Waits on the socket that a signal ends (whether it comes while the library polls or once
+     * the kernel sleeps), and mixed sets whose plain member is ready first. */
+    struct pollfd rf = {.fd = fd, .events = POLLIN};
+    ualarm(150000, 0);
+    CHECK(poll(&rf, 1, 5000) == -1 && errno == EINTR && alarms == 2, "EINTR from poll");
+    fd_set rs;
+    FD_ZERO(&rs);
+    FD_SET(fd, &rs);
+    struct timeval tv = {.tv_sec = 5};
+    ualarm(150000, 0);
+    CHECK(select(fd + 1, &rs, NULL, NULL, &tv) == -1 && errno == EINTR && alarms == 3, "EINTR from select");
+    int cep = epoll_create1(0);
+    struct epoll_event cev = {.events = EPOLLIN, .data.fd = fd}, cout[2];
+    CHECK(epoll_ctl(cep, EPOLL_CTL_ADD, fd, &cev) == 0, "epoll_ctl");
+    ualarm(150000, 0);
+    CHECK(epoll_wait(cep, cout, 2, 5000) == -1 && errno == EINTR && alarms == 4, "EINTR from epoll_wait");
+    int cp[2];
+    CHECK(pipe(cp) == 0 && write(cp[1], "p", 1) == 1, "a pipe with a byte");
+    struct pollfd two[2] = {{.fd = fd, .events = POLLIN}, {.fd = cp[0], .events = POLLIN}};
+    CHECK(poll(two, 2, 5000) == 1 && two[1].revents == POLLIN && two[0].revents == 0, "poll: the pipe, not the socket");
+    FD_ZERO(&rs);
+    FD_SET(fd, &rs);
+    FD_SET(cp[0], &rs);
+    tv.tv_sec = 5;
+    CHECK(select((fd > cp[0] ? fd : cp[0]) + 1, &rs, NULL, NULL, &tv) == 1 && FD_ISSET(cp[0], &rs) && !FD_ISSET(fd, &rs), "select: the pipe, not the socket");
+    tv.tv_sec = 0;
+    tv.tv_usec = 1000;
+    FD_ZERO(&rs);
+    FD_SET(fd, &rs);
+    CHECK(select(fd + 1, &rs, NULL, NULL, &tv) == 0 && !FD_ISSET(fd, &rs), "select times out: nothing to read");
+    close(cp[0]);
+    close(cp[1]);
     CHECK(recv_all(fd, buf, 2) == 2 && memcmp(buf, "go", 2) == 0, "recv");
     CHECK(send(fd, "x", 1, 0) == 1, "send after recv");
     CHECK(recv_all(fd, buf, 7) == 7 && memcmp(buf, "dup ok!", 7) == 0, "bytes through the server's dup");
     CHECK(recv_all(fd, buf, 1) == 0, "EOF after the server's shutdown");
     CHECK(close(fd) == 0, "close");
+    /* A socket registered with epoll before it connects reports the connection there. */
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    struct epoll_event wev = {.events = EPOLLOUT, .data.fd = fd};
+    CHECK(epoll_ctl(cep, EPOLL_CTL_ADD, fd, &wev) == 0, "epoll_ctl before connect");
+    r = connect(fd, (struct sockaddr *)&a, sizeof a);
+    CHECK(r == 0 || errno == EINPROGRESS, "the second nonblocking connect");
+    CHECK(epoll_wait(cep, cout, 2, 10000) == 1 && cout[0].data.fd == fd && (cout[0].events & EPOLLOUT), "epoll: the connection completes");
+    CHECK(send(fd, "second", 6, 0) == 6 && close(fd) == 0 && close(cep) == 0, "send and close");
     printf("ALL OK\n");
     return 0;
 }
