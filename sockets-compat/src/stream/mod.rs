@@ -618,7 +618,20 @@ impl SdpStream {
         Ok(())
     }
 
+    /// A write (blocking unless the socket is nonblocking) that `stop` can end: asked now and then
+    /// while the write waits (for room, for the peer), a true makes it return the bytes
+    /// written so far, or `Interrupted` if none, as a signal ends a kernel socket's send (the
+    /// preload library's blocking sends). Zero-copy writes (ZSDP, AZ-SDP), whose buffer the
+    /// peer may be reading, are not stopped.
+    pub fn write_or_stop(&self, buf: &[u8], stop: &dyn Fn() -> bool) -> io::Result<usize> {
+        self.write_with(buf, false, Some(stop))
+    }
+
     fn write_impl(&self, buf: &[u8], once: bool) -> io::Result<usize> {
+        self.write_with(buf, once, None)
+    }
+
+    fn write_with(&self, buf: &[u8], once: bool, stop: Option<&dyn Fn() -> bool>) -> io::Result<usize> {
         let (design, zcopy, nonblocking, timeout, hold_min) = {
             let c = self.lock();
             c.check_writable()?;
@@ -628,7 +641,10 @@ impl SdpStream {
         if buf.is_empty() {
             return Ok(0);
         }
-        let deadline = &Deadline::after(timeout);
+        let deadline = &match stop {
+            Some(stop) => Deadline::after_or(timeout, stop),
+            None => Deadline::after(timeout),
+        };
         // Sending reads the buffer: a receive still landing in it must finish first.
         self.wait_readable(buf, deadline)?;
         // A nonblocking socket copies: it cannot hold the caller's buffer past the call.
@@ -638,7 +654,12 @@ impl SdpStream {
             _ => self.write_copy(buf, nonblocking, deadline),
         };
         self.hand_over();
-        written
+        match written {
+            Err(e) if deadline.stopped() && e.kind() == io::ErrorKind::TimedOut => {
+                Err(io::Error::new(io::ErrorKind::Interrupted, "interrupted writing"))
+            }
+            other => other,
+        }
     }
 
     /// Leaves the socket to the background engine while its pipe has requests the transport
@@ -814,6 +835,42 @@ mod tests {
         assert!(!d.passed());
         std::thread::sleep(Duration::from_millis(25));
         assert!(d.passed());
+    }
+
+    /// A stopped deadline has passed (from the look that found the stop on), with or without a
+    /// timeout; an unstopped one is as its timeout makes it.
+    #[test]
+    fn a_deadline_passes_once_its_stop_says_so() {
+        let now = std::cell::Cell::new(false);
+        let stop = || now.get();
+        let d = Deadline::after_or(None, &stop);
+        assert!((0..100).all(|_| !d.passed()) && !d.stopped());
+        now.set(true);
+        assert!((0..2 * pace::STOP_EVERY).any(|_| d.passed()), "the stop was never asked");
+        assert!(d.stopped() && d.passed() && d.get().is_some());
+        let d = Deadline::after_or(Some(Duration::from_secs(60)), &stop);
+        assert!((0..2 * pace::STOP_EVERY).any(|_| d.passed()) && d.stopped());
+    }
+
+    /// A blocking write to a reader that reads nothing is ended by its stop: the bytes written
+    /// so far, or `Interrupted` when it could write none; a stop that never says so leaves a
+    /// write that fits alone.
+    #[test]
+    fn a_blocking_write_ends_when_its_stop_says_so() {
+        let listener = SdpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = std::thread::spawn(move || listener.accept().unwrap().0);
+        let w = SdpStream::connect(addr).unwrap();
+        let _r = accepted.join().unwrap();
+        let big = vec![7u8; 64 << 20];
+        let start = Instant::now();
+        let after = |t: Duration| move || start.elapsed() >= t;
+        let first = w.write_or_stop(&big, &after(Duration::from_millis(100))).unwrap();
+        assert!(first > 0 && first < big.len(), "a partial write, not {first} bytes");
+        assert!(start.elapsed() < Duration::from_secs(5));
+        let e = w.write_or_stop(&big, &|| true).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::Interrupted, "{e}");
+        assert_eq!(w.write_or_stop(b"", &|| true).unwrap(), 0);
     }
 
     /// A polled pipe's messages raise no completion: a reader past its spin phase tells the

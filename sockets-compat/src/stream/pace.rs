@@ -6,22 +6,49 @@ use super::*;
 
 /// A call's timeout, turned into a point in time only when the call first has to wait: the
 /// calls that complete at once (most small reads and writes) never read the clock for it.
-pub(super) struct Deadline {
+/// A call may also be stopped from outside (a signal, for the preload library): a deadline
+/// whose `stop` says so has passed.
+pub(super) struct Deadline<'a> {
     timeout: Option<Duration>,
     at: std::cell::Cell<Option<Instant>>,
+    stop: Option<&'a dyn Fn() -> bool>,
+    /// Looks since `stop` was last asked (it is asked every [`STOP_EVERY`]th).
+    looks: std::cell::Cell<u32>,
 }
 
-impl Deadline {
-    pub(super) fn never() -> Deadline {
+/// How often a deadline asks its `stop` (a system call, for the preload library's).
+pub(super) const STOP_EVERY: u32 = 16;
+
+impl<'a> Deadline<'a> {
+    pub(super) fn never() -> Deadline<'a> {
         Deadline::after(None)
     }
 
-    pub(super) fn after(timeout: Option<Duration>) -> Deadline {
-        Deadline { timeout, at: std::cell::Cell::new(None) }
+    pub(super) fn after(timeout: Option<Duration>) -> Deadline<'a> {
+        Deadline { timeout, at: std::cell::Cell::new(None), stop: None, looks: std::cell::Cell::new(0) }
+    }
+
+    /// [`Deadline::after`] that has also passed once `stop` says so.
+    pub(super) fn after_or(timeout: Option<Duration>, stop: &'a dyn Fn() -> bool) -> Deadline<'a> {
+        Deadline { stop: Some(stop), ..Deadline::after(timeout) }
     }
 
     /// When the call times out, counted from the first time this is asked.
     pub(super) fn get(&self) -> Option<Instant> {
+        if !self.stopped() {
+            if let Some(stop) = self.stop {
+                let looks = self.looks.get().wrapping_add(1);
+                self.looks.set(looks);
+                if looks.is_multiple_of(STOP_EVERY) && stop() {
+                    // Passed from now on.
+                    self.looks.set(u32::MAX);
+                    self.at.set(Some(Instant::now()));
+                }
+            }
+        }
+        if self.stopped() {
+            return self.at.get();
+        }
         let t = self.timeout?;
         let at = self.at.get().unwrap_or_else(|| Instant::now() + t);
         self.at.set(Some(at));
@@ -30,6 +57,11 @@ impl Deadline {
 
     pub(super) fn passed(&self) -> bool {
         self.get().is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// Whether `stop` ended the call.
+    pub(super) fn stopped(&self) -> bool {
+        self.looks.get() == u32::MAX
     }
 }
 

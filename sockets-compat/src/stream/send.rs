@@ -44,10 +44,12 @@ impl SdpStream {
                 if nonblocking {
                     break;
                 }
-                if sent > 0 && deadline.passed() {
-                    break; // a partial write, as a timed-out socket write reports it
+                match pacer.pause(deadline, "writing") {
+                    // A partial write, as a timed-out socket write reports it (the bytes
+                    // accepted are the caller's answer, never an error).
+                    Err(e) if sent > 0 && e.kind() == io::ErrorKind::TimedOut => break,
+                    other => other?,
                 }
-                pacer.pause(deadline, "writing")?;
             } else {
                 pacer = Pacer::default();
             }
