@@ -2,7 +2,7 @@
 //! families and `sendfile`.
 
 use std::ffi::{c_int, c_void};
-use std::io::{self, Write};
+use std::io;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -10,6 +10,7 @@ use libc::{iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
 
 use crate::guard::Inside;
 use crate::real::real;
+use crate::signals::{handlers_restart, pending_for, Blocked};
 use crate::table::Connected;
 use crate::{connected, fail};
 
@@ -67,21 +68,6 @@ fn receive_blocking(c: &Connected, fd: c_int, buf: &mut [u8], peek: bool) -> io:
     }
 }
 
-/// Whether every signal handler the program installed asks for `SA_RESTART` (then the kernel
-/// would have restarted a receive without a timeout that a signal interrupted; the signal that
-/// did cannot be known here, so one handler without it makes the receive return `EINTR`, which
-/// is what Python's handlers, for one, expect).
-fn handlers_restart() -> bool {
-    (1..=libc::SIGRTMAX()).filter(|&s| s != libc::SIGKILL && s != libc::SIGSTOP).all(|sig| {
-        // SAFETY: reads the disposition of `sig` into a zeroed struct.
-        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
-        if unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) } != 0 {
-            return true;
-        }
-        old.sa_sigaction == libc::SIG_DFL || old.sa_sigaction == libc::SIG_IGN || old.sa_flags & libc::SA_RESTART != 0
-    })
-}
-
 fn receive(c: &Connected, fd: c_int, buf: &mut [u8], flags: c_int) -> ssize_t {
     let _in = Inside::enter();
     let peek = flags & libc::MSG_PEEK != 0;
@@ -106,25 +92,45 @@ fn receive(c: &Connected, fd: c_int, buf: &mut [u8], flags: c_int) -> ssize_t {
     }
 }
 
+/// A blocking send as the kernel's: all of `buf`, unless a signal comes while it waits for
+/// room (then the bytes sent so far, or `EINTR` if none and a handler does not ask for
+/// `SA_RESTART`), `SO_SNDTIMEO` passes (the bytes so far, or `EAGAIN`) or the connection
+/// fails (the bytes so far; the error comes next time). What fits at once goes without
+/// touching the signal mask; the rest waits with the program's signals blocked, looking for
+/// pending ones, which are delivered before the call returns.
+fn transmit_blocking(c: &Connected, buf: &[u8]) -> io::Result<usize> {
+    let n = match c.stream.try_write(buf) {
+        Ok(n) if n == buf.len() => return Ok(n),
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+        Err(e) => return Err(e),
+    };
+    loop {
+        let blocked = Blocked::all_async();
+        let mask: *const libc::sigset_t = blocked.program_mask();
+        let r = c.stream.write_or_stop(&buf[n..], &|| pending_for(mask));
+        drop(blocked); // a signal that stopped the write runs its handler now
+        match r {
+            // All of it, or stopped (or timed out) after some bytes, which the kernel reports.
+            Ok(k) => return Ok(n + k),
+            Err(_) if n > 0 => return Ok(n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                if c.stream.write_timeout()?.is_some() || !handlers_restart() {
+                    return Err(e);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Sends `buf`: all of it on a blocking socket (as the kernel does), what fits otherwise.
 /// `EPIPE` raises `SIGPIPE` unless `MSG_NOSIGNAL`.
 fn transmit(c: &Connected, buf: &[u8], flags: c_int) -> ssize_t {
     let _in = Inside::enter();
     let dontwait = flags & libc::MSG_DONTWAIT != 0;
     let blocking = !dontwait && !c.nonblocking.load(Ordering::Relaxed);
-    let sent = if dontwait {
-        c.stream.try_write(buf)
-    } else {
-        (&c.stream).write(buf).map(|mut n| {
-            while blocking && n < buf.len() {
-                match (&c.stream).write(&buf[n..]) {
-                    Ok(k) => n += k,
-                    Err(_) => break, // the bytes sent so far; the error comes next time
-                }
-            }
-            n
-        })
-    };
+    let sent = if blocking { transmit_blocking(c, buf) } else { c.stream.try_write(buf) };
     match sent {
         Ok(n) => n as ssize_t,
         Err(e) => {

@@ -18,12 +18,13 @@
 //! Calls on accelerated descriptors (`read`, `recv`, `send`, `writev`, `sendfile`, `shutdown`,
 //! `getsockopt`, `fcntl`, `ioctl`, `dup`, `close`, ...) go to the SDP socket; everything else
 //! goes to the C library after one atomic load. Settings: [`config`]. A blocking receive polls
-//! briefly, then waits on the descriptor, where a signal interrupts it (`EINTR`). `poll`,
+//! briefly, then waits on the descriptor, where a signal interrupts it (`EINTR`); a blocking
+//! send waiting for room is ended by a signal too (the bytes so far, or `EINTR`). `poll`,
 //! `select` and `epoll_wait` on sets holding accelerated sockets poll those sockets briefly
-//! before the kernel sleeps (module `waits`); `epoll_ctl` is watched so that a socket registered
-//! before `connect` stays registered after it (module `epoll`). Limits: a connection is not shared
-//! with a child after `fork` (the child must not use it); a blocking send is not interrupted by
-//! a signal.
+//! before the kernel sleeps (module `waits`); `epoll_ctl` is watched so that a socket
+//! registered before `connect` stays registered after it (module `epoll`). Limits: a
+//! connection is not shared with a child after `fork` (the child must not use it); a
+//! zero-copy send (`SDP_DESIGN=zsdp` or `azsdp`) is not ended by a signal.
 
 #![allow(clippy::missing_safety_doc)] // C entry points: their contracts are the C library's.
 
@@ -37,6 +38,7 @@ mod probe;
 mod real;
 mod rules;
 mod serve;
+mod signals;
 mod stats;
 mod table;
 mod waits;

@@ -23,13 +23,11 @@ use libc::{epoll_event, fd_set, nfds_t, pollfd, sigset_t, size_t, timespec, time
 use sockets_compat::ReadyState;
 
 use crate::config::config;
+use crate::connected;
 use crate::guard::{inside, Inside};
 use crate::real::real;
+use crate::signals::{pending_for, Blocked};
 use crate::table::{self, Connected, Entry};
-use crate::{connected, set_errno};
-
-/// Signals never blocked while polling: a fault in the thread must reach its handler.
-const SYNCHRONOUS: [c_int; 6] = [libc::SIGSEGV, libc::SIGBUS, libc::SIGFPE, libc::SIGILL, libc::SIGTRAP, libc::SIGSYS];
 
 /// Rounds of polling between two looks at the plain descriptors of a set.
 const PLAIN_EVERY: u32 = 32;
@@ -55,18 +53,8 @@ fn wait_polling(
         }
         return call(timeout, program_mask);
     }
-    // SAFETY: sigset_t is plain data, filled by sigfillset before use.
-    let mut block: sigset_t = unsafe { std::mem::zeroed() };
-    let mut old: sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: valid sets; changes this thread's mask only (restored below).
-    unsafe {
-        libc::sigfillset(&mut block);
-        for s in SYNCHRONOUS {
-            libc::sigdelset(&mut block, s);
-        }
-        libc::pthread_sigmask(libc::SIG_BLOCK, &block, &mut old);
-    }
-    let mask: *const sigset_t = if program_mask.is_null() { &old } else { program_mask };
+    let blocked = Blocked::all_async();
+    let mask: *const sigset_t = if program_mask.is_null() { blocked.program_mask() } else { program_mask };
     let start = Instant::now();
     let mut seen: Vec<Option<ReadyState>> = vec![None; socks.len()];
     let mut round = 0u32;
@@ -89,7 +77,7 @@ fn wait_polling(
         let spent = start.elapsed();
         // A signal the wait lets in ends the polling (not every call with no timeout
         // reports one: `epoll_pwait` does not): the call below then reports it.
-        if spent >= limit || (ask && signal_waiting(mask)) {
+        if spent >= limit || (ask && pending_for(mask)) {
             for s in socks {
                 s.stream.about_to_wait();
             }
@@ -97,23 +85,8 @@ fn wait_polling(
         }
         std::hint::spin_loop();
     };
-    // SAFETY: the calling thread's errno, kept across the mask's restoration.
-    let errno = unsafe { *libc::__errno_location() };
-    // SAFETY: restores the mask saved above.
-    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
-    set_errno(errno);
+    drop(blocked); // a signal that came is delivered now, after the call that reported it
     result
-}
-
-/// Whether a signal that `mask` lets in is pending for the thread.
-fn signal_waiting(mask: *const sigset_t) -> bool {
-    // SAFETY: sigset_t is plain data, filled by sigpending; `mask` is a valid set.
-    let mut pending: sigset_t = unsafe { std::mem::zeroed() };
-    if unsafe { libc::sigpending(&mut pending) } != 0 {
-        return false;
-    }
-    // SAFETY: valid sets; signal numbers in range.
-    (1..=libc::SIGRTMAX()).any(|s| unsafe { libc::sigismember(&pending, s) == 1 && libc::sigismember(mask, s) == 0 })
 }
 
 fn from_ms(ms: c_int) -> Option<Duration> {

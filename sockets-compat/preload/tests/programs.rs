@@ -463,7 +463,7 @@ fn curl_and_http_server_on_two_hosts() {
 /// MSG_WAITALL, MSG_DONTWAIT, an epoll set holding the socket and a pipe, EINTR from a
 /// waiting recv, poll, select and epoll_wait, poll and select sets whose plain member is ready
 /// first, dup, shutdown and EOF, EPIPE with and without MSG_NOSIGNAL, a socket registered
-/// with epoll before it connects): it passes over kernel TCP, and the same binary passes
+/// with epoll before it connects, blocking sends that a signal ends): it passes over kernel TCP, and the same binary passes
 /// preloaded, over SDP, with the client's waits polling long enough for its signals to come
 /// while the library polls (`SDP_PRELOAD_POLL_US`).
 #[test]

@@ -92,7 +92,18 @@ int main(int argc, char **argv) {
         /* The client's second connection, registered with epoll before it connected. */
         fd = accept(l, NULL, NULL);
         CHECK(fd >= 0 && recv_all(fd, buf, 6) == 6 && memcmp(buf, "second", 6) == 0, "the second connection's bytes");
-        CHECK(recv_all(fd, buf, 1) == 0 && close(fd) == 0 && close(l) == 0, "EOF and close");
+        /* Not reading for a while: the client's blocking sends wait for room, and its alarms
+         * end them. Then every byte it sent, and EOF. */
+        usleep(1500000);
+        long total = 0, bad = 0;
+        for (;;) {
+            ssize_t k = recv(fd, buf, sizeof buf, 0);
+            if (k <= 0) break;
+            for (ssize_t i = 0; i < k; i++) bad += buf[i] != 'b';
+            total += k;
+        }
+        CHECK(total > 0 && bad == 0, "the interrupted sends' bytes, all of them");
+        CHECK(close(fd) == 0 && close(l) == 0, "EOF and close");
         printf("ALL OK\n");
         return 0;
     }
@@ -163,7 +174,22 @@ int main(int argc, char **argv) {
     r = connect(fd, (struct sockaddr *)&a, sizeof a);
     CHECK(r == 0 || errno == EINPROGRESS, "the second nonblocking connect");
     CHECK(epoll_wait(cep, cout, 2, 10000) == 1 && cout[0].data.fd == fd && (cout[0].events & EPOLLOUT), "epoll: the connection completes");
-    CHECK(send(fd, "second", 6, 0) == 6 && close(fd) == 0 && close(cep) == 0, "send and close");
+    CHECK(send(fd, "second", 6, 0) == 6, "send on the second connection");
+    /* A blocking send waiting for room that a signal ends: the bytes sent so far (or EINTR
+     * when none went: the kernel may find room for some, as its buffers grow). */
+    int bfl = fcntl(fd, F_GETFL);
+    CHECK(fcntl(fd, F_SETFL, bfl & ~O_NONBLOCK) == 0, "blocking again");
+    size_t big_len = 64 << 20;
+    char *big = malloc(big_len);
+    memset(big, 'b', big_len);
+    ualarm(300000, 0);
+    ssize_t sent = send(fd, big, big_len, 0);
+    CHECK(sent > 0 && (size_t)sent < big_len && alarms == 5, "a signal ends a blocking send: the bytes so far");
+    ualarm(300000, 0);
+    sent = send(fd, big, big_len, 0);
+    CHECK((sent == -1 ? errno == EINTR : sent > 0 && (size_t)sent < big_len) && alarms == 6, "a signal ends a blocking send again");
+    free(big);
+    CHECK(close(fd) == 0 && close(cep) == 0, "close");
     printf("ALL OK\n");
     return 0;
 }
