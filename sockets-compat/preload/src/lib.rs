@@ -22,15 +22,18 @@
 //! send waiting for room is ended by a signal too (the bytes so far, or `EINTR`). `poll`,
 //! `select` and `epoll_wait` on sets holding accelerated sockets poll those sockets briefly
 //! before the kernel sleeps (module `waits`); `epoll_ctl` is watched so that a socket
-//! registered before `connect` stays registered after it (module `epoll`). Limits: a
-//! connection is not shared with a child after `fork` (the child must not use it); a
-//! zero-copy send (`SDP_DESIGN=zsdp` or `azsdp`) is not ended by a signal.
+//! registered before `connect` stays registered after it (module `epoll`). `fork` (module
+//! `fork`): listening sockets take new clients over TCP from then on, and a child's inherited
+//! SDP connections are dead sockets to it (the parent's go on). Limits: a child cannot use an
+//! SDP connection of its parent's; a zero-copy send (`SDP_DESIGN=zsdp` or `azsdp`) is not
+//! ended by a signal.
 
 #![allow(clippy::missing_safety_doc)] // C entry points: their contracts are the C library's.
 
 mod addr;
 mod config;
 mod epoll;
+mod fork;
 mod guard;
 mod io_calls;
 mod options;
@@ -117,7 +120,7 @@ pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int
         && (proto == 0 || proto == libc::IPPROTO_TCP);
     if fd >= 0 && tcp && !inside() {
         let _in = Inside::enter();
-        if config().enabled() && !stack_thread() {
+        if config().enabled() && !fork::forked() && !stack_thread() {
             table::insert(fd, Entry::Candidate(Candidate { domain }));
         }
     }

@@ -86,7 +86,27 @@ fn mark(fd: c_int, on: bool) {
 }
 
 fn table() -> std::sync::MutexGuard<'static, BTreeMap<c_int, Entry>> {
-    TABLE.lock().unwrap_or_else(|p| p.into_inner())
+    let mut t = TABLE.lock().unwrap_or_else(|p| p.into_inner());
+    if crate::fork::forked() && !t.is_empty() {
+        // A forked child: what it inherited is its parent's (see `crate::fork`).
+        let inherited = std::mem::take(&mut *t);
+        for fd in inherited.keys() {
+            mark(*fd, false);
+        }
+        crate::fork::disown(inherited);
+    }
+    t
+}
+
+/// The listening sockets that take SDP clients.
+pub fn listening() -> Vec<Arc<Listening>> {
+    table()
+        .values()
+        .filter_map(|e| match e {
+            Entry::Listening(l) => Some(l.clone()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// What `fd` is, if it is ours.
@@ -110,6 +130,7 @@ pub fn epoll_sets() -> Vec<(c_int, Arc<EpollSet>)> {
 
 /// Makes `fd` ours as `e` (replacing what it was); returns what it was.
 pub fn insert(fd: c_int, e: Entry) -> Option<Entry> {
+    crate::fork::watch();
     let mut t = table();
     mark(fd, true);
     t.insert(fd, e)

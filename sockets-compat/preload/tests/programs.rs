@@ -375,6 +375,52 @@ fn an_asyncio_echo_server_with_hundreds_of_clients() {
     assert_eq!(stat(&sstats, "sdp_accept"), 300, "{report:?}");
 }
 
+/// A server that forks: the pre-fork pattern (two children accept from the parent's listening
+/// socket) serves its preloaded clients, over TCP once the listening socket is shared; a child
+/// forked after `accept` gets an error from the inherited SDP connection (never a hang or the
+/// parent's connection broken), and the parent goes on using it, over SDP.
+#[test]
+fn forking_servers_fall_back_cleanly() {
+    if !have("python3") {
+        return;
+    }
+    let s = Scratch::new("forks");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/forks.py");
+    let port = free_port();
+    let srv = Command::new("timeout")
+        .args(["60", "python3", script, "prefork", &port.to_string()])
+        .env("LD_PRELOAD", library())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_listening(port);
+    let cstats = s.path("c.stats");
+    let out = run(command("python3", &[script, "client", &port.to_string(), "2"], true, &cstats));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("client got b'child hello0'") && text.contains("client got b'child hello1'"), "{text}");
+    let server = srv.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&server.stdout).trim(), "prefork server ok", "{server:?}");
+    assert_eq!(stat(&cstats, "tcp_connect"), 2, "a shared listening socket takes TCP clients");
+
+    let port = free_port();
+    let srv = Command::new("timeout")
+        .args(["60", "python3", script, "afteraccept", &port.to_string()])
+        .env("LD_PRELOAD", library())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_listening(port);
+    let cstats = s.path("c2.stats");
+    let out = run(command("python3", &[script, "client", &port.to_string(), "1"], true, &cstats));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "client got b'parent hello0'");
+    let server = srv.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&server.stdout);
+    assert!(text.contains("child: BrokenPipeError") && text.contains("afteraccept server ok"), "{text}");
+    assert_eq!(stat(&cstats, "sdp_connect"), 1);
+}
+
 /// Garbage on an accelerated port's UDP twin is ignored, and garbage from a plain client on the
 /// TCP port is what the program sees (it answers as it would): SDP clients still get through.
 #[test]
