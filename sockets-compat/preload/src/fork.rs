@@ -13,20 +13,10 @@
 //! its listening sockets; `posix_spawn` and `vfork`, which Python's `subprocess` uses, do not
 //! count as forks here.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
 
 use crate::guard::Inside;
-use crate::table::{self, Entry};
-
-/// Set in a forked child (by the handler `fork` runs there; an atomic store only).
-static FORKED: AtomicBool = AtomicBool::new(false);
-
-/// Whether this process is a forked child of one that used the library.
-#[inline]
-pub fn forked() -> bool {
-    FORKED.load(Ordering::Relaxed)
-}
+use crate::table;
 
 /// Registers the handlers `fork` runs (once, at the library's first socket: nothing at load).
 pub fn watch() {
@@ -41,7 +31,7 @@ pub fn watch() {
 
 extern "C" fn before_fork() {
     let _ = std::panic::catch_unwind(|| {
-        if forked() {
+        if table::forked() {
             return;
         }
         let _in = Inside::enter();
@@ -53,36 +43,5 @@ extern "C" fn before_fork() {
 
 extern "C" fn in_child() {
     // Async-signal-safe: one store. The table is put right at the first call that reads it.
-    FORKED.store(true, Ordering::Relaxed);
-}
-
-/// In a forked child: turns the inherited entries of `entries` (the whole table, taken out of
-/// it) into what the child can use. Connections become dead TCP sockets and are forgotten
-/// (dropping one would close the parent's connection); listening sockets are the kernel's
-/// alone; candidates stay plain sockets.
-pub fn disown(entries: impl IntoIterator<Item = (libc::c_int, Entry)>) {
-    for (fd, e) in entries {
-        match e {
-            Entry::Connected(c) => {
-                dead_socket_at(fd, c.domain);
-                std::mem::forget(c);
-            }
-            Entry::Listening(l) => std::mem::forget(l),
-            Entry::Candidate(_) | Entry::Epoll(_) => {}
-        }
-    }
-}
-
-/// Puts an unconnected TCP socket at `fd` (keeping its close-on-exec flag).
-fn dead_socket_at(fd: libc::c_int, domain: libc::c_int) {
-    let r = crate::real::real();
-    // SAFETY: plain descriptor calls on the caller's descriptor and a new socket.
-    unsafe {
-        let cloexec = (r.fcntl)(fd, libc::F_GETFD, 0) & libc::FD_CLOEXEC != 0;
-        let s = (r.socket)(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        if s >= 0 {
-            (r.dup3)(s, fd, if cloexec { libc::O_CLOEXEC } else { 0 });
-            (r.close)(s);
-        }
-    }
+    table::set_forked();
 }

@@ -32,6 +32,7 @@
 
 mod addr;
 mod config;
+mod connection;
 mod epoll;
 mod fork;
 mod guard;
@@ -120,7 +121,8 @@ pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int
         && (proto == 0 || proto == libc::IPPROTO_TCP);
     if fd >= 0 && tcp && !inside() {
         let _in = Inside::enter();
-        if config().enabled() && !fork::forked() && !stack_thread() {
+        if config().enabled() && !table::forked() && !stack_thread() {
+            fork::watch();
             table::insert(fd, Entry::Candidate(Candidate { domain }));
         }
     }
@@ -152,7 +154,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
                     }
                 }
             }
-            epoll::forget_candidate(fd);
+            waits::epoll_forget_candidate(fd);
             stats::count(&stats::TCP_CONNECTS);
         }
     }
@@ -193,7 +195,7 @@ unsafe fn adopt(
     let c = Arc::new(Connected { stream, domain, local, peer, nonblocking: nonblocking.into() });
     table::insert(fd, Entry::Connected(c.clone()));
     // Epoll sets that held the candidate socket now hold the connection's descriptor.
-    epoll::connected(fd, &c);
+    waits::epoll_adopt(fd, &c);
     Ok(())
 }
 
@@ -331,7 +333,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 fn forget_if_candidate(fd: c_int, gone: &Option<Entry>) {
     if let Some(Entry::Candidate(_)) = gone {
         let _in = Inside::enter();
-        epoll::forget_candidate(fd);
+        waits::epoll_forget_candidate(fd);
     }
 }
 

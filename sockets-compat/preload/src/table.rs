@@ -6,32 +6,12 @@
 
 use std::collections::BTreeMap;
 use std::ffi::c_int;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use sockets_compat::SdpStream;
-
+pub use crate::connection::{Candidate, Connected};
 use crate::epoll::EpollSet;
 use crate::serve::Listening;
-
-/// A TCP socket the program made, not yet connected or listening.
-#[derive(Clone, Copy, Debug)]
-pub struct Candidate {
-    pub domain: c_int,
-}
-
-/// An accelerated connection, shared by the descriptors `dup` made of it (the last one closed
-/// closes it).
-pub struct Connected {
-    pub stream: SdpStream,
-    pub domain: c_int,
-    /// What `getsockname` and `getpeername` report.
-    pub local: SocketAddr,
-    pub peer: SocketAddr,
-    /// `O_NONBLOCK` as the program set it (the eventfd's own flag is never changed).
-    pub nonblocking: AtomicBool,
-}
 
 #[derive(Clone)]
 pub enum Entry {
@@ -85,17 +65,63 @@ fn mark(fd: c_int, on: bool) {
     }
 }
 
+/// Set in a forked child (by the handler `fork` runs there: an atomic store only).
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process is a forked child of one that used the library (see `crate::fork`).
+#[inline]
+pub fn forked() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
+
+/// This process is a forked child: the table is put right at the first call that reads it.
+/// (Async-signal-safe.)
+pub fn set_forked() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
 fn table() -> std::sync::MutexGuard<'static, BTreeMap<c_int, Entry>> {
     let mut t = TABLE.lock().unwrap_or_else(|p| p.into_inner());
-    if crate::fork::forked() && !t.is_empty() {
-        // A forked child: what it inherited is its parent's (see `crate::fork`).
+    if forked() && !t.is_empty() {
+        // What a forked child inherited is its parent's.
         let inherited = std::mem::take(&mut *t);
         for fd in inherited.keys() {
             mark(*fd, false);
         }
-        crate::fork::disown(inherited);
+        disown(inherited);
     }
     t
+}
+
+/// In a forked child: turns the inherited entries into what the child can use. Connections
+/// become dead TCP sockets and are forgotten (dropping one would close the parent's
+/// connection); listening sockets are the kernel's alone; candidates stay plain sockets.
+fn disown(entries: BTreeMap<c_int, Entry>) {
+    for (fd, e) in entries {
+        match e {
+            Entry::Connected(c) => {
+                dead_socket_at(fd, c.domain);
+                std::mem::forget(c);
+            }
+            Entry::Listening(l) => std::mem::forget(l),
+            Entry::Candidate(_) | Entry::Epoll(_) => {}
+        }
+    }
+}
+
+/// Puts an unconnected TCP socket at `fd` (keeping its close-on-exec flag): reads see
+/// `ENOTCONN`, writes `EPIPE`, `poll` `POLLHUP`.
+fn dead_socket_at(fd: c_int, domain: c_int) {
+    let r = crate::real::real();
+    // SAFETY: plain descriptor calls on the caller's descriptor and a new socket.
+    unsafe {
+        let cloexec = (r.fcntl)(fd, libc::F_GETFD, 0) & libc::FD_CLOEXEC != 0;
+        let s = (r.socket)(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if s >= 0 {
+            (r.dup3)(s, fd, if cloexec { libc::O_CLOEXEC } else { 0 });
+            (r.close)(s);
+        }
+    }
 }
 
 /// The listening sockets that take SDP clients.
@@ -130,7 +156,6 @@ pub fn epoll_sets() -> Vec<(c_int, Arc<EpollSet>)> {
 
 /// Makes `fd` ours as `e` (replacing what it was); returns what it was.
 pub fn insert(fd: c_int, e: Entry) -> Option<Entry> {
-    crate::fork::watch();
     let mut t = table();
     mark(fd, true);
     t.insert(fd, e)

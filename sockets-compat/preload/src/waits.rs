@@ -24,6 +24,7 @@ use sockets_compat::ReadyState;
 
 use crate::config::config;
 use crate::connected;
+use crate::epoll::EpollSet;
 use crate::guard::{inside, Inside};
 use crate::real::real;
 use crate::signals::{pending_for, Blocked};
@@ -261,9 +262,53 @@ pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mu
     let r = unsafe { (real().epoll_ctl)(epfd, op, fd, event) };
     if r == 0 && !inside() && (table::maybe_ours(fd) || table::maybe_ours(epfd)) {
         let _in = Inside::enter();
-        crate::epoll::changed(epfd, op, fd, event);
+        epoll_changed(epfd, op, fd, event);
     }
     r
+}
+
+/// The program changed `epfd`'s set (the kernel accepted the change): remembers the members
+/// that are ours.
+fn epoll_changed(epfd: c_int, op: c_int, fd: c_int, event: *const epoll_event) {
+    let conn = match table::get(fd) {
+        Some(Entry::Connected(c)) => Some(Arc::downgrade(&c)),
+        Some(Entry::Candidate(_)) => None,
+        _ if op == libc::EPOLL_CTL_DEL => None,
+        _ => return,
+    };
+    let set = match table::get(epfd) {
+        Some(Entry::Epoll(s)) => s,
+        _ if op == libc::EPOLL_CTL_DEL => return,
+        _ => {
+            let s = Arc::new(EpollSet::default());
+            table::insert(epfd, Entry::Epoll(s.clone()));
+            s
+        }
+    };
+    // SAFETY: the kernel just read the program's event from this pointer.
+    let event = (op != libc::EPOLL_CTL_DEL && !event.is_null()).then(|| unsafe { std::ptr::read_unaligned(event) });
+    set.record(fd, event, conn);
+}
+
+/// The candidate `fd` is gone (closed, replaced) or stays the kernel's (a plain connection):
+/// no epoll set registers it again.
+pub fn epoll_forget_candidate(fd: c_int) {
+    for (_, set) in table::epoll_sets() {
+        set.forget_candidate(fd);
+    }
+}
+
+/// `fd`, registered in epoll sets while a candidate, is now the connection `conn`: registers
+/// its descriptor again with the events the program asked for.
+pub fn epoll_adopt(fd: c_int, conn: &Arc<Connected>) {
+    for (epfd, set) in table::epoll_sets() {
+        for mut ev in set.adopt(fd, conn) {
+            // SAFETY: a valid event for the program's epoll set and descriptor.
+            if unsafe { (real().epoll_ctl)(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
+                log::info!("sdp_preload: cannot register descriptor {fd} in epoll set {epfd} again");
+            }
+        }
+    }
 }
 
 /// The accelerated connections in the epoll set `epfd`.
