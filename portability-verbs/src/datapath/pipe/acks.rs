@@ -50,10 +50,14 @@ impl MsgPipe {
     /// the queue holds at most a window's worth whatever the reader does.
     pub(super) fn post_ack_word(&mut self, src: usize, dst: usize, word: u64) -> Result<()> {
         if let Some(window) = &self.ack_window {
-            window
-                .write(dst, &[&word.to_ne_bytes()])
-                .map_err(|st| VerbsError::PeerUnreachable(format!("acknowledgement write failed: {st:?}")))?;
-            self.stats.control += 1;
+            match window.write(dst, &[&word.to_ne_bytes()]) {
+                Ok(()) => self.stats.control += 1,
+                // The peer's queue pair is gone: closed once its last bytes were in our rings
+                // (a sender's writes complete when placed), or failed. What it sent is still
+                // ours to read and needs no acknowledgement; what we send it fails by itself.
+                Err(WcStatus::RetryExcErr) => {}
+                Err(st) => return Err(VerbsError::PeerUnreachable(format!("acknowledgement write failed: {st:?}"))),
+            }
             return Ok(());
         }
         let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("acknowledgement before setup".into()))?;

@@ -1148,6 +1148,35 @@ mod tests {
         }
     }
 
+    /// A sender that closes once its bulk copies are stored (they complete at once) leaves
+    /// them readable: the receiver's acknowledgements to the gone peer are not failures.
+    #[test]
+    fn bulk_copies_stay_readable_after_the_sender_is_gone() {
+        let (_pd, mut a, mut b) = pair_with(
+            FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 },
+            PipeOptions { bulk_ring: 16 * 1024, ..PipeOptions::default() },
+        );
+        let data: Vec<u8> = (0..12 * 1024u32).map(|i| (i % 253) as u8).collect();
+        let mut sent = 0;
+        let deadline = Instant::now() + T;
+        while sent < data.len() {
+            assert!(Instant::now() < deadline, "the ring never took the data");
+            sent += a.try_send_bulk_copy(&data[sent..]).unwrap();
+            a.progress().unwrap();
+        }
+        drop(a);
+        let mut got = Vec::new();
+        while got.len() < data.len() {
+            assert!(Instant::now() < deadline, "stalled at {} bytes", got.len());
+            if let Some(bytes) = b.recv_lane(|_, m| m.to_vec()).unwrap() {
+                got.extend_from_slice(&bytes);
+            }
+            // A reader's progress writes the acknowledgements its reads made due.
+            b.progress().unwrap();
+        }
+        assert_eq!(got, data);
+    }
+
     /// A framed chunk arrives as head, data, tail in one chunk (also with no data), its
     /// staging buffer comes back when it completes, and framing that does not fit is refused.
     #[test]
