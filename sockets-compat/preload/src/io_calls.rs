@@ -99,7 +99,7 @@ fn receive(c: &Connected, fd: c_int, buf: &mut [u8], flags: c_int) -> ssize_t {
 /// touching the signal mask; the rest waits with the program's signals blocked, looking for
 /// pending ones, which are delivered before the call returns.
 fn transmit_blocking(c: &Connected, buf: &[u8]) -> io::Result<usize> {
-    let n = match c.stream.try_write(buf) {
+    let mut n = match c.stream.try_write(buf) {
         Ok(n) if n == buf.len() => return Ok(n),
         Ok(n) => n,
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
@@ -108,11 +108,21 @@ fn transmit_blocking(c: &Connected, buf: &[u8]) -> io::Result<usize> {
     loop {
         let blocked = Blocked::all_async();
         let mask: *const libc::sigset_t = blocked.program_mask();
-        let r = c.stream.write_or_stop(&buf[n..], &|| pending_for(mask));
+        let signalled = std::cell::Cell::new(false);
+        let r = c.stream.write_or_stop(&buf[n..], &|| {
+            signalled.set(pending_for(mask));
+            signalled.get()
+        });
         drop(blocked); // a signal that stopped the write runs its handler now
         match r {
-            // All of it, or stopped (or timed out) after some bytes, which the kernel reports.
-            Ok(k) => return Ok(n + k),
+            Ok(k) => {
+                n += k;
+                // All of it, or stopped by a signal or the timeout after some bytes (the
+                // kernel reports them); a write that took part for another reason goes on.
+                if n == buf.len() || k == 0 || signalled.get() || c.stream.write_timeout()?.is_some() {
+                    return Ok(n);
+                }
+            }
             Err(_) if n > 0 => return Ok(n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {
                 if c.stream.write_timeout()?.is_some() || !handlers_restart() {

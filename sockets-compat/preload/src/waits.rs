@@ -48,9 +48,9 @@ fn wait_polling(
     if limit.is_zero() {
         for s in socks {
             s.stream.poll_ready();
-            if timeout != Some(Duration::ZERO) {
-                s.stream.about_to_wait();
-            }
+        }
+        if timeout != Some(Duration::ZERO) {
+            about_to_sleep(socks);
         }
         return call(timeout, program_mask);
     }
@@ -79,15 +79,21 @@ fn wait_polling(
         // A signal the wait lets in ends the polling (not every call with no timeout
         // reports one: `epoll_pwait` does not): the call below then reports it.
         if spent >= limit || (ask && pending_for(mask)) {
-            for s in socks {
-                s.stream.about_to_wait();
-            }
+            about_to_sleep(socks);
             break call(timeout.map(|t| t.saturating_sub(spent)), mask);
         }
         std::hint::spin_loop();
     };
     drop(blocked); // a signal that came is delivered now, after the call that reported it
     result
+}
+
+/// Tells the readiness thread that the program sleeps on these sockets (it keeps every
+/// socket whose descriptor was asked for current: one word to it is enough).
+fn about_to_sleep(socks: &[Arc<Connected>]) {
+    if let Some(s) = socks.first() {
+        s.stream.about_to_wait();
+    }
 }
 
 fn from_ms(ms: c_int) -> Option<Duration> {
