@@ -19,7 +19,7 @@ fn runs_end_to_end_and_writes_complete_results() {
     );
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(run.status.success(), "stack_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
-    let layers = ["raw-send", "raw-wwi", "madeleine", "mad-copy", "mad-zcopy", "tcp"];
+    let layers = ["raw-send", "raw-wwi", "madeleine", "mad-copy", "mad-zcopy", "tcp", "sdp"];
     let sizes = 13; // 1 B .. 4 KiB
     for l in layers {
         let rows = stdout.lines().filter(|line| line.split_whitespace().next() == Some(l)).count();

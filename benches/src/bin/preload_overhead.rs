@@ -31,7 +31,8 @@ struct Args {
 }
 
 /// The calls measured, in order.
-const CALLS: [&str; 5] = ["fcntl(F_GETFL)", "getsockopt(SO_TYPE)", "recv(MSG_DONTWAIT)", "poll(1 fd, 0)", "epoll_wait(0)"];
+const CALLS: [&str; 5] =
+    ["fcntl(F_GETFL)", "getsockopt(SO_TYPE)", "recv(MSG_DONTWAIT)", "poll(1 fd, 0)", "epoll_wait(0)"];
 
 /// ns per call of each kind, one round.
 fn round(calls: u64) -> [f64; CALLS.len()] {

@@ -1,4 +1,4 @@
-//! The layers' two ends: a `Link` per layer (raw verbs, the pipe, Madeleine, TCP), each able
+//! The layers' two ends: a `Link` per layer (raw verbs, the pipe, Madeleine, TCP, SDP), each able
 //! to run a ping-pong and a stream against its peer.
 
 use crate::*;
@@ -361,43 +361,74 @@ pub(crate) fn mad_link(
     Ok(MadLink { ch, _session: s, peer: 1 - rank, buf: vec![0x5a; MAX], rbuf: vec![0; MAX], in_flight })
 }
 
-pub(crate) struct TcpLink {
-    pub(crate) s: TcpStream,
+/// A byte stream both ends of a layer set up alike: kernel TCP, or SDP.
+pub(crate) trait ByteStream: Read + Write {
+    /// What errors name it.
+    const NAME: &'static str;
+    /// No batching of small writes; nonblocking for busy waiting; each call bounded by
+    /// `limit` (a dead peer cannot hang the run).
+    fn configure(&self, nonblocking: bool, limit: Duration) -> std::io::Result<()>;
+}
+
+impl ByteStream for TcpStream {
+    const NAME: &'static str = "TCP";
+    fn configure(&self, nonblocking: bool, limit: Duration) -> std::io::Result<()> {
+        self.set_nodelay(true)?;
+        self.set_nonblocking(nonblocking)?;
+        self.set_read_timeout(Some(limit))?;
+        self.set_write_timeout(Some(limit))
+    }
+}
+
+impl ByteStream for sockets_compat::SdpStream {
+    const NAME: &'static str = "SDP";
+    fn configure(&self, nonblocking: bool, limit: Duration) -> std::io::Result<()> {
+        self.set_nodelay(true)?;
+        self.set_nonblocking(nonblocking)?;
+        self.set_read_timeout(Some(limit))?;
+        self.set_write_timeout(Some(limit))
+    }
+}
+
+/// A stream layer's link (TCP, SDP): messages are runs of bytes read and written whole.
+pub(crate) struct StreamLink<S> {
+    pub(crate) s: S,
     pub(crate) buf: Vec<u8>,
     /// How long one message may take.
     pub(crate) limit: Duration,
 }
 
-impl TcpLink {
+/// The TCP layer's link, also the peers' (their programs run while ours sleep in a read).
+pub(crate) type TcpLink = StreamLink<TcpStream>;
+
+impl<S: ByteStream> StreamLink<S> {
     /// Busy waiting: a nonblocking socket polled in a loop; interrupt waiting: blocking calls
     /// (with timeouts, so a dead peer cannot hang the run).
-    pub(crate) fn new(s: TcpStream, wait: Wait) -> std::io::Result<TcpLink> {
+    pub(crate) fn new(s: S, wait: Wait) -> std::io::Result<StreamLink<S>> {
         Self::with_limit(s, wait, T)
     }
 
-    pub(crate) fn with_limit(s: TcpStream, wait: Wait, limit: Duration) -> std::io::Result<TcpLink> {
-        s.set_nodelay(true)?;
-        s.set_nonblocking(wait == Wait::Busy)?;
-        s.set_read_timeout(Some(limit))?;
-        s.set_write_timeout(Some(limit))?;
-        Ok(TcpLink { s, buf: vec![0x5a; MAX], limit })
+    pub(crate) fn with_limit(s: S, wait: Wait, limit: Duration) -> std::io::Result<StreamLink<S>> {
+        s.configure(wait == Wait::Busy, limit)?;
+        Ok(StreamLink { s, buf: vec![0x5a; MAX], limit })
     }
 
-    /// The UCX layer's link: blocking, so the server sleeps in a read while UCX's processes
-    /// run, until the client's message says they are done.
-    pub(crate) fn sleeper(s: TcpStream) -> std::io::Result<TcpLink> {
+    /// The peer layers' link: blocking, so the server sleeps in a read while the peer's
+    /// processes run, until the client's message says they are done.
+    pub(crate) fn sleeper(s: S) -> std::io::Result<StreamLink<S>> {
         Self::with_limit(s, Wait::Interrupt, UCX_LIMIT + Duration::from_secs(30))
     }
 }
 
-impl Link for TcpLink {
+impl<S: ByteStream> Link for StreamLink<S> {
     fn send(&mut self, len: usize) -> Result<(), String> {
         let (s, buf) = (&mut self.s, &self.buf);
-        benches::io_whole(len, self.limit, |off| s.write(&buf[off..len])).map_err(|e| format!("TCP send: {e}"))
+        benches::io_whole(len, self.limit, |off| s.write(&buf[off..len])).map_err(|e| format!("{} send: {e}", S::NAME))
     }
     fn recv(&mut self, len: usize) -> Result<(), String> {
         let (s, buf) = (&mut self.s, &mut self.buf);
-        benches::io_whole(len, self.limit, |off| s.read(&mut buf[off..len])).map_err(|e| format!("TCP receive: {e}"))
+        benches::io_whole(len, self.limit, |off| s.read(&mut buf[off..len]))
+            .map_err(|e| format!("{} receive: {e}", S::NAME))
     }
     fn put(&mut self, w: [u64; 2]) {
         put_words(&mut self.buf, w);

@@ -62,6 +62,9 @@ enum Layer {
     MadZcopyNowait,
     /// std::net TCP over loopback.
     Tcp,
+    /// SDP stream sockets (`sockets_compat::SdpStream`, buffer copy: the design unmodified
+    /// programs get under `libsdp_preload.so`), read and written as the TCP layer's.
+    Sdp,
     /// UCX, the peer the targets name: `ucx_perftest`'s tag-matching ping-pong (`tag_lat`) and
     /// stream (`tag_bw`) over shared memory, at its best: each point's first round tries
     /// `UCX_TLS=posix,self` and `posix,cma,self` (or `UCX_TLS` as set) and keeps the better;
@@ -122,6 +125,7 @@ impl Layer {
             Layer::MadNowait => "mad-nowait",
             Layer::MadZcopyNowait => "mad-zcopy-nowait",
             Layer::Tcp => "tcp",
+            Layer::Sdp => "sdp",
             Layer::Ucx => "ucx",
             Layer::Mpi => "mpi",
             Layer::Libfabric => "libfabric",
@@ -154,7 +158,7 @@ struct Args {
         long,
         value_enum,
         value_delimiter = ',',
-        default_values = ["raw-send", "raw-wwi", "madeleine", "mad-copy", "mad-zcopy", "tcp"]
+        default_values = ["raw-send", "raw-wwi", "madeleine", "mad-copy", "mad-zcopy", "tcp", "sdp"]
     )]
     layers: Vec<Layer>,
     /// Smallest message size (bytes).
@@ -502,11 +506,17 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
                 let link = match &args.mad_dir {
                     Some(dir) => mad_link(l, 1, dir.join(l.name()), None, args.in_flight as usize),
                     None => {
-                        let root = mad_root(local, &args.layers, l);
+                        let root = layer_port(local, &args.layers, l);
                         mad_link(l, 0, PathBuf::new(), Some(root), args.in_flight as usize)
                     }
                 };
                 Box::new(link.map_err(context)?)
+            }
+            Layer::Sdp => {
+                let at = layer_port(local, &args.layers, layer);
+                let l = sockets_compat::SdpListener::bind(at).map_err(|e| context(format!("SDP listen {at}: {e}")))?;
+                let (s, _) = l.accept().map_err(|e| context(e.to_string()))?;
+                Box::new(StreamLink::new(s, args.wait).map_err(|e| context(e.to_string()))?)
             }
             _ => {
                 let (s, _) = tcp.accept().map_err(|e| context(e.to_string()))?;
@@ -519,9 +529,9 @@ fn server_main(args: &Args, addr: &str) -> Result<(), String> {
     serve(&mut links, &args.layers)
 }
 
-/// Where a Madeleine layer's root rendezvous meets across hosts: the server's address, a port
-/// per layer after the bootstrap's two.
-fn mad_root(server: std::net::SocketAddr, layers: &[Layer], layer: Layer) -> std::net::SocketAddr {
+/// A layer's own port on the server (a Madeleine layer's root rendezvous across hosts, the
+/// SDP layer's listener): the server's address, a port per layer after the bootstrap's two.
+fn layer_port(server: std::net::SocketAddr, layers: &[Layer], layer: Layer) -> std::net::SocketAddr {
     let i = layers.iter().position(|&l| l == layer).unwrap_or(0) as u16;
     std::net::SocketAddr::new(server.ip(), server.port() + 2 + i)
 }
@@ -590,10 +600,22 @@ fn client_main(args: &Args, addr: &str, child: &mut Option<Child>) -> Result<Vec
                 let link = match &args.mad_dir {
                     Some(dir) => mad_link(l, 0, dir.join(l.name()), None, args.in_flight as usize),
                     None => {
-                        mad_link(l, 1, PathBuf::new(), Some(mad_root(sock, &args.layers, l)), args.in_flight as usize)
+                        mad_link(l, 1, PathBuf::new(), Some(layer_port(sock, &args.layers, l)), args.in_flight as usize)
                     }
                 };
                 Box::new(link.map_err(context)?)
+            }
+            Layer::Sdp => {
+                let at = layer_port(sock, &args.layers, layer);
+                let deadline = Instant::now() + SETUP;
+                let s = loop {
+                    match sockets_compat::SdpStream::connect(at) {
+                        Ok(s) => break s,
+                        Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                        Err(e) => return Err(context(format!("SDP connect {at}: {e}"))),
+                    }
+                };
+                Box::new(StreamLink::new(s, args.wait).map_err(|e| context(e.to_string()))?)
             }
             _ => {
                 let deadline = Instant::now() + SETUP;
