@@ -375,6 +375,17 @@ fn an_asyncio_echo_server_with_hundreds_of_clients() {
     assert_eq!(stat(&sstats, "sdp_accept"), 300, "{report:?}");
 }
 
+/// `forks.py MODE PORT`, preloaded, its output kept for the test to read (at most 60 s).
+fn forking_server(script: &str, mode: &str, port: u16) -> Child {
+    Command::new("timeout")
+        .args(["60", "python3", script, mode, &port.to_string()])
+        .env("LD_PRELOAD", library())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// A server that forks: the pre-fork pattern (two children accept from the parent's listening
 /// socket) serves its preloaded clients, over TCP once the listening socket is shared; a child
 /// forked after `accept` gets an error from the inherited SDP connection (never a hang or the
@@ -387,13 +398,7 @@ fn forking_servers_fall_back_cleanly() {
     let s = Scratch::new("forks");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/forks.py");
     let port = free_port();
-    let srv = Command::new("timeout")
-        .args(["60", "python3", script, "prefork", &port.to_string()])
-        .env("LD_PRELOAD", library())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let srv = forking_server(script, "prefork", port);
     wait_listening(port);
     let cstats = s.path("c.stats");
     let out = run(command("python3", &[script, "client", &port.to_string(), "2"], true, &cstats));
@@ -404,13 +409,7 @@ fn forking_servers_fall_back_cleanly() {
     assert_eq!(stat(&cstats, "tcp_connect"), 2, "a shared listening socket takes TCP clients");
 
     let port = free_port();
-    let srv = Command::new("timeout")
-        .args(["60", "python3", script, "afteraccept", &port.to_string()])
-        .env("LD_PRELOAD", library())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let srv = forking_server(script, "afteraccept", port);
     wait_listening(port);
     let cstats = s.path("c2.stats");
     let out = run(command("python3", &[script, "client", &port.to_string(), "1"], true, &cstats));

@@ -998,18 +998,24 @@ mod tests {
         }
     }
 
-    /// Messages and bulk chunks interleaved arrive in the order sent, each by its lane, with
-    /// the bulk ring wrapping many times and the sender held back while it is full.
-    #[test]
-    fn bulk_chunks_interleave_with_messages_in_order() {
+    /// Each strategy with small rings and windows (the polled one with frames stored and
+    /// posted), for the bulk lane's tests.
+    fn every_strategy_small() -> [(FlowStrategy, bool); 5] {
         let polled = FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 };
-        for (s, posted_frames) in [
+        [
             (FlowStrategy::Rdma { ring_bytes: 4096, coalesce: 700 }, false),
             (FlowStrategy::Window { window: 512, buffers: 4 }, false),
             (FlowStrategy::Credit { buffers: 4, buf_size: 512 }, false),
             (polled, false),
             (polled, true),
-        ] {
+        ]
+    }
+
+    /// Messages and bulk chunks interleaved arrive in the order sent, each by its lane, with
+    /// the bulk ring wrapping many times and the sender held back while it is full.
+    #[test]
+    fn bulk_chunks_interleave_with_messages_in_order() {
+        for (s, posted_frames) in every_strategy_small() {
             let o = PipeOptions { bulk_ring: 16 * 1024, posted_frames, ..PipeOptions::default() };
             let (pd, mut a, mut b) = pair_with(s, o);
             assert_eq!(a.bulk_chunk_max(), 4096);
@@ -1078,14 +1084,7 @@ mod tests {
         let credit = FlowStrategy::Credit { buffers: 4, buf_size: 512 };
         let (_pd, mut a, _b) = pair_with(credit, PipeOptions { bulk_ring: 0, ..PipeOptions::default() });
         assert!(!a.bulk_copies() && a.try_send_bulk_copy(b"x").is_err());
-        let polled = FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 };
-        for (s, posted_frames) in [
-            (FlowStrategy::Rdma { ring_bytes: 4096, coalesce: 700 }, false),
-            (FlowStrategy::Window { window: 512, buffers: 4 }, false),
-            (FlowStrategy::Credit { buffers: 4, buf_size: 512 }, false),
-            (polled, false),
-            (polled, true),
-        ] {
+        for (s, posted_frames) in every_strategy_small() {
             let o = PipeOptions { bulk_ring: 16 * 1024, posted_frames, ..PipeOptions::default() };
             let (_pd, mut a, mut b) = pair_with(s, o);
             assert!(a.bulk_copies(), "{s:?}: one process maps the peer's ring");
