@@ -12,6 +12,57 @@ use std::time::Duration;
 
 use crate::error::{Result, VerbsError};
 
+/// Signals never blocked by [`AsyncSignalsBlocked`]: a fault in the thread must reach its
+/// handler.
+const SYNCHRONOUS_SIGNALS: [libc::c_int; 6] =
+    [libc::SIGSEGV, libc::SIGBUS, libc::SIGFPE, libc::SIGILL, libc::SIGTRAP, libc::SIGSYS];
+
+/// The calling thread's asynchronous signals blocked until this is dropped, which restores
+/// its mask (a signal that came meanwhile is delivered then) and keeps `errno`.
+#[derive(Debug)]
+pub struct AsyncSignalsBlocked {
+    old: libc::sigset_t,
+}
+
+impl AsyncSignalsBlocked {
+    /// Blocks them now.
+    pub fn new() -> AsyncSignalsBlocked {
+        let mut all = empty_sigset();
+        let mut old = empty_sigset();
+        // SAFETY: valid sets; changes this thread's mask only (restored on drop).
+        unsafe {
+            libc::sigfillset(&mut all);
+            for sig in SYNCHRONOUS_SIGNALS {
+                libc::sigdelset(&mut all, sig);
+            }
+            libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
+        }
+        AsyncSignalsBlocked { old }
+    }
+
+    /// The mask the thread had before.
+    pub fn previous_mask(&self) -> &libc::sigset_t {
+        &self.old
+    }
+}
+
+impl Default for AsyncSignalsBlocked {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for AsyncSignalsBlocked {
+    fn drop(&mut self) {
+        // SAFETY: the calling thread's errno, kept across the mask's restoration.
+        let errno = unsafe { *libc::__errno_location() };
+        // SAFETY: restores the mask saved by `new`.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut()) };
+        // SAFETY: as above.
+        unsafe { *libc::__errno_location() = errno };
+    }
+}
+
 /// Starts one of the stack's own threads (progress, readiness, completion threads) with
 /// every asynchronous signal blocked in it, so that the program's signals reach the program's
 /// threads as they would without the stack (a signal sent to the process goes to a thread
@@ -21,21 +72,9 @@ pub fn spawn_quiet<T: Send + 'static>(
     name: &str,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> io::Result<std::thread::JoinHandle<T>> {
-    let mut all = empty_sigset();
-    let mut old = empty_sigset();
-    // SAFETY: valid sets; the calling thread's mask is restored below (the new thread inherits
-    // the blocked one).
-    unsafe {
-        libc::sigfillset(&mut all);
-        for sig in [libc::SIGSEGV, libc::SIGBUS, libc::SIGFPE, libc::SIGILL, libc::SIGTRAP, libc::SIGSYS] {
-            libc::sigdelset(&mut all, sig);
-        }
-        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
-    }
-    let spawned = std::thread::Builder::new().name(name.into()).spawn(f);
-    // SAFETY: restores the mask saved above.
-    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
-    spawned
+    // The new thread inherits the blocked mask; ours is restored when this drops.
+    let _blocked = AsyncSignalsBlocked::new();
+    std::thread::Builder::new().name(name.into()).spawn(f)
 }
 
 fn empty_sigset() -> libc::sigset_t {

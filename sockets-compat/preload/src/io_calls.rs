@@ -106,8 +106,8 @@ fn transmit_blocking(c: &Connected, buf: &[u8]) -> io::Result<usize> {
         Err(e) => return Err(e),
     };
     loop {
-        let blocked = Blocked::all_async();
-        let mask: *const libc::sigset_t = blocked.program_mask();
+        let blocked = Blocked::new();
+        let mask: *const libc::sigset_t = blocked.previous_mask();
         let signalled = std::cell::Cell::new(false);
         let r = c.stream.write_or_stop(&buf[n..], &|| {
             signalled.set(pending_for(mask));

@@ -84,3 +84,18 @@ pub fn real() -> &'static Real {
     static REAL: OnceLock<Real> = OnceLock::new();
     REAL.get_or_init(resolve)
 }
+
+/// Puts a new socket (`domain`, `ty`) at the number `fd`, in place of what was there (closed
+/// unless another descriptor holds it): the number stays valid for whoever uses it. `cloexec`
+/// is the number's close-on-exec flag.
+pub fn fresh_socket_at(fd: c_int, domain: c_int, ty: c_int, cloexec: bool) {
+    let r = real();
+    // SAFETY: plain descriptor calls on a new socket and the caller's descriptor number.
+    unsafe {
+        let s = (r.socket)(domain, ty | libc::SOCK_CLOEXEC, 0);
+        if s >= 0 {
+            (r.dup3)(s, fd, if cloexec { libc::O_CLOEXEC } else { 0 });
+            (r.close)(s);
+        }
+    }
+}

@@ -67,17 +67,9 @@ impl Listening {
     /// Stops answering probes for good: the UDP twin is replaced by an unbound socket, so new
     /// clients' probes are refused at once and they connect over TCP (see `crate::fork`).
     pub fn stop_probes(&self) {
-        let r = crate::real::real();
         let domain = if self.local.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
-        // SAFETY: a new socket put over our own UDP descriptor (the number stays valid for the
-        // responder, which then reads nothing from it).
-        unsafe {
-            let s = (r.socket)(domain, libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0);
-            if s >= 0 {
-                (r.dup3)(s, self.udp.as_raw_fd(), libc::O_CLOEXEC);
-                (r.close)(s);
-            }
-        }
+        // The number stays valid for the responder, which then reads nothing from it.
+        crate::real::fresh_socket_at(self.udp.as_raw_fd(), domain, libc::SOCK_DGRAM | libc::SOCK_NONBLOCK, true);
     }
 
     /// Answers what probes arrived.

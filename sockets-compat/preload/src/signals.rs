@@ -3,52 +3,15 @@
 //! on waiting), and let in again, which runs the handler, before the call returns `EINTR` as
 //! the kernel's would.
 
-use std::ffi::c_int;
-
 use libc::sigset_t;
 
-/// Signals never blocked: a fault in the thread must reach its handler.
-const SYNCHRONOUS: [c_int; 6] = [libc::SIGSEGV, libc::SIGBUS, libc::SIGFPE, libc::SIGILL, libc::SIGTRAP, libc::SIGSYS];
+/// The program's asynchronous signals blocked while the library polls for it (one home for
+/// the mask: `portability_verbs::os`, which the stack's own threads start with too).
+pub use portability_verbs::os::AsyncSignalsBlocked as Blocked;
 
 fn empty() -> sigset_t {
     // SAFETY: sigset_t is plain data; all zeroes is the empty set.
     unsafe { std::mem::zeroed() }
-}
-
-/// The calling thread's asynchronous signals blocked until this is dropped, which restores
-/// its mask (a signal that came meanwhile is delivered then) and keeps `errno`.
-pub struct Blocked {
-    old: sigset_t,
-}
-
-impl Blocked {
-    pub fn all_async() -> Blocked {
-        let (mut all, mut old) = (empty(), empty());
-        // SAFETY: valid sets; changes this thread's mask only (restored on drop).
-        unsafe {
-            libc::sigfillset(&mut all);
-            for s in SYNCHRONOUS {
-                libc::sigdelset(&mut all, s);
-            }
-            libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
-        }
-        Blocked { old }
-    }
-
-    /// The mask the thread had: the one the program waits with.
-    pub fn program_mask(&self) -> &sigset_t {
-        &self.old
-    }
-}
-
-impl Drop for Blocked {
-    fn drop(&mut self) {
-        // SAFETY: the calling thread's errno, kept across the mask's restoration.
-        let errno = unsafe { *libc::__errno_location() };
-        // SAFETY: restores the mask saved by `all_async`.
-        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut()) };
-        crate::set_errno(errno);
-    }
 }
 
 /// Whether a signal that `mask` lets in is pending for the thread (its own or the process's).

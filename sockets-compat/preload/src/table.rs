@@ -112,16 +112,9 @@ fn disown(entries: BTreeMap<c_int, Entry>) {
 /// Puts an unconnected TCP socket at `fd` (keeping its close-on-exec flag): reads see
 /// `ENOTCONN`, writes `EPIPE`, `poll` `POLLHUP`.
 fn dead_socket_at(fd: c_int, domain: c_int) {
-    let r = crate::real::real();
-    // SAFETY: plain descriptor calls on the caller's descriptor and a new socket.
-    unsafe {
-        let cloexec = (r.fcntl)(fd, libc::F_GETFD, 0) & libc::FD_CLOEXEC != 0;
-        let s = (r.socket)(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        if s >= 0 {
-            (r.dup3)(s, fd, if cloexec { libc::O_CLOEXEC } else { 0 });
-            (r.close)(s);
-        }
-    }
+    // SAFETY: a plain query of the caller's descriptor.
+    let cloexec = unsafe { (crate::real::real().fcntl)(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
+    crate::real::fresh_socket_at(fd, domain, libc::SOCK_STREAM, cloexec);
 }
 
 /// The listening sockets that take SDP clients.

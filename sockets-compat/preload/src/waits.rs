@@ -54,8 +54,8 @@ fn wait_polling(
         }
         return call(timeout, program_mask);
     }
-    let blocked = Blocked::all_async();
-    let mask: *const sigset_t = if program_mask.is_null() { blocked.program_mask() } else { program_mask };
+    let blocked = Blocked::new();
+    let mask: *const sigset_t = if program_mask.is_null() { blocked.previous_mask() } else { program_mask };
     let start = Instant::now();
     let mut seen: Vec<Option<ReadyState>> = vec![None; socks.len()];
     let mut round = 0u32;
