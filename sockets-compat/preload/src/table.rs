@@ -38,7 +38,8 @@ pub fn maybe_ours(fd: c_int) -> bool {
     }
 }
 
-/// The descriptors below `n` that may be ours (`n` at most 65536), a word of the bitmap at a time.
+/// The descriptors below `n` that may be ours (`n` at most 65536), a word of the bitmap at a
+/// time.
 pub fn ours_below(n: c_int) -> impl Iterator<Item = c_int> {
     let n = n.clamp(0, BITMAP_FDS as c_int) as usize;
     (0..n.div_ceil(64)).flat_map(move |w| {

@@ -79,12 +79,8 @@ impl MsgPipe {
                 self.bulk_frame_max()
             )));
         }
-        if !self.coalescer.is_empty() {
-            // Staged messages go first: the lanes share one order.
-            self.flush()?;
-            if !self.coalescer.is_empty() {
-                return Ok(None);
-            }
+        if !self.staged_flushed()? {
+            return Ok(None);
         }
         let credit = matches!(self.strategy, FlowStrategy::Credit { .. });
         if credit && !self.credits.can_send_data() {
@@ -126,7 +122,7 @@ impl MsgPipe {
             // Announced by a frame written after it (`note_bulk_chunk`).
             SendWr::write(0, &sges, peer.addr + place.offset, peer.rkey)
         } else {
-            let imm = total as u32 | IMM_BULK | if place.wrapped { IMM_WRAPPED } else { 0 };
+            let imm = bulk_imm(total as u32, place.wrapped);
             SendWr::write_with_imm(0, &sges, peer.addr + place.offset, peer.rkey, imm)
         };
         // The chunk's buffers are free once the provider wrote them out: the ring's flow
@@ -187,12 +183,8 @@ impl MsgPipe {
         if data.is_empty() {
             return Ok(0);
         }
-        if !self.coalescer.is_empty() {
-            // Staged messages go first: the lanes share one order.
-            self.flush()?;
-            if !self.coalescer.is_empty() {
-                return Ok(0);
-            }
+        if !self.staged_flushed()? {
+            return Ok(0);
         }
         let polled = matches!(self.strategy, FlowStrategy::Polled { .. });
         let credit = matches!(self.strategy, FlowStrategy::Credit { .. });
@@ -224,7 +216,7 @@ impl MsgPipe {
         } else {
             // A write with immediate of no bytes: the chunk's arrival, as a posted chunk's.
             let peer = self.peer_bulk.as_ref().expect("a window implies the peer's ring");
-            let imm = len as u32 | IMM_BULK | if place.wrapped { IMM_WRAPPED } else { 0 };
+            let imm = bulk_imm(len as u32, place.wrapped);
             let wr = SendWr::write_with_imm(0, &[], peer.addr + place.offset, peer.rkey, imm);
             if let Err(e) = self.post_inline_counted(wr) {
                 return Err(self.fail(e));
@@ -235,6 +227,15 @@ impl MsgPipe {
         }
         self.stats.transfers += 1;
         Ok(len as usize)
+    }
+
+    /// Whether nothing staged is left ahead of a bulk chunk (flushing it if need be): the
+    /// lanes share one order, so staged messages go first.
+    fn staged_flushed(&mut self) -> Result<bool> {
+        if !self.coalescer.is_empty() {
+            self.flush()?;
+        }
+        Ok(self.coalescer.is_empty())
     }
 
     /// Announces a bulk chunk just written (polled strategy): a note alone in the next frame,
@@ -251,4 +252,9 @@ impl MsgPipe {
         self.coalescer.seal();
         self.flush_frames()
     }
+}
+
+/// The immediate that announces a bulk chunk of `len` bytes (strategies other than polled).
+fn bulk_imm(len: u32, wrapped: bool) -> u32 {
+    len | IMM_BULK | if wrapped { IMM_WRAPPED } else { 0 }
 }
