@@ -395,14 +395,20 @@ impl Proto {
 
     /// Starts a receive into `len` bytes at `addr` (registered with remote key `rkey`).
     pub fn post_recv(&mut self, req: u64, addr: u64, len: u64, rkey: u32) -> Result<(), Errno> {
-        if let Some(e) = self.failed {
+        if let Some(e) = self.failed.filter(|_| !self.peer_closed) {
             return Err(e);
         }
         if self.close_wanted.is_some() {
             return Err(libc::EBADF);
         }
         self.recvs.push_back(InRecv { req, addr, len: len.min(MAX_WRITE as u64), rkey, ad: None });
-        self.pump();
+        if self.failed.is_some() {
+            // The peer closed before the connection failed (it exited after its close): a
+            // receive takes what arrived, then the end, as over TCP.
+            self.serve_recvs();
+        } else {
+            self.pump();
+        }
         Ok(())
     }
 
@@ -436,6 +442,10 @@ impl Proto {
         self.failed = Some(errno);
         for s in std::mem::take(&mut self.sends) {
             self.done(s.req, OpKind::Send, Err(errno), false);
+        }
+        if self.peer_closed {
+            // The peer closed before it went: waiting receives take what arrived, then the end.
+            self.serve_recvs();
         }
         for r in std::mem::take(&mut self.recvs) {
             self.done(r.req, OpKind::Recv, Err(errno), false);

@@ -293,6 +293,27 @@ fn a_receive_after_the_peers_close_sees_the_end() {
     assert_eq!(p.ends[0].proto.post_send(9, BASE, 1, 1), Err(libc::EPIPE));
 }
 
+/// A peer that closed and then went away (its process exited at its close event, and our
+/// next advertisement to it failed) leaves its data and the end readable, as over TCP; sends
+/// fail.
+#[test]
+fn a_peer_gone_after_its_close_leaves_the_data_and_the_end() {
+    let mut p = Pair::new(SocketKind::Stream, 16, 64, 0, 4);
+    p.fill(0, BASE, b"bye");
+    p.ends[0].proto.post_send(1, BASE, 3, 1).unwrap();
+    p.ends[0].proto.close(2).unwrap();
+    p.settle();
+    p.ends[1].proto.post_recv(4, BASE + 0x100, 10, KEY).unwrap();
+    p.ends[1].proto.fail(libc::ECONNRESET);
+    p.ends[1].proto.post_recv(5, BASE + 0x200, 10, KEY).unwrap();
+    p.act(1);
+    let r = done(&p, 1, OpKind::Recv);
+    assert_eq!((r[0].req, r[0].outcome), (4, Ok(3)));
+    assert_eq!((r[1].req, r[1].outcome), (5, Ok(0)));
+    assert_eq!(p.read(1, BASE + 0x100, 3), b"bye");
+    assert_eq!(p.ends[1].proto.post_send(9, BASE, 1, 1), Err(libc::ECONNRESET));
+}
+
 /// A close completes only once the SEND carrying the Close did (the peer has it): a program
 /// that exits at its close event leaves the peer the end of the data, never a reset.
 #[test]
