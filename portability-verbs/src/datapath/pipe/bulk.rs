@@ -183,6 +183,38 @@ impl MsgPipe {
         if data.is_empty() {
             return Ok(0);
         }
+        let len = data.len().min(self.bulk_copy_room()?);
+        if len == 0 {
+            return Ok(0);
+        }
+        self.store_bulk_chunk(&[&data[..len]], len)?;
+        Ok(len)
+    }
+
+    /// Copies `head`, `data` and `tail` into the peer's bulk ring as one bulk chunk, as
+    /// [`MsgPipe::try_send_bulk_copy`] does, whole or not at all: `Ok(false)` if the ring has
+    /// no room for all of it now. For a layer above that frames its records around the data
+    /// ([`MsgPipe::try_send_bulk_framed`]'s chunk, without its registration, staging buffer,
+    /// posted write and completion: what a small chunk's latency is made of).
+    pub fn try_send_bulk_copy_framed(&mut self, head: &[u8], data: &[u8], tail: &[u8]) -> Result<bool> {
+        self.check_failed()?;
+        let total = head.len() + data.len() + tail.len();
+        if self.bulk_window.is_none() || total == 0 || total > self.bulk_chunk_max() {
+            return Err(VerbsError::invalid(format!(
+                "bulk copy of {total} bytes (1 to {}; needs the peer's bulk ring mapped: bulk_copies)",
+                self.bulk_chunk_max()
+            )));
+        }
+        if self.bulk_copy_room()? < total {
+            return Ok(false);
+        }
+        self.store_bulk_chunk(&[head, data, tail], total)?;
+        Ok(true)
+    }
+
+    /// The largest chunk a bulk copy may store now: 0 while staged messages are ahead of it,
+    /// while its announcement could not go, or while the ring is full (counted as blocked).
+    fn bulk_copy_room(&mut self) -> Result<usize> {
         if !self.staged_flushed()? {
             return Ok(0);
         }
@@ -198,20 +230,25 @@ impl MsgPipe {
         } else {
             self.outstanding < self.strategy.send_slots() && (!credit || self.credits.can_send_data())
         };
-        let len = (data.len() as u64).min(self.bulk_tx.largest_chunk());
-        if !announceable || len == 0 {
+        let room = if announceable { self.bulk_tx.largest_chunk() as usize } else { 0 };
+        if room == 0 {
             self.stats.blocked += 1;
-            return Ok(0);
         }
-        let place = self.bulk_tx.reserve(len).expect("largest_chunk fits");
-        let window = self.bulk_window.as_ref().expect("checked above");
-        if let Err(st) = window.write(place.offset as usize, &[&data[..len as usize]]) {
+        Ok(room)
+    }
+
+    /// Stores `parts` (`len` bytes together, which [`MsgPipe::bulk_copy_room`] said fit) into
+    /// the peer's bulk ring and announces them as one chunk.
+    fn store_bulk_chunk(&mut self, parts: &[&[u8]], len: usize) -> Result<()> {
+        let place = self.bulk_tx.reserve(len as u64).expect("bulk_copy_room said it fits");
+        let window = self.bulk_window.as_ref().expect("bulk_copy_room implies the window");
+        if let Err(st) = window.write(place.offset as usize, parts) {
             self.bulk_tx.unreserve();
             return Err(
                 self.fail(VerbsError::PeerUnreachable(format!("bulk copy into the peer's ring failed: {st:?}")))
             );
         }
-        if polled {
+        if matches!(self.strategy, FlowStrategy::Polled { .. }) {
             self.note_bulk_chunk(len as u32, place.wrapped)?;
         } else {
             // A write with immediate of no bytes: the chunk's arrival, as a posted chunk's.
@@ -221,12 +258,12 @@ impl MsgPipe {
             if let Err(e) = self.post_inline_counted(wr) {
                 return Err(self.fail(e));
             }
-            if credit {
+            if matches!(self.strategy, FlowStrategy::Credit { .. }) {
                 self.credits.on_send_bare();
             }
         }
         self.stats.transfers += 1;
-        Ok(len as usize)
+        Ok(())
     }
 
     /// Whether nothing staged is left ahead of a bulk chunk (flushing it if need be): the

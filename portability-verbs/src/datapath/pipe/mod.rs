@@ -1147,6 +1147,51 @@ mod tests {
         }
     }
 
+    /// A framed bulk copy arrives as head, data and tail in one chunk, whole or not at all
+    /// (refused while the ring lacks room for all of it, never cut), and a reader that keeps
+    /// finding chunks acknowledges them without a progress pass: a sender storing its own
+    /// chunks waits for no completion, so nothing else would free its room.
+    #[test]
+    fn framed_bulk_copies_go_whole_and_readers_acknowledge_as_they_read() {
+        for (s, posted_frames) in every_strategy_small() {
+            let o = PipeOptions { bulk_ring: 16 * 1024, posted_frames, ..PipeOptions::default() };
+            let (_pd, mut a, mut b) = pair_with(s, o);
+            let max = a.bulk_chunk_max();
+            assert!(a.try_send_bulk_copy_framed(&[], &[], &[]).is_err(), "{s:?}: an empty chunk");
+            assert!(a.try_send_bulk_copy_framed(b"h", &vec![0; max], &[]).is_err(), "{s:?}: over the largest chunk");
+            let deadline = Instant::now() + T;
+            let (mut sent, mut got, mut refused) = (0usize, 0usize, 0usize);
+            const N: usize = 200;
+            while got < N {
+                assert!(Instant::now() < deadline, "{s:?}: stalled at {got} of {sent} sent");
+                // Up to the ring's full width unread, so the sender meets a full ring.
+                while sent < N && sent < got + 8 {
+                    let data: Vec<u8> = (0..(sent * 811) % (max - 16)).map(|k| (k + sent) as u8).collect();
+                    let (head, tail) = ((sent as u32).to_le_bytes(), [0xee; 3]);
+                    if !a.try_send_bulk_copy_framed(&head, &data, &tail).unwrap() {
+                        refused += 1;
+                        break;
+                    }
+                    sent += 1;
+                }
+                // The sender's own pass takes in acknowledgements; the reader reads what was
+                // sent and no further (a read that finds nothing runs a progress pass).
+                a.progress().unwrap();
+                while got < sent {
+                    let Some((lane, bytes)) = b.recv_lane(|l, m| (l, m.to_vec())).unwrap() else { break };
+                    let n = (got * 811) % (max - 16);
+                    assert_eq!(lane, Lane::Bulk, "{s:?}: chunk {got}");
+                    assert_eq!(bytes.len(), 4 + n + 3, "{s:?}: chunk {got} cut or joined");
+                    assert_eq!(bytes[..4], (got as u32).to_le_bytes(), "{s:?}: chunk {got} out of order");
+                    assert!(bytes[4..4 + n].iter().enumerate().all(|(k, &x)| x == (k + got) as u8));
+                    assert_eq!(bytes[4 + n..], [0xee; 3]);
+                    got += 1;
+                }
+            }
+            assert!(refused > 0, "{s:?}: the ring never filled up: the test did not test a full ring");
+        }
+    }
+
     /// A sender that closes once its bulk copies are stored (they complete at once) leaves
     /// them readable: the receiver's acknowledgements to the gone peer are not failures.
     #[test]

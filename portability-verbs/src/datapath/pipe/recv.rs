@@ -306,18 +306,31 @@ impl MsgPipe {
                 ChunkStore::Buf { index, .. } => self.freed.push(index),
                 ChunkStore::Ring { end_pos, lane: Lane::Message, .. } => {
                     self.ring_rx.consume_to(end_pos);
-                    if self.ring_rx.needs_ack() && matches!(self.strategy, FlowStrategy::Polled { .. }) {
-                        // A reader that keeps finding frames may not pass through `progress`.
-                        if let Err(e) = self.write_ack(Lane::Message) {
-                            return Err(self.fail(e));
-                        }
-                    }
+                    self.ack_consumed()?;
                 }
                 ChunkStore::Ring { end_pos, lane: Lane::Bulk, frame_end, .. } => {
                     self.bulk_rx.consume_to(end_pos);
                     if frame_end != 0 {
                         self.ring_rx.consume_to(frame_end);
                     }
+                    self.ack_consumed()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Acknowledges what was read of the rings once a quarter of one is unacknowledged, here
+    /// rather than at the next `progress`: a reader that keeps finding data may not pass
+    /// through it, and a sender storing its own chunks (`try_send_bulk_copy`) waits for no
+    /// completion that would make it pass there either.
+    fn ack_consumed(&mut self) -> Result<()> {
+        let message = self.ring_rx.needs_ack() && matches!(self.strategy, FlowStrategy::Polled { .. });
+        let bulk = self.bulk_ring.is_some() && self.bulk_rx.needs_ack();
+        for (due, lane) in [(message, Lane::Message), (bulk, Lane::Bulk)] {
+            if due {
+                if let Err(e) = self.write_ack(lane) {
+                    return Err(self.fail(e));
                 }
             }
         }
