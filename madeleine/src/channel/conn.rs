@@ -272,6 +272,9 @@ pub(crate) struct Conn {
     pub(super) bulk_chunk: usize,
     /// Most record bytes a bulk chunk carries around its data.
     pub(super) bulk_frame: usize,
+    /// Whether this process stores into the peer's bulk ring itself (one host:
+    /// [`MsgPipe::bulk_copies`]).
+    pub(super) bulk_copies: bool,
     /// Packs of at least this many bytes go by rendezvous (zero-copy), as probed or configured
     /// (large packs may go so below it while the bulk lane is measured slow: `SendSide`).
     pub(super) threshold: usize,
@@ -350,6 +353,7 @@ impl Conn {
             max_msg,
             bulk_chunk: pipe.bulk_chunk_max(),
             bulk_frame: pipe.bulk_frame_max().min(pipe.bulk_chunk_max() / 2),
+            bulk_copies: pipe.bulk_copies(),
             io: Token::new(ConnIo {
                 pipe,
                 incoming: VecDeque::new(),

@@ -191,7 +191,7 @@ impl<'p> Packer<'p> {
         let (reg, tokens, took) = unsafe { self.send_bulk(buf, modes, end) }?;
         let more = self.more();
         more.bulk_tokens.extend(tokens);
-        more.bulk_regs.push(reg);
+        more.bulk_regs.extend(reg);
         if !took.is_zero() {
             more.timed.0 += buf.len();
             more.timed.1 += took;
@@ -242,6 +242,10 @@ impl<'p> Packer<'p> {
     /// of bulk packs travels as bulk chunks alone (no pipe message that the next message's
     /// chunks would have to wait behind). Returns its registration, the chunks' tokens and the
     /// time their hand-over took so far, for the crossover (zero for a pack it does not time).
+    /// A pack the crossover does not time, to a peer whose ring this process maps (one host),
+    /// is stored into the ring before this returns: no registration, no tokens (a posted
+    /// write's registration lookup, staging buffer and completion cost more than an 8 KiB
+    /// copy).
     ///
     /// # Safety
     /// `buf` must stay mapped and unchanged, and the registration alive, until every token
@@ -251,13 +255,16 @@ impl<'p> Packer<'p> {
         buf: &[u8],
         modes: Modes,
         end: bool,
-    ) -> Result<(Registration<'r>, Vec<u64>, std::time::Duration)>
+    ) -> Result<(Option<Registration<'r>>, Vec<u64>, std::time::Duration)>
     where
         'p: 'r,
     {
-        // SAFETY: the caller keeps `buf` mapped for as long as the registration lives.
-        let reg: Registration<'r> =
-            unsafe { self.ch.res.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?;
+        let reg: Option<Registration<'r>> = if self.conn.bulk_copies && buf.len() < AdaptiveCrossover::MIN_PACK {
+            None
+        } else {
+            // SAFETY: the caller keeps `buf` mapped for as long as the registration lives.
+            Some(unsafe { self.ch.res.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::NONE) }?)
+        };
         if self.tx.agg.len() + 2 * wire::HEADER > self.conn.bulk_frame {
             self.flush_agg()?;
         }
@@ -267,7 +274,7 @@ impl<'p> Packer<'p> {
             tail.extend_from_slice(&Record::End { packs: self.tx.packs }.header());
         }
         let head = std::mem::take(&mut self.tx.agg);
-        let tokens = self.bulk_chunks(&head, buf, &reg, &tail);
+        let tokens = self.bulk_chunks(&head, buf, reg.as_ref(), &tail);
         self.tx.agg = head;
         self.tx.agg.clear();
         self.tx.flushed = true;
@@ -283,8 +290,9 @@ impl<'p> Packer<'p> {
         }
     }
 
-    /// Writes `head`, `buf` (registered as `reg`) and `tail` into the peer's bulk ring, chunk
-    /// by chunk (`head` in the first, `tail` in the last), waiting for ring space (while
+    /// Writes `head`, `buf` (registered as `reg`; stored with plain stores without one) and
+    /// `tail` into the peer's bulk ring, chunk by chunk (`head` in the first, `tail` in the
+    /// last), waiting for ring space (while
     /// draining what arrives, so two ends sending at once never block each other). Returns
     /// the chunks' tokens (`buf` is in use until they complete) and the time the hand-over
     /// took for a pack the crossover times (zero otherwise): the copies into the ring and the
@@ -294,13 +302,13 @@ impl<'p> Packer<'p> {
         &self,
         head: &[u8],
         buf: &[u8],
-        reg: &Registration<'_>,
+        reg: Option<&Registration<'_>>,
         tail: &[u8],
     ) -> Result<(Vec<u64>, std::time::Duration)> {
         let max = self.conn.bulk_chunk;
         let started = (buf.len() >= AdaptiveCrossover::MIN_PACK).then(std::time::Instant::now);
         let streaming = self.tx.crossover.stores() == Stores::Streaming;
-        let mut tokens = Vec::with_capacity(buf.len().div_ceil(max) + 1);
+        let mut tokens = Vec::with_capacity(if reg.is_some() { buf.len().div_ceil(max) + 1 } else { 0 });
         let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for room in the peer's bulk ring");
         let (mut off, mut head, mut tail_sent) = (0, head, false);
         while off < buf.len() || !tail_sent {
@@ -308,14 +316,20 @@ impl<'p> Packer<'p> {
             let last = off + n == buf.len();
             let tail_here = if last && head.len() + n + tail.len() <= max { tail } else { &[][..] };
             let piece = &buf[off..off + n];
-            let sge = Sge { addr: piece.as_ptr() as u64, length: n as u32, lkey: reg.lkey() };
             loop {
                 {
                     let mut io = self.conn.io();
-                    io.pipe.set_bulk_streaming(streaming);
-                    let sent = io.pipe.try_send_bulk_framed(head, sge, tail_here).map_err(|e| self.conn.lost(e))?;
-                    if let Some(t) = sent {
-                        tokens.push(t);
+                    let sent = match reg {
+                        Some(reg) => {
+                            io.pipe.set_bulk_streaming(streaming);
+                            let sge = Sge { addr: piece.as_ptr() as u64, length: n as u32, lkey: reg.lkey() };
+                            io.pipe.try_send_bulk_framed(head, sge, tail_here).map(|t| t.map(|t| tokens.push(t)))
+                        }
+                        None => {
+                            io.pipe.try_send_bulk_copy_framed(head, piece, tail_here).map(|stored| stored.then_some(()))
+                        }
+                    };
+                    if sent.map_err(|e| self.conn.lost(e))?.is_some() {
                         break;
                     }
                     io.pipe.progress().map_err(|e| self.conn.lost(e))?;
