@@ -674,6 +674,82 @@ fn a_long_wait_sleeps_on_the_completion_queues() {
     long_wait();
 }
 
+/// A message's first pack, packed `Cheaper` and large enough to go from the application's
+/// buffer straight into the pipe's frame when it is alone, arrives intact alone (gathered on
+/// the polled strategy, joined on the others), followed by packs of every kind, after a
+/// `flush`, or as the only pack of messages that fill a pipe message exactly.
+#[test]
+fn first_packs_sent_from_the_buffer_arrive_alone_or_followed() {
+    for strategy in [None, Some(FlowStrategy::CREDIT), Some(FlowStrategy::WINDOW)] {
+        let run = || {
+            group(2, usize::MAX, |rank, ch| {
+                // The largest pack that goes whole into a pipe message of 8160 bytes.
+                let max = 8160 - 2 * madeleine::wire::HEADER;
+                let firsts = [1023usize, 1024, 1025, 4096, max - 1, max];
+                // How each message goes on after its first pack.
+                #[derive(Clone, Copy, Debug)]
+                enum Then {
+                    Alone,
+                    Small,
+                    Safer,
+                    Bulk,
+                    Flushed,
+                }
+                let thens = [Then::Alone, Then::Small, Then::Safer, Then::Bulk, Then::Flushed];
+                let mut i = 0;
+                for &first in &firsts {
+                    for &then in &thens {
+                        i += 1;
+                        let a = pattern(i, first);
+                        let b = pattern(
+                            i + 1000,
+                            match then {
+                                Then::Alone => 0,
+                                Then::Small | Then::Safer | Then::Flushed => 300,
+                                Then::Bulk => 70_000,
+                            },
+                        );
+                        if rank == 0 {
+                            let mut p = ch.begin_packing(1).unwrap();
+                            p.pack(&a, SendMode::Cheaper, RecvMode::Express).unwrap();
+                            match then {
+                                Then::Alone => {}
+                                Then::Small | Then::Bulk => p.pack(&b, SendMode::Cheaper, RecvMode::Cheaper).unwrap(),
+                                Then::Safer => p.pack_safer(&b, RecvMode::Express).unwrap(),
+                                Then::Flushed => {
+                                    p.flush().unwrap();
+                                    p.pack(&b, SendMode::Cheaper, RecvMode::Express).unwrap();
+                                }
+                            }
+                            p.end_packing().unwrap();
+                        } else {
+                            let (mut got_a, mut got_b) = (vec![0u8; a.len()], vec![0u8; b.len()]);
+                            let mut u = ch.begin_unpacking().unwrap();
+                            u.unpack(&mut got_a, SendMode::Cheaper, RecvMode::Express).unwrap();
+                            if !b.is_empty() {
+                                let recv = if matches!(then, Then::Small | Then::Bulk) {
+                                    RecvMode::Cheaper
+                                } else {
+                                    RecvMode::Express
+                                };
+                                let send =
+                                    if matches!(then, Then::Safer) { SendMode::Safer } else { SendMode::Cheaper };
+                                u.unpack(&mut got_b, send, recv).unwrap();
+                            }
+                            u.end_unpacking().unwrap();
+                            assert!(got_a == a && got_b == b, "{first} bytes then {then:?}: corrupted");
+                        }
+                    }
+                }
+            })
+        };
+        match strategy {
+            Some(s) => with_flow(s, run),
+            None => run(),
+        }
+    }
+}
+
 /// The other tests run on the default strategy (polled); every other one carries every size
 /// and protocol too, and wakes a receiver asleep on its completion queues.
 #[test]

@@ -533,6 +533,18 @@ impl Conn {
         self.send_msg_waiting(msg, p, accepted)
     }
 
+    /// Sends the pipe message `head` + `body` straight from the two if it can leave at once
+    /// so ([`MsgPipe::try_send_gathered`]); false: nothing sent (join them and
+    /// [`Conn::send_msg`], which also reports a closed or failed connection).
+    #[inline]
+    pub(super) fn try_send_gathered(&self, head: &[u8], body: &[u8]) -> Result<bool> {
+        let mut io = self.io();
+        if io.failed.is_some() || io.closed {
+            return Ok(false);
+        }
+        io.pipe.try_send_gathered(head, body).map_err(|e| self.lost(e))
+    }
+
     /// [`Conn::send_msg`] once the message could not leave at once (`accepted`: the pipe took
     /// it already).
     #[inline(never)]

@@ -93,7 +93,7 @@ impl Channel {
             return Err(conn.reported_mismatch());
         }
         tx.begin(&conn.limits());
-        Ok(Packer { ch: self, conn, tx, more: None, rdv: SmallVec::new() })
+        Ok(Packer { ch: self, conn, tx, more: None, rdv: SmallVec::new(), held: None })
     }
 
     /// Waits until every process of the session reached this call on this channel (an empty

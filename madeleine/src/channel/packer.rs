@@ -48,6 +48,10 @@ pub struct Packer<'p> {
     /// Zero-copy packs the receiver has still to read (outside `more`: a message of one
     /// rendezvous pack, the commonest large message, allocates nothing for it).
     pub(super) rdv: Held1<'p>,
+    /// The message's first pack, its record header appended but not its bytes
+    /// (`SendSide::gathers`): sent from here if the message is that pack alone, else joined
+    /// to the message by the next step ([`Packer::join_held`]).
+    pub(super) held: Option<&'p [u8]>,
 }
 
 impl std::fmt::Debug for Packer<'_> {
@@ -96,13 +100,29 @@ impl<'p> Packer<'p> {
     #[inline]
     pub fn pack(&mut self, buf: &'p [u8], send: SendMode, recv: RecvMode) -> Result<()> {
         let modes = Modes { send, recv };
+        self.join_held();
         self.tx.packs += 1;
         if send != SendMode::Later && self.fits_now(buf.len()) {
+            if self.tx.gathers(buf.len(), modes) {
+                // Its bytes go from `buf` at the message's end, unless more packs follow.
+                self.tx.append_inline_header(buf.len(), modes);
+                self.held = Some(buf);
+                return Ok(());
+            }
             // The path of small packs: copied into the message being filled, nothing else.
             self.append_inline(buf, modes);
             return Ok(());
         }
         self.pack_other(buf, modes)
+    }
+
+    /// Appends the bytes of the pack held back by `pack` to the message being filled: any
+    /// step other than ending a message of that pack alone needs them there.
+    #[inline]
+    pub(super) fn join_held(&mut self) {
+        if let Some(held) = self.held.take() {
+            self.tx.join(held);
+        }
     }
 
     /// Packs what does not go whole into the message being filled now.
@@ -131,6 +151,7 @@ impl<'p> Packer<'p> {
     /// (inline, bulk lane, zero-copy). (`pack(buf, SendMode::Later, ..)` takes a shared
     /// borrow instead: the buffer is read at `end_packing` too, but cannot change before.)
     pub fn pack_later(&mut self, buf: &'p mut [u8], recv: RecvMode) -> Result<LaterPack> {
+        self.join_held();
         self.tx.packs += 1;
         let more = self.more();
         let id = more.later;
@@ -155,6 +176,7 @@ impl<'p> Packer<'p> {
     /// need not outlive the packer.
     pub fn pack_safer(&mut self, buf: &[u8], recv: RecvMode) -> Result<()> {
         let modes = Modes { send: SendMode::Safer, recv };
+        self.join_held();
         self.tx.packs += 1;
         if self.fits_now(buf.len()) {
             self.append_inline(buf, modes);
@@ -407,6 +429,7 @@ impl<'p> Packer<'p> {
     /// Hands what was packed so far to the network without ending the message (packs are
     /// otherwise aggregated until a pipe message is full or `end_packing`).
     pub fn flush(&mut self) -> Result<()> {
+        self.join_held();
         // Packs deferred only for their size go now; a `Later` pack, and what follows it,
         // waits for end_packing.
         while let Some(more) = self.more.as_mut() {
@@ -483,6 +506,14 @@ impl<'p> Packer<'p> {
     #[inline]
     pub(super) fn send_one(&mut self) -> Result<()> {
         let patience = self.ch.res.cfg.patience();
+        if let Some(held) = self.held.take() {
+            // Straight from the application's buffer where the pipe can; else joined.
+            if self.conn.try_send_gathered(self.tx.one_message_head(held.len()), held)? {
+                self.tx.agg.clear();
+                return Ok(());
+            }
+            self.tx.join(held);
+        }
         self.conn.send_msg(self.tx.one_message(), patience)?;
         self.tx.agg.clear();
         Ok(())
@@ -491,6 +522,9 @@ impl<'p> Packer<'p> {
     /// Completes any other message.
     #[inline(never)]
     pub(super) fn finish_other(&mut self, wait_reads: bool) -> Result<()> {
+        if self.tx.framing(self.has_rdv()) != Framing::One {
+            self.join_held();
+        }
         let deferred = self.more.as_mut().map(|m| std::mem::take(&mut m.deferred)).unwrap_or_default();
         for d in deferred {
             match d {

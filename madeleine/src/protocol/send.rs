@@ -10,6 +10,12 @@ use portability_verbs::datapath::AdaptiveCrossover;
 use crate::wire::{self, Modes, Record};
 use crate::{RecvMode, SendMode};
 
+/// Packs from this size on that open a message, packed `Cheaper`, are not copied into it: if
+/// the message turns out to be that pack alone, its bytes go from the application's buffer
+/// straight into the pipe's frame ([`SendSide::gathers`]). Below it the copy costs less than
+/// the frame's extra part.
+pub(crate) const GATHER_MIN: usize = 1024;
+
 /// How a pack travels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Route {
@@ -149,6 +155,30 @@ impl SendSide {
         self.inline_modes = modes;
     }
 
+    /// Whether a pack of `len` bytes that fits whole goes without its bytes for now
+    /// ([`SendSide::append_inline_header`]): the message's first pack, packed `Cheaper` (its
+    /// buffer unchanged until `end_packing`), of at least [`GATHER_MIN`] bytes.
+    #[inline]
+    pub fn gathers(&self, len: usize, modes: Modes) -> bool {
+        self.packs == 1 && len >= GATHER_MIN && modes.send == SendMode::Cheaper
+    }
+
+    /// Appends a whole inline pack's record header alone: its `len` bytes follow from the
+    /// application's buffer, either joined to the message later ([`SendSide::join`]) or sent
+    /// beside it ([`SendSide::one_message_head`]).
+    #[inline]
+    pub fn append_inline_header(&mut self, len: usize, modes: Modes) {
+        let rec = Record::Inline { modes, len: len as u32, last: true, total: len as u64 };
+        self.agg.extend_from_slice(&rec.header());
+        self.inline_modes = modes;
+    }
+
+    /// Appends the bytes of the pack whose header [`SendSide::append_inline_header`] appended.
+    #[inline]
+    pub fn join(&mut self, held: &[u8]) {
+        portability_verbs::copy::extend_vec(&mut self.agg, held);
+    }
+
     /// The next step of an inline pack with `left` of its bytes still to append: a fragment
     /// as large as the pipe message has room for, or a flush where not even a header and a
     /// little data (64 bytes, or all that is left) fit.
@@ -193,6 +223,19 @@ impl SendSide {
             wire::decode_one(&self.agg, wire::HEADER),
             Ok((Record::Inline { last: true, .. }, _, n)) if n == self.agg.len()
         ));
+        let one = Record::one_header(self.seq, self.inline_modes);
+        self.agg[at..2 * wire::HEADER].copy_from_slice(&one);
+        self.flushed = true;
+        &self.agg[at..]
+    }
+
+    /// [`SendSide::one_message`] for a pack whose `held` bytes were not appended: what goes
+    /// before them.
+    #[inline]
+    pub fn one_message_head(&mut self, held: usize) -> &[u8] {
+        let at = 2 * wire::HEADER - wire::ONE_HEADER;
+        // (The `Begin` header, then the pack's `Inline` header: its bytes are `held`.)
+        debug_assert_eq!(self.agg.len(), 2 * wire::HEADER, "a header-only pack of {held} bytes");
         let one = Record::one_header(self.seq, self.inline_modes);
         self.agg[at..2 * wire::HEADER].copy_from_slice(&one);
         self.flushed = true;

@@ -1147,6 +1147,55 @@ mod tests {
         }
     }
 
+    /// A message sent from two parts arrives as one message, joined, in order with messages
+    /// sent whole. Only the polled strategy takes such messages (where its frame can go at
+    /// once: stored through the window, or small enough to post inline); the others say so,
+    /// sending nothing. A message over the largest is refused.
+    #[test]
+    fn gathered_messages_arrive_joined_where_the_pipe_takes_them() {
+        for (s, posted_frames) in every_strategy_small() {
+            let o = PipeOptions { posted_frames, ..PipeOptions::default() };
+            let (_pd, mut a, mut b) = pair_with(s, o);
+            let max = s.max_message();
+            assert!(a.try_send_gathered(&[1; 8], &vec![2; max - 7]).is_err(), "{s:?}: over the largest");
+            let body = |i: usize| -> Vec<u8> { (0..(i * 37) % (max - 8)).map(|k| (k ^ i) as u8).collect() };
+            let deadline = Instant::now() + T;
+            let (mut got, mut gathered) = (0, 0);
+            const N: usize = 100;
+            for i in 0..N {
+                let head = (i as u64).to_le_bytes();
+                loop {
+                    assert!(Instant::now() < deadline, "{s:?}: stalled at {i}");
+                    if a.try_send_gathered(&head, &body(i)).unwrap() {
+                        gathered += 1;
+                        break;
+                    }
+                    if a.try_send(&[&head[..], &body(i)].concat()).unwrap() {
+                        break;
+                    }
+                    a.progress().unwrap();
+                    while let Some(m) = b.recv_with(|m| m.to_vec()).unwrap() {
+                        assert_eq!(m, [&(got as u64).to_le_bytes()[..], &body(got)].concat(), "{s:?}: message {got}");
+                        got += 1;
+                    }
+                }
+                a.flush().unwrap();
+            }
+            while got < N {
+                assert!(Instant::now() < deadline, "{s:?}: stalled at {got} received");
+                if let Some(m) = b.recv_with(|m| m.to_vec()).unwrap() {
+                    assert_eq!(m, [&(got as u64).to_le_bytes()[..], &body(got)].concat(), "{s:?}: message {got}");
+                    got += 1;
+                }
+                a.progress().unwrap();
+            }
+            match s {
+                FlowStrategy::Polled { .. } => assert!(gathered > 0, "{s:?}: nothing gathered"),
+                _ => assert_eq!(gathered, 0, "{s:?}: only the polled strategy gathers"),
+            }
+        }
+    }
+
     /// A framed bulk copy arrives as head, data and tail in one chunk, whole or not at all
     /// (refused while the ring lacks room for all of it, never cut), and a reader that keeps
     /// finding chunks acknowledges them without a progress pass: a sender storing its own

@@ -306,35 +306,34 @@ impl MsgPipe {
                 ChunkStore::Buf { index, .. } => self.freed.push(index),
                 ChunkStore::Ring { end_pos, lane: Lane::Message, .. } => {
                     self.ring_rx.consume_to(end_pos);
-                    self.ack_consumed()?;
+                    if self.ring_rx.needs_ack() && matches!(self.strategy, FlowStrategy::Polled { .. }) {
+                        // A reader that keeps finding frames may not pass through `progress`.
+                        self.ack_now(Lane::Message)?;
+                    }
                 }
                 ChunkStore::Ring { end_pos, lane: Lane::Bulk, frame_end, .. } => {
                     self.bulk_rx.consume_to(end_pos);
                     if frame_end != 0 {
                         self.ring_rx.consume_to(frame_end);
+                        if self.ring_rx.needs_ack() && matches!(self.strategy, FlowStrategy::Polled { .. }) {
+                            self.ack_now(Lane::Message)?;
+                        }
                     }
-                    self.ack_consumed()?;
+                    if self.bulk_rx.needs_ack() {
+                        // Nor through it a reader of chunks whose sender stores them itself
+                        // (`try_send_bulk_copy`): that sender waits for no completion either.
+                        self.ack_now(Lane::Bulk)?;
+                    }
                 }
             }
         }
         Ok(())
     }
 
-    /// Acknowledges what was read of the rings once a quarter of one is unacknowledged, here
-    /// rather than at the next `progress`: a reader that keeps finding data may not pass
-    /// through it, and a sender storing its own chunks (`try_send_bulk_copy`) waits for no
-    /// completion that would make it pass there either.
-    fn ack_consumed(&mut self) -> Result<()> {
-        let message = self.ring_rx.needs_ack() && matches!(self.strategy, FlowStrategy::Polled { .. });
-        let bulk = self.bulk_ring.is_some() && self.bulk_rx.needs_ack();
-        for (due, lane) in [(message, Lane::Message), (bulk, Lane::Bulk)] {
-            if due {
-                if let Err(e) = self.write_ack(lane) {
-                    return Err(self.fail(e));
-                }
-            }
-        }
-        Ok(())
+    /// Acknowledges what was read of a ring now rather than at the next `progress`.
+    #[cold]
+    fn ack_now(&mut self, lane: Lane) -> Result<()> {
+        self.write_ack(lane).map_err(|e| self.fail(e))
     }
 
     /// Receives the next message into a vector, waiting at most `timeout`.

@@ -75,7 +75,7 @@ impl MsgPipe {
                 let rec = Record { kind: RecordKind::Data, credits: 0, len: msg.len() as u32, ack };
                 // Alone in its frame, straight from the caller's bytes, unless earlier messages
                 // wait or it is large; then batched (what waits goes first).
-                let taken = if self.coalescer.is_empty() && self.write_frame_inline(rec, msg)? {
+                let taken = if self.coalescer.is_empty() && self.write_frame_inline(rec, [&[], msg, &[]])? {
                     true
                 } else {
                     let max = coalesce.max(RECORD_HEADER + msg.len());
@@ -95,6 +95,35 @@ impl MsgPipe {
             self.stats.blocked += 1;
         }
         Ok(accepted)
+    }
+
+    /// Sends the message `head` then `body` as one frame written straight from the two (no
+    /// copy of ours into a message) where it can leave at once so: the polled strategy, nothing
+    /// staged ahead of it, room in the ring, and the frame stored through the window or small
+    /// enough to post inline. `Ok(false)` otherwise, nothing sent: join the two and
+    /// [`MsgPipe::try_send`] (for a layer whose messages are its own header before the
+    /// application's bytes, and which would copy those bytes into its message only to have
+    /// them copied out again).
+    pub fn try_send_gathered(&mut self, head: &[u8], body: &[u8]) -> Result<bool> {
+        self.check_failed()?;
+        let len = head.len() + body.len();
+        if len > self.strategy.max_message() {
+            return Err(VerbsError::invalid(format!(
+                "message of {len} bytes over the pipe's {}",
+                self.strategy.max_message()
+            )));
+        }
+        if !matches!(self.strategy, FlowStrategy::Polled { .. }) || !self.coalescer.is_empty() {
+            return Ok(false);
+        }
+        let ack = self.ring_rx.ack_due();
+        let rec = Record { kind: RecordKind::Data, credits: 0, len: len as u32, ack };
+        if !self.write_frame_inline(rec, [&[], head, body, &[]])? {
+            return Ok(false);
+        }
+        self.ring_rx.acked_to(ack);
+        self.stats.sent += 1;
+        Ok(true)
     }
 
     /// Sends one record (credit and window strategies): inline when it is small (the
@@ -145,10 +174,12 @@ impl MsgPipe {
     }
 
     /// Writes one record as a frame of its own, inline from the caller's bytes (polled
-    /// strategy); false if it is too large to go inline, or the ring or the send window has
-    /// no room now.
-    pub(super) fn write_frame_inline(&mut self, rec: Record, payload: &[u8]) -> Result<bool> {
-        let body = RECORD_HEADER + payload.len();
+    /// strategy): `parts` are the frame's, its first and last left empty for the framing
+    /// written here, the record's payload between them. False if it is too large to go
+    /// inline, or the ring or the send window has no room now.
+    #[inline]
+    pub(super) fn write_frame_inline<const N: usize>(&mut self, rec: Record, parts: [&[u8]; N]) -> Result<bool> {
+        let body = RECORD_HEADER + parts.iter().map(|p| p.len()).sum::<usize>();
         let written = fc::frame_written(body);
         let direct = self.direct_now();
         if !direct && (written > self.inline_max || self.outstanding >= self.strategy.send_slots()) {
@@ -169,16 +200,18 @@ impl MsgPipe {
         head[8..].copy_from_slice(&rec.encode());
         let mut tail = [0u8; 16];
         tail[pad.len()..pad.len() + 8].copy_from_slice(&word);
-        let parts: [&[u8]; 3] = [&head, payload, &tail[..pad.len() + 8]];
+        let mut parts = parts;
+        (parts[0], parts[N - 1]) = (&head, &tail[..pad.len() + 8]);
+        let parts = &parts;
         if direct {
             let window = self.ring_window.as_ref().expect("direct_now checked");
-            let stored = window.write(place.offset as usize, &parts);
+            let stored = window.write(place.offset as usize, parts);
             self.frame_stored(stored)?;
             return Ok(true);
         }
         let addr = peer_addr + place.offset;
         let posted =
-            self.post_counted(|qp, wr_id, signaled| qp.post_write_inline_list(wr_id, &parts, addr, rkey, signaled));
+            self.post_counted(|qp, wr_id, signaled| qp.post_write_inline_list(wr_id, parts, addr, rkey, signaled));
         if let Err(e) = posted {
             self.ring_tx.unreserve();
             return Err(e);
