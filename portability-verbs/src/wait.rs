@@ -1,6 +1,6 @@
 //! How a thread waits for completions, one policy for every layer (the message pipe,
-//! Madeleine, SDP): a wait polls, yields its CPU now and then ([`spin_yields`]), and once it
-//! has spun long enough ([`Spin`], by default by the state of the CPUs: [`crate::cores`])
+//! Madeleine, SDP): a wait polls, yields its CPU now and then while threads ready to run
+//! outnumber the CPUs ([`spin_yields`]), and once it has spun long enough ([`Spin`], by default by the state of the CPUs: [`crate::cores`])
 //! sleeps on its queues' descriptors ([`wait_any`]). [`Backoff`] makes the decision for one
 //! wait; its caller polls and sleeps.
 
@@ -16,7 +16,7 @@ pub enum Spin {
     /// about 1% of the wait); while threads ready to run outnumber the CPUs (more ranks or
     /// threads than cores, looked at every millisecond), sleep after 1 ms. Waking a sleeping
     /// thread costs 30-280 us here against 0.3 us for a polled message, and a polling thread
-    /// yields its CPU now and then: `benches/src/bin/mad_waiting.rs` measures the choice
+    /// yields its CPU now and then while they do: `benches/src/bin/mad_waiting.rs` measures the choice
     /// (docs/PERFORMANCE.md).
     Adaptive,
     /// Poll this long, then sleep: `Duration::ZERO` sleeps at once, `Duration::MAX` never
@@ -67,6 +67,12 @@ pub struct Backoff {
     start: Option<Instant>,
     polls: u32,
     sleeping: bool,
+    /// Whether the wait yields its CPU now and then while it spins: always for a fixed spin;
+    /// for an adaptive one, while threads ready to run outnumber the CPUs, as last looked at.
+    /// (A thread with a CPU to itself gains nothing from yielding, and a yield that finds
+    /// nothing else to run still costs a system call, a few tenths of a microsecond late
+    /// when the awaited message comes meanwhile.)
+    contended: bool,
 }
 
 impl Backoff {
@@ -74,7 +80,7 @@ impl Backoff {
     #[inline]
     pub fn new(spin: Spin) -> Backoff {
         let sleeping = matches!(spin, Spin::For(Duration::ZERO) | Spin::Polls(0));
-        Backoff { spin, start: None, polls: 0, sleeping }
+        Backoff { spin, start: None, polls: 0, sleeping, contended: spin != Spin::Adaptive }
     }
 
     /// Polls that found nothing so far.
@@ -93,15 +99,25 @@ impl Backoff {
     /// the clock is read.
     #[inline]
     pub fn pause(&mut self, now: impl FnOnce() -> Instant) -> Step {
+        self.step(now, crate::cores::oversubscribed)
+    }
+
+    /// [`Backoff::pause`], asking `oversubscribed(now)` whether threads ready to run
+    /// outnumber the CPUs (an adaptive wait, each time it reads the clock).
+    #[inline]
+    fn step(&mut self, now: impl FnOnce() -> Instant, oversubscribed: impl FnOnce(Instant) -> bool) -> Step {
         self.polls = self.polls.wrapping_add(1);
         let mut waited = None;
         if self.sleeping || self.polls.is_multiple_of(CHECK_EVERY) {
             let now = now();
             let w = now - *self.start.get_or_insert(now);
             waited = Some(w);
+            if self.spin == Spin::Adaptive {
+                self.contended = oversubscribed(now);
+            }
             self.sleeping = match self.spin {
                 Spin::Adaptive if w < CONTENDED_SPIN => false,
-                Spin::Adaptive if crate::cores::oversubscribed(now) => w >= CONTENDED_SPIN,
+                Spin::Adaptive if self.contended => w >= CONTENDED_SPIN,
                 Spin::Adaptive => w >= IDLE_SPIN,
                 Spin::For(spin) => w >= spin,
                 Spin::Polls(n) => self.polls >= n,
@@ -111,7 +127,7 @@ impl Backoff {
         }
         let pause = if self.sleeping {
             Pause::Sleep
-        } else if spin_yields(self.polls) {
+        } else if self.contended && spin_yields(self.polls) {
             Pause::Yield
         } else {
             Pause::Spin
@@ -185,6 +201,28 @@ mod tests {
         assert_eq!(polls_until_sleep(&mut never, Duration::from_millis(1), 10_000), None);
         let mut b = Backoff::new(Spin::Polls(6000));
         assert_eq!(polls_until_sleep(&mut b, Duration::ZERO, 10_000), Some(6000));
+    }
+
+    /// An adaptive wait yields only while threads ready to run outnumber the CPUs (looked at
+    /// each time it reads the clock), and then sleeps after 1 ms instead of 10.
+    #[test]
+    fn an_adaptive_wait_yields_and_sleeps_early_only_on_oversubscribed_cpus() {
+        for contended in [false, true] {
+            let mut b = Backoff::new(Spin::Adaptive);
+            let t0 = Instant::now();
+            let steps: Vec<Step> =
+                (1..=20_000u32).map(|i| b.step(|| t0 + Duration::from_micros(1) * i, |_| contended)).collect();
+            let yields = steps.iter().filter(|s| s.pause == Pause::Yield).count();
+            let slept = steps.iter().position(|s| s.pause == Pause::Sleep).expect("sleeps") + 1;
+            assert!(steps[..127].iter().all(|s| s.pause == Pause::Spin), "{contended}: the latency path never yields");
+            if contended {
+                assert!(yields > 0 && steps[127].pause == Pause::Yield, "yields on busy CPUs");
+                assert!((1000..=1000 + 2 * CHECK_EVERY as usize).contains(&slept), "slept after {slept} polls");
+            } else {
+                assert_eq!(yields, 0, "a thread with a CPU to itself does not yield");
+                assert!((10_000..=10_000 + 2 * CHECK_EVERY as usize).contains(&slept), "slept after {slept} polls");
+            }
+        }
     }
 
     #[test]
