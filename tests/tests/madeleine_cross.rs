@@ -213,3 +213,116 @@ fn madrun_starts_a_job_and_ends_it_when_a_rank_fails() {
     assert!(stdout.contains("[0] up") && stdout.contains("[1] up"), "{stdout}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("rank 1 failed"));
 }
+
+/// A one-node Slurm cluster of our own (its controller and node daemon, configuration and state
+/// in a temporary directory, free ports), stopped when dropped; `None` (the test says why)
+/// where Slurm is not installed.
+struct Slurm {
+    dir: std::path::PathBuf,
+    conf: std::path::PathBuf,
+    daemons: Vec<Reap>,
+}
+
+impl Drop for Slurm {
+    fn drop(&mut self) {
+        self.daemons.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Slurm {
+    fn start() -> Option<Slurm> {
+        let there = ["slurmctld", "slurmd", "srun"].iter().all(|p| Command::new(p).arg("--version").output().is_ok());
+        if !there {
+            eprintln!("skipping: no Slurm (Debian: slurmctld, slurmd, slurm-client; .ci/run installs them)");
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!("mad-slurm-{}", std::process::id()));
+        for sub in ["state", "spool"] {
+            std::fs::create_dir_all(dir.join(sub)).unwrap();
+        }
+        let free_port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let host = String::from_utf8(Command::new("hostname").arg("-s").output().unwrap().stdout).unwrap();
+        let (host, d) = (host.trim(), dir.display());
+        // No authentication daemon (auth/none), no cgroups (process groups track the tasks),
+        // the node's CPUs as configured (4 ranks on a 2-CPU runner), PMIx for `--mpi=pmix`.
+        let conf = format!(
+            "ClusterName=madtest\nSlurmctldHost={host}(127.0.0.1)\nAuthType=auth/none\nCredType=cred/none\n\
+             SlurmUser=root\nSlurmdUser=root\nSlurmctldPort={}\nSlurmdPort={}\nStateSaveLocation={d}/state\n\
+             SlurmdSpoolDir={d}/spool\nSlurmctldPidFile={d}/ctld.pid\nSlurmdPidFile={d}/d.pid\n\
+             SlurmctldLogFile={d}/ctld.log\nSlurmdLogFile={d}/d.log\nProctrackType=proctrack/pgid\n\
+             TaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\nSelectType=select/linear\n\
+             MpiDefault=none\nReturnToService=2\nSlurmdParameters=config_overrides\n\
+             NodeName={host} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN\n\
+             PartitionName=madtest Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8\n",
+            free_port(),
+            free_port()
+        );
+        let conf_path = dir.join("slurm.conf");
+        std::fs::write(&conf_path, conf).unwrap();
+        let mut slurm = Slurm { dir, conf: conf_path, daemons: Vec::new() };
+        for daemon in ["slurmctld", "slurmd"] {
+            let child = Command::new(daemon)
+                .arg("-D")
+                .env("SLURM_CONF", &slurm.conf)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap();
+            slurm.daemons.push(Reap(child));
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = Command::new("sinfo").args(["-h", "-o", "%T"]).env("SLURM_CONF", &slurm.conf).output().unwrap();
+            if String::from_utf8_lossy(&out.stdout).trim() == "idle" {
+                return Some(slurm);
+            }
+            let log = std::fs::read_to_string(slurm.dir.join("ctld.log")).unwrap_or_default();
+            assert!(Instant::now() < deadline, "the Slurm node never became idle:\n{log}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// `srun` of the ring example with `args`, bounded by `timeout 120`, with no Madeleine
+    /// variable set and `TMPDIR` ours.
+    fn srun_ring(&self, args: &[&str]) -> Child {
+        let mut c = Command::new("timeout");
+        c.args(["120", "srun"])
+            .args(args)
+            .arg(env!("CARGO_BIN_EXE_mad_ring"))
+            .env("SLURM_CONF", &self.conf)
+            .env("TMPDIR", self.tmp())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        for v in ["MAD_RANK", "MAD_SIZE", "MAD_RENDEZVOUS", "MAD_JOB", "MAD_BOOTSTRAP", "MAD_ROOT"] {
+            c.env_remove(v);
+        }
+        c.spawn().unwrap()
+    }
+
+    /// The jobs' temporary directory.
+    fn tmp(&self) -> std::path::PathBuf {
+        let tmp = self.dir.join("tmp");
+        std::fs::create_dir_all(&tmp).unwrap();
+        tmp
+    }
+
+    /// The rendezvous directories jobs made.
+    fn rendezvous_dirs(&self) -> Vec<String> {
+        let entries = std::fs::read_dir(self.tmp()).unwrap().filter_map(|e| e.ok());
+        entries.map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("madeleine-")).collect()
+    }
+}
+
+/// Slurm's `srun` starts a Madeleine program with no Madeleine variable set, as the README
+/// shows: with `--mpi=pmix` the ranks meet through Slurm's PMIx server; without it they take
+/// their rank from `SLURM_PROCID` and meet in a directory named after the job and step. Two
+/// jobs at once stay apart.
+#[test]
+fn srun_starts_a_madeleine_job_with_and_without_pmix() {
+    let Some(slurm) = Slurm::start() else { return };
+    ring_succeeded(slurm.srun_ring(&["-n", "4", "--mpi=pmix"]), 4);
+    assert_eq!(slurm.rendezvous_dirs(), Vec::<String>::new(), "the ranks met through a directory, not PMIx");
+    let jobs = [slurm.srun_ring(&["-n", "3"]), slurm.srun_ring(&["-n", "2", "--mpi=pmix"])];
+    ring_succeeded_all(jobs, [3, 2]);
+}
