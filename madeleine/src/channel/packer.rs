@@ -508,11 +508,11 @@ impl<'p> Packer<'p> {
         let patience = self.ch.res.cfg.patience();
         if let Some(held) = self.held.take() {
             // Straight from the application's buffer where the pipe can; else joined.
-            if self.conn.try_send_gathered(self.tx.one_message_head(held.len()), held)? {
-                self.tx.agg.clear();
-                return Ok(());
+            if !self.conn.try_send_gathered(self.tx.one_message_head(held.len()), held)? {
+                self.conn.send_msg(self.tx.one_message_joined(held), patience)?;
             }
-            self.tx.join(held);
+            self.tx.agg.clear();
+            return Ok(());
         }
         self.conn.send_msg(self.tx.one_message(), patience)?;
         self.tx.agg.clear();

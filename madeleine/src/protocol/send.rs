@@ -242,6 +242,14 @@ impl SendSide {
         &self.agg[at..]
     }
 
+    /// After [`SendSide::one_message_head`], for a pipe that would not take the two parts:
+    /// joins `held` and returns the whole message.
+    #[inline]
+    pub fn one_message_joined(&mut self, held: &[u8]) -> &[u8] {
+        self.join(held);
+        &self.agg[2 * wire::HEADER - wire::ONE_HEADER..]
+    }
+
     /// Turns the `Begin` header of a message that goes whole into its `Whole` header.
     pub fn close_whole(&mut self) {
         let whole = Record::Whole { seq: self.seq, packs: self.packs };
