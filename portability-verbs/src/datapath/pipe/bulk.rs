@@ -129,13 +129,28 @@ impl MsgPipe {
         // control says when the peer has read the chunk.
         let wr =
             SendWr { flags: SendFlags { streaming: self.bulk_streaming, inject_complete: true, ..wr.flags }, ..wr };
-        match self.post_user(wr) {
+        let posted = if polled {
+            // Posted with the frame that announces it (`note_bulk_chunk`), in one call.
+            self.check_failed().map(|()| {
+                let mut wr = wr;
+                let token = self.tag_user(&mut wr);
+                self.held_chunk = Some(wr);
+                self.user_posted();
+                token
+            })
+        } else {
+            self.post_user(wr)
+        };
+        match posted {
             Ok(token) => {
                 if credit {
                     self.credits.on_send_bare();
                 }
                 if polled {
-                    self.note_bulk_chunk(total as u32, place.wrapped)?;
+                    let noted = self.note_bulk_chunk(total as u32, place.wrapped);
+                    // Posted alone if its frame could not go now (no room in the ring).
+                    let alone = self.post_held_chunk();
+                    noted.and(alone)?;
                 }
                 if let Some(index) = staging {
                     self.bulk_staging.push((token, index));

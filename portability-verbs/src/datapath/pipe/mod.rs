@@ -294,6 +294,9 @@ pub struct MsgPipe {
     next_user: u64,
     /// Requests posted through `post_user` whose completion has not come.
     user_in_flight: usize,
+    /// A bulk chunk's write held back to be posted with the frame that announces it, in one
+    /// call (one doorbell; one `sendmsg` on the TCP transport instead of two).
+    held_chunk: Option<SendWr>,
 }
 
 impl std::fmt::Debug for MsgPipe {
@@ -419,6 +422,7 @@ impl MsgPipe {
             user_done: std::collections::HashMap::new(),
             user_in_flight: 0,
             bulk_staging: smallvec::SmallVec::new(),
+            held_chunk: None,
             next_user: 0,
         };
         pipe.setup(timeout)?;
@@ -1309,6 +1313,47 @@ mod tests {
         assert!(a.try_send_bulk_framed(&over, reg.sge(0, 1), b"").is_err(), "framing over the staging buffer");
         assert!(a.try_send_bulk_framed(b"", reg.sge(0, 0), b"").is_err(), "an empty chunk");
         assert!(a.try_send_bulk_framed(b"x", reg.sge(0, 4096), b"").is_err(), "a chunk over the largest");
+    }
+
+    /// A polled pipe posts a bulk chunk together with the frame that announces it; where that
+    /// frame cannot go (here: no staging buffer left, the chunk's framing took the last), the
+    /// chunk goes alone at once and its announcement follows once a buffer is back: the data
+    /// arrives whole, in order with the messages around it.
+    #[test]
+    fn a_chunk_whose_announcement_must_wait_goes_first_and_arrives_in_order() {
+        let polled = FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 };
+        let o = PipeOptions { bulk_ring: 16 * 1024, posted_frames: true, ..PipeOptions::default() };
+        let (pd, mut a, mut b) = pair_with(polled, o);
+        let src: Vec<u8> = (0..3000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let reg = pd.register(src.clone().into_boxed_slice(), AccessFlags::NONE).unwrap();
+        assert!(a.try_send(b"before").unwrap());
+        a.flush().unwrap();
+        // Every staging buffer but one held: the chunk's framing takes the last.
+        let mut held = Vec::new();
+        while a.send_pool.stats().in_use + 1 < a.send_pool.capacity() {
+            held.push(a.send_pool.try_acquire().expect("a free buffer"));
+        }
+        let token = a.try_send_bulk_framed(b"head", reg.sge(0, src.len()), b"tail").unwrap().expect("room");
+        assert!(a.held_chunk.is_none(), "the chunk was not posted");
+        assert!(a.staged() > 0, "the announcement went without a staging buffer");
+        drop(held);
+        assert!(a.try_send(b"after").unwrap());
+        let deadline = Instant::now() + T;
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            assert!(Instant::now() < deadline, "stalled after {got:?}");
+            a.progress().unwrap();
+            a.flush().unwrap();
+            if let Some(x) = b.recv_lane(|l, m| (l, m.to_vec())).unwrap() {
+                got.push(x);
+            }
+        }
+        let chunk = [&b"head"[..], &src, b"tail"].concat();
+        assert_eq!(got, [(Lane::Message, b"before".to_vec()), (Lane::Bulk, chunk), (Lane::Message, b"after".to_vec())]);
+        while a.take_user_completion(token).is_none() {
+            a.progress().unwrap();
+            assert!(Instant::now() < deadline, "the chunk never completed");
+        }
     }
 
     /// A bulk lane is refused where it cannot work, and misuse is an error, not a panic.

@@ -257,7 +257,11 @@ impl MsgPipe {
         // Its staging buffer is free once the provider wrote it out (the ring's flow control,
         // not this completion, says when the peer has read it).
         let wr = SendWr::write(id, &[sge], peer.addr + place.offset, peer.rkey).inline(inline).inject_complete(true);
-        self.qp.post_send(&[wr])?;
+        match self.held_chunk.take() {
+            // The bulk chunk this frame announces goes first, in the same call.
+            Some(chunk) => self.qp.post_send(&[chunk, wr])?,
+            None => self.qp.post_send(&[wr])?,
+        }
         self.signals.signaled_post();
         self.outstanding += 1;
         self.stats.transfers += 1;

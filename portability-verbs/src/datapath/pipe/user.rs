@@ -15,6 +15,16 @@ impl MsgPipe {
         Ok(token)
     }
 
+    /// Posts the bulk chunk held back for its announcing frame, if that frame did not take it
+    /// along (it waits for room in the ring or a staging buffer): the chunk goes now, ahead of
+    /// the frame.
+    pub(super) fn post_held_chunk(&mut self) -> Result<()> {
+        match self.held_chunk.take() {
+            Some(chunk) => self.qp.post_send(&[chunk]),
+            None => Ok(()),
+        }
+    }
+
     /// Gives a user request the next token as its `wr_id`, signaled (its completion is how
     /// the token is handed back).
     pub(super) fn tag_user(&self, wr: &mut SendWr) -> u64 {
