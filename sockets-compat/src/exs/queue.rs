@@ -195,7 +195,8 @@ impl<S> EventQueue<S> {
         let mut deadline = None;
         let mut polling = Some(engine::Dequeuer::enter());
         let mut idle_since = None;
-        let mut spins = 0u32;
+        // Polls so far, and idle polls since the last that found work.
+        let (mut polls, mut spins) = (0u32, 0u32);
         loop {
             if self.0.queued.load(Ordering::Acquire) > 0 && max > 0 {
                 let mut s = self.lock();
@@ -214,26 +215,34 @@ impl<S> EventQueue<S> {
             if polling.is_none() {
                 polling = Some(engine::Dequeuer::enter());
             }
-            if engine::progress_all() {
-                spins = 0;
-                continue;
+            let progressed = engine::progress_all();
+            // A caller that does not wait is answered after one poll.
+            if !progressed && timeout == Some(Duration::ZERO) {
+                return 0;
             }
-            // The clock is read on the first idle poll and every 64th after it (a reading
-            // costs about as much as a poll).
-            spins += 1;
-            if spins % 64 != 1 {
-                std::hint::spin_loop();
+            // The clock is read every 64th poll, whatever the polls found (a wait whose
+            // connections keep moving still ends at its timeout), and not on the first idle
+            // one: a reading costs about as much as a poll, and a busy-polled exchange goes
+            // idle a few times a message (idleness is then seen up to 64 polls, a few
+            // microseconds, late).
+            polls = polls.wrapping_add(1);
+            spins = if progressed { 0 } else { spins + 1 };
+            if polls % 64 != 0 {
+                if !progressed {
+                    std::hint::spin_loop();
+                }
                 continue;
             }
             let now = Instant::now();
             let deadline = *deadline.get_or_insert_with(|| timeout.map(|t| now + t));
-            if spins == 1 {
-                idle_since = Some(now);
-            }
-            let idle = *idle_since.get_or_insert(now);
             if deadline.is_some_and(|d| now >= d) {
                 return 0;
             }
+            if progressed {
+                idle_since = None;
+                continue;
+            }
+            let idle = *idle_since.get_or_insert(now);
             if engine::busy_poll() && now - idle < engine::SPIN_BEFORE_SLEEP {
                 if portability_verbs::spin_yields(spins / 64) {
                     std::thread::yield_now();
@@ -252,7 +261,7 @@ impl<S> EventQueue<S> {
                 let (mut s, _) = self.0.ready.wait_timeout(s, nap).unwrap_or_else(|p| p.into_inner());
                 s.sleepers -= 1;
             }
-            spins = 0;
+            (spins, idle_since) = (0, None);
         }
     }
 
