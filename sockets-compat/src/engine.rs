@@ -5,8 +5,9 @@
 //!   (protected) buffer, and a `read` returns before the data has landed. Something must notice
 //!   the end of those transfers and release the buffers even when the application makes no
 //!   further socket call — in particular when it is stopped in the fault handler, touching one
-//!   of them. Sockets with transfers in flight are *watched*: visited every 200 us, at once
-//!   when the fault handler rings the bell.
+//!   of them. Sockets with transfers in flight are *watched*: visited every 200 us while the
+//!   engine drives them, every [`ACTIVE_VISIT`] while their application does (it progresses
+//!   them itself), at once when the fault handler rings the bell.
 //! - **Quiet sockets**: every socket is visited every [`QUIET_VISIT`] while its application
 //!   does not call into it, to take in the peer's control messages (a cancelled SrcAvail is
 //!   answered, so the peer's write timeout leaves the connection usable) and to send what
@@ -30,12 +31,30 @@ use portability_verbs::protect;
 pub(crate) const ORPHAN_LINGER: Duration = Duration::from_secs(60);
 /// How often a socket its application does not call into is visited.
 pub(crate) const QUIET_VISIT: Duration = Duration::from_millis(5);
+/// How often a socket with transfers in flight is visited while its application calls into
+/// it (and so drives it): only to take over once the application stops. Waking every 200 us
+/// instead cost a busy-polling program thousands of preemptions a second.
+pub(crate) const ACTIVE_VISIT: Duration = Duration::from_millis(1);
+/// How often a socket with transfers in flight is visited while the engine drives it.
+const DRIVEN_VISIT: Duration = Duration::from_micros(200);
+
+/// What a watched socket needs of the engine after a visit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Visit {
+    /// No transfer in flight.
+    Idle,
+    /// Transfers in flight, driven by the application's own calls (or a socket the engine
+    /// found locked: its application is in a call).
+    AppActive,
+    /// Transfers in flight that the engine drives.
+    Driven,
+}
 
 /// A socket the engine can drive.
 pub(crate) trait Background: Send {
-    /// Takes what has arrived and finishes what completed; `true` while transfers remain in
-    /// flight (so the engine should come back soon).
-    fn background_progress(&mut self) -> bool;
+    /// Takes what has arrived and finishes what completed, unless the application drives the
+    /// socket itself; says how soon the engine should come back.
+    fn background_progress(&mut self) -> Visit;
     /// A visit while the application is not calling into the socket: takes in control
     /// messages and sends what closing left pending. Returns `true` once a closed socket has
     /// nothing more to do (an orphan is then let go).
@@ -119,16 +138,17 @@ fn run() {
             let quiet = Instant::now() >= next_quiet && !(l.open.is_empty() && l.orphans.is_empty());
             (l.watched.clone(), quiet)
         };
-        let mut busy = false;
+        let mut need = Visit::Idle;
         for w in watched {
             let Some(sock) = w.upgrade() else { continue };
             // A socket the application is using right now progresses on its own.
             let Ok(mut g) = sock.try_lock() else {
-                busy = true;
+                need = need.max(Visit::AppActive);
                 continue;
             };
-            busy |= g.background_progress();
+            need = need.max(g.background_progress());
         }
+        let busy = need != Visit::Idle;
         if quiet {
             visit_quiet(e);
             next_quiet = Instant::now() + QUIET_VISIT;
@@ -141,7 +161,8 @@ fn run() {
                 std::thread::yield_now();
             } else {
                 // Transfers in flight: look again soon, at once if someone starts waiting.
-                protect::wait_bell(bell, Duration::from_micros(200));
+                let again = if need == Visit::Driven { DRIVEN_VISIT } else { ACTIVE_VISIT };
+                protect::wait_bell(bell, again);
             }
         } else {
             idle_rounds = idle_rounds.saturating_add(1);

@@ -2,23 +2,31 @@
 //! background engine does with it.
 
 use super::*;
+use crate::engine::Visit;
 
 impl Background for Conn {
-    /// Leaves a socket the application called into since the engine's last round (at most
-    /// 200 us ago while transfers are in flight) to the application, unless a thread waits in
-    /// a fault: on a loaded machine a third thread polling a busy socket only steals its CPU
-    /// and its lock.
-    fn background_progress(&mut self) -> bool {
+    /// Leaves a socket the application called into since the engine's last round to the
+    /// application, unless a thread waits in a fault: on a loaded machine a third thread
+    /// polling a busy socket only steals its CPU and its lock.
+    fn background_progress(&mut self) -> Visit {
         let in_flight = self.in_flight();
         let app_active = std::mem::replace(&mut self.calls_seen, self.calls) != self.calls;
         if in_flight && protect::fault_waiters() == 0 && app_active {
-            return true;
+            return Visit::AppActive;
         }
         if self.failed.is_none() && in_flight {
-            // Errors are recorded in the socket; its next call reports them.
+            // The application went quiet: what it sent without asking for completions is
+            // settled now, or the pipe would count as busy (and this socket be visited every
+            // 200 us) until hundreds of these visits passed. Errors are recorded in the
+            // socket; its next call reports them.
+            let _ = self.pipe.settle_unsignaled().map_err(|e| self.fail_verbs(e));
             let _ = self.pump();
         }
-        self.failed.is_none() && self.in_flight()
+        if self.failed.is_none() && self.in_flight() {
+            Visit::Driven
+        } else {
+            Visit::Idle
+        }
     }
 
     fn quiet_visit(&mut self) -> bool {

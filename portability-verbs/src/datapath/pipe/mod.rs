@@ -727,6 +727,19 @@ impl MsgPipe {
         Ok(())
     }
 
+    /// Settles the sends posted without asking for a completion now, rather than after
+    /// [`crate::datapath::signals::SETTLE_AFTER_PASSES`] quiet progress passes: for a caller
+    /// about to stop polling the pipe (a background thread that visits it now and then, for
+    /// which those passes would take a long time), so that [`MsgPipe::idle`] holds as soon as
+    /// the peer took them. Nothing to do without such sends.
+    pub fn settle_unsignaled(&mut self) -> Result<()> {
+        self.check_failed()?;
+        if self.signals.unsignaled() == 0 {
+            return Ok(());
+        }
+        self.settle().map_err(|e| self.fail(e))
+    }
+
     /// Posts a signaled empty RDMA write behind the unsignaled sends: its completion, which
     /// comes once the peer took them, is theirs.
     fn settle(&mut self) -> Result<()> {
