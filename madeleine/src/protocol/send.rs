@@ -218,24 +218,27 @@ impl SendSide {
     /// second half of its `Inline` header. Returns what to send.
     #[inline]
     pub fn one_message(&mut self) -> &[u8] {
-        let at = 2 * wire::HEADER - wire::ONE_HEADER;
         debug_assert!(matches!(
             wire::decode_one(&self.agg, wire::HEADER),
             Ok((Record::Inline { last: true, .. }, _, n)) if n == self.agg.len()
         ));
-        let one = Record::one_header(self.seq, self.inline_modes);
-        self.agg[at..2 * wire::HEADER].copy_from_slice(&one);
-        self.flushed = true;
-        &self.agg[at..]
+        self.write_one_header()
     }
 
     /// [`SendSide::one_message`] for a pack whose `held` bytes were not appended: what goes
     /// before them.
     #[inline]
     pub fn one_message_head(&mut self, held: usize) -> &[u8] {
-        let at = 2 * wire::HEADER - wire::ONE_HEADER;
         // (The `Begin` header, then the pack's `Inline` header: its bytes are `held`.)
         debug_assert_eq!(self.agg.len(), 2 * wire::HEADER, "a header-only pack of {held} bytes");
+        self.write_one_header()
+    }
+
+    /// Writes the `One` header over the second half of the pack's `Inline` header and returns
+    /// the message from it on.
+    #[inline]
+    fn write_one_header(&mut self) -> &[u8] {
+        let at = 2 * wire::HEADER - wire::ONE_HEADER;
         let one = Record::one_header(self.seq, self.inline_modes);
         self.agg[at..2 * wire::HEADER].copy_from_slice(&one);
         self.flushed = true;
