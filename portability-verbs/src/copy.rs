@@ -258,7 +258,22 @@ mod tests {
     #[test]
     fn small_copies_match_memmove_at_every_length_and_overlap() {
         for len in 0..=SMALL + 1 {
-            for (src_at, dst_at) in [(0, 0), (0, 140), (140, 0), (0, 70), (70, 0), (0, 40), (40, 0), (3, 0), (0, 3), (0, 1), (1, 0), (5, 13), (17, 0), (0, 33)] {
+            for (src_at, dst_at) in [
+                (0, 0),
+                (0, 140),
+                (140, 0),
+                (0, 70),
+                (70, 0),
+                (0, 40),
+                (40, 0),
+                (3, 0),
+                (0, 3),
+                (0, 1),
+                (1, 0),
+                (5, 13),
+                (17, 0),
+                (0, 33),
+            ] {
                 check_within(len, src_at, dst_at);
             }
         }

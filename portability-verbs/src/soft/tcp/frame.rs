@@ -85,6 +85,9 @@ impl Kind {
 pub const FLAG_IMM: u8 = 1;
 /// The `ack` field is set: an acknowledgement riding on the frame.
 pub const FLAG_ACK: u8 = 2;
+/// A plain write its requester completed at injection: nothing there waits for its
+/// acknowledgement, which rides on the next frame going back instead of a frame of its own.
+pub const FLAG_LAZY_ACK: u8 = 4;
 
 /// Why a responder refused a request (a nak's `status`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -205,9 +208,10 @@ impl Frame {
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         let kind = Kind::from_u8(b[0]).ok_or(FrameError::UnknownKind(b[0]))?;
         let flags = b[1];
-        if flags & !(FLAG_IMM | FLAG_ACK) != 0
+        if flags & !(FLAG_IMM | FLAG_ACK | FLAG_LAZY_ACK) != 0
             || (flags & FLAG_IMM != 0 && !matches!(kind, Kind::Send | Kind::Write))
             || (flags & FLAG_ACK != 0 && kind == Kind::Hello)
+            || (flags & FLAG_LAZY_ACK != 0 && (kind != Kind::Write || flags & FLAG_IMM != 0))
         {
             return Err(FrameError::UnknownFlags(flags));
         }
@@ -264,15 +268,17 @@ mod tests {
             any::<[u32; 2]>(),
             any::<[u64; 3]>(),
             any::<Option<u32>>(),
+            any::<bool>(),
         )
-            .prop_map(|(k, imm, nak, seq, len, [rkey, im], [raddr, operand, swap], ack)| {
+            .prop_map(|(k, imm, nak, seq, len, [rkey, im], [raddr, operand, swap], ack, lazy)| {
                 let kind = Kind::from_u8(k).unwrap();
                 let carries = matches!(kind, Kind::Send | Kind::Write | Kind::ReadResp | Kind::ReadReq);
                 let ack = ack.filter(|_| kind != Kind::Hello);
                 Frame {
                     kind,
                     flags: if imm && matches!(kind, Kind::Send | Kind::Write) { FLAG_IMM } else { 0 }
-                        | if ack.is_some() { FLAG_ACK } else { 0 },
+                        | if ack.is_some() { FLAG_ACK } else { 0 }
+                        | if lazy && !imm && kind == Kind::Write { FLAG_LAZY_ACK } else { 0 },
                     ack: ack.unwrap_or(0),
                     nak: (kind == Kind::Nak).then(|| NakCode::from_u16(nak).unwrap()),
                     seq,
@@ -314,6 +320,20 @@ mod tests {
         assert_eq!(Frame::decode(&b), Err(FrameError::BadNak(9)));
         b[0] = 0;
         assert_eq!(Frame::decode(&b), Err(FrameError::UnknownKind(0)));
+    }
+
+    #[test]
+    fn only_plain_writes_may_ask_for_a_lazy_acknowledgement() {
+        let mut f = Frame::new(Kind::Write, 1);
+        f.flags = FLAG_LAZY_ACK;
+        assert_eq!(Frame::decode(&f.encode()), Ok(f));
+        for (kind, flags) in
+            [(Kind::Write, FLAG_LAZY_ACK | FLAG_IMM), (Kind::Send, FLAG_LAZY_ACK), (Kind::Ack, FLAG_LAZY_ACK)]
+        {
+            let mut f = Frame::new(kind, 1);
+            f.flags = flags;
+            assert_eq!(Frame::decode(&f.encode()), Err(FrameError::UnknownFlags(flags)), "{kind:?}");
+        }
     }
 
     #[test]

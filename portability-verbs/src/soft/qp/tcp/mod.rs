@@ -33,7 +33,7 @@ use crate::endpoint::SoftEndpoint;
 use crate::error::{Result, VerbsError};
 use crate::soft::dma::local_copy;
 use crate::soft::tcp::engine::{Engine, Link};
-use crate::soft::tcp::frame::{seq_before, Frame, Kind, NakCode, FLAG_ACK, FLAG_IMM};
+use crate::soft::tcp::frame::{seq_before, Frame, Kind, NakCode, FLAG_ACK, FLAG_IMM, FLAG_LAZY_ACK};
 use crate::soft::tcp::link::{self, Dest, Placement, Rx, Tx, TxError};
 use crate::soft::wire::status;
 use crate::types::*;
@@ -77,8 +77,11 @@ type InlineBytes = smallvec::SmallVec<[u8; 64]>;
 /// What follows once the body of the frame being read is in place.
 enum Then {
     Nothing,
-    /// A write: acknowledge it.
-    Ack(u32),
+    /// A write: acknowledge it (`lazy`: on the next frame going back, whenever that is).
+    Ack {
+        seq: u32,
+        lazy: bool,
+    },
     /// A send or write-with-immediate: its receive completes.
     Receive {
         wr: RecvWr,
@@ -142,6 +145,9 @@ pub(super) struct TcpSide {
     /// After refusing this request, everything else is dropped until it comes again.
     dropping_until: Option<u32>,
     ack_due: Option<u32>,
+    /// Nothing of the peer's waits for `ack_due` (it covers only writes completed at
+    /// injection): it rides on our next frame and never goes alone.
+    ack_lazy: bool,
     /// An application pass left `ack_due` for its next post to carry; the next pass sends it.
     ack_held: bool,
     last_rx: Instant,
@@ -174,6 +180,7 @@ impl TcpSide {
             expect_seq: 1,
             dropping_until: None,
             ack_due: None,
+            ack_lazy: false,
             ack_held: false,
             last_rx: now,
             last_tx: now,
@@ -183,6 +190,13 @@ impl TcpSide {
             engine_writes: false,
             last_poll: now,
         })
+    }
+
+    /// Request `seq` is done: every request up to it is acknowledged by our next frame, and
+    /// by one of its own unless all those not acknowledged yet ask for it `lazy`.
+    fn ack(&mut self, seq: u32, lazy: bool) {
+        self.ack_lazy = lazy && (self.ack_due.is_none() || self.ack_lazy);
+        self.ack_due = Some(seq);
     }
 
     /// Queues a frame, carrying the acknowledgement that is due (nothing else need carry it).
@@ -413,7 +427,7 @@ impl QpInner {
         self.tcp_execute(core, t, out);
         // An acknowledgement nothing carried: a poller keeps it for one pass (a ping-pong's
         // answer carries it: one system call per message, not two); then it goes alone.
-        if let Some(seq) = t.ack_due {
+        if let Some(seq) = t.ack_due.filter(|_| !t.ack_lazy) {
             if by_poller && !t.ack_held {
                 t.ack_held = true;
             } else {
@@ -628,7 +642,7 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
     use std::time::{Duration, Instant};
 
-    use crate::soft::tcp::frame::{Frame, Kind, NakCode, HEADER};
+    use crate::soft::tcp::frame::{Frame, Kind, NakCode, FLAG_LAZY_ACK, HEADER};
     use crate::*;
 
     /// A queue pair over TCP whose peer is the test's own socket (a hand-made peer), which has
@@ -782,7 +796,10 @@ mod tests {
         f.qp.post_send(&[SendWr::write(2, &[f.mr.sge(64, 64)], 0x1000, 5).inject_complete(true)]).unwrap();
         let first = next_frame(&mut f.peer);
         f.peer.read_exact(&mut data).unwrap();
-        assert_eq!(next_frame(&mut f.peer).kind, Kind::Write);
+        let second = next_frame(&mut f.peer);
+        assert_eq!(second.kind, Kind::Write);
+        // Only the one completed at injection lets its acknowledgement wait.
+        assert_eq!((first.flags & FLAG_LAZY_ACK, second.flags & FLAG_LAZY_ACK), (0, FLAG_LAZY_ACK));
         f.peer.read_exact(&mut data).unwrap();
         std::thread::sleep(Duration::from_millis(50));
         let mut wc = [WorkCompletion::EMPTY; 4];
@@ -802,5 +819,35 @@ mod tests {
         nak.nak = Some(NakCode::AccessError);
         f.peer.write_all(&nak.encode()).unwrap();
         wait_for_error(&f);
+    }
+
+    #[test]
+    fn writes_completed_at_injection_are_acknowledged_by_the_next_frame_back_not_alone() {
+        let mut f = fake();
+        let write = |seq: u32, at: u64, flags: u8| {
+            let mut w = Frame::new(Kind::Write, seq);
+            (w.raddr, w.rkey, w.len, w.flags) = (f.mr.addr() + at, f.mr.rkey(), 8, flags);
+            w
+        };
+        f.peer.write_all(&write(1, 0, FLAG_LAZY_ACK).encode()).unwrap();
+        f.peer.write_all(&[1u8; 8]).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut placed = [0u8; 8];
+        while placed != [1u8; 8] {
+            assert!(Instant::now() < deadline, "the write was never placed");
+            std::thread::sleep(Duration::from_millis(1));
+            f.mr.read(0, &mut placed);
+        }
+        // No frame of its own answers it...
+        f.peer.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        let mut h = [0u8; HEADER];
+        let quiet = f.peer.read_exact(&mut h);
+        assert!(quiet.is_err(), "an answer came: {:?}", Frame::decode(&h));
+        f.peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        // ...while a write that waits for its answer gets one, covering both.
+        f.peer.write_all(&write(2, 8, 0).encode()).unwrap();
+        f.peer.write_all(&[2u8; 8]).unwrap();
+        let ack = next_frame(&mut f.peer);
+        assert_eq!((ack.kind, ack.seq), (Kind::Ack, 2));
     }
 }

@@ -313,6 +313,10 @@ pub(super) fn emit(t: &mut TcpSide, s: &Sent) {
             false
         }
     };
+    if wr.opcode == WrOpcode::RdmaWrite && wr.flags.inject_complete {
+        // Completed once in the socket (`complete_injected`): its acknowledgement is no news.
+        f.flags |= FLAG_LAZY_ACK;
+    }
     f.len = if wr.opcode.is_atomic() { 0 } else { wr.byte_len() as u32 };
     t.push(f);
     if carries_data {

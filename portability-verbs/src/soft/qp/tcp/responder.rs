@@ -66,7 +66,7 @@ impl QpInner {
                     };
                     Then::Receive { wr, opcode: WcOpcode::RecvRdmaWithImm, imm: f.imm(), len: f.len, seq: f.seq }
                 } else {
-                    Then::Ack(f.seq)
+                    Then::Ack { seq: f.seq, lazy: f.flags & FLAG_LAZY_ACK != 0 }
                 };
                 t.expect_seq = t.expect_seq.wrapping_add(1);
                 t.reading = Some((Placement::write_to(f.raddr, f.len as usize, true), then));
@@ -194,11 +194,11 @@ impl QpInner {
     pub(super) fn finish(&self, core: &mut QpCore, t: &mut TcpSide, then: Then, out: &mut Out) {
         match then {
             Then::Nothing => {}
-            Then::Ack(seq) => t.ack_due = Some(seq),
+            Then::Ack { seq, lazy } => t.ack(seq, lazy),
             Then::Receive { wr, opcode, imm, len, seq } => {
                 self.count_consumed(1);
                 out.push((false, self.recv_wc(wr.wr_id, WcStatus::Success, opcode, len, imm, t.peer.qpn)));
-                t.ack_due = Some(seq);
+                t.ack(seq, false);
             }
             Then::ReadDone => self.complete_front(core, t, WcStatus::Success),
         }
