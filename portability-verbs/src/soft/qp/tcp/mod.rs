@@ -59,7 +59,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const ACCEPT_TIMEOUT: Duration = Duration::from_secs(10);
 /// New requests wait while this many bytes are queued for the socket.
 const TX_LIMIT: usize = 8 << 20;
-/// Input is the engine's again once no application thread polled for this long.
+/// Input is the engine's again once no application thread polled for this long (looked at on
+/// the engine's tick while threads poll: every 10 ms).
 const POLLER_GONE: Duration = Duration::from_millis(1);
 /// Frames one pass reads at most (bounds how long it holds the queue pair's lock).
 const FRAMES_PER_PASS: usize = 256;
@@ -154,7 +155,7 @@ pub(super) struct TcpSide {
     last_tx: Instant,
     /// The connection is over: nothing more arrives or leaves.
     gone: bool,
-    /// Counted in the engine's urgent tick (a rewind timer runs, or input is left to a poller).
+    /// Counted in the engine's urgent tick (a rewind timer runs).
     urgent: bool,
     /// The engine is woken for our input (else an application thread polls it).
     engine_reads: bool,
@@ -217,8 +218,8 @@ impl TcpSide {
         if let (Some(c), Ok(e)) = (&self.conn, engine(None)) {
             self.engine_reads = on;
             e.watch(&c.sock, c.token, on, self.engine_writes);
-            // While a poller has it, the engine's fine tick takes it back once polls stop.
-            e.urgent(!on);
+            // While a poller has it, the engine's tick takes it back once polls stop.
+            e.polled(!on);
         }
     }
 
