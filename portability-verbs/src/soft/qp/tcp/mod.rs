@@ -851,4 +851,32 @@ mod tests {
         let ack = next_frame(&mut f.peer);
         assert_eq!((ack.kind, ack.seq), (Kind::Ack, 2));
     }
+
+    #[test]
+    fn a_write_completed_at_injection_behind_a_refused_send_completes_without_an_answer_of_its_own() {
+        let mut f = fake();
+        let mut data = [0u8; 8];
+        f.qp.post_send(&[SendWr::send(1, &[f.mr.sge(0, 8)])]).unwrap();
+        f.qp.post_send(&[SendWr::write(2, &[f.mr.sge(8, 8)], 0x1000, 5).inject_complete(true)]).unwrap();
+        let send = next_frame(&mut f.peer);
+        f.peer.read_exact(&mut data).unwrap();
+        let write = next_frame(&mut f.peer);
+        f.peer.read_exact(&mut data).unwrap();
+        assert_eq!((send.kind, write.kind, write.flags & FLAG_LAZY_ACK), (Kind::Send, Kind::Write, FLAG_LAZY_ACK));
+        // Receiver not ready (the shortest timer): both go again, in order; the write waits
+        // behind the send.
+        let mut nak = Frame::new(Kind::Nak, send.seq);
+        (nak.nak, nak.imm) = (Some(NakCode::ReceiverNotReady), 1);
+        f.peer.write_all(&nak.encode()).unwrap();
+        let again = next_frame(&mut f.peer);
+        f.peer.read_exact(&mut data).unwrap();
+        let write_again = next_frame(&mut f.peer);
+        f.peer.read_exact(&mut data).unwrap();
+        assert_eq!((again.kind, again.seq, write_again.seq), (Kind::Send, send.seq, write.seq));
+        let mut wc = [WorkCompletion::EMPTY; 4];
+        assert_eq!(f.cq.poll(&mut wc).unwrap(), 0, "nothing completes before the send's answer");
+        // Only the send is answered: the write behind it completes anyway.
+        f.peer.write_all(&Frame::new(Kind::Ack, send.seq).encode()).unwrap();
+        assert_eq!(completions(&f, 2), [1, 2]);
+    }
 }
