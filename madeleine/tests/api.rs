@@ -840,13 +840,14 @@ fn begin_past_reports(ch: &Channel, dest: usize) -> (Packer<'_>, Vec<String>) {
 
 #[test]
 fn mode_and_size_mismatches_are_reported() {
-    // A message of one small pack, and one of a pack that fills most of a pipe message (both
-    // go whole, copied out at begin_unpacking; the checks must hold on that path too).
+    // Messages of one pack, all whole: a small one and one of 1000 bytes (copied out at
+    // begin_unpacking), one of 4000 (left in the pipe for its unpack to copy out); the checks
+    // must hold on each path.
     group(2, SMALL, |rank, ch| {
         // Every report rank 0 is told of: a report comes with the sender's next message, which
         // may be one of this loop's when flow control made it wait for the receiver.
         let mut told = Vec::new();
-        for len in [10, 1000] {
+        for len in [10, 1000, 4000] {
             if rank == 0 {
                 for _ in 0..5 {
                     let (mut p, reports) = begin_past_reports(ch, 1);
@@ -881,7 +882,7 @@ fn mode_and_size_mismatches_are_reported() {
             assert_eq!(b, vec![1u8; len]);
         }
         // Once the receiver is done, the sender's next message is told of the latest mismatch
-        // (message 8, one unpack too many) unless an earlier one was, then goes.
+        // (message 13, one unpack too many) unless an earlier one was, then goes.
         if rank == 1 {
             let mut p = ch.begin_packing(0).unwrap();
             p.pack_safer(&[1], RecvMode::Express).unwrap();
@@ -893,7 +894,7 @@ fn mode_and_size_mismatches_are_reported() {
             u.end_unpacking().unwrap();
             let (mut p, reports) = begin_past_reports(ch, 1);
             told.extend(reports);
-            let last = told.iter().filter(|w| w.contains("message 8") && w.contains("asked for more")).count();
+            let last = told.iter().filter(|w| w.contains("message 13") && w.contains("asked for more")).count();
             assert_eq!(last, 1, "the last mismatch is told once: {told:?}");
             // `send_sized`, on the packer that came past the reports.
             let body = b"after";
@@ -902,6 +903,47 @@ fn mode_and_size_mismatches_are_reported() {
             p.pack(body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
             p.end_packing().unwrap();
         }
+    });
+}
+
+/// A message of one pack large enough to stay in the pipe until its unpack, begun, and then
+/// drained out of the pipe by its receiver's own sends (a sender waiting for the peer takes
+/// what arrived out of the pipe, so that the peer's window opens) before it is unpacked: it
+/// and the message behind it arrive intact, in order.
+#[test]
+fn a_message_begun_then_drained_by_a_send_arrives_intact() {
+    group(2, SMALL, |rank, ch| {
+        let (a, b) = (pattern(1, 4000), pattern(2, 3000));
+        let big = pattern(3, 100_000);
+        if rank == 1 {
+            for m in [&a, &b] {
+                let mut p = ch.begin_packing(0).unwrap();
+                p.pack(m, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                p.end_packing().unwrap();
+            }
+            // Late, so that rank 0's send below waits for us, draining our pipe meanwhile.
+            std::thread::sleep(Duration::from_millis(100));
+            let mut got = vec![0u8; big.len()];
+            let mut u = ch.begin_unpacking_from(0).unwrap();
+            u.unpack(&mut got, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            u.end_unpacking().unwrap();
+            assert!(got == big);
+            return;
+        }
+        let mut got_a = vec![0u8; a.len()];
+        let mut u = ch.begin_unpacking_from(1).unwrap();
+        // A zero-copy message to the sender, whose end waits until the sender read it.
+        let mut p = ch.begin_packing(1).unwrap();
+        p.pack(&big, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+        p.end_packing().unwrap();
+        u.unpack(&mut got_a, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+        u.end_unpacking().unwrap();
+        assert!(got_a == a);
+        let mut got_b = vec![0u8; b.len()];
+        let mut u = ch.begin_unpacking_from(1).unwrap();
+        u.unpack(&mut got_b, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+        u.end_unpacking().unwrap();
+        assert!(got_b == b);
     });
 }
 

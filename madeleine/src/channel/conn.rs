@@ -96,10 +96,18 @@ pub(super) struct ConnIo {
     pub(super) bulk_left: u64,
 }
 
+/// `One` messages of at least this many bytes stay in the pipe until their unpack, which
+/// copies them straight into the application's buffer: smaller ones are copied out at once,
+/// a copy cheaper than taking the connection's lock again.
+pub(super) const ONE_IN_PLACE_MIN: usize = 2048;
+
 /// What [`ConnIo::take_one`] found at the head of the connection.
 pub(super) enum OneMsg {
     /// A `One` message, taken: its sequence number and modes (its bytes were copied out).
     Taken(u32, Modes),
+    /// A `One` message of this many bytes, left at the head of the connection for its unpack
+    /// ([`ConnIo::take_left_one`]).
+    Left(u32, Modes, usize),
     /// Nothing arrived.
     Nothing,
     /// Something else: the general path reads it.
@@ -109,8 +117,9 @@ pub(super) enum OneMsg {
 impl ConnIo {
     /// The path of the commonest message, one small pack (a `One` record, alone in its pipe
     /// message): if it opens the connection's next pipe message with nothing queued before it,
-    /// copies its bytes into `body` and releases it. Anything else, a malformed `One` included,
-    /// is left for the general path (which reports what is wrong with it).
+    /// copies its bytes into `body` and releases it, or, from [`ONE_IN_PLACE_MIN`] bytes on,
+    /// leaves it there for its unpack. Anything else, a malformed `One` included, is left for
+    /// the general path (which reports what is wrong with it).
     #[inline]
     pub(super) fn take_one(&mut self, body: &mut Vec<u8>) -> OneMsg {
         if !self.incoming.is_empty()
@@ -129,6 +138,9 @@ impl ConnIo {
             Ok(None) => return OneMsg::Nothing,
             _ => return OneMsg::Other,
         };
+        if data.len() >= ONE_IN_PLACE_MIN {
+            return OneMsg::Left(seq, modes, data.len());
+        }
         body.clear();
         copy::extend_vec(body, data);
         // Releasing a message read in place cannot fail; were it to, the general path would
@@ -137,6 +149,43 @@ impl ConnIo {
             return OneMsg::Other;
         }
         OneMsg::Taken(seq, modes)
+    }
+
+    /// Takes the `One` record [`ConnIo::take_one`] left at the head of the connection (in the
+    /// pipe, or in the record queue if a sender drained the pipe since), copying its bytes into
+    /// `out` if given (its length is the record's: the unpack checked). Returns the bytes'
+    /// length. The connection failing or closing after the record arrived does not stop it:
+    /// it was received before.
+    pub(super) fn take_left_one(&mut self, mut out: Option<&mut [u8]>) -> std::result::Result<usize, Broken> {
+        fn copy_out(out: Option<&mut [u8]>, data: &[u8]) -> Option<usize> {
+            match out {
+                Some(out) if out.len() != data.len() => return None,
+                Some(out) => copy_slice(out, data),
+                None => {}
+            }
+            Some(data.len())
+        }
+        if self.incoming.is_empty() && self.front_at == 0 && self.bulk_left == 0 {
+            // Where `take_one` saw it.
+            if let Ok(Some((Lane::Message, m))) = self.pipe.front() {
+                if let Some(Ok(_)) = wire::decode_one_record(m) {
+                    let taken = copy_out(out.as_deref_mut(), &m[wire::ONE_HEADER..]);
+                    if let Some(len) = taken {
+                        self.pipe.pop_front().map_err(lost)?;
+                        return Ok(len);
+                    }
+                }
+            }
+        }
+        let take = |n: Next<'_>| match n {
+            Next::Rec(Record::One { .. }, data) => copy_out(out, data),
+            _ => None,
+        };
+        let got = match self.incoming.pop_front() {
+            Some(inc) => take(inc.view()),
+            None => self.next_in_pipe(Pump::StopAtBulk, take)?.ok().flatten(),
+        };
+        got.ok_or_else(|| Broken::Protocol("the message begun is no longer at the head of its connection".into()))
     }
 
     /// If the next record is the message's `End` and already here (queued, or next in the

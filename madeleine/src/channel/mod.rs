@@ -210,6 +210,7 @@ impl Channel {
         let mut io = conn.io();
         let (seq, whole) = match io.take_one(&mut rx.body) {
             OneMsg::Taken(seq, modes) => (seq, WholeMsg::single(modes)),
+            OneMsg::Left(seq, modes, len) => (seq, WholeMsg::single_in_pipe(modes, len)),
             OneMsg::Nothing => return Ok(false),
             OneMsg::Other => return self.try_begin_other(conn, rx, io),
         };

@@ -181,9 +181,17 @@ impl<'u> Unpacker<'u> {
             if w.taken == 1 {
                 return Err(self.mismatch(Mismatch::ExtraUnpack { packs: 1 }));
             }
-            self.rx.whole = Some(WholeMsg { taken: 1, ..w });
-            self.check(sent, self.rx.body.len() as u64, asked, buf.len())?;
-            copy_slice(buf, &self.rx.body);
+            self.rx.whole = Some(WholeMsg { taken: 1, in_pipe: None, ..w });
+            let len = w.single_len(self.rx.body.len());
+            let checked = self.check(sent, len as u64, asked, buf.len());
+            if w.in_pipe.is_some() {
+                // Taken out of the pipe even if the unpack does not match it.
+                self.take_left_one(checked.is_ok().then_some(&mut *buf))?;
+            }
+            checked?;
+            if w.in_pipe.is_none() {
+                copy_slice(buf, &self.rx.body);
+            }
             return Ok(whole_pack);
         }
         if w.at == self.rx.body.len() {
@@ -205,6 +213,16 @@ impl<'u> Unpacker<'u> {
             }
             Record::Rdv { .. } => self.take_rdv(rec, asked, buf.len()),
             _ => Err(self.bad(WHOLE_HOLDS)),
+        }
+    }
+
+    /// Takes the `One` record its message left at the head of the connection (copying it into
+    /// `out` if given); a failure fails the connection.
+    pub(super) fn take_left_one(&self, out: Option<&mut [u8]>) -> Result<()> {
+        let mut io = self.conn.io();
+        match io.take_left_one(out) {
+            Ok(_) => Ok(()),
+            Err(b) => Err(self.conn.fail(&mut io, b)),
         }
     }
 
@@ -310,26 +328,33 @@ impl<'u> Unpacker<'u> {
     #[inline]
     pub fn unpack(&mut self, buf: &'u mut [u8], send: SendMode, recv: RecvMode) -> Result<()> {
         let modes = Modes { send, recv };
-        if self.take_single(buf, modes) {
-            return Ok(());
+        if let Some(done) = self.take_single(buf, modes) {
+            return done;
         }
         self.unpack_into(buf, modes).map_err(|e| self.report(e))
     }
 
     /// The unpack of a message of one small pack that matches it (the commonest message):
-    /// copies it out, or returns `false` for the general path (which also reports mismatches).
+    /// copies it out, or returns `None` for the general path (which also reports mismatches).
     #[inline]
-    pub(super) fn take_single(&mut self, buf: &mut [u8], modes: Modes) -> bool {
+    pub(super) fn take_single(&mut self, buf: &mut [u8], modes: Modes) -> Option<Result<()>> {
         let rx = &mut *self.rx;
-        match rx.whole {
-            Some(w @ WholeMsg { single: Some(sent), taken: 0, .. }) if sent == modes && rx.body.len() == buf.len() => {
-                rx.unpacks += 1;
-                rx.whole = Some(WholeMsg { taken: 1, ..w });
-                copy_slice(buf, &rx.body);
-                true
+        let w = match rx.whole {
+            Some(w @ WholeMsg { single: Some(sent), taken: 0, .. })
+                if sent == modes && w.single_len(rx.body.len()) == buf.len() =>
+            {
+                w
             }
-            _ => false,
+            _ => return None,
+        };
+        rx.unpacks += 1;
+        rx.whole = Some(WholeMsg { taken: 1, in_pipe: None, ..w });
+        if w.in_pipe.is_none() {
+            copy_slice(buf, &rx.body);
+            return Some(Ok(()));
         }
+        // Straight from the pipe.
+        Some(self.take_left_one(Some(buf)).map_err(|e| self.report(e)))
     }
 
     /// Extracts the next pack (which must have been packed `RecvMode::Express`) into `buf`;
@@ -337,8 +362,8 @@ impl<'u> Unpacker<'u> {
     pub fn unpack_express(&mut self, buf: &mut [u8], send: SendMode) -> Result<()> {
         // SAFETY-free: an Express unpack completes before returning, so the borrow may end here.
         let modes = Modes { send, recv: RecvMode::Express };
-        if self.take_single(buf, modes) {
-            return Ok(());
+        if let Some(done) = self.take_single(buf, modes) {
+            return done;
         }
         self.unpack_now(buf, modes).map_err(|e| self.report(e))
     }
@@ -576,6 +601,11 @@ impl<'u> Unpacker<'u> {
         // The End record, or what the sender packed beyond our unpacks.
         let mut extra = 0u32;
         let mut unread = Vec::new();
+        if let Some(w @ WholeMsg { in_pipe: Some(_), .. }) = self.rx.whole {
+            // A `One` message nobody unpacked: out of the pipe with it.
+            self.rx.whole = Some(WholeMsg { in_pipe: None, ..w });
+            self.take_left_one(None)?;
+        }
         let packs = match (&self.rx.whole, self.rx.end) {
             (Some(w), _) => self.whole_end(w, &mut extra, &mut unread)?,
             (None, Some(packs)) => packs,

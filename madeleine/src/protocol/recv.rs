@@ -6,27 +6,40 @@
 use super::mismatch::Mismatch;
 use crate::wire::Modes;
 
-/// A message that came whole (its packs' records are in [`RecvSide::body`]): how far they
-/// were unpacked.
+/// A message that came whole (its packs' records are in [`RecvSide::body`], or a large `One`
+/// message's bytes still in the pipe): how far they were unpacked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct WholeMsg {
     pub at: usize,
     /// Records taken (by unpacks, matching or not).
     pub taken: u32,
     pub packs: u32,
-    /// A `One` message: the pack's modes (the buffer holds its bytes alone).
+    /// A `One` message: the pack's modes (the buffer holds its bytes alone, unless...)
     pub single: Option<Modes>,
+    /// ...its bytes (this many) are still at the head of the connection, for its unpack to
+    /// copy straight into the application's buffer.
+    pub in_pipe: Option<usize>,
 }
 
 impl WholeMsg {
     /// A message of `packs` packs whose records were taken out of the pipe at once.
     pub fn of(packs: u32) -> WholeMsg {
-        WholeMsg { at: 0, taken: 0, packs, single: None }
+        WholeMsg { at: 0, taken: 0, packs, single: None, in_pipe: None }
     }
 
     /// A message of one pack sent with `modes`, its bytes alone in the buffer.
     pub fn single(modes: Modes) -> WholeMsg {
-        WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes) }
+        WholeMsg { at: 0, taken: 0, packs: 1, single: Some(modes), in_pipe: None }
+    }
+
+    /// A message of one pack sent with `modes`, its `len` bytes left in the pipe.
+    pub fn single_in_pipe(modes: Modes, len: usize) -> WholeMsg {
+        WholeMsg { in_pipe: Some(len), ..WholeMsg::single(modes) }
+    }
+
+    /// Bytes of a `One` message's pack (`body_len`: what the buffer holds).
+    pub fn single_len(&self, body_len: usize) -> usize {
+        self.in_pipe.unwrap_or(body_len)
     }
 }
 
