@@ -54,9 +54,11 @@ pub(crate) trait Sleeper {
 /// One blocking wait.
 pub(crate) struct Waiter {
     timeout: Duration,
+    spin: Spin,
     what: &'static str,
-    /// When it yields and when it sleeps.
-    backoff: Backoff,
+    /// When it yields and when it sleeps; made at the first pause (most waits of a busy
+    /// connection end at their first poll, and pay nothing for it).
+    backoff: Option<Backoff>,
     /// Whether the wait runs in a coroutine, looked up at the first pause (a thread-local
     /// lookup a spinning waiter need not repeat on every poll).
     in_coroutine: Option<bool>,
@@ -65,13 +67,16 @@ pub(crate) struct Waiter {
 impl Waiter {
     #[inline]
     pub fn new(p: Patience, what: &'static str) -> Waiter {
-        Waiter { timeout: p.timeout, what, backoff: Backoff::new(p.spin), in_coroutine: None }
+        Waiter { timeout: p.timeout, spin: p.spin, what, backoff: None, in_coroutine: None }
     }
 
     /// Whether the wait is past its spin phase.
     #[cfg(test)]
     fn sleeping(&self) -> bool {
-        self.backoff.sleeping()
+        match &self.backoff {
+            Some(b) => b.sleeping(),
+            None => Backoff::new(self.spin).sleeping(),
+        }
     }
 
     /// Called when a poll found nothing and no completion will say when to look again:
@@ -84,7 +89,10 @@ impl Waiter {
     /// spins, or (after the spin phase, on an OS thread) sleeps on their completion queues;
     /// fails after the timeout.
     pub fn pause_on<S: Sleeper>(&mut self, conns: &[&S]) -> Result<()> {
-        let step = self.backoff.pause(Instant::now);
+        let spin = self.spin;
+        let backoff = self.backoff.get_or_insert_with(|| Backoff::new(spin));
+        let step = backoff.pause(Instant::now);
+        let polls = backoff.polls();
         let mut left = self.timeout;
         if let Some(waited) = step.waited {
             if waited > self.timeout {
@@ -96,7 +104,7 @@ impl Waiter {
             // Yielding alone can starve coroutines queued behind two waiters that keep yielding
             // to each other: after a few rounds, sleep (which parks this coroutine, not the
             // worker thread).
-            if self.backoff.polls() < 16 {
+            if polls < 16 {
                 may::coroutine::yield_now();
             } else {
                 may::coroutine::sleep(NAP);
