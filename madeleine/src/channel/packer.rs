@@ -211,14 +211,10 @@ impl<'p> Packer<'p> {
         // SAFETY: `buf` is borrowed for 'p, the packer's life; `finish` waits until every
         // chunk written from it completed before the registration is dropped.
         let (reg, tokens, took) = unsafe { self.send_bulk(buf, modes, end) }?;
-        if !took.is_zero() && buf.len() < AdaptiveCrossover::MIN_PACK {
-            // Stored into the peer's ring already: its hand-over is over.
-            self.timed_copy(buf.len(), took);
-        }
         let more = self.more();
         more.bulk_tokens.extend(tokens);
         more.bulk_regs.extend(reg);
-        if !took.is_zero() && buf.len() >= AdaptiveCrossover::MIN_PACK {
+        if !took.is_zero() {
             more.timed.0 += buf.len();
             more.timed.1 += took;
         }
@@ -260,20 +256,18 @@ impl<'p> Packer<'p> {
     /// write at once is written later, while the packer waits for it, and that time is part
     /// of what copying costs).
     pub(super) fn timed_copy(&mut self, bytes: usize, took: std::time::Duration) {
-        let crossover =
-            if bytes >= AdaptiveCrossover::MIN_PACK { &mut self.tx.crossover } else { &mut self.tx.small_crossover };
-        crossover.on_copy(bytes, took, std::time::Instant::now);
+        self.tx.crossover.on_copy(bytes, took, std::time::Instant::now());
     }
 
     /// Writes `buf` as a bulk pack: its `Bulk` record, with the records packed before it,
     /// leads its first chunk, and with `end` the message's `End` closes its last, so a message
     /// of bulk packs travels as bulk chunks alone (no pipe message that the next message's
     /// chunks would have to wait behind). Returns its registration, the chunks' tokens and the
-    /// time their hand-over took so far, for the crossovers (zero for a pack they do not time).
-    /// A pack below [`AdaptiveCrossover::MIN_PACK`], to a peer whose ring this process maps
-    /// (one host), is stored into the ring before this returns: no registration, no tokens (a
-    /// posted write's registration lookup, staging buffer and completion cost more than an
-    /// 8 KiB copy).
+    /// time their hand-over took so far, for the crossover (zero for a pack it does not time).
+    /// A pack the crossover does not time, to a peer whose ring this process maps (one host),
+    /// is stored into the ring before this returns: no registration, no tokens (a posted
+    /// write's registration lookup, staging buffer and completion cost more than an 8 KiB
+    /// copy).
     ///
     /// # Safety
     /// `buf` must stay mapped and unchanged, and the registration alive, until every token
@@ -302,11 +296,7 @@ impl<'p> Packer<'p> {
             tail.extend_from_slice(&Record::End { packs: self.tx.packs }.header());
         }
         let head = std::mem::take(&mut self.tx.agg);
-        // Large packs, and a sample of the smaller ones stored straight into the peer's ring
-        // (complete once stored), are timed for their crossover.
-        let timed = buf.len() >= AdaptiveCrossover::MIN_PACK
-            || (reg.is_none() && buf.len() >= self.tx.small_crossover.min_pack() && self.tx.sample_small_pack());
-        let tokens = self.bulk_chunks(&head, buf, reg.as_ref(), &tail, timed);
+        let tokens = self.bulk_chunks(&head, buf, reg.as_ref(), &tail);
         self.tx.agg = head;
         self.tx.agg.clear();
         self.tx.flushed = true;
@@ -336,10 +326,9 @@ impl<'p> Packer<'p> {
         buf: &[u8],
         reg: Option<&Registration<'_>>,
         tail: &[u8],
-        timed: bool,
     ) -> Result<(Vec<u64>, std::time::Duration)> {
         let max = self.conn.bulk_chunk;
-        let started = timed.then(std::time::Instant::now);
+        let started = (buf.len() >= AdaptiveCrossover::MIN_PACK).then(std::time::Instant::now);
         let streaming = self.tx.crossover.stores() == Stores::Streaming;
         let mut tokens = Vec::with_capacity(if reg.is_some() { buf.len().div_ceil(max) + 1 } else { 0 });
         let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for room in the peer's bulk ring");

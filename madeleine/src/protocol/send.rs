@@ -16,9 +16,6 @@ use crate::{RecvMode, SendMode};
 /// the frame's extra part.
 pub(crate) const GATHER_MIN: usize = 1024;
 
-/// Bulk packs below the large ones that their crossover times: one in this many.
-pub(crate) const SMALL_PACK_SAMPLE: u32 = 4;
-
 /// How a pack travels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Route {
@@ -76,13 +73,8 @@ pub(crate) struct SendSide {
     pub seq: u32,
     /// Records of the pipe message being filled.
     pub agg: Vec<u8>,
-    /// Copy or zero-copy for large packs, from the probe and the copies timed since...
+    /// Copy or zero-copy for large packs, from the probe and the copies timed since.
     pub crossover: AdaptiveCrossover,
-    /// ...and for the bulk packs below them ([`AdaptiveCrossover::for_smaller_packs`]), which
-    /// times one such pack in [`SMALL_PACK_SAMPLE`] (two clock reads are not free at their
-    /// size).
-    pub small_crossover: AdaptiveCrossover,
-    small_packs: u32,
     // The message being packed (here rather than in the `Packer`, which is returned by value
     // on every message and so stays a few words).
     /// Packs so far.
@@ -104,8 +96,6 @@ impl SendSide {
         SendSide {
             seq: 0,
             agg: Vec::with_capacity(max_msg),
-            small_crossover: crossover.for_smaller_packs(),
-            small_packs: 0,
             crossover,
             packs: 0,
             flushed: false,
@@ -113,13 +103,6 @@ impl SendSide {
             finished: true,
             notice_seen: 0,
         }
-    }
-
-    /// Whether to time this bulk pack below the large ones (one in [`SMALL_PACK_SAMPLE`]).
-    #[inline]
-    pub fn sample_small_pack(&mut self) -> bool {
-        self.small_packs = self.small_packs.wrapping_add(1);
-        self.small_packs.is_multiple_of(SMALL_PACK_SAMPLE)
     }
 
     /// Begins a message: its `Begin` header opens the pipe message (overwritten by `Whole`
@@ -133,20 +116,15 @@ impl SendSide {
     }
 
     /// How a pack of `len` bytes travels: by rendezvous from the connection's crossover on
-    /// (`now` is asked only where a crossover adapts), else by the bulk lane if it is more
-    /// than fits one pipe message (or by rendezvous, while the crossover of smaller packs
-    /// finds the copies slow), else inline.
+    /// (`now` is asked only where the crossover adapts), else by the bulk lane if it is more
+    /// than fits one pipe message, else inline.
     #[inline]
-    pub fn route(&mut self, len: usize, limits: &Limits, now: impl Fn() -> Instant) -> Route {
+    pub fn route(&mut self, len: usize, limits: &Limits, now: impl FnOnce() -> Instant) -> Route {
         let large = len >= AdaptiveCrossover::MIN_PACK.min(limits.threshold);
         // (Packs from the probed threshold on always go zero-copy: no clock read for them.)
-        if large && (len >= self.crossover.probed() || self.crossover.zero_copy(len, &now)) {
+        if large && (len >= self.crossover.probed() || self.crossover.zero_copy(len, now())) {
             Route::Rendezvous
         } else if limits.bulk_chunk > 0 && limits.too_large_for_a_message(len) {
-            let small = &mut self.small_crossover;
-            if !large && small.adapts() && len >= small.min_pack() && small.zero_copy(len, &now) {
-                return Route::Rendezvous;
-            }
             Route::Bulk
         } else {
             Route::Inline

@@ -169,14 +169,6 @@ struct Measured {
 /// next ran at 25. Sans-IO: the caller passes the clock.
 #[derive(Clone, Debug)]
 pub struct AdaptiveCrossover {
-    /// The packs it times and may send zero-copy: from this size on (and below the next
-    /// crossover's, for [`Self::for_smaller_packs`]).
-    min_pack: usize,
-    /// Whether it measures streaming stores as well as cached ones (not for packs it stores
-    /// straight into the peer's ring, always with cached stores).
-    explores_stores: bool,
-    /// Bytes of copies per figure ([`Self::WINDOW`], or less for smaller packs).
-    window_len: usize,
     /// The threshold the set-up probe (or the configuration) chose.
     probed: usize,
     /// Whether timings may lower the threshold (not when it was configured; the stores
@@ -210,14 +202,10 @@ impl AdaptiveCrossover {
     /// Packs smaller than this are neither timed nor sent zero-copy by adaptation (a copy's
     /// fixed costs would blur the figure, and a rendezvous's round trip would dominate).
     pub const MIN_PACK: usize = 64 * 1024;
-    /// The smallest packs [`Self::for_smaller_packs`] times: below, a rendezvous's round trip
-    /// costs more than any copy.
-    pub const MIN_SMALL_PACK: usize = 8 * 1024;
     /// Bytes of copies per decision: twice the default bulk ring, so a window's copies land
     /// in lines the path has been using.
     pub const WINDOW: usize = 4 << 20;
-    /// Bytes of packs timed as one figure of a window, whose median the window takes (a
-    /// quarter of the window, for [`Self::SMALL_WINDOW`] too). Packs
+    /// Bytes of packs timed as one figure of a window, whose median the window takes. Packs
     /// are not timed one by one: while they follow each other the ring's room comes back in
     /// bursts (as the receiver acknowledges), so some packs wait and the next ones do not,
     /// and a median of packs would report the ones that did not wait. Four slices a window
@@ -228,10 +216,6 @@ impl AdaptiveCrossover {
     /// ...and after this many bytes of large packs (so a trial, two windows, costs at most a
     /// few percent of the traffic however it is spaced out in time).
     pub const TRIAL_BYTES: u64 = 32 * Self::WINDOW as u64;
-    /// The window of [`Self::for_smaller_packs`]: their copies go straight into the peer's
-    /// ring, through the lines the large packs' window warms, and a latency-bound exchange
-    /// of such packs should not take long to learn.
-    pub const SMALL_WINDOW: usize = Self::WINDOW / 8;
     /// Zero-copy is chosen for `n` bytes while the read's cost is at most this fraction of
     /// the copy's.
     pub const MARGIN: f64 = 0.75;
@@ -242,9 +226,6 @@ impl AdaptiveCrossover {
         let read_fixed = read_small.as_nanos() as f64;
         let read_per_byte = (read_big.as_nanos() as f64 - read_fixed).max(0.0) / big.max(1) as f64;
         AdaptiveCrossover {
-            min_pack: Self::MIN_PACK,
-            explores_stores: true,
-            window_len: Self::WINDOW,
             probed,
             adapts: true,
             read_fixed,
@@ -266,43 +247,6 @@ impl AdaptiveCrossover {
     /// their stores.
     pub fn fixed(threshold: usize) -> Self {
         AdaptiveCrossover { adapts: false, ..AdaptiveCrossover::new(threshold, Duration::ZERO, Duration::ZERO, 1) }
-    }
-
-    /// A crossover for the packs from [`Self::MIN_SMALL_PACK`] up to this one's (which a
-    /// sender stores straight into the peer's ring, with cached stores: it measures no
-    /// others), with this one's read figures, probe and configuration. Such packs time only
-    /// the sender's stores, where a ping-pong pays the receiver's copy out of the ring as well:
-    /// about as much again, as the same lines cross back, so their figure counts half
-    /// ([`Self::on_copy`]).
-    pub fn for_smaller_packs(&self) -> Self {
-        AdaptiveCrossover {
-            min_pack: Self::MIN_SMALL_PACK,
-            explores_stores: false,
-            window_len: Self::SMALL_WINDOW,
-            adapts: self.adapts,
-            ..AdaptiveCrossover::new(self.probed, Duration::ZERO, Duration::ZERO, 1)
-        }
-        .with_read(self.read_fixed, self.read_per_byte)
-    }
-
-    fn with_read(mut self, fixed: f64, per_byte: f64) -> Self {
-        (self.read_fixed, self.read_per_byte) = (fixed, per_byte);
-        self
-    }
-
-    /// Whether timings may send packs zero-copy below the probed threshold.
-    pub fn adapts(&self) -> bool {
-        self.adapts
-    }
-
-    /// Bytes of copies per figure.
-    pub fn window_len(&self) -> usize {
-        self.window_len
-    }
-
-    /// The smallest pack it times and may send zero-copy.
-    pub fn min_pack(&self) -> usize {
-        self.min_pack
     }
 
     /// The threshold the probe or the configuration chose.
@@ -358,13 +302,12 @@ impl AdaptiveCrossover {
     }
 
     /// Whether a pack of `len` bytes goes zero-copy, deciding at `now`. Call it for every
-    /// pack of at least [`Self::min_pack`] (or the probed threshold, if lower) bytes that it
-    /// is the crossover of (it counts them).
-    pub fn zero_copy(&mut self, len: usize, now: impl FnOnce() -> Instant) -> bool {
+    /// pack of at least `MIN_PACK.min(probed)` bytes (it counts them).
+    pub fn zero_copy(&mut self, len: usize, now: Instant) -> bool {
         if len >= self.probed {
             return true;
         }
-        if len >= self.min_pack {
+        if len >= Self::MIN_PACK {
             self.large_bytes += len as u64;
         }
         if !self.adapts {
@@ -376,7 +319,6 @@ impl AdaptiveCrossover {
                     return false;
                 }
                 // The first trial comes a period after the switch.
-                let now = now();
                 let last = *self.last_trial.get_or_insert((now, self.large_bytes));
                 if !self.due(last.0, last.1, now) {
                     return true;
@@ -398,19 +340,19 @@ impl AdaptiveCrossover {
     /// follow each other it is the pace at which the peer drains the ring (which the stores
     /// change too, as the peer's loads find lines in another cache or in memory). At the end
     /// of a window, at `now`, chooses again.
-    pub fn on_copy(&mut self, bytes: usize, took: Duration, now: impl FnOnce() -> Instant) {
-        if bytes < self.min_pack || took.is_zero() {
+    pub fn on_copy(&mut self, bytes: usize, took: Duration, now: Instant) {
+        if bytes < Self::MIN_PACK || took.is_zero() {
             return;
         }
         self.slice.0 += bytes;
         self.slice.1 += took;
-        if self.slice.0 < self.window_len / 4 {
+        if self.slice.0 < Self::SLICE {
             return;
         }
         let (slice_bytes, slice_took) = std::mem::replace(&mut self.slice, (0, Duration::ZERO));
         self.window.push(slice_bytes as f64 / slice_took.as_nanos().max(1) as f64);
         self.window_bytes += slice_bytes;
-        if self.window_bytes < self.window_len {
+        if self.window_bytes < Self::WINDOW {
             return;
         }
         self.window_bytes = 0;
@@ -418,7 +360,6 @@ impl AdaptiveCrossover {
             self.window.clear();
             return;
         }
-        let now = now();
         self.window.sort_by(|a, b| a.total_cmp(b));
         let rate = self.window[self.window.len() / 2];
         self.window.clear();
@@ -426,8 +367,7 @@ impl AdaptiveCrossover {
         // The other kind of stores is measured when it never was or its figure is due; until
         // then (one window) large packs keep copying.
         let other = self.stores.other();
-        let remeasure =
-            self.explores_stores && self.measured[other.index()].is_none_or(|m| self.due(m.at, m.bytes_at, now));
+        let remeasure = self.measured[other.index()].is_none_or(|m| self.due(m.at, m.bytes_at, now));
         let before = (self.stores, self.zero_copy_from);
         let chosen = self.chosen_stores();
         self.stores = if remeasure { other } else { chosen };
@@ -435,7 +375,7 @@ impl AdaptiveCrossover {
         let best = Self::effective(chosen, self.measured[chosen.index()].map_or(rate, |m| m.rate));
         // Zero-copy pays for `n` bytes once `fixed + n * per_byte <= MARGIN * n / best`.
         let gain = Self::MARGIN / best - self.read_per_byte;
-        let from = (self.adapts && gain > 0.0).then(|| ((self.read_fixed / gain).ceil() as usize).max(self.min_pack));
+        let from = (self.adapts && gain > 0.0).then(|| ((self.read_fixed / gain).ceil() as usize).max(Self::MIN_PACK));
         if from.is_some() && self.zero_copy_from.is_none() {
             self.last_trial = None;
         }
@@ -543,20 +483,15 @@ mod tests {
     /// Copies one window of 1 MiB packs at `gbps` (`outlier` for its second slice), deciding
     /// each pack as the packer does; returns how many went zero-copy.
     fn window(c: &mut AdaptiveCrossover, now: Instant, gbps: f64, outlier: f64) -> usize {
-        window_of(c, MIB, now, gbps, outlier)
-    }
-
-    /// [`window`] with packs of `pack` bytes.
-    fn window_of(c: &mut AdaptiveCrossover, pack: usize, now: Instant, gbps: f64, outlier: f64) -> usize {
-        let copy_at = |gbps: f64| Duration::from_nanos((pack as f64 / gbps) as u64);
-        let slice_packs = c.window_len() / 4 / pack;
+        let copy_at = |gbps: f64| Duration::from_nanos((MIB as f64 / gbps) as u64);
+        let slice_packs = AdaptiveCrossover::SLICE / MIB;
         let mut zero = 0;
-        for i in 0..c.window_len() / pack {
-            if c.zero_copy(pack, || now) {
+        for i in 0..AdaptiveCrossover::WINDOW / MIB {
+            if c.zero_copy(MIB, now) {
                 zero += 1;
                 continue;
             }
-            c.on_copy(pack, copy_at(if i / slice_packs == 1 { outlier } else { gbps }), || now);
+            c.on_copy(MIB, copy_at(if i / slice_packs == 1 { outlier } else { gbps }), now);
         }
         zero
     }
@@ -620,8 +555,8 @@ mod tests {
         // The host slows down (both stores): large packs go zero-copy, small ones not.
         window(&mut c, t0, 5.0, 5.0);
         assert!(c.current() < MIB && c.current() >= AdaptiveCrossover::MIN_PACK, "{c:?}");
-        assert!(!c.zero_copy(4096, || t0));
-        c.on_copy(4096, Duration::from_secs(1), || t0); // small packs are not timed
+        assert!(!c.zero_copy(4096, t0));
+        c.on_copy(4096, Duration::from_secs(1), t0); // small packs are not timed
         assert_eq!(window(&mut c, t0, 5.0, 5.0), AdaptiveCrossover::WINDOW / MIB);
         // A period later but without a trial's worth of bytes (bursts spaced out): no trial.
         let t1 = t0 + AdaptiveCrossover::TRIAL_EVERY;
@@ -642,55 +577,25 @@ mod tests {
             trial_windows += 1;
         }
         assert!((1..=3).contains(&trial_windows), "{trial_windows} windows after the first pack ({per} packs each)");
-        assert!(c.zero_copy(MIB, || t1), "still slow: zero-copy until the next trial");
+        assert!(c.zero_copy(MIB, t1), "still slow: zero-copy until the next trial");
         // The host recovered: the next trial is fast, back to copying.
         let t2 = t1 + AdaptiveCrossover::TRIAL_EVERY;
         for _ in 0..AdaptiveCrossover::TRIAL_BYTES as usize / AdaptiveCrossover::WINDOW + 4 {
             window(&mut c, t2, 28.0, 28.0);
         }
         assert_eq!((c.current(), c.stores()), (usize::MAX, Stores::Cached));
-        assert!(!c.zero_copy(MIB, || t2));
-    }
-
-    #[test]
-    fn smaller_packs_copy_with_cached_stores_and_go_zero_copy_while_copies_are_slow() {
-        const PACK: usize = 16 * 1024;
-        // Reads at 20 GB/s after 1 us: against copies at 5 GB/s they pay from 10 kB on.
-        let mut c = read_at(20.0).for_smaller_packs();
-        assert_eq!(c.min_pack(), AdaptiveCrossover::MIN_SMALL_PACK);
-        let t0 = Instant::now();
-        window_of(&mut c, PACK, t0, 28.0, 28.0);
-        window_of(&mut c, PACK, t0, 28.0, 28.0);
-        assert_eq!((c.stores(), c.current()), (Stores::Cached, usize::MAX));
-        assert_eq!(c.copy_rate().map(|r| r.round()), Some(28.0));
-        // Slow copies: no streaming stores tried (they are not what these packs copy with),
-        // zero-copy from the size where the read's fixed cost is paid back.
-        assert_eq!(window_of(&mut c, PACK, t0, 5.0, 5.0), 0);
-        assert_eq!(c.stores(), Stores::Cached);
-        assert!((9_990..=10_010).contains(&c.current()), "{}", c.current());
-        assert!(c.zero_copy(PACK, || t0) && !c.zero_copy(AdaptiveCrossover::MIN_SMALL_PACK, || t0));
-        c.on_copy(4096, Duration::from_secs(1), || t0); // smaller packs are not timed
-                                                        // Trials copy again now and then; once copies are fast again, back to copying.
-        let t1 = t0 + AdaptiveCrossover::TRIAL_EVERY;
-        for _ in 0..AdaptiveCrossover::TRIAL_BYTES as usize / c.window_len() + 4 {
-            window_of(&mut c, PACK, t1, 28.0, 28.0);
-        }
-        assert_eq!((c.current(), c.stores()), (usize::MAX, Stores::Cached));
-        assert!(!c.zero_copy(PACK, || t1));
-        // A configured threshold: neither crossover adapts.
-        let fixed = AdaptiveCrossover::fixed(usize::MAX).for_smaller_packs();
-        assert!(!fixed.adapts());
+        assert!(!c.zero_copy(MIB, t2));
     }
 
     #[test]
     fn a_configured_threshold_never_adapts() {
         let mut c = AdaptiveCrossover::fixed(usize::MAX);
         for _ in 0..(2 * AdaptiveCrossover::WINDOW) >> 20 {
-            c.on_copy(1 << 20, Duration::from_secs(1), Instant::now);
+            c.on_copy(1 << 20, Duration::from_secs(1), Instant::now());
         }
-        assert!(!c.zero_copy(1 << 20, Instant::now));
+        assert!(!c.zero_copy(1 << 20, Instant::now()));
         let mut c = AdaptiveCrossover::fixed(1000);
-        assert!(c.zero_copy(1000, Instant::now) && !c.zero_copy(999, Instant::now));
+        assert!(c.zero_copy(1000, Instant::now()) && !c.zero_copy(999, Instant::now()));
     }
 
     #[test]
