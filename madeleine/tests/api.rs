@@ -281,6 +281,53 @@ fn an_unread_bulk_pack_is_a_mismatch_and_the_connection_survives() {
     });
 }
 
+/// A bulk-lane pack unpacked with other modes or another size is a mismatch (the unpack
+/// writes nothing of it), and the connection goes on; then the same pack, and one followed by
+/// another pack, unpacked as sent, arrive intact.
+#[test]
+fn a_bulk_pack_unpacked_otherwise_is_a_mismatch_and_as_sent_arrives_intact() {
+    group(2, usize::MAX, |rank, ch| {
+        let big = pattern(4, 20_000);
+        let send = |tail: bool| {
+            let (mut p, _reports) = begin_past_reports(ch, 1);
+            p.pack(&big, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            if tail {
+                p.pack_safer(b"tail", RecvMode::Express).unwrap();
+            }
+            p.end_packing().unwrap();
+        };
+        if rank == 0 {
+            for tail in [false, false, false, true] {
+                send(tail);
+            }
+            return;
+        }
+        for (len, recv) in [(big.len(), RecvMode::Express), (big.len() - 1, RecvMode::Cheaper)] {
+            let mut b = vec![0u8; len];
+            let mut u = ch.begin_unpacking().unwrap();
+            let e = if recv == RecvMode::Express {
+                u.unpack_express(&mut b, SendMode::Cheaper).unwrap_err()
+            } else {
+                u.unpack(&mut b, SendMode::Cheaper, recv).unwrap_err()
+            };
+            assert!(matches!(e, MadError::Mismatch { .. }), "{e}");
+            drop(u);
+            assert!(b.iter().all(|&x| x == 0), "a mismatched unpack wrote into its buffer");
+        }
+        let mut b = vec![0u8; big.len()];
+        let mut u = ch.begin_unpacking().unwrap();
+        u.unpack(&mut b, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+        u.end_unpacking().unwrap();
+        assert!(b == big);
+        let (mut b, mut tail) = (vec![0u8; big.len()], [0u8; 4]);
+        let mut u = ch.begin_unpacking().unwrap();
+        u.unpack(&mut b, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+        u.unpack_express(&mut tail, SendMode::Safer).unwrap();
+        u.end_unpacking().unwrap();
+        assert!(b == big && &tail == b"tail");
+    });
+}
+
 /// A receiver that unpacks one pack more than a bulk-lane message held gets a mismatch naming
 /// the pack counts, its connection goes on (the next messages arrive), and the sender is told
 /// too: its next send to that rank reports what the receiver found, once.

@@ -188,6 +188,37 @@ impl ConnIo {
         got.ok_or_else(|| Broken::Protocol("the message begun is no longer at the head of its connection".into()))
     }
 
+    /// Takes a bulk pack whole in one step where it can: the next record, in place, is the
+    /// `Bulk` record of a pack of `out.len()` bytes whose data lies whole in the same chunk,
+    /// and `fits(modes)` accepts it; its data is copied into `out`, and the message's `End`
+    /// is taken too if it follows in the chunk (its pack count returned). `Ok(None)` (nothing
+    /// taken) otherwise: the general path reads the pack record by record, and reports what
+    /// is wrong with it.
+    pub(super) fn take_whole_bulk(
+        &mut self,
+        out: &mut [u8],
+        fits: impl FnOnce(Modes) -> bool,
+    ) -> std::result::Result<Option<Option<u32>>, Broken> {
+        if !self.incoming.is_empty() || self.bulk_left != 0 || self.failed.is_some() || self.closed {
+            return Ok(None);
+        }
+        let Ok(Some((Lane::Bulk, m))) = self.pipe.front() else { return Ok(None) };
+        // (A `Bulk` record's data starts where the next record would.)
+        let Ok((Record::Bulk { modes, total }, _, data)) = wire::decode_in_chunk(m, 0) else { return Ok(None) };
+        if total != out.len() as u64 || data + out.len() > m.len() || !fits(modes) {
+            return Ok(None);
+        }
+        let data_end = data + out.len();
+        copy_slice(out, &m[data..data_end]);
+        let (end, taken) = match wire::decode_in_chunk(m, data_end) {
+            Ok((Record::End { packs }, _, next)) => (Some(packs), next),
+            _ => (None, data_end),
+        };
+        let len = m.len();
+        take_from_front(&mut self.pipe, taken, len)?;
+        Ok(Some(end))
+    }
+
     /// If the next record is the message's `End` and already here (queued, or next in the
     /// pipe message being read), takes it and returns its pack count. Never waits or polls.
     pub(super) fn end_follows(&mut self) -> std::result::Result<Option<u32>, Broken> {

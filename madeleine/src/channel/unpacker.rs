@@ -114,6 +114,19 @@ impl<'u> Unpacker<'u> {
         if let Some(packs) = self.rx.end {
             return Err(self.mismatch(Mismatch::ExtraUnpack { packs }));
         }
+        if buf.len() > self.conn.max_msg {
+            // A bulk pack whole in one chunk, with the message's End behind it: one step
+            // instead of one per record and one for the data.
+            let mut io = self.conn.io();
+            match io.take_whole_bulk(buf, |sent| sent == asked) {
+                Ok(Some(end)) => {
+                    self.rx.end = end;
+                    return Ok(Got::Inline { copied: buf.len(), last: true });
+                }
+                Ok(None) => {}
+                Err(b) => return Err(self.conn.fail(&mut io, b)),
+            }
+        }
         let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for message data");
         let this = &*self;
         let mut f = |n: Next<'_>| match n {
