@@ -735,7 +735,16 @@ impl RemoteWindow {
     /// read (what came before it may be written).
     #[inline]
     pub fn write(&self, offset: usize, parts: &[&[u8]]) -> std::result::Result<(), WcStatus> {
-        self.0.write(offset, parts)
+        self.0.write(offset, parts, false)
+    }
+
+    /// [`RemoteWindow::write`] with non-temporal stores for large parts: they go to memory
+    /// rather than into this CPU's cache, cheaper where the reader's CPU shares no cache with
+    /// ours and dearer where it does (the reader then loads from memory), so the choice is a
+    /// measured one.
+    #[inline]
+    pub fn write_streaming(&self, offset: usize, parts: &[&[u8]]) -> std::result::Result<(), WcStatus> {
+        self.0.write(offset, parts, true)
     }
 }
 

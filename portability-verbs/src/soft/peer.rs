@@ -585,8 +585,9 @@ impl SoftWindow {
     /// nothing, once the peer deregistered the region (`RemAccessErr`) or its queue pair is in
     /// error or destroyed (`RetryExcErr`), or if the range leaves the window (`LocLenErr`);
     /// `LocProtErr` if a part may not be read (a protection hold), the parts before it written.
+    /// With `streaming`, parts of at least `STREAMING_FROM` bytes go with non-temporal stores.
     #[inline]
-    pub fn write(&self, offset: usize, parts: &[&[u8]]) -> Result<(), WcStatus> {
+    pub fn write(&self, offset: usize, parts: &[&[u8]], streaming: bool) -> Result<(), WcStatus> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(WcStatus::LocLenErr);
@@ -601,7 +602,15 @@ impl SoftWindow {
         // SAFETY: `offset + len <= self.len`: the parts go inside our own live mapping of the
         // region's segment (held by `_seg`); they are the caller's live slices, and
         // `local_copy` turns a source under a protection hold into `false`, not a fault.
-        let stored = unsafe { store_parts(self.base.add(offset), parts, |d, s, n| local_copy(d, s, n)) };
+        let stored = unsafe {
+            store_parts(self.base.add(offset), parts, |d, s, n| {
+                if streaming && n >= STREAMING_FROM {
+                    local_copy_streaming(d, s, n)
+                } else {
+                    local_copy(d, s, n)
+                }
+            })
+        };
         if stored {
             Ok(())
         } else {

@@ -126,4 +126,19 @@ impl MsgPipe {
     pub fn peer_released(&self) -> u64 {
         self.ack_mr.read_u64(ACK_RELEASE)
     }
+
+    /// Sets the word the peer reads with [`MsgPipe::peer_copy_out`]: what copying out of our
+    /// bulk ring has cost us so far ([`crate::datapath::CopyOut::word`]), so that the peer,
+    /// choosing how to store into it, counts both ends' copies. Out of band, latest wins, as
+    /// [`MsgPipe::release_to`].
+    pub fn report_copy_out(&mut self, word: u64) -> Result<()> {
+        self.check_failed()?;
+        self.post_ack_word(ACK_COPY_OUT_SRC, ACK_COPY_OUT, word).map_err(|e| self.fail(e))
+    }
+
+    /// The word the peer last set with [`MsgPipe::report_copy_out`] (0 before it set any).
+    #[inline]
+    pub fn peer_copy_out(&self) -> u64 {
+        self.ack_mr.read_u64(ACK_COPY_OUT)
+    }
 }

@@ -29,7 +29,8 @@ impl MsgPipe {
     }
 
     /// Whether bulk chunks from now on carry the [`SendFlags::streaming`] hint (the software
-    /// provider then writes them into the peer's ring with non-temporal stores). Which is
+    /// provider then writes them into the peer's ring with non-temporal stores), and bulk
+    /// copies ([`MsgPipe::try_send_bulk_copy_framed`]) store with them. Which is
     /// faster depends on whether the two CPUs share a cache, so callers measure: see
     /// [`crate::datapath::AdaptiveCrossover`].
     pub fn set_bulk_streaming(&mut self, on: bool) {
@@ -202,7 +203,7 @@ impl MsgPipe {
         if len == 0 {
             return Ok(0);
         }
-        self.store_bulk_chunk(&[&data[..len]], len)?;
+        self.store_bulk_chunk(&[&data[..len]], len, false)?;
         Ok(len)
     }
 
@@ -212,6 +213,19 @@ impl MsgPipe {
     /// ([`MsgPipe::try_send_bulk_framed`]'s chunk, without its registration, staging buffer,
     /// posted write and completion: what a small chunk's latency is made of).
     pub fn try_send_bulk_copy_framed(&mut self, head: &[u8], data: &[u8], tail: &[u8]) -> Result<bool> {
+        Ok(self.try_send_bulk_copy_timed(head, data, tail, false)?.is_some())
+    }
+
+    /// [`MsgPipe::try_send_bulk_copy_framed`], returning how long the stores into the peer's
+    /// ring took if `timed` (zero if not), or `None` if there was no room: what the stores
+    /// chosen ([`MsgPipe::set_bulk_streaming`]) cost, without the pipe's own steps around them.
+    pub fn try_send_bulk_copy_timed(
+        &mut self,
+        head: &[u8],
+        data: &[u8],
+        tail: &[u8],
+        timed: bool,
+    ) -> Result<Option<Duration>> {
         self.check_failed()?;
         let total = head.len() + data.len() + tail.len();
         if self.bulk_window.is_none() || total == 0 || total > self.bulk_chunk_max() {
@@ -221,10 +235,9 @@ impl MsgPipe {
             )));
         }
         if self.bulk_copy_room()? < total {
-            return Ok(false);
+            return Ok(None);
         }
-        self.store_bulk_chunk(&[head, data, tail], total)?;
-        Ok(true)
+        self.store_bulk_chunk(&[head, data, tail], total, timed).map(Some)
     }
 
     /// The largest chunk a bulk copy may store now: 0 while staged messages are ahead of it,
@@ -254,10 +267,17 @@ impl MsgPipe {
 
     /// Stores `parts` (`len` bytes together, which [`MsgPipe::bulk_copy_room`] said fit) into
     /// the peer's bulk ring and announces them as one chunk.
-    fn store_bulk_chunk(&mut self, parts: &[&[u8]], len: usize) -> Result<()> {
+    fn store_bulk_chunk(&mut self, parts: &[&[u8]], len: usize, timed: bool) -> Result<Duration> {
         let place = self.bulk_tx.reserve(len as u64).expect("bulk_copy_room said it fits");
         let window = self.bulk_window.as_ref().expect("bulk_copy_room implies the window");
-        if let Err(st) = window.write(place.offset as usize, parts) {
+        let started = timed.then(Instant::now);
+        let stored = if self.bulk_streaming {
+            window.write_streaming(place.offset as usize, parts)
+        } else {
+            window.write(place.offset as usize, parts)
+        };
+        let took = started.map_or(Duration::ZERO, |t| t.elapsed());
+        if let Err(st) = stored {
             self.bulk_tx.unreserve();
             return Err(
                 self.fail(VerbsError::PeerUnreachable(format!("bulk copy into the peer's ring failed: {st:?}")))
@@ -278,7 +298,7 @@ impl MsgPipe {
             }
         }
         self.stats.transfers += 1;
-        Ok(())
+        Ok(took)
     }
 
     /// Whether nothing staged is left ahead of a bulk chunk (flushing it if need be): the

@@ -195,7 +195,11 @@ const ACK_RELEASE_SRC: usize = 56;
 /// ours from: [`NOTICE_WORDS`] words, the last one (its count) placed last.
 const ACK_NOTICE: usize = 64;
 const ACK_NOTICE_SRC: usize = 96;
-const ACK_BYTES: usize = 128;
+/// Where the peer writes its latest copy-out report ([`MsgPipe::report_copy_out`]), and the 8
+/// bytes we write ours from.
+const ACK_COPY_OUT: usize = 128;
+const ACK_COPY_OUT_SRC: usize = 136;
+const ACK_BYTES: usize = 144;
 /// Words of a notice.
 pub const NOTICE_WORDS: usize = 4;
 
@@ -1214,7 +1218,8 @@ mod tests {
     }
 
     /// A framed bulk copy arrives as head, data and tail in one chunk, whole or not at all
-    /// (refused while the ring lacks room for all of it, never cut), and a reader that keeps
+    /// (refused while the ring lacks room for all of it, never cut), with cached or streaming
+    /// stores, timed or not, and a reader that keeps
     /// finding chunks acknowledges them without a progress pass: a sender storing its own
     /// chunks waits for no completion, so nothing else would free its room.
     #[test]
@@ -1234,7 +1239,13 @@ mod tests {
                 while sent < N && sent < got + 8 {
                     let data: Vec<u8> = (0..(sent * 811) % (max - 16)).map(|k| (k + sent) as u8).collect();
                     let (head, tail) = ((sent as u32).to_le_bytes(), [0xee; 3]);
-                    if !a.try_send_bulk_copy_framed(&head, &data, &tail).unwrap() {
+                    a.set_bulk_streaming(sent % 2 == 1);
+                    let stored = if sent % 3 == 0 {
+                        a.try_send_bulk_copy_timed(&head, &data, &tail, true).unwrap().is_some()
+                    } else {
+                        a.try_send_bulk_copy_framed(&head, &data, &tail).unwrap()
+                    };
+                    if !stored {
                         refused += 1;
                         break;
                     }
@@ -1845,10 +1856,11 @@ mod tests {
         }
     }
 
-    /// A release count lands in the peer's slot, stored directly or posted, under every
-    /// strategy, without a message: the peer's messages queued unread do not hold it up.
+    /// A release count, and a copy-out report, land in the peer's slots, stored directly or
+    /// posted, under every strategy, without a message: the peer's messages queued unread do
+    /// not hold them up.
     #[test]
-    fn release_counts_reach_the_peer_past_unread_messages() {
+    fn release_counts_and_copy_out_reports_reach_the_peer_past_unread_messages() {
         for posted in [false, true] {
             for s in strategies() {
                 let (_pd, mut a, mut b) = pair_with(s, PipeOptions { posted_frames: posted, ..PipeOptions::default() });
@@ -1862,6 +1874,14 @@ mod tests {
                         a.progress().unwrap();
                         b.progress().unwrap();
                     }
+                    b.report_copy_out(!count).unwrap();
+                    let deadline = Instant::now() + T;
+                    while a.peer_copy_out() != !count {
+                        assert!(Instant::now() < deadline, "{s:?} posted {posted}: report {count} never came");
+                        a.progress().unwrap();
+                        b.progress().unwrap();
+                    }
+                    assert_eq!(a.peer_released(), count, "{s:?}: the slots are apart");
                 }
                 assert_eq!(b.stats().received, 0, "{s:?}: the message stays unread");
                 let deadline = Instant::now() + T;
