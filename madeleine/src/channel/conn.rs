@@ -94,7 +94,16 @@ pub(super) struct ConnIo {
     pub(super) closed: bool,
     /// Bytes of an announced bulk pack still in the pipe's bulk lane.
     pub(super) bulk_left: u64,
+    /// What our timed copies out of the bulk lane cost (one copy in
+    /// [`crate::protocol::SMALL_PACK_SAMPLE`]), reported to the peer, whose stores into the
+    /// lane they judge; the bytes at the last report; copies so far.
+    pub(super) copy_out: CopyOut,
+    pub(super) copy_out_reported: u64,
+    pub(super) copies_out: u32,
 }
+
+/// Timed bytes of copies out of the bulk lane between two reports to the peer.
+const COPY_OUT_REPORT: u64 = 64 * 1024;
 
 /// `One` messages of at least this many bytes stay in the pipe until their unpack, which
 /// copies them straight into the application's buffer: smaller ones are copied out at once,
@@ -209,14 +218,35 @@ impl ConnIo {
             return Ok(None);
         }
         let data_end = data + out.len();
+        let timed = self.copies_out.is_multiple_of(crate::protocol::SMALL_PACK_SAMPLE).then(std::time::Instant::now);
         copy_slice(out, &m[data..data_end]);
+        let took = timed.map(|t| t.elapsed());
         let (end, taken) = match wire::decode_in_chunk(m, data_end) {
             Ok((Record::End { packs }, _, next)) => (Some(packs), next),
             _ => (None, data_end),
         };
         let len = m.len();
         take_from_front(&mut self.pipe, taken, len)?;
+        self.copied_out(out.len(), took)?;
         Ok(Some(end))
+    }
+
+    /// Counts a copy of `bytes` out of the bulk lane, timed (`took`) one in
+    /// [`crate::protocol::SMALL_PACK_SAMPLE`] (whether the next is: `copies_out`), and tells
+    /// the peer what the timed ones cost every [`COPY_OUT_REPORT`] bytes of them.
+    pub(super) fn copied_out(
+        &mut self,
+        bytes: usize,
+        took: Option<std::time::Duration>,
+    ) -> std::result::Result<(), Broken> {
+        self.copies_out = self.copies_out.wrapping_add(1);
+        let Some(took) = took else { return Ok(()) };
+        self.copy_out.add(bytes, took);
+        if self.copy_out.bytes - self.copy_out_reported >= COPY_OUT_REPORT {
+            self.copy_out_reported = self.copy_out.bytes;
+            self.pipe.report_copy_out(self.copy_out.word()).map_err(lost)?;
+        }
+        Ok(())
     }
 
     /// If the next record is the message's `End` and already here (queued, or next in the
@@ -442,6 +472,9 @@ impl Conn {
                 failed: None,
                 closed: false,
                 bulk_left: 0,
+                copy_out: CopyOut::default(),
+                copy_out_reported: 0,
+                copies_out: 0,
             }),
             send_side: Token::new(SendSide::new(max_msg, crossover)),
             recv_side: Token::new(RecvSide::default()),

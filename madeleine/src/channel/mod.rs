@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use portability_verbs::copy::{self, copy_slice};
 use portability_verbs::datapath::{
-    AdaptiveCrossover, FlowStrategy, Lane, MsgPipe, NoticeBoard, PipeOptions, Registration, Stores,
+    AdaptiveCrossover, CopyOut, FlowStrategy, Lane, MsgPipe, NoticeBoard, PipeOptions, Registration, Stores,
 };
 use portability_verbs::{cm, AccessFlags, CompletionQueue, SendWr, Sge, WcStatus};
 use smallvec::SmallVec;
@@ -22,7 +22,9 @@ mod packer;
 mod token;
 mod unpacker;
 
-use crate::protocol::{is_released, Framing, InlineStep, Limits, Mismatch, RecvSide, Route, SendSide, WholeMsg};
+use crate::protocol::{
+    is_released, Framing, InlineStep, Limits, Mismatch, RecvSide, Route, SendSide, WholeMsg, SMALL_PACK_SAMPLE,
+};
 pub(crate) use conn::Conn;
 use conn::*;
 use packer::*;

@@ -295,13 +295,26 @@ impl<'p> Packer<'p> {
         if end {
             tail.extend_from_slice(&Record::End { packs: self.tx.packs }.header());
         }
+        let large = buf.len() >= AdaptiveCrossover::MIN_PACK;
+        // Large packs, and a sample of the smaller ones stored straight into the peer's ring,
+        // are timed for their crossover.
+        let timed =
+            large || (reg.is_none() && buf.len() >= self.tx.small_crossover.min_pack() && self.tx.sample_small_pack());
         let head = std::mem::take(&mut self.tx.agg);
-        let tokens = self.bulk_chunks(&head, buf, reg.as_ref(), &tail);
+        let tokens = self.bulk_chunks(&head, buf, reg.as_ref(), &tail, timed);
         self.tx.agg = head;
         self.tx.agg.clear();
         self.tx.flushed = true;
         match tokens {
-            Ok((tokens, took)) => Ok((reg, tokens, took)),
+            Ok((tokens, took, reader)) if !large => {
+                // Stored already: what the stores took, with what the reader's copies out
+                // take, is the figure of the stores chosen.
+                if !took.is_zero() {
+                    self.tx.small_crossover.on_copy_read(buf.len(), took, reader, std::time::Instant::now());
+                }
+                Ok((reg, tokens, std::time::Duration::ZERO))
+            }
+            Ok((tokens, took, _)) => Ok((reg, tokens, took)),
             Err(e) => {
                 // Chunks posted before the failure may still be read from `buf` (a timeout
                 // leaves the pipe working): keep the registration for good rather than let its
@@ -312,24 +325,31 @@ impl<'p> Packer<'p> {
         }
     }
 
-    /// Writes `head`, `buf` (registered as `reg`; stored with plain stores without one) and
+    /// Writes `head`, `buf` (registered as `reg`; stored by this process without one) and
     /// `tail` into the peer's bulk ring, chunk by chunk (`head` in the first, `tail` in the
-    /// last), waiting for ring space (while
-    /// draining what arrives, so two ends sending at once never block each other). Returns
-    /// the chunks' tokens (`buf` is in use until they complete) and the time the hand-over
-    /// took for a pack the crossover times (zero otherwise): the copies into the ring and the
-    /// waits for room in it, so that while packs follow each other it is the pace at which
-    /// the receiver drains the ring, which the stores chosen also change.
+    /// last), waiting for ring space (while draining what arrives, so two ends sending at once
+    /// never block each other). Returns the chunks' tokens (`buf` is in use until they
+    /// complete), and, if `timed`, the time the hand-over took for its crossover (zero
+    /// otherwise) with the reader's latest copy-out report: for posted chunks the copies into
+    /// the ring and the waits for room in it, so that while packs follow each other it is the
+    /// pace at which the receiver drains the ring, which the stores chosen also change; for
+    /// stored ones the stores alone (the reader's copies are counted from its reports).
     pub(super) fn bulk_chunks(
         &self,
         head: &[u8],
         buf: &[u8],
         reg: Option<&Registration<'_>>,
         tail: &[u8],
-    ) -> Result<(Vec<u64>, std::time::Duration)> {
+        timed: bool,
+    ) -> Result<(Vec<u64>, std::time::Duration, u64)> {
         let max = self.conn.bulk_chunk;
-        let started = (buf.len() >= AdaptiveCrossover::MIN_PACK).then(std::time::Instant::now);
-        let streaming = self.tx.crossover.stores() == Stores::Streaming;
+        let crossover =
+            if buf.len() >= AdaptiveCrossover::MIN_PACK { &self.tx.crossover } else { &self.tx.small_crossover };
+        let streaming = crossover.stores() == Stores::Streaming;
+        // Copies straight into the peer's ring are timed alone (their stores), posted chunks
+        // from the first to the last.
+        let started = (timed && reg.is_some()).then(std::time::Instant::now);
+        let (mut stores_took, mut reader) = (std::time::Duration::ZERO, 0);
         let mut tokens = Vec::with_capacity(if reg.is_some() { buf.len().div_ceil(max) + 1 } else { 0 });
         let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for room in the peer's bulk ring");
         let (mut off, mut head, mut tail_sent) = (0, head, false);
@@ -348,7 +368,10 @@ impl<'p> Packer<'p> {
                             io.pipe.try_send_bulk_framed(head, sge, tail_here).map(|t| t.map(|t| tokens.push(t)))
                         }
                         None => {
-                            io.pipe.try_send_bulk_copy_framed(head, piece, tail_here).map(|stored| stored.then_some(()))
+                            io.pipe.set_bulk_streaming(streaming);
+                            reader = io.pipe.peer_copy_out();
+                            let stored = io.pipe.try_send_bulk_copy_timed(head, piece, tail_here, timed);
+                            stored.map(|took| took.map(|t| stores_took += t))
                         }
                     };
                     if sent.map_err(|e| self.conn.lost(e))?.is_some() {
@@ -363,7 +386,7 @@ impl<'p> Packer<'p> {
             head = &[];
             tail_sent = last && (tail.is_empty() || !tail_here.is_empty());
         }
-        Ok((tokens, started.map_or(std::time::Duration::ZERO, |t| t.elapsed())))
+        Ok((tokens, started.map_or(stores_took, |t| t.elapsed()), reader))
     }
 
     /// Whether a pack of `len` bytes goes inline, whole, into the message being filled, with

@@ -288,6 +288,8 @@ impl<'u> Unpacker<'u> {
                 if let Some(e) = &io.failed {
                     return Err(self.conn.lost(e));
                 }
+                let sample = io.copies_out.is_multiple_of(SMALL_PACK_SAMPLE);
+                let mut copied = None;
                 let ConnIo { pipe, bulk_left, .. } = &mut *io;
                 let mut bad = false;
                 let got = match pipe.front() {
@@ -298,7 +300,9 @@ impl<'u> Unpacker<'u> {
                             bad = true;
                             Ok(())
                         } else {
+                            let timed = sample.then(std::time::Instant::now);
                             copy_slice(&mut buf[off..off + n], &m[..n]);
+                            copied = Some((n, timed.map(|t| t.elapsed())));
                             off += n;
                             *bulk_left -= n as u64;
                             progressed = true;
@@ -323,6 +327,9 @@ impl<'u> Unpacker<'u> {
                         io.failed = Some(self.conn.lost(&e));
                         return Err(self.conn.lost(e));
                     }
+                }
+                if let Some((n, took)) = copied {
+                    io.copied_out(n, took).map_err(|b| self.conn.fail(&mut io, b))?;
                 }
             }
             if !progressed {

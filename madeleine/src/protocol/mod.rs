@@ -18,7 +18,7 @@ pub(crate) mod send;
 pub(crate) use mismatch::Mismatch;
 pub(crate) use recv::{RecvSide, WholeMsg};
 pub(crate) use release::{is_released, released};
-pub(crate) use send::{Framing, InlineStep, Limits, Route, SendSide};
+pub(crate) use send::{Framing, InlineStep, Limits, Route, SendSide, SMALL_PACK_SAMPLE};
 
 #[cfg(test)]
 mod tests;

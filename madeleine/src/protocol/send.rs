@@ -16,6 +16,10 @@ use crate::{RecvMode, SendMode};
 /// the frame's extra part.
 pub(crate) const GATHER_MIN: usize = 1024;
 
+/// Bulk packs below the large ones that their crossover times: one in this many (and the
+/// receiver times as many of its copies out of the bulk lane).
+pub(crate) const SMALL_PACK_SAMPLE: u32 = 4;
+
 /// How a pack travels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Route {
@@ -73,8 +77,13 @@ pub(crate) struct SendSide {
     pub seq: u32,
     /// Records of the pipe message being filled.
     pub agg: Vec<u8>,
-    /// Copy or zero-copy for large packs, from the probe and the copies timed since.
+    /// Copy or zero-copy for large packs, from the probe and the copies timed since...
     pub crossover: AdaptiveCrossover,
+    /// ...and the stores of the bulk packs below them
+    /// ([`AdaptiveCrossover::for_smaller_packs`]), which times one such pack in
+    /// [`SMALL_PACK_SAMPLE`] (two clock reads are not free at their size).
+    pub small_crossover: AdaptiveCrossover,
+    small_packs: u32,
     // The message being packed (here rather than in the `Packer`, which is returned by value
     // on every message and so stays a few words).
     /// Packs so far.
@@ -97,12 +106,21 @@ impl SendSide {
             seq: 0,
             agg: Vec::with_capacity(max_msg),
             crossover,
+            small_crossover: AdaptiveCrossover::for_smaller_packs(),
+            small_packs: 0,
             packs: 0,
             flushed: false,
             inline_modes: Modes { send: SendMode::Safer, recv: RecvMode::Express },
             finished: true,
             notice_seen: 0,
         }
+    }
+
+    /// Whether to time this bulk pack below the large ones (one in [`SMALL_PACK_SAMPLE`]).
+    #[inline]
+    pub fn sample_small_pack(&mut self) -> bool {
+        self.small_packs = self.small_packs.wrapping_add(1);
+        self.small_packs.is_multiple_of(SMALL_PACK_SAMPLE)
     }
 
     /// Begins a message: its `Begin` header opens the pipe message (overwritten by `Whole`
@@ -125,6 +143,9 @@ impl SendSide {
         if large && (len >= self.crossover.probed() || self.crossover.zero_copy(len, now())) {
             Route::Rendezvous
         } else if limits.bulk_chunk > 0 && limits.too_large_for_a_message(len) {
+            if !large {
+                self.small_crossover.count(len);
+            }
             Route::Bulk
         } else {
             Route::Inline

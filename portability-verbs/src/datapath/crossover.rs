@@ -132,6 +132,40 @@ impl Stores {
     }
 }
 
+/// What copying out of a bulk lane has cost its reader so far, cumulative: the reader
+/// publishes it as one word ([`CopyOut::word`], through the pipe's
+/// [`crate::datapath::MsgPipe::report_copy_out`]), and the writer's crossover of smaller packs
+/// takes the rate between two words, so that it judges the stores it chooses by what both
+/// ends pay for them (the reader's loads find the lines in the writer's cache, or in memory).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyOut {
+    /// Bytes copied out (of the copies timed).
+    pub bytes: u64,
+    /// Time those copies took, in nanoseconds.
+    pub ns: u64,
+}
+
+impl CopyOut {
+    /// Adds a copy of `bytes` that took `took`.
+    pub fn add(&mut self, bytes: usize, took: Duration) {
+        self.bytes += bytes as u64;
+        self.ns += took.as_nanos() as u64;
+    }
+
+    /// The counters as one word: 64-byte units in the low half, 64-ns units in the high half,
+    /// each wrapping (rates come from the difference of two words).
+    pub fn word(&self) -> u64 {
+        u64::from((self.bytes >> 6) as u32) | u64::from((self.ns >> 6) as u32) << 32
+    }
+
+    /// Bytes per ns copied out between two words, if bytes and time passed between them.
+    pub fn rate_between(earlier: u64, later: u64) -> Option<f64> {
+        let bytes = (later as u32).wrapping_sub(earlier as u32);
+        let time = ((later >> 32) as u32).wrapping_sub((earlier >> 32) as u32);
+        (bytes > 0 && time > 0).then(|| f64::from(bytes) / f64::from(time))
+    }
+}
+
 /// A copy speed measured over one window.
 #[derive(Clone, Copy, Debug)]
 struct Measured {
@@ -169,6 +203,14 @@ struct Measured {
 /// next ran at 25. Sans-IO: the caller passes the clock.
 #[derive(Clone, Debug)]
 pub struct AdaptiveCrossover {
+    /// The packs it times and may send zero-copy: from this size on (and below the large
+    /// ones, for [`Self::for_smaller_packs`]).
+    min_pack: usize,
+    /// Bytes of copies per figure ([`Self::WINDOW`], or less for smaller packs).
+    window_len: usize,
+    /// For a crossover that counts the reader's copies too: the reader's [`CopyOut::word`]
+    /// when the current window began, and the latest one seen.
+    reader: Option<(Option<u64>, u64)>,
     /// The threshold the set-up probe (or the configuration) chose.
     probed: usize,
     /// Whether timings may lower the threshold (not when it was configured; the stores
@@ -219,6 +261,14 @@ impl AdaptiveCrossover {
     /// Zero-copy is chosen for `n` bytes while the read's cost is at most this fraction of
     /// the copy's.
     pub const MARGIN: f64 = 0.75;
+    /// The smallest packs [`Self::for_smaller_packs`] times.
+    pub const MIN_SMALL_PACK: usize = 8 * 1024;
+    /// The window of [`Self::for_smaller_packs`]: a latency-bound exchange of such packs
+    /// should not take long to learn.
+    pub const SMALL_WINDOW: usize = Self::WINDOW / 8;
+    /// With both ends' copies counted, streaming stores are chosen only if they beat cached
+    /// ones by this much (a near tie stays with the stores that keep lines in caches).
+    pub const STREAMING_EDGE: f64 = 0.9;
 
     /// A crossover that starts at `probed` and adapts, knowing that a zero-copy read of a few
     /// bytes took `read_small` and of `big` bytes `read_big`.
@@ -226,6 +276,9 @@ impl AdaptiveCrossover {
         let read_fixed = read_small.as_nanos() as f64;
         let read_per_byte = (read_big.as_nanos() as f64 - read_fixed).max(0.0) / big.max(1) as f64;
         AdaptiveCrossover {
+            min_pack: Self::MIN_PACK,
+            window_len: Self::WINDOW,
+            reader: None,
             probed,
             adapts: true,
             read_fixed,
@@ -247,6 +300,40 @@ impl AdaptiveCrossover {
     /// their stores.
     pub fn fixed(threshold: usize) -> Self {
         AdaptiveCrossover { adapts: false, ..AdaptiveCrossover::new(threshold, Duration::ZERO, Duration::ZERO, 1) }
+    }
+
+    /// The stores of the packs from [`Self::MIN_SMALL_PACK`] up to the large ones, which
+    /// always copy: a rendezvous would make a blocking send of such a pack wait for its
+    /// receiver, and programs exchange packs of that size with blocking sends on both sides.
+    /// Its figures count the reader's copies out of the ring as well as the sender's stores
+    /// ([`Self::on_copy_read`]): the sender alone times non-temporal stores fast whatever the
+    /// phase, their cost falling on the reader.
+    pub fn for_smaller_packs() -> Self {
+        AdaptiveCrossover {
+            min_pack: Self::MIN_SMALL_PACK,
+            window_len: Self::SMALL_WINDOW,
+            reader: Some((None, 0)),
+            ..AdaptiveCrossover::fixed(usize::MAX)
+        }
+    }
+
+    /// The smallest pack it times.
+    pub fn min_pack(&self) -> usize {
+        self.min_pack
+    }
+
+    /// Bytes of copies per figure.
+    pub fn window_len(&self) -> usize {
+        self.window_len
+    }
+
+    /// Counts a pack of `len` bytes that it is the crossover of (the bytes that space its
+    /// remeasures and trials); [`Self::zero_copy`] counts the packs it is asked about.
+    #[inline]
+    pub fn count(&mut self, len: usize) {
+        if len >= self.min_pack {
+            self.large_bytes += len as u64;
+        }
     }
 
     /// The threshold the probe or the configuration chose.
@@ -276,9 +363,12 @@ impl AdaptiveCrossover {
     /// read from memory, so the receiver's copies out of the ring slow down while the sender's
     /// copies in speed up; measured end to end, streaming moved 9-13 GB/s where the sender
     /// timed 12-22.
-    fn effective(stores: Stores, rate: f64) -> f64 {
+    /// With the reader's copies counted ([`Self::for_smaller_packs`]) the figure says it all,
+    /// and streaming only needs [`Self::STREAMING_EDGE`].
+    fn effective(&self, stores: Stores, rate: f64) -> f64 {
         match stores {
             Stores::Cached => rate,
+            Stores::Streaming if self.reader.is_some() => Self::STREAMING_EDGE * rate,
             Stores::Streaming => Self::MARGIN * rate,
         }
     }
@@ -287,7 +377,7 @@ impl AdaptiveCrossover {
     /// until both were measured).
     fn chosen_stores(&self) -> Stores {
         match self.measured {
-            [Some(cached), Some(streaming)] if cached.rate < Self::effective(Stores::Streaming, streaming.rate) => {
+            [Some(cached), Some(streaming)] if cached.rate < self.effective(Stores::Streaming, streaming.rate) => {
                 Stores::Streaming
             }
             _ => Stores::Cached,
@@ -307,9 +397,7 @@ impl AdaptiveCrossover {
         if len >= self.probed {
             return true;
         }
-        if len >= Self::MIN_PACK {
-            self.large_bytes += len as u64;
-        }
+        self.count(len);
         if !self.adapts {
             return false;
         }
@@ -335,34 +423,55 @@ impl AdaptiveCrossover {
         }
     }
 
+    /// [`Self::on_copy`] for [`Self::for_smaller_packs`]: `reader` is the reader's latest
+    /// [`CopyOut::word`].
+    pub fn on_copy_read(&mut self, bytes: usize, took: Duration, reader: u64, now: Instant) {
+        if let Some((_, latest)) = &mut self.reader {
+            *latest = reader;
+        }
+        self.on_copy(bytes, took, now);
+    }
+
     /// Records that handing `bytes` of one pack to the peer by copy (with [`Self::stores`])
     /// took `took`: the copies into its ring and the waits for room, so that while packs
     /// follow each other it is the pace at which the peer drains the ring (which the stores
     /// change too, as the peer's loads find lines in another cache or in memory). At the end
     /// of a window, at `now`, chooses again.
     pub fn on_copy(&mut self, bytes: usize, took: Duration, now: Instant) {
-        if bytes < Self::MIN_PACK || took.is_zero() {
+        if bytes < self.min_pack || took.is_zero() {
             return;
         }
         self.slice.0 += bytes;
         self.slice.1 += took;
-        if self.slice.0 < Self::SLICE {
+        if self.slice.0 < self.window_len / 4 {
             return;
         }
         let (slice_bytes, slice_took) = std::mem::replace(&mut self.slice, (0, Duration::ZERO));
         self.window.push(slice_bytes as f64 / slice_took.as_nanos().max(1) as f64);
         self.window_bytes += slice_bytes;
-        if self.window_bytes < Self::WINDOW {
+        if self.window_bytes < self.window_len {
             return;
         }
         self.window_bytes = 0;
+        // The reader's copies over the window, for a crossover that counts them.
+        let reader = self.reader.map(|(start, latest)| {
+            self.reader = Some((Some(latest), latest));
+            start.and_then(|s| CopyOut::rate_between(s, latest))
+        });
         if std::mem::take(&mut self.warming) {
             self.window.clear();
             return;
         }
         self.window.sort_by(|a, b| a.total_cmp(b));
-        let rate = self.window[self.window.len() / 2];
+        let sent = self.window[self.window.len() / 2];
         self.window.clear();
+        let rate = match reader {
+            None => sent,
+            // Both ends' copies, one after the other.
+            Some(Some(read)) => 1.0 / (1.0 / sent + 1.0 / read),
+            // The reader reported nothing over the window: no figure.
+            Some(None) => return,
+        };
         self.measured[self.stores.index()] = Some(Measured { rate, at: now, bytes_at: self.large_bytes });
         // The other kind of stores is measured when it never was or its figure is due; until
         // then (one window) large packs keep copying.
@@ -372,10 +481,10 @@ impl AdaptiveCrossover {
         let chosen = self.chosen_stores();
         self.stores = if remeasure { other } else { chosen };
         self.trial = remeasure;
-        let best = Self::effective(chosen, self.measured[chosen.index()].map_or(rate, |m| m.rate));
+        let best = self.effective(chosen, self.measured[chosen.index()].map_or(rate, |m| m.rate));
         // Zero-copy pays for `n` bytes once `fixed + n * per_byte <= MARGIN * n / best`.
         let gain = Self::MARGIN / best - self.read_per_byte;
-        let from = (self.adapts && gain > 0.0).then(|| ((self.read_fixed / gain).ceil() as usize).max(Self::MIN_PACK));
+        let from = (self.adapts && gain > 0.0).then(|| ((self.read_fixed / gain).ceil() as usize).max(self.min_pack));
         if from.is_some() && self.zero_copy_from.is_none() {
             self.last_trial = None;
         }
@@ -585,6 +694,68 @@ mod tests {
         }
         assert_eq!((c.current(), c.stores()), (usize::MAX, Stores::Cached));
         assert!(!c.zero_copy(MIB, t2));
+    }
+
+    /// One window of `pack`-byte packs for a crossover of smaller packs: the sender's stores
+    /// at `sent` GB/s, the reader's copies out at `read` GB/s (reported every pack; none if
+    /// `read` is zero).
+    fn window_read(c: &mut AdaptiveCrossover, out: &mut CopyOut, pack: usize, now: Instant, sent: f64, read: f64) {
+        for _ in 0..c.window_len() / pack {
+            c.count(pack);
+            if read > 0.0 {
+                out.add(pack, Duration::from_nanos((pack as f64 / read) as u64));
+            }
+            c.on_copy_read(pack, Duration::from_nanos((pack as f64 / sent) as u64), out.word(), now);
+        }
+    }
+
+    #[test]
+    fn smaller_packs_choose_their_stores_by_both_ends_copies_and_always_copy() {
+        const PACK: usize = 16 * 1024;
+        let mut c = AdaptiveCrossover::for_smaller_packs();
+        let mut out = CopyOut::default();
+        let t0 = Instant::now();
+        // Cores sharing a cache: cached stores 25 GB/s and the reader's copies 25 (12.5 for
+        // both); streaming stores time 45 for the sender but 8 for the reader (6.8): cached.
+        window_read(&mut c, &mut out, PACK, t0, 25.0, 25.0); // warms up
+        window_read(&mut c, &mut out, PACK, t0, 25.0, 25.0);
+        assert!(c.copy_rate().is_some_and(|r| (12.0..=12.6).contains(&r)), "{:?}", c.copy_rate());
+        assert_eq!(c.stores(), Stores::Streaming, "the other stores are measured next");
+        window_read(&mut c, &mut out, PACK, t0, 45.0, 8.0);
+        assert_eq!((c.stores(), c.current()), (Stores::Cached, usize::MAX));
+        // Cores sharing no cache: cached stores at 3, the reader's copies at 3 (1.5), below the
+        // streaming figure: streaming, measured again (40 and 9: 7.3), kept.
+        window_read(&mut c, &mut out, PACK, t0, 3.0, 3.0);
+        assert_eq!(c.stores(), Stores::Streaming);
+        window_read(&mut c, &mut out, PACK, t0, 40.0, 9.0);
+        assert_eq!((c.stores(), c.current()), (Stores::Streaming, usize::MAX));
+        // Once the cached figure is due again (a period, a trial's worth of packs), it is
+        // measured again: the host is fast again, back to cached stores.
+        let t1 = t0 + AdaptiveCrossover::TRIAL_EVERY;
+        for _ in 0..AdaptiveCrossover::TRIAL_BYTES as usize / PACK {
+            c.count(PACK);
+        }
+        window_read(&mut c, &mut out, PACK, t1, 45.0, 8.0);
+        assert_eq!(c.stores(), Stores::Cached, "measured again");
+        window_read(&mut c, &mut out, PACK, t1, 25.0, 25.0);
+        assert_eq!(c.stores(), Stores::Cached);
+        assert!(!c.zero_copy(PACK, t1), "never zero-copy");
+        // A reader that reports nothing gives no figure: the choice stands.
+        let mut quiet = AdaptiveCrossover::for_smaller_packs();
+        let mut none = CopyOut::default();
+        for _ in 0..4 {
+            window_read(&mut quiet, &mut none, PACK, t0, 3.0, 0.0);
+        }
+        assert_eq!((quiet.stores(), quiet.copy_rate()), (Stores::Cached, None));
+    }
+
+    #[test]
+    fn copy_out_words_give_the_rate_between_them_across_wraps() {
+        let mut a = CopyOut { bytes: (u32::MAX as u64 - 10) << 6, ns: (u32::MAX as u64 - 3) << 6 };
+        let before = a.word();
+        a.add(64 * 100, Duration::from_nanos(64 * 50));
+        assert_eq!(CopyOut::rate_between(before, a.word()), Some(2.0));
+        assert_eq!(CopyOut::rate_between(before, before), None);
     }
 
     #[test]

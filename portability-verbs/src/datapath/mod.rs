@@ -9,7 +9,7 @@ pub mod pool;
 pub mod regcache;
 pub mod signals;
 
-pub use crossover::{AdaptiveCrossover, Crossover, CrossoverSource, Stores};
+pub use crossover::{AdaptiveCrossover, CopyOut, Crossover, CrossoverSource, Stores};
 pub use pipe::{FlowStrategy, Lane, MsgPipe, NoticeBoard, PipeOptions, PipeStats, NOTICE_WORDS};
 pub use pool::{BufferPool, PoolBuf, PoolStats};
 pub use regcache::{CacheStats, CachedBuffer, Registration, RegistrationCache};
