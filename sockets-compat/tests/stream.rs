@@ -498,13 +498,17 @@ fn peek_shows_the_next_bytes_and_leaves_them() {
         let mut rng = Rng(design as u64 + 7);
         let lens = [5usize, 4096, 200 * 1024];
         let all: Vec<Vec<u8>> = lens.iter().map(|&n| rng.bytes(n)).collect();
-        // Zero-copy writes wait for the reader: from a thread of their own.
+        // Zero-copy writes wait for the reader: from a thread of their own, which keeps the
+        // buffers until its flush says they were read (AZ-SDP holds their pages until then:
+        // memory freed earlier may be the reader's next allocation, whose page faults until
+        // it reads, which it then never does).
         let sent = all.clone();
         let writer = thread::spawn(move || {
             let mut c = c;
             for d in &sent {
                 c.write_all(d).unwrap();
             }
+            c.flush().unwrap();
             c
         });
         for data in &all {
