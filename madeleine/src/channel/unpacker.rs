@@ -329,7 +329,7 @@ impl<'u> Unpacker<'u> {
                     }
                 }
                 if let Some((n, took)) = copied {
-                    io.copied_out(n, took).map_err(|b| self.conn.fail(&mut io, b))?;
+                    io.copied_out(n, took);
                 }
             }
             if !progressed {
