@@ -211,6 +211,7 @@ impl ConnIo {
         if !self.incoming.is_empty() || self.bulk_left != 0 || self.failed.is_some() || self.closed {
             return Ok(None);
         }
+        let sample = self.times_next_copy_out();
         let Ok(Some((Lane::Bulk, m))) = self.pipe.front() else { return Ok(None) };
         // (A `Bulk` record's data starts where the next record would.)
         let Ok((Record::Bulk { modes, total }, _, data)) = wire::decode_in_chunk(m, 0) else { return Ok(None) };
@@ -218,7 +219,7 @@ impl ConnIo {
             return Ok(None);
         }
         let data_end = data + out.len();
-        let timed = self.copies_out.is_multiple_of(crate::protocol::SMALL_PACK_SAMPLE).then(std::time::Instant::now);
+        let timed = sample.then(std::time::Instant::now);
         copy_slice(out, &m[data..data_end]);
         let took = timed.map(|t| t.elapsed());
         let (end, taken) = match wire::decode_in_chunk(m, data_end) {
@@ -229,6 +230,13 @@ impl ConnIo {
         take_from_front(&mut self.pipe, taken, len)?;
         self.copied_out(out.len(), took);
         Ok(Some(end))
+    }
+
+    /// Whether the next copy out of the bulk lane is one of those timed for
+    /// [`ConnIo::copied_out`].
+    #[inline]
+    pub(super) fn times_next_copy_out(&self) -> bool {
+        self.copies_out.is_multiple_of(crate::protocol::SMALL_PACK_SAMPLE)
     }
 
     /// Counts a copy of `bytes` out of the bulk lane, timed (`took`) one in

@@ -22,9 +22,7 @@ mod packer;
 mod token;
 mod unpacker;
 
-use crate::protocol::{
-    is_released, Framing, InlineStep, Limits, Mismatch, RecvSide, Route, SendSide, WholeMsg, SMALL_PACK_SAMPLE,
-};
+use crate::protocol::{is_released, Framing, InlineStep, Limits, Mismatch, RecvSide, Route, SendSide, WholeMsg};
 pub(crate) use conn::Conn;
 use conn::*;
 use packer::*;

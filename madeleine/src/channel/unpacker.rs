@@ -288,7 +288,7 @@ impl<'u> Unpacker<'u> {
                 if let Some(e) = &io.failed {
                     return Err(self.conn.lost(e));
                 }
-                let sample = io.copies_out.is_multiple_of(SMALL_PACK_SAMPLE);
+                let sample = io.times_next_copy_out();
                 let mut copied = None;
                 let ConnIo { pipe, bulk_left, .. } = &mut *io;
                 let mut bad = false;
