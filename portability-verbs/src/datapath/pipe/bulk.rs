@@ -30,7 +30,7 @@ impl MsgPipe {
 
     /// Whether bulk chunks from now on carry the [`SendFlags::streaming`] hint (the software
     /// provider then writes them into the peer's ring with non-temporal stores), and bulk
-    /// copies ([`MsgPipe::try_send_bulk_copy_framed`]) store with them. Which is
+    /// copies ([`MsgPipe::try_send_bulk_copy`] and the framed ones) store with them. Which is
     /// faster depends on whether the two CPUs share a cache, so callers measure: see
     /// [`crate::datapath::AdaptiveCrossover`].
     pub fn set_bulk_streaming(&mut self, on: bool) {
@@ -184,7 +184,8 @@ impl MsgPipe {
         }
     }
 
-    /// Copies the front of `data` into the peer's bulk ring with plain stores and announces it
+    /// Copies the front of `data` into the peer's bulk ring (plain stores unless
+    /// [`MsgPipe::set_bulk_streaming`] asked for streaming ones) and announces it
     /// as one bulk chunk (in order with the messages, as [`Lane::Bulk`]); returns how many
     /// bytes it took: as many as the ring has room for, at most [`MsgPipe::bulk_chunk_max`],
     /// 0 if none now (call [`MsgPipe::progress`] and retry). `data` is free again when this
