@@ -1,11 +1,11 @@
-//! Fuzzes what an EXS peer sends (`sockets_compat::exs`): control messages, write immediates
-//! and handshake data, fed to a connection end with receives posted. Whatever arrives, the end
+//! Fuzzes what an EXS peer sends (`sockets_compat::exs`): pipe messages (records or write
+//! notes), write notes as immediates and handshake data, fed to a connection end with receives posted. Whatever arrives, the end
 //! never panics, and every copy it orders lands inside a posted receive buffer (from inside its
 //! stream buffer): a malformed peer gets an error, never a write outside a registration.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use sockets_compat::exs::proto::{Action, CopySrc, Proto, ProtoConfig};
-use sockets_compat::exs::wire::{Control, Hello, SocketKind, WriteNote};
+use sockets_compat::exs::wire::{Control, Hello, Message, SocketKind, WriteNote};
 
 const RING: u32 = 4096;
 const BUFFERS: [(u64, u64); 3] = [(0x1000, 100), (0x2000, 5000), (0x9000, 1)];
@@ -19,8 +19,8 @@ fuzz_target!(|data: &[u8]| {
     }
     let Some((&kind, mut rest)) = data.split_first() else { return };
     let kind = if kind & 1 == 0 { SocketKind::Stream } else { SocketKind::SeqPacket };
-    let peer = Hello { kind, slots: 16, small_max: 64, ring_addr: 0x10_0000, ring_len: RING, ring_rkey: 1 };
-    let mut p = Proto::new(ProtoConfig { kind, slots: 16, small_max: 64, ring_len: RING, adv_credits: 4, peer });
+    let peer = Hello { kind, msg_credits: 16, small_max: 64, ring_addr: 0x10_0000, ring_len: RING, ring_rkey: 1 };
+    let mut p = Proto::new(ProtoConfig { kind, msg_credits: 16, small_max: 64, ring_len: RING, adv_credits: 4, peer });
     for (i, (addr, len)) in BUFFERS.iter().enumerate() {
         p.post_recv(i as u64, *addr, *len, 7).unwrap();
     }
@@ -33,11 +33,16 @@ fuzz_target!(|data: &[u8]| {
             let Some((&n, r)) = rest.split_first() else { break };
             let n = (n as usize).min(r.len());
             rest = &r[n..];
-            p.on_control(&r[..n], &mut |dst, data| {
-                let len = data.len() as u64;
-                let inside = BUFFERS.iter().any(|(a, l)| dst >= *a && dst + len <= a + l);
-                assert!(inside, "{len} bytes placed at {dst:#x}, outside every receive buffer");
-            })
+            // As the connection's driver takes a message of its pipe.
+            match Message::decode(&r[..n]) {
+                Ok(Message::Written(note)) => p.on_write_imm(note.encode()),
+                Ok(Message::Records(b)) => p.on_control(b, &mut |dst, data| {
+                    let len = data.len() as u64;
+                    let inside = BUFFERS.iter().any(|(a, l)| dst >= *a && dst + len <= a + l);
+                    assert!(inside, "{len} bytes placed at {dst:#x}, outside every receive buffer");
+                }),
+                Err(_) => Ok(()),
+            }
         } else {
             let Some(b) = rest.get(..4) else { break };
             rest = &rest[4..];

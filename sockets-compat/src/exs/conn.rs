@@ -1,38 +1,34 @@
-//! One connection's driver: the thin code between [`Proto`] and the queue pair. It posts what
-//! the protocol decides, feeds it the completions, copies what it says to copy, and turns its
-//! completions into events on the queues the operations named.
+//! One connection's driver: the thin code between [`Proto`] and the connection's message pipe.
+//! It sends the control messages the protocol decides as pipe messages, posts its data writes
+//! on the pipe's queue pair, each followed by its note, feeds the protocol what arrives, copies
+//! what it says to copy, and turns its completions into events on the queues the operations
+//! named.
+//!
+//! Why a pipe rather than SENDs into posted slots: on one host the pipe stores a message
+//! straight into the peer's ring, where the peer's poll finds it (no request, no receive, no
+//! completion); across hosts and on hardware it writes it with one RDMA write. A data write
+//! posted before a message is placed before it (the pipe posts its frames behind requests in
+//! flight), so a note needs no immediate.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use portability_verbs::cm::Connection;
-use portability_verbs::{
-    CompletionQueue, MemoryRegion, QueuePair, RecvWr, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
-};
+use portability_verbs::datapath::pipe::{Lane, MsgPipe};
+use portability_verbs::{CompletionQueue, MemoryRegion, SendWr, Sge, WcStatus};
 
 use super::engine::{self, Progress};
 use super::error::{ExsError, ExsResult};
 use super::memory::InFlight;
 use super::proto::{Action, CopySrc, Done, Errno, OpKind, Proto, ProtoConfig, Record};
 use super::queue::{Event, EventKind, EventQueue};
-use super::wire::{self, Control, Hello, DATA_OVERHEAD, HEADER};
+use super::wire::{self, Control, Hello, Message, WriteNote, DATA_OVERHEAD, HEADER};
 
-const TAG_SLOT: u64 = 1 << 56;
-const TAG_TX: u64 = 2 << 56;
-const TAG_WRITE: u64 = 3 << 56;
-/// A SEND carrying our Close (always signaled: its completion completes the close).
-const TAG_CLOSE: u64 = 4 << 56;
-const TAG_MASK: u64 = 0xff << 56;
-/// The id of a request whose buffer was released at posting (inline data is copied then).
-const NO_BUFFER: u64 = (1 << 56) - 1;
-/// Inline requests left unsignaled in a row at most: a NIC frees send-queue slots only
-/// when a later request's completion comes, so one in this many asks for one.
-const SIGNAL_EVERY: u32 = 16;
-
-/// Send requests a connection keeps outstanding at most (more wait in its backlog).
-pub(crate) const SEND_DEPTH: u32 = 512;
+/// Data writes a connection keeps in flight at most (more wait in its backlog).
+const WRITE_DEPTH: usize = 256;
+/// Send requests a connection's queue pair holds: its data writes and the pipe's own.
+pub(crate) const SEND_DEPTH: u32 = 2 * WRITE_DEPTH as u32;
 /// How long a closed connection waits for the peer's Close before it is torn down.
 const LINGER: Duration = Duration::from_secs(10);
 
@@ -46,35 +42,36 @@ pub(crate) struct Op<S> {
     pub(crate) hold: Option<InFlight>,
 }
 
-/// A connection's memory: receive slots, stream buffer, and (once the peer's slot size is
-/// known) the buffers its SENDs are packed in.
-pub(crate) struct ConnMemory {
-    pub(crate) slots: MemoryRegion,
-    pub(crate) ring: Option<MemoryRegion>,
-    pub(crate) slot_size: usize,
-    pub(crate) slot_count: usize,
-    pub(crate) tx: MemoryRegion,
-    /// Bytes of each SEND buffer: the peer's slot size.
-    pub(crate) tx_size: usize,
+/// What waits for room in the pipe or the send queue, in order.
+enum Pending {
+    /// An action of the protocol's.
+    Action(Action),
+    /// The note of a data write already posted.
+    Note(WriteNote),
+}
+
+/// A data write in flight: the pipe's token, and the send it belongs to.
+struct WriteInFlight {
+    token: u64,
+    send: u64,
 }
 
 struct State<S> {
     proto: Proto,
-    qp: QueuePair,
-    mem: ConnMemory,
-    tx_free: Vec<u32>,
+    pipe: MsgPipe,
+    /// Our stream buffer (SOCK_STREAM with one).
+    ring: Option<MemoryRegion>,
     /// Operations in flight, by token (a slab: tokens are reused once reported).
     ops: Vec<Option<Op<S>>>,
     free_ops: Vec<u64>,
     live_ops: usize,
-    backlog: VecDeque<Action>,
-    sq_used: u32,
-    /// Requests posted unsignaled since the last signaled one, and per signaled request in
-    /// flight the send-queue slots its completion frees.
-    unsignaled: u32,
-    batches: VecDeque<u32>,
+    backlog: VecDeque<Pending>,
+    writes: VecDeque<WriteInFlight>,
     inline_max: u32,
-    scratch: Vec<u8>,
+    /// Where a control message is encoded (kept for its capacity).
+    msg: Vec<u8>,
+    /// Our Close left in a pipe message that may still be in flight.
+    close_in_flight: bool,
     closing_since: Option<Instant>,
 }
 
@@ -87,44 +84,46 @@ pub(crate) struct Conn<S> {
 }
 
 impl<S> Conn<S> {
-    /// Takes over a connected queue pair: posts every receive slot.
+    /// Takes over an established pipe; `ring` is our stream buffer, if any.
     pub(crate) fn new(
-        c: Connection,
-        mem: ConnMemory,
+        pipe: MsgPipe,
+        ring: Option<MemoryRegion>,
         ours: &Hello,
         peer: Hello,
         adv_credits: u32,
         inline_max: u32,
     ) -> ExsResult<Conn<S>> {
+        let largest = wire::message_max(peer.small_max).max(wire::message_max(ours.small_max));
+        if largest > pipe.strategy().max_message() {
+            return Err(ExsError::System(
+                format!("control messages of {largest} bytes over a pipe of {}", pipe.strategy().max_message()),
+                libc::EINVAL,
+            ));
+        }
         let cfg = ProtoConfig {
             kind: ours.kind,
-            slots: ours.slots,
+            msg_credits: ours.msg_credits,
             small_max: ours.small_max,
             ring_len: ours.ring_len,
             adv_credits,
             peer,
         };
-        let tx_count = mem.slot_count as u32;
+        let cq = pipe.cq().clone();
         let state = State {
             proto: Proto::new(cfg),
-            qp: c.qp,
-            tx_free: (0..tx_count).rev().collect(),
-            mem,
+            pipe,
+            ring,
             ops: Vec::new(),
             free_ops: Vec::new(),
             live_ops: 0,
             backlog: VecDeque::new(),
-            sq_used: 0,
-            unsignaled: 0,
-            batches: VecDeque::new(),
+            writes: VecDeque::new(),
             inline_max,
-            scratch: Vec::new(),
+            msg: Vec::with_capacity(largest),
+            close_in_flight: false,
             closing_since: None,
         };
-        for i in 0..state.mem.slot_count {
-            state.post_slot(i).map_err(ExsError::verbs)?;
-        }
-        Ok(Conn { state: Mutex::new(state), cq: c.cq, finished: AtomicBool::new(false) })
+        Ok(Conn { state: Mutex::new(state), cq, finished: AtomicBool::new(false) })
     }
 
     fn lock(&self) -> MutexGuard<'_, State<S>> {
@@ -151,9 +150,9 @@ impl<S> Conn<S> {
         match f(&mut s.proto, token) {
             Ok(()) => {
                 // A receive's advertisement may wait for the call that usually follows (a send
-                // on this connection, or a wait that polls it) to leave in the same SEND: only
-                // while an application thread drives progress (otherwise nothing would send it
-                // before the completion thread's next look).
+                // on this connection, or a wait that polls it) to leave in the same message:
+                // only while an application thread drives progress (otherwise nothing would
+                // send it before the completion thread's next look).
                 let hold_open = op.kind == EventKind::Recv && engine::app_drives();
                 if token as usize == s.ops.len() {
                     s.ops.push(Some(op));
@@ -169,27 +168,21 @@ impl<S> Conn<S> {
         }
     }
 
-    /// Polls the completion queue and carries out what follows; true if anything happened.
-    /// Skips a connection another thread is driving.
+    /// Takes what arrived and what completed, and carries out what follows; true if anything
+    /// happened. Skips a connection another thread is driving.
     pub(crate) fn progress(&self) -> bool {
         let Ok(mut s) = self.state.try_lock() else { return false };
-        let mut wcs = [WorkCompletion::EMPTY; 8];
-        let mut any = false;
-        loop {
-            let n = match self.cq.poll(&mut wcs) {
-                Ok(n) => n,
-                Err(e) => {
-                    log::debug!("EXS connection: polling: {e}");
-                    s.proto.fail(libc::EIO);
-                    0
-                }
-            };
-            for wc in &wcs[..n] {
-                s.on_completion(wc);
+        let any = s.take_arrivals();
+        let s = &mut *s;
+        if !s.writes.is_empty() || !s.backlog.is_empty() || s.close_in_flight {
+            // Completions of our writes, room in the ring: a whole pass of the pipe.
+            if let Err(e) = s.pipe.progress() {
+                s.pipe_failed(&e);
             }
-            any |= n > 0;
-            if n < wcs.len() {
-                break;
+            s.take_write_completions();
+            if s.close_in_flight && s.pipe.idle() {
+                s.close_in_flight = false;
+                s.proto.on_close_delivered();
             }
         }
         if !s.backlog.is_empty() || any || s.proto.has_actions() {
@@ -199,8 +192,25 @@ impl<S> Conn<S> {
             s.proto.fail(libc::ETIMEDOUT);
             s.run(false);
         }
-        self.check_finished(&s);
+        self.check_finished(s);
         any
+    }
+
+    /// Readies the pipe for a sleep on the completion queue (see `MsgPipe::prepare_sleep`):
+    /// false if the sleep should not happen (something arrived, or another thread drives the
+    /// connection).
+    pub(crate) fn prepare_sleep(&self) -> bool {
+        let Ok(mut s) = self.state.try_lock() else { return false };
+        if s.proto.failure().is_some() {
+            return true;
+        }
+        match s.pipe.prepare_sleep() {
+            Ok(quiet) => quiet && s.pipe.peek_lane().is_none(),
+            Err(e) => {
+                s.pipe_failed(&e);
+                false
+            }
+        }
     }
 
     fn check_finished(&self, s: &State<S>) {
@@ -226,130 +236,167 @@ impl<S: Send + 'static> Progress for Conn<S> {
     fn finished(&self) -> bool {
         Conn::finished(self)
     }
+    fn prepare_sleep(&self) -> bool {
+        Conn::prepare_sleep(self)
+    }
     fn cq(&self) -> CompletionQueue {
         Conn::cq(self)
     }
 }
 
 impl<S> State<S> {
-    fn post_slot(&self, i: usize) -> portability_verbs::Result<()> {
-        let sge = self.mem.slots.sge(i * self.mem.slot_size, self.mem.slot_size);
-        self.qp.post_recv(&[RecvWr::new(TAG_SLOT | i as u64, &[sge])])
+    /// The pipe failed (the peer vanished or broke the pipe's protocol): so does the
+    /// connection.
+    fn pipe_failed(&mut self, e: &portability_verbs::VerbsError) {
+        if self.proto.failure().is_none() {
+            log::debug!("EXS connection failed: {e}");
+        }
+        let errno = match e {
+            portability_verbs::VerbsError::Protocol(_) => libc::EPROTO,
+            _ => libc::ECONNRESET,
+        };
+        self.proto.fail(errno);
     }
 
-    fn on_completion(&mut self, wc: &WorkCompletion) {
-        let tag = wc.wr_id & TAG_MASK;
-        let id = wc.wr_id & !TAG_MASK;
-        match tag {
-            TAG_TX | TAG_WRITE | TAG_CLOSE => {
-                // Send completions come in posting order: this one ends its batch of
-                // unsignaled requests too.
-                self.sq_used -= self.batches.pop_front().unwrap_or(1);
-                if id != NO_BUFFER {
-                    if tag == TAG_WRITE {
-                        if wc.status.is_success() {
-                            self.proto.on_write_done(id);
+    /// Feeds the protocol every message that arrived; true if any did.
+    fn take_arrivals(&mut self) -> bool {
+        if self.proto.failure().is_some() {
+            // Nothing more is taken: every operation has been reported failed.
+            return false;
+        }
+        let mut any = false;
+        loop {
+            let r = match self.pipe.front() {
+                Ok(Some((Lane::Message, bytes))) => {
+                    any = true;
+                    match Message::decode(bytes) {
+                        Ok(Message::Written(note)) => self.proto.on_write_imm(note.encode()),
+                        Ok(Message::Records(b)) => self.proto.on_control(b, &mut |dst, data| {
+                            // SAFETY: the protocol places a small message inside the buffer of
+                            // the receive it completes, which lies in a registered region the
+                            // receive holds (checked when it started) and is not complete yet.
+                            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) }
+                        }),
+                        Err(e) => {
+                            self.proto.fail(libc::EPROTO);
+                            Err(e.into())
                         }
-                    } else {
-                        self.tx_free.push(id as u32);
                     }
                 }
-                if tag == TAG_CLOSE && wc.status.is_success() {
-                    self.proto.on_close_delivered();
+                Ok(Some((Lane::Bulk, _))) => {
+                    self.proto.fail(libc::EPROTO);
+                    log::warn!("EXS connection: the peer sent on the bulk lane, which EXS does not use");
+                    return true;
                 }
+                Ok(None) => return any,
+                Err(e) => {
+                    self.pipe_failed(&e);
+                    return true;
+                }
+            };
+            if let Err(e) = r {
+                // The protocol failed the connection; the pipe stays as it is.
+                log::warn!("EXS connection: {e}");
+                return true;
             }
-            _ => {}
-        }
-        if !wc.status.is_success() {
-            if self.proto.failure().is_none() {
-                log::debug!("EXS connection failed: {:?}", wc.status);
+            if let Err(e) = self.pipe.pop_front() {
+                self.pipe_failed(&e);
+                return true;
             }
-            self.proto.fail(errno_of(wc.status));
-            return;
-        }
-        if tag != TAG_SLOT {
-            return;
-        }
-        let slot = id as usize;
-        let r = match wc.opcode {
-            WcOpcode::RecvRdmaWithImm => self.proto.on_write_imm(wc.imm.unwrap_or(0)),
-            _ => {
-                let len = (wc.byte_len as usize).min(self.mem.slot_size);
-                self.scratch.resize(len, 0);
-                self.mem.slots.read(slot * self.mem.slot_size, &mut self.scratch);
-                let bytes = std::mem::take(&mut self.scratch);
-                let r = self.proto.on_control(&bytes, &mut |dst, data| {
-                    // SAFETY: the protocol places a small message inside the buffer of the
-                    // receive it completes, which lies in a registered region the receive
-                    // holds (checked when it started) and is not complete yet.
-                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) }
-                });
-                self.scratch = bytes;
-                r
-            }
-        };
-        if let Err(e) = r {
-            log::warn!("EXS connection: {e}");
-            return;
-        }
-        if let Err(e) = self.post_slot(slot) {
-            log::debug!("EXS connection: reposting a slot: {e}");
-            self.proto.fail(libc::ECONNRESET);
         }
     }
 
-    /// Carries out the protocol's actions in order, as far as the send queue allows. With
-    /// `hold_open`, a SEND at the very end stays back for the records a call expected soon
-    /// will add (an advertisement then travels with the small message that follows it).
+    /// Reports the writes whose completion came, in posting order.
+    fn take_write_completions(&mut self) {
+        while let Some(w) = self.writes.front() {
+            let Some(status) = self.pipe.take_user_completion(w.token) else { return };
+            let send = w.send;
+            self.writes.pop_front();
+            if status.is_success() {
+                self.proto.on_write_done(send);
+            } else {
+                log::debug!("EXS connection: a data write failed: {status:?}");
+                self.proto.fail(errno_of(status));
+            }
+        }
+    }
+
+    /// Carries out the protocol's actions in order, as far as the pipe and the send queue
+    /// allow. With `hold_open`, a control message at the very end stays back for the records a
+    /// call expected soon will add (an advertisement then travels with the small message that
+    /// follows it).
     fn run(&mut self, hold_open: bool) {
         loop {
             if self.backlog.is_empty() && hold_open && self.proto.only_open_send() {
                 return;
             }
-            let Some(a) = self.backlog.pop_front().or_else(|| self.proto.next_action()) else { return };
-            let full = match a {
-                Action::Send(_) => self.sq_used >= SEND_DEPTH || self.tx_free.is_empty(),
-                Action::Write { .. } => self.sq_used >= SEND_DEPTH,
-                _ => false,
+            let next = match self.backlog.pop_front() {
+                Some(p) => p,
+                None => match self.proto.next_action() {
+                    Some(a) => Pending::Action(a),
+                    None => return,
+                },
             };
-            if full {
-                self.backlog.push_front(a);
-                return;
-            }
-            if let Err(e) = self.act(a) {
-                log::debug!("EXS connection: posting: {e}");
-                self.proto.fail(libc::ECONNRESET);
+            match self.carry_out(next) {
+                Ok(None) => {}
+                Ok(Some(back)) => {
+                    self.backlog.push_front(back);
+                    return;
+                }
+                Err(e) => {
+                    self.pipe_failed(&e);
+                    // Whatever waits would only fail the same way; the protocol reports
+                    // every operation failed.
+                    self.backlog.clear();
+                }
             }
         }
     }
 
-    fn act(&mut self, a: Action) -> portability_verbs::Result<()> {
+    /// Carries out one step; `Ok(Some(step))` hands it back when the pipe or the send queue
+    /// has no room for it now.
+    fn carry_out(&mut self, p: Pending) -> portability_verbs::Result<Option<Pending>> {
+        let a = match p {
+            Pending::Note(note) => {
+                return Ok((!self.pipe.try_send(&note.encode_message())?).then_some(Pending::Note(note)));
+            }
+            Pending::Action(a) => a,
+        };
         match a {
             Action::Send(records) => {
-                let i = self.tx_free.pop().expect("checked by run");
-                let base = i as usize * self.mem.tx_size;
-                let mut at = base;
+                self.msg.clear();
                 for r in &records {
-                    at += self.encode(r, at);
+                    encode(r, &mut self.msg);
                 }
-                self.post_tx(i, at - base, records.iter().any(Record::is_close))
+                if !self.pipe.try_send(&self.msg)? {
+                    return Ok(Some(Pending::Action(Action::Send(records))));
+                }
+                if records.iter().any(Record::is_close) {
+                    // Delivered once the pipe has nothing of ours in flight.
+                    self.close_in_flight = true;
+                    self.pipe.settle_unsignaled()?;
+                }
+                Ok(None)
             }
             Action::Write { send, piece, remote_addr, rkey, imm } => {
+                if self.writes.len() >= WRITE_DEPTH {
+                    return Ok(Some(Pending::Action(Action::Write { send, piece, remote_addr, rkey, imm })));
+                }
                 let sge = Sge { addr: piece.addr, length: piece.len, lkey: piece.lkey };
-                let wr = match imm {
-                    Some(imm) => SendWr::write_with_imm(TAG_WRITE | send, &[sge], remote_addr, rkey, imm),
-                    None => SendWr::write(TAG_WRITE | send, &[sge], remote_addr, rkey),
-                };
-                if piece.len <= self.inline_max {
-                    // The data is copied at posting: the write is done with the sender's
-                    // buffer at once, and needs no completion of its own.
-                    let mut wr = wr.inline(true);
-                    wr.wr_id = TAG_WRITE | NO_BUFFER;
-                    self.post(wr, true)?;
-                    self.proto.on_write_done(send);
-                    Ok(())
-                } else {
-                    self.post(wr, false)
+                let inline = piece.len <= self.inline_max.min(self.pipe.qp().caps().max_inline_data);
+                let wr = SendWr::write(0, &[sge], remote_addr, rkey).inline(inline);
+                match self.pipe.post_user_completing(wr)? {
+                    // Carried out at posting (the software provider): done with the sender's
+                    // buffer already.
+                    None => self.proto.on_write_done(send),
+                    Some(token) => self.writes.push_back(WriteInFlight { token, send }),
+                }
+                match imm {
+                    Some(imm) => {
+                        let note = WriteNote::decode(imm);
+                        Ok((!self.pipe.try_send(&note.encode_message())?).then_some(Pending::Note(note)))
+                    }
+                    None => Ok(None),
                 }
             }
             Action::Copy { dst, src, len } => {
@@ -361,80 +408,20 @@ impl<S> State<S> {
                         unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), dst as *mut u8, len) };
                     }
                     CopySrc::Ring(off) => {
-                        let ring = self.mem.ring.as_ref().expect("the protocol copies from a stream buffer it has");
+                        let ring = self.ring.as_ref().expect("the protocol copies from a stream buffer it has");
                         assert!(off as usize + len <= ring.len(), "stream-buffer chunk checked on arrival");
                         // SAFETY: the source lies in our stream buffer (asserted); the
                         // destination as above.
                         unsafe { std::ptr::copy_nonoverlapping(ring.as_ptr().add(off as usize), dst as *mut u8, len) };
                     }
                 }
-                Ok(())
+                Ok(None)
             }
             Action::Done(d) => {
                 self.report(d);
-                Ok(())
+                Ok(None)
             }
         }
-    }
-
-    /// Writes a record into the control buffers at `at`; returns its length.
-    fn encode(&mut self, r: &Record, at: usize) -> usize {
-        match r {
-            Record::Control(c, grant) => {
-                let mut buf = [0u8; wire::MAX_CONTROL];
-                let n = c.encode(*grant, &mut buf);
-                self.mem.tx.write(at, &buf[..n]);
-                n
-            }
-            Record::Small { fill, pieces, grant } => {
-                let len: usize = pieces.iter().map(|p| p.len as usize).sum();
-                let head = match fill {
-                    Some(truncated) => Control::Fill { data: &[], truncated: *truncated },
-                    None => Control::Data(&[]),
-                };
-                let mut buf = [0u8; DATA_OVERHEAD];
-                head.encode(*grant, &mut buf);
-                buf[HEADER..DATA_OVERHEAD].copy_from_slice(&(len as u16).to_le_bytes());
-                self.mem.tx.write(at, &buf);
-                let mut to = at + DATA_OVERHEAD;
-                for p in pieces {
-                    // SAFETY: the piece lies inside a registered region the send holds
-                    // (checked when it started), and the send is not complete yet.
-                    let src = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
-                    self.mem.tx.write(to, src);
-                    to += p.len as usize;
-                }
-                DATA_OVERHEAD + len
-            }
-        }
-    }
-
-    fn post_tx(&mut self, i: u32, len: usize, close: bool) -> portability_verbs::Result<()> {
-        let sge = self.mem.tx.sge(i as usize * self.mem.tx_size, len);
-        let inline = len <= self.qp.caps().max_inline_data as usize;
-        // Inline data is copied at posting: the buffer is free again at once.
-        let buffer = if inline { NO_BUFFER } else { i as u64 };
-        let wr_id = if close { TAG_CLOSE | buffer } else { TAG_TX | buffer };
-        let r = self.post(SendWr::send(wr_id, &[sge]).inline(inline), inline && !close);
-        if inline || r.is_err() {
-            self.tx_free.push(i);
-        }
-        r
-    }
-
-    /// Posts a request; one that `may_skip` its completion goes unsignaled unless it ends a
-    /// batch of [`SIGNAL_EVERY`].
-    fn post(&mut self, wr: SendWr, may_skip: bool) -> portability_verbs::Result<()> {
-        let signal = !may_skip || self.unsignaled + 1 >= SIGNAL_EVERY;
-        self.qp.post_send(&[wr.signaled(signal)])?;
-        self.sq_used += 1;
-        if signal {
-            self.batches.push_back(self.unsignaled + 1);
-            self.unsignaled = 0;
-        } else {
-            self.unsignaled += 1;
-        }
-        Ok(())
     }
 
     fn report(&mut self, d: Done) {
@@ -455,6 +442,32 @@ impl<S> State<S> {
                 truncated: d.truncated,
                 accepted: None,
             });
+        }
+    }
+}
+
+/// Appends a record to a control message.
+fn encode(r: &Record, out: &mut Vec<u8>) {
+    let at = out.len();
+    match r {
+        Record::Control(c, grant) => {
+            out.resize(at + c.encoded_len(), 0);
+            c.encode(*grant, &mut out[at..]);
+        }
+        Record::Small { fill, pieces, grant } => {
+            let len: usize = pieces.iter().map(|p| p.len as usize).sum();
+            let head = match fill {
+                Some(truncated) => Control::Fill { data: &[], truncated: *truncated },
+                None => Control::Data(&[]),
+            };
+            out.resize(at + DATA_OVERHEAD, 0);
+            head.encode(*grant, &mut out[at..]);
+            out[at + HEADER..at + DATA_OVERHEAD].copy_from_slice(&(len as u16).to_le_bytes());
+            for p in pieces {
+                // SAFETY: the piece lies inside a registered region the send holds (checked
+                // when it started), and the send is not complete yet.
+                out.extend_from_slice(unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) });
+            }
         }
     }
 }

@@ -47,6 +47,9 @@ pub(crate) trait Progress: Send + Sync {
     fn progress(&self) -> bool;
     /// Done with every operation reported: dropped from the list.
     fn finished(&self) -> bool;
+    /// Readies it for a sleep on its completion queue (its peer then raises a completion
+    /// for what it sends); false if the sleep should not happen now.
+    fn prepare_sleep(&self) -> bool;
     /// The completion queue the completion thread sleeps on.
     fn cq(&self) -> CompletionQueue;
 }
@@ -241,7 +244,10 @@ fn completion_thread() {
             std::hint::spin_loop();
             continue;
         }
-        // Asleep until a completion event.
+        // Asleep until a completion event, once every connection's peer knows to raise one.
+        if !list.iter().all(|c| c.prepare_sleep()) {
+            continue;
+        }
         let cqs: Vec<_> = list.iter().map(|c| c.cq()).collect();
         let refs: Vec<_> = cqs.iter().collect();
         if let Err(e) = portability_verbs::wait_any(&refs, Duration::from_millis(20)) {

@@ -19,14 +19,14 @@
 //! # Ok(()) }
 //! ```
 //!
-//! How the bytes travel: `recv` advertises its buffer to the peer; `send` RDMA-writes with
-//! immediate into the oldest advertisement; a small message finding no advertisement travels
-//! inside a control message, and a stream's bytes go into the receiver's stream buffer
+//! How the bytes travel: `recv` advertises its buffer to the peer; `send` RDMA-writes into the
+//! oldest advertisement, then says so in a note; a small message travels inside a control
+//! message (into the advertised buffer, or ahead of any advertisement), and a stream's bytes go into the receiver's stream buffer
 //! (copied once) — see [`proto`] for the ordering rules that keep all of it in order.
 //!
-//! - [`wire`]: control messages, immediates, handshake data (sans-IO).
+//! - [`wire`]: control messages, write notes, handshake data (sans-IO).
 //! - [`proto`]: one connection's decisions (sans-IO).
-//! - `conn`: the driver between the protocol and the queue pair; `engine`: progress and the
+//! - `conn`: the driver between the protocol and the connection's message pipe; `engine`: progress and the
 //!   completion thread; `queue`, [`memory`], [`socket`]: the API objects.
 
 mod conn;
@@ -49,7 +49,7 @@ pub type EventQueue = queue::EventQueue<ExsSocket>;
 pub use socket::{ExsSocket, Tunable, FIRST_SOCKET_ID};
 pub use wire::SocketKind;
 
-/// The largest small message a slot may be set up to hold.
+/// The largest small message a control message may be set up to carry.
 pub const SMALL_MAX_LIMIT: usize = 4096;
 
 /// Opens the verbs device and starts the completion thread (`exs_init`); every other call

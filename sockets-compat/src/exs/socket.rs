@@ -8,14 +8,15 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use portability_verbs::cm::{self, CmAddr, Connection, QpSpec};
+use portability_verbs::datapath::pipe::{FlowStrategy, MsgPipe};
 use portability_verbs::{AccessFlags, MemoryRegion, QpCaps};
 
-use super::conn::{ConnMemory, SEND_DEPTH};
+use super::conn::SEND_DEPTH;
 use super::engine;
 use super::error::{ExsError, ExsResult};
 use super::memory::Memory;
 use super::queue::EventKind;
-use super::wire::{self, Hello, SocketKind, MAX_WRITE};
+use super::wire::{Hello, SocketKind, MAX_WRITE};
 use super::SMALL_MAX_LIMIT;
 use super::{Event, EventQueue};
 use crate::verbs_runtime::runtime;
@@ -25,10 +26,14 @@ type Conn = super::conn::Conn<ExsSocket>;
 /// An operation of a socket's connection.
 type Op = super::conn::Op<ExsSocket>;
 
-/// Control slots each end posts.
-const SLOTS: u16 = 64;
+/// Control messages each end takes unread at most (the peer's credits).
+const CONTROL_CREDITS: u16 = 64;
+/// Receives each queue pair keeps posted: the pipe's setup and wake-ups.
+const PIPE_RECEIVES: u32 = 80;
 /// How long a connect may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an accepted connection's pipe setup may take.
+const PIPE_SETUP_TIMEOUT: Duration = Duration::from_secs(2);
 /// The largest stream buffer.
 const MAX_RECV_BUFFER: u32 = 64 << 20;
 
@@ -259,7 +264,7 @@ impl ExsSocket {
                 let rt = runtime().map_err(ExsError::io)?;
                 let c = cm::connect(&CmAddr::Tcp(addr), &rt.pd, &qp_spec(), &hello.encode(), CONNECT_TIMEOUT)
                     .map_err(ExsError::verbs)?;
-                establish(c, mem, &hello, &options)
+                establish(c, mem, &hello, &options, CONNECT_TIMEOUT)
             });
             let outcome = {
                 let mut st = lock(&me.0.state);
@@ -467,52 +472,49 @@ impl Drop for Inner {
 }
 
 fn qp_spec() -> QpSpec {
-    QpSpec::with_depths(SEND_DEPTH, SLOTS as u32)
+    QpSpec::with_depths(SEND_DEPTH, PIPE_RECEIVES)
 }
 
-/// A connection's memory before the handshake (the SEND buffers follow the peer's slot size).
+/// The pipe every connection's control messages travel in (both ends must use the same): a
+/// 32 KiB polled ring, room for frames of 8 KiB (the largest control message is 4.2 KiB).
+const PIPE: FlowStrategy = FlowStrategy::POLLED;
+
+/// A connection's memory before the handshake: the stream buffer, if any.
 struct Prepared {
-    slots: MemoryRegion,
     ring: Option<MemoryRegion>,
-    slot_size: usize,
-    slot_count: usize,
 }
 
 /// A connection's memory and the handshake data that describes it.
 fn prepare(kind: SocketKind, o: &Options) -> ExsResult<(Prepared, Hello)> {
     let rt = runtime().map_err(ExsError::io)?;
-    let slot_size = wire::slot_size(o.small_max);
-    let slot_count = SLOTS as usize;
-    let alloc = |len: usize, access| rt.pd.alloc(len, access).map_err(ExsError::verbs);
-    let slots = alloc(slot_size * slot_count, AccessFlags::LOCAL_WRITE)?;
     let ring = match kind {
-        SocketKind::Stream if o.recv_buffer > 0 => Some(alloc(o.recv_buffer as usize, AccessFlags::ALL)?),
+        SocketKind::Stream if o.recv_buffer > 0 => {
+            Some(rt.pd.alloc(o.recv_buffer as usize, AccessFlags::ALL).map_err(ExsError::verbs)?)
+        }
         _ => None,
     };
     let hello = Hello {
         kind,
-        slots: SLOTS,
+        msg_credits: CONTROL_CREDITS,
         small_max: o.small_max,
         ring_addr: ring.as_ref().map_or(0, |r| r.addr()),
         ring_len: ring.as_ref().map_or(0, |r| r.len() as u32),
         ring_rkey: ring.as_ref().map_or(0, |r| r.rkey()),
     };
-    Ok((Prepared { slots, ring, slot_size, slot_count }, hello))
+    Ok((Prepared { ring }, hello))
 }
 
-/// Checks the peer's handshake and starts the connection's driver.
-fn establish(c: Connection, p: Prepared, ours: &Hello, o: &Options) -> ExsResult<Arc<Conn>> {
+/// Checks the peer's handshake, sets up the connection's pipe (an exchange with the peer of
+/// at most `timeout`) and starts the connection's driver.
+fn establish(c: Connection, p: Prepared, ours: &Hello, o: &Options, timeout: Duration) -> ExsResult<Arc<Conn>> {
     let peer =
         Hello::decode(&c.peer_private).map_err(|e| ExsError::System(format!("peer's handshake: {e}"), libc::EPROTO))?;
     if peer.kind != ours.kind {
         return Err(ExsError::state("the peer's socket is of another type", libc::EPROTOTYPE));
     }
     let rt = runtime().map_err(ExsError::io)?;
-    let tx_size = wire::slot_size(peer.small_max);
-    let tx = rt.pd.alloc(tx_size * p.slot_count, AccessFlags::LOCAL_WRITE).map_err(ExsError::verbs)?;
-    let mem =
-        ConnMemory { slots: p.slots, ring: p.ring, slot_size: p.slot_size, slot_count: p.slot_count, tx, tx_size };
-    let conn = Arc::new(Conn::new(c, mem, ours, peer, o.adv_credits, o.inline_max)?);
+    let pipe = MsgPipe::establish(c.qp, c.cq, &rt.pd, PIPE, timeout).map_err(ExsError::verbs)?;
+    let conn = Arc::new(Conn::new(pipe, p.ring, ours, peer, o.adv_credits, o.inline_max)?);
     engine::register(conn.clone());
     Ok(conn)
 }
@@ -568,7 +570,8 @@ fn accept_loop(listener: cm::Listener, l: Arc<Listening>, kind: SocketKind, o: O
                 continue;
             }
         };
-        let conn = match establish(c, mem, &hello, &o) {
+        // A client that connects and then says nothing holds the loop up to this long.
+        let conn = match establish(c, mem, &hello, &o, PIPE_SETUP_TIMEOUT) {
             Ok(c) => c,
             Err(e) => {
                 log::debug!("EXS listener on {}: refused a client: {e}", l.local);

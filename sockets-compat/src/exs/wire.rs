@@ -1,12 +1,13 @@
-//! The EXS wire format as plain data: the control messages two ends exchange by SEND (into
-//! each other's posted slots), the immediate value of the RDMA writes that carry data, and the
-//! private data of the connection handshake. No I/O; every length a peer sends is checked, so
-//! a malformed message is a [`WireError`], never a panic or an out-of-bounds read.
+//! The EXS wire format as plain data: the control messages two ends exchange over the
+//! connection's message pipe, the notes of the RDMA writes that carry data, and the private
+//! data of the connection handshake. No I/O; every length a peer sends is checked, so a
+//! malformed message is a [`WireError`], never a panic or an out-of-bounds read.
 //!
-//! A SEND carries one or more records back to back (an advertisement rides with the small
-//! message that follows it). Every record starts with a 4-byte header: kind, flags, and the
-//! slot credits the sender grants back (little endian); data records then give their length
-//! (2 bytes) and the bytes.
+//! A control message carries one or more records back to back (an advertisement rides with
+//! the small message that follows it). Every record starts with a 4-byte header: kind, flags,
+//! and the message credits the sender grants back (little endian); data records then give
+//! their length (2 bytes) and the bytes. A data write is followed by a message of its own,
+//! its [`WriteNote`] (what a write-with-immediate's immediate would say).
 
 use thiserror::Error;
 
@@ -17,10 +18,10 @@ pub const MAX_CONTROL: usize = HEADER + 28;
 /// Bytes a data record adds to its data.
 pub const DATA_OVERHEAD: usize = HEADER + 2;
 
-/// Bytes of each receive slot of an end whose small messages reach `small_max` bytes: room
-/// for the largest data record and an advertisement beside it. Both ends compute it from the
-/// receiver's `small_max` (the sender never packs a SEND larger).
-pub fn slot_size(small_max: u32) -> usize {
+/// Bytes of the largest control message to an end whose small messages reach `small_max`
+/// bytes: the largest data record and an advertisement beside it. Both ends compute it from
+/// the receiver's `small_max` (the sender never packs a message larger).
+pub fn message_max(small_max: u32) -> usize {
     (DATA_OVERHEAD + small_max as usize + MAX_CONTROL).next_multiple_of(64)
 }
 /// Largest length one write may carry (the immediate's length field).
@@ -179,7 +180,7 @@ impl Control<'_> {
         n
     }
 
-    /// Decodes a SEND holding exactly one record into (credits granted, record).
+    /// Decodes a control message holding exactly one record into (credits granted, record).
     pub fn decode(b: &[u8]) -> Result<(u16, Control<'_>), WireError> {
         let (grant, c, used) = Control::decode_one(b)?;
         if used != b.len() {
@@ -238,7 +239,7 @@ impl Control<'_> {
     }
 }
 
-/// The records of a received SEND, in order; an error ends them.
+/// The records of a received control message, in order; an error ends them.
 pub fn records(mut b: &[u8]) -> impl Iterator<Item = Result<(u16, Control<'_>), WireError>> {
     std::iter::from_fn(move || {
         if b.is_empty() {
@@ -305,6 +306,48 @@ impl WriteNote {
     }
 }
 
+/// The kind byte of a write note: a message of its own, never among records.
+const WRITE_NOTE: u8 = 8;
+/// Bytes of an encoded write note.
+pub const WRITE_NOTE_LEN: usize = 8;
+
+/// What one message of a connection's pipe holds: records (controls, small messages), or a
+/// write note, the [`WriteNote`] of a data write that raised no immediate of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Message<'a> {
+    /// Records, back to back (decode them with [`records`]).
+    Records(&'a [u8]),
+    /// A data write landed (it was posted before the note, so it is placed before it).
+    Written(WriteNote),
+}
+
+impl<'a> Message<'a> {
+    /// Tells a note from records by the kind byte; a note must be exactly
+    /// [`WRITE_NOTE_LEN`] bytes with its reserved bytes zero.
+    pub fn decode(b: &'a [u8]) -> Result<Message<'a>, WireError> {
+        if b.first() != Some(&WRITE_NOTE) {
+            return Ok(Message::Records(b));
+        }
+        if b.len() != WRITE_NOTE_LEN {
+            return Err(WireError::BadField { field: "write note length", value: b.len() as u64 });
+        }
+        if b[1..4] != [0, 0, 0] {
+            return Err(WireError::BadField { field: "write note reserved bytes", value: b[1] as u64 });
+        }
+        Ok(Message::Written(WriteNote::decode(u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")))))
+    }
+}
+
+impl WriteNote {
+    /// The note as a message of its own ([`Message::Written`]).
+    pub fn encode_message(self) -> [u8; WRITE_NOTE_LEN] {
+        let mut b = [0u8; WRITE_NOTE_LEN];
+        b[0] = WRITE_NOTE;
+        b[4..8].copy_from_slice(&self.encode().to_le_bytes());
+        b
+    }
+}
+
 /// The socket types EXS offers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SocketKind {
@@ -319,9 +362,9 @@ pub enum SocketKind {
 pub struct Hello {
     /// The socket type (both ends must agree).
     pub kind: SocketKind,
-    /// Control slots the sender posted (the peer's initial credits).
-    pub slots: u16,
-    /// Largest small message a slot of the sender's holds.
+    /// Control messages the sender takes unread at most (the peer's initial credits).
+    pub msg_credits: u16,
+    /// Largest small message the sender takes inside a control message.
     pub small_max: u32,
     /// The sender's stream buffer: address, bytes (0: none), remote key.
     pub ring_addr: u64,
@@ -331,7 +374,8 @@ pub struct Hello {
     pub ring_rkey: u32,
 }
 
-const HELLO_MAGIC: &[u8; 4] = b"EXS1";
+/// Version 2: control messages travel over a message pipe, not into posted slots.
+const HELLO_MAGIC: &[u8; 4] = b"EXS2";
 /// Bytes of an encoded [`Hello`].
 pub const HELLO_LEN: usize = 28;
 
@@ -344,7 +388,7 @@ impl Hello {
             SocketKind::Stream => 1,
             SocketKind::SeqPacket => 2,
         };
-        b[6..8].copy_from_slice(&self.slots.to_le_bytes());
+        b[6..8].copy_from_slice(&self.msg_credits.to_le_bytes());
         b[8..12].copy_from_slice(&self.small_max.to_le_bytes());
         b[12..20].copy_from_slice(&self.ring_addr.to_le_bytes());
         b[20..24].copy_from_slice(&self.ring_len.to_le_bytes());
@@ -371,14 +415,14 @@ impl Hello {
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         let h = Hello {
             kind,
-            slots: u16::from_le_bytes([b[6], b[7]]),
+            msg_credits: u16::from_le_bytes([b[6], b[7]]),
             small_max: u32_at(8),
             ring_addr: u64::from_le_bytes(b[12..20].try_into().expect("8 bytes")),
             ring_len: u32_at(20),
             ring_rkey: u32_at(24),
         };
-        if h.slots < 4 {
-            return Err(WireError::BadField { field: "slot count", value: h.slots as u64 });
+        if h.msg_credits < 4 {
+            return Err(WireError::BadField { field: "message credits", value: h.msg_credits as u64 });
         }
         if h.small_max > super::SMALL_MAX_LIMIT as u32 {
             return Err(WireError::BadField { field: "small message size", value: h.small_max as u64 });
@@ -454,6 +498,18 @@ mod tests {
         }
 
         #[test]
+        fn write_notes_round_trip_and_records_stay_records(imm: u32, bytes in proptest::collection::vec(any::<u8>(), 0..16)) {
+            let note = WriteNote::decode(imm);
+            let encoded = note.encode_message();
+            prop_assert_eq!(Message::decode(&encoded), Ok(Message::Written(note)));
+            match Message::decode(&bytes) {
+                Ok(Message::Records(b)) => prop_assert_eq!(b, &bytes[..]),
+                Ok(Message::Written(_)) => prop_assert!(bytes.len() == WRITE_NOTE_LEN && bytes[0] == WRITE_NOTE),
+                Err(_) => prop_assert!(bytes[0] == WRITE_NOTE),
+            }
+        }
+
+        #[test]
         fn immediates_round_trip(len in 0..=MAX_WRITE, truncated: bool, ring: bool) {
             let note = if ring { WriteNote::Ring { len, wrapped: truncated } } else { WriteNote::Advertised { len, truncated } };
             prop_assert_eq!(WriteNote::decode(note.encode()), note);
@@ -464,7 +520,7 @@ mod tests {
     fn a_hello_round_trips_and_refuses_nonsense() {
         let h = Hello {
             kind: SocketKind::SeqPacket,
-            slots: 64,
+            msg_credits: 64,
             small_max: 128,
             ring_addr: 0x1000,
             ring_len: 65536,

@@ -4,7 +4,8 @@
 //! (`exs::conn`) feeds it the application's calls and the queue pair's completions and
 //! carries out the [`Action`]s it returns, in order.
 //!
-//! The transfer is UNH-EXS's: `recv` advertises its buffer (address, length, key) by SEND;
+//! The transfer is UNH-EXS's: `recv` advertises its buffer (address, length, key) in a
+//! control message;
 //! `send` matches its bytes against the advertisements in order and RDMA-writes with
 //! immediate into them (the immediate gives the length). Besides that:
 //! - a message of at most the small size goes in the control message itself when no
@@ -13,11 +14,15 @@
 //! - every advertisement carries the count of unadvertised deliveries the receiver had seen;
 //!   a sender that made more rejects it (the receiver fills that buffer from what arrived
 //!   first), so bytes and messages stay in order whatever crosses on the wire;
-//! - a SEND packs records: an advertisement rides with the small message after it, and a
+//! - a control message packs records: an advertisement rides with the small message after
+//!   it, and a
 //!   message of at most the small size answers an advertisement at hand inside a record
 //!   (a fill) rather than by a write of its own;
-//! - every SEND and write-with-immediate takes one of the peer's posted slots, under the
-//!   credit accounting of [`Credits`] (grants ride on every record).
+//! - every control message and data write takes one of the peer's message credits (what
+//!   bounds the unadvertised data a receiver holds for its application), under the credit
+//!   accounting of [`Credits`] (grants ride on every record). The driver sends a write's
+//!   immediate as a message of its own (a write note) where writes raise none; that note is
+//!   the write's, not a control message of its own in this accounting.
 
 use std::collections::VecDeque;
 
@@ -79,13 +84,13 @@ pub struct Piece {
     pub lkey: u32,
 }
 
-/// One record of a SEND.
+/// One record of a control message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
     /// A control record carrying `grant` credits.
     Control(Control<'static>, u16),
     /// A small message made of these pieces of the application's memory (copied into the
-    /// SEND when it is posted), carrying `grant` credits: unadvertised ([`Control::Data`]),
+    /// message when it is sent), carrying `grant` credits: unadvertised ([`Control::Data`]),
     /// or filling the oldest advertisement ([`Control::Fill`], with its truncation flag).
     Small {
         /// `Some(truncated)`: a fill.
@@ -98,8 +103,8 @@ pub enum Record {
 }
 
 impl Record {
-    /// Whether this is our Close (the SEND carrying it is posted signaled, its completion
-    /// reported by [`Proto::on_close_delivered`]).
+    /// Whether this is our Close (the driver reports the delivery of the message carrying it
+    /// with [`Proto::on_close_delivered`]).
     pub fn is_close(&self) -> bool {
         matches!(self, Record::Control(Control::Close, _))
     }
@@ -116,7 +121,7 @@ impl Record {
 /// What the driver must do, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
-    /// SEND these records in one message (one of the peer's slots).
+    /// Send these records in one control message (one of the peer's message credits).
     Send(SmallVec<[Record; 2]>),
     /// RDMA-write a piece of send `send` (an id [`Proto::post_send`] returned), with
     /// immediate when `imm` is set; report its completion with [`Proto::on_write_done`].
@@ -150,9 +155,9 @@ pub enum Action {
 pub struct ProtoConfig {
     /// Socket type.
     pub kind: SocketKind,
-    /// Control slots we posted.
-    pub slots: u16,
-    /// Largest small message our slots hold.
+    /// Control messages we take unread at most (the peer's credits).
+    pub msg_credits: u16,
+    /// Largest small message we take inside a control message.
     pub small_max: u32,
     /// Bytes of our stream buffer (0: none).
     pub ring_len: u32,
@@ -203,8 +208,8 @@ struct SentAd {
 /// Unadvertised data not yet consumed.
 #[derive(Debug)]
 enum Early {
-    /// A small message, bytes consumed so far, and whether its slot's credit is held until
-    /// it is consumed (the last small message of its SEND holds it).
+    /// A small message, bytes consumed so far, and whether its message's credit is held
+    /// until it is consumed (the last small message of its control message holds it).
     Bytes(Vec<u8>, usize, bool),
     /// A stream-buffer chunk: offset, bytes, consumed so far, ring position after it.
     Ring { offset: u64, len: u64, used: u64, end: u64 },
@@ -228,8 +233,8 @@ pub struct Proto {
     cfg: ProtoConfig,
     credits: Credits,
     small_out: u32,
-    /// Bytes of the peer's receive slots: the largest SEND.
-    peer_slot: usize,
+    /// The largest control message the peer takes.
+    peer_message_max: usize,
     // Sending side.
     sends: VecDeque<OutSend>,
     next_send: u64,
@@ -239,7 +244,7 @@ pub struct Proto {
     ring_out: Option<RingSender>,
     close_wanted: Option<u64>,
     close_sent: bool,
-    /// The SEND carrying our Close completed: the peer has it (a process may exit now without
+    /// The message carrying our Close was delivered: the peer has it (a process may exit now without
     /// the peer seeing anything but the end of the data).
     close_delivered: bool,
     close_reported: bool,
@@ -267,9 +272,9 @@ impl Proto {
             RingReceiver::new(0)
         };
         Proto {
-            credits: Credits::new(cfg.peer.slots.min(cfg.slots) as u64),
+            credits: Credits::new(cfg.peer.msg_credits.min(cfg.msg_credits) as u64),
             small_out: cfg.peer.small_max,
-            peer_slot: wire::slot_size(cfg.peer.small_max),
+            peer_message_max: wire::message_max(cfg.peer.small_max),
             cfg,
             sends: VecDeque::new(),
             next_send: 0,
@@ -298,7 +303,7 @@ impl Proto {
         self.actions.pop_front()
     }
 
-    /// Whether the only action left is a SEND that later records may still join (a driver
+    /// Whether the only action left is a control message that later records may still join (a driver
     /// that expects another call soon may hold it back to send them together).
     pub fn only_open_send(&self) -> bool {
         self.actions.len() == 1 && matches!(self.actions.front(), Some(Action::Send(_)))
@@ -309,23 +314,23 @@ impl Proto {
         !self.actions.is_empty()
     }
 
-    /// Whether a record of `len` bytes may be queued now: it joins the SEND at the end of
-    /// the actions if that has room, or takes a new slot credit (the last kept back).
+    /// Whether a record of `len` bytes may be queued now: it joins the control message at the
+    /// end of the actions if that has room, or takes a new credit (the last kept back).
     fn may_queue(&self, len: usize) -> bool {
         self.open_room() >= len || self.credits.can_send_data()
     }
 
-    /// Room left in the SEND at the end of the actions (0 if none is open).
+    /// Room left in the control message at the end of the actions (0 if none is open).
     fn open_room(&self) -> usize {
         match self.actions.back() {
             Some(Action::Send(recs)) => {
-                self.peer_slot.saturating_sub(recs.iter().map(Record::encoded_len).sum::<usize>())
+                self.peer_message_max.saturating_sub(recs.iter().map(Record::encoded_len).sum::<usize>())
             }
             _ => 0,
         }
     }
 
-    /// Queues a record: into the open SEND if it fits, else into a new one (taking a
+    /// Queues a record: into the open control message if it fits, else into a new one (taking a
     /// credit). Callers checked [`Proto::may_queue`], or (credit records) that a credit is
     /// left.
     fn queue(&mut self, rec: impl FnOnce(u16) -> Record, len: usize) {
@@ -413,7 +418,7 @@ impl Proto {
     }
 
     /// Starts a close: Close follows every byte sent; receives still waiting are cancelled.
-    /// Its completion comes once every send completed and the SEND carrying the Close did (the
+    /// Its completion comes once every send completed and the message carrying the Close was delivered (the
     /// peer has it: the process may exit then, and the peer reads the end of the data, not a
     /// reset).
     pub fn close(&mut self, req: u64) -> Result<(), Errno> {
@@ -455,7 +460,7 @@ impl Proto {
         self.finish_close();
     }
 
-    /// The SEND that carried our Close completed (the driver posts it signaled and tells).
+    /// The message that carried our Close was delivered (the driver tells).
     pub fn on_close_delivered(&mut self) {
         self.close_delivered = true;
         self.finish_close();
@@ -469,10 +474,10 @@ impl Proto {
         self.pump();
     }
 
-    /// A control message arrived in one of our slots.
+    /// A control message arrived.
     ///
     /// The bytes of a small message that fills a receive are stored at once through `place`
-    /// (destination address, bytes), before the message's slot is reused; the receive's
+    /// (destination address, bytes), before the message's memory is reused; the receive's
     /// completion follows as an action.
     pub fn on_control(&mut self, bytes: &[u8], place: &mut dyn FnMut(u64, &[u8])) -> Result<(), ProtoError> {
         let r = self.take_control(bytes, place);

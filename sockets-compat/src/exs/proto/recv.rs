@@ -12,14 +12,14 @@ impl Proto {
         let mut grant = 0u16;
         for r in wire::records(bytes) {
             let (g, c) = r?;
-            grant = grant.checked_add(g).ok_or(ProtoError::Violation("credits past the slots"))?;
+            grant = grant.checked_add(g).ok_or(ProtoError::Violation("credits past the limit"))?;
             recs.push(c);
         }
         if recs.is_empty() {
             return Err(ProtoError::Violation("an empty message"));
         }
-        self.credits.on_receive(grant).map_err(|_| ProtoError::Violation("credits past the slots"))?;
-        // The slot's credit is held by the last small message in it until that is consumed.
+        self.credits.on_receive(grant).map_err(|_| ProtoError::Violation("credits past the limit"))?;
+        // The message's credit is held by the last small message in it until that is consumed.
         let last_data = recs.iter().rposition(|c| matches!(c, Control::Data(_)));
         for (i, c) in recs.into_iter().enumerate() {
             self.take_record(c, last_data == Some(i), place)?;
@@ -33,16 +33,16 @@ impl Proto {
     pub(super) fn take_record(
         &mut self,
         c: Control<'_>,
-        holds_slot: bool,
+        holds_credit: bool,
         place: &mut dyn FnMut(u64, &[u8]),
     ) -> Result<(), ProtoError> {
         match c {
             Control::Data(d) => {
                 if d.len() > self.cfg.small_max as usize {
-                    return Err(ProtoError::Violation("small message larger than our slots"));
+                    return Err(ProtoError::Violation("small message larger than we take"));
                 }
                 self.unadvertised_arrived();
-                self.early.push_back(Early::Bytes(d.to_vec(), 0, holds_slot));
+                self.early.push_back(Early::Bytes(d.to_vec(), 0, holds_credit));
             }
             Control::Fill { data, truncated } => {
                 let r = self.answer_ad(data.len() as u32, truncated)?;
@@ -106,7 +106,7 @@ impl Proto {
     }
 
     pub(super) fn take_write(&mut self, imm: u32) -> Result<(), ProtoError> {
-        self.credits.on_receive(0).map_err(|_| ProtoError::Violation("write without a slot"))?;
+        self.credits.on_receive(0).map_err(|_| ProtoError::Violation("write without a credit"))?;
         self.credits.on_buffer_freed();
         match WriteNote::decode(imm) {
             WriteNote::Advertised { len, truncated } => {
@@ -225,7 +225,7 @@ impl Proto {
         (got, false)
     }
 
-    /// Advertises waiting receives in order, while advertisement credits and slot credits
+    /// Advertises waiting receives in order, while advertisement credits and message credits
     /// last, and never past a receive whose advertisement awaits its rejection (bytes must
     /// land in the order receives were posted).
     pub(super) fn advertise(&mut self) {

@@ -99,11 +99,11 @@ impl Proto {
     }
 
     /// Sends small messages in the control message itself, only while more than half the
-    /// peer's slots are free (the slots it holds stay held until its application reads them;
+    /// peer's message credits are ours (those it holds stay held until its application reads them;
     /// the other half keeps advertisements and credits moving).
     pub(super) fn try_small(&mut self, first: usize) -> bool {
         let limit = self.small_out as u64;
-        let spare = self.credits.available() * 2 > self.cfg.peer.slots.min(self.cfg.slots) as u64 + 2;
+        let spare = self.credits.available() * 2 > self.cfg.peer.msg_credits.min(self.cfg.msg_credits) as u64 + 2;
         let s = &self.sends[first];
         if limit == 0 || !spare || s.len - s.taken > limit {
             return false;
@@ -131,8 +131,8 @@ impl Proto {
 
     /// Answers the advertisement at hand with the bytes inside a record, when they are few
     /// (at most the small size): the receiver copies them into its buffer, and the record
-    /// shares a SEND with the control records around it, where a write would be a request
-    /// of its own.
+    /// shares a control message with the records around it, where a write would be a
+    /// request of its own.
     pub(super) fn try_fill_inline(&mut self, first: usize, ad: &Advert) -> bool {
         let limit = (self.small_out as u64).min(ad.len as u64);
         let (n, truncated) = match self.cfg.kind {
@@ -147,7 +147,7 @@ impl Proto {
         if self.small_out == 0 || n > limit || (n == 0 && self.cfg.kind == SocketKind::Stream) {
             return false;
         }
-        if DATA_OVERHEAD + n as usize > self.peer_slot || !self.may_queue(DATA_OVERHEAD + n as usize) {
+        if DATA_OVERHEAD + n as usize > self.peer_message_max || !self.may_queue(DATA_OVERHEAD + n as usize) {
             return false;
         }
         let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();

@@ -15,7 +15,7 @@ const KEY: u32 = 0x77;
 
 /// What travels from one end to the other, in order.
 enum Msg {
-    /// A SEND's bytes, and whether it carries the sender's Close (its completion is reported).
+    /// A control message's bytes, and whether it carries the sender's Close (its completion is reported).
     Control(Vec<u8>, bool),
     Write {
         send: u64,
@@ -41,16 +41,16 @@ struct Pair {
     failures: Vec<ProtoError>,
 }
 
-fn hello(kind: SocketKind, slots: u16, small_max: u32, ring_len: u32) -> Hello {
+fn hello(kind: SocketKind, msg_credits: u16, small_max: u32, ring_len: u32) -> Hello {
     let _ = HELLO_LEN;
-    Hello { kind, slots, small_max, ring_addr: BASE + RING_OFF, ring_len, ring_rkey: KEY }
+    Hello { kind, msg_credits, small_max, ring_addr: BASE + RING_OFF, ring_len, ring_rkey: KEY }
 }
 
 impl Pair {
-    fn new(kind: SocketKind, slots: u16, small_max: u32, ring_len: u32, adv_credits: u32) -> Pair {
-        let h = hello(kind, slots, small_max, ring_len);
+    fn new(kind: SocketKind, msg_credits: u16, small_max: u32, ring_len: u32, adv_credits: u32) -> Pair {
+        let h = hello(kind, msg_credits, small_max, ring_len);
         let end = || End {
-            proto: Proto::new(ProtoConfig { kind, slots, small_max, ring_len, adv_credits, peer: h }),
+            proto: Proto::new(ProtoConfig { kind, msg_credits, small_max, ring_len, adv_credits, peer: h }),
             mem: vec![0u8; MEM],
             events: Vec::new(),
             acks: VecDeque::new(),
@@ -63,7 +63,7 @@ impl Pair {
         self.act_holding(i, false)
     }
 
-    /// [`Pair::act`], leaving a SEND at the end open for later records when `hold` (as the
+    /// [`Pair::act`], leaving a control message at the end open for later records when `hold` (as the
     /// driver does after a receive while the application polls).
     fn act_holding(&mut self, i: usize, hold: bool) {
         loop {
@@ -100,7 +100,10 @@ impl Pair {
                         b.resize(at + c.encoded_len(), 0);
                         c.encode(grant, &mut b[at..]);
                     }
-                    assert!(b.len() <= wire::slot_size(self.small_max), "a SEND larger than the peer's slots");
+                    assert!(
+                        b.len() <= wire::message_max(self.small_max),
+                        "a control message larger than the peer takes"
+                    );
                     self.wires[i].push_back(Msg::Control(b, close));
                 }
                 Action::Write { send, piece, remote_addr, rkey, imm } => {
@@ -156,7 +159,7 @@ impl Pair {
         }
         self.act(to);
         if close_delivered {
-            // The SEND's completion at the sender, now that the peer has it.
+            // The delivery of the message at the sender, now that the peer has it.
             self.ends[from].proto.on_close_delivered();
             self.act(from);
         }
@@ -225,7 +228,7 @@ fn a_message_longer_than_the_buffer_is_cut_and_says_so_without_overrunning() {
 }
 
 #[test]
-fn a_small_message_goes_before_any_receive_and_waits_in_its_slot() {
+fn a_small_message_goes_before_any_receive_and_waits_holding_its_credit() {
     let mut p = Pair::new(SocketKind::SeqPacket, 16, 64, 0, 4);
     p.fill(0, BASE, b"hello");
     p.ends[0].proto.post_send(1, BASE, 5, 1).unwrap();
@@ -314,7 +317,7 @@ fn a_peer_gone_after_its_close_leaves_the_data_and_the_end() {
     assert_eq!(p.ends[1].proto.post_send(9, BASE, 1, 1), Err(libc::ECONNRESET));
 }
 
-/// A close completes only once the SEND carrying the Close did (the peer has it): a program
+/// A close completes only once the message carrying the Close was delivered (the peer has it): a program
 /// that exits at its close event leaves the peer the end of the data, never a reset.
 #[test]
 fn a_close_completes_once_the_peer_has_it() {
@@ -364,7 +367,7 @@ fn peer_messages_the_protocol_forbids_fail_the_connection() {
     p.ends[1].proto.post_recv(1, BASE, 8, KEY).unwrap();
     assert!(p.ends[1].proto.on_write_imm(imm).is_err());
     // A stream-buffer write on a socket without one, a rejection of a good advertisement,
-    // an advertisement out of sequence, more credits than slots.
+    // an advertisement out of sequence, more credits than the limit.
     let mut p = Pair::new(SocketKind::Stream, 16, 64, 0, 4);
     assert!(p.ends[1].proto.on_write_imm(WriteNote::Ring { len: 8, wrapped: false }.encode()).is_err());
     let mut p = Pair::new(SocketKind::Stream, 16, 64, 0, 4);
