@@ -68,27 +68,38 @@ mod kind {
     pub const CREDIT: u8 = 5;
     pub const CLOSE: u8 = 6;
     pub const FILL: u8 = 7;
+    pub const ADVERTISE_SMALL: u8 = 9;
 }
 
 /// The flag of a [`Control::Fill`] record whose message was cut to the buffer.
 const FLAG_TRUNCATED: u8 = 1;
 
 /// A receive buffer offered to the sender: it may RDMA-write up to `len` bytes at `addr`
-/// with `rkey`, then say so with the write's immediate.
+/// with `rkey`, then say so with the write's note; or fill it with a [`Control::Fill`] record.
+///
+/// A buffer no larger than the small messages its end takes is offered in a short form,
+/// `fill_only`: without address and key (0 here), and without its sequence number (it is the
+/// next one), since the sender fills it with a record whatever it sends (a longer message is
+/// cut to the buffer). The form keeps a ping-pong's message (advertisement and a small
+/// message's fill) within one cache line of the peer's ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Advert {
-    /// Sequence number of this advertisement (consecutive from 0).
+    /// Sequence number of this advertisement (consecutive from 0); 0 as decoded from the
+    /// short form, where the receiver's count gives it.
     pub seq: u32,
     /// Deliveries outside advertisements (small messages, stream-buffer writes) the receiver
     /// had seen when it advertised: a sender that made more must reject the advertisement,
-    /// since the receiver will fill that buffer from them.
+    /// since the receiver will fill that buffer from them. The short form carries its low 32
+    /// bits (compared as such: far fewer deliveries than that are ever in flight).
     pub unadvertised_seen: u64,
     /// Where the buffer starts in the receiver's memory.
     pub addr: u64,
-    /// Bytes it holds (at most [`MAX_WRITE`]).
+    /// Bytes it holds (at most [`MAX_WRITE`]; in the short form at most [`u16::MAX`]).
     pub len: u32,
     /// Remote key of its memory region.
     pub rkey: u32,
+    /// The short form: filled by a record only.
+    pub fill_only: bool,
 }
 
 /// A control message.
@@ -129,6 +140,7 @@ impl Control<'_> {
     pub fn encoded_len(&self) -> usize {
         HEADER
             + match self {
+                Control::Advertise(a) if a.fill_only => 6,
                 Control::Advertise(_) => 28,
                 Control::Reject { .. } => 4,
                 Control::Data(d) | Control::Fill { data: d, .. } => 2 + d.len(),
@@ -144,6 +156,11 @@ impl Control<'_> {
         let out = &mut out[..n];
         let mut flags = 0;
         let k = match self {
+            Control::Advertise(a) if a.fill_only => {
+                out[4..8].copy_from_slice(&(a.unadvertised_seen as u32).to_le_bytes());
+                out[8..10].copy_from_slice(&(a.len as u16).to_le_bytes());
+                kind::ADVERTISE_SMALL
+            }
             Control::Advertise(a) => {
                 out[4..8].copy_from_slice(&a.seq.to_le_bytes());
                 out[8..16].copy_from_slice(&a.unadvertised_seen.to_le_bytes());
@@ -211,6 +228,7 @@ impl Control<'_> {
                     addr: u64_at(16),
                     len: u32_at(24),
                     rkey: u32_at(28),
+                    fill_only: false,
                 };
                 if a.len > MAX_WRITE {
                     return Err(WireError::BadField { field: "advertised length", value: a.len as u64 });
@@ -219,6 +237,17 @@ impl Control<'_> {
                     return Err(WireError::BadField { field: "advertised address", value: a.addr });
                 }
                 Control::Advertise(a)
+            }
+            kind::ADVERTISE_SMALL => {
+                need(10)?;
+                Control::Advertise(Advert {
+                    seq: 0,
+                    unadvertised_seen: u32_at(4) as u64,
+                    addr: 0,
+                    len: u16::from_le_bytes([b[8], b[9]]) as u32,
+                    rkey: 0,
+                    fill_only: true,
+                })
             }
             kind::REJECT => {
                 need(8)?;
@@ -443,7 +472,7 @@ mod tests {
         (
             any::<u16>(),
             proptest::collection::vec(any::<u8>(), 0..200),
-            0u8..6,
+            0u8..8,
             any::<u32>(),
             any::<u64>(),
             0u64..1 << 62,
@@ -456,7 +485,15 @@ mod tests {
         #[test]
         fn control_messages_round_trip((grant, data, k, seq, pos, addr, len, rkey) in control()) {
             let msg = match k {
-                0 => Control::Advertise(Advert { seq, unadvertised_seen: pos, addr, len, rkey }),
+                0 => Control::Advertise(Advert { seq, unadvertised_seen: pos, addr, len, rkey, fill_only: false }),
+                6 => Control::Advertise(Advert {
+                    seq: 0,
+                    unadvertised_seen: pos & 0xffff_ffff,
+                    addr: 0,
+                    len: len & 0xffff,
+                    rkey: 0,
+                    fill_only: true,
+                }),
                 1 => Control::Reject { seq },
                 2 => Control::Data(&data),
                 3 => Control::RingAck { consumed: pos },
@@ -538,7 +575,14 @@ mod tests {
 
     #[test]
     fn an_advertisement_past_the_address_space_is_refused() {
-        let a = Control::Advertise(Advert { seq: 0, unadvertised_seen: 0, addr: u64::MAX - 3, len: 16, rkey: 1 });
+        let a = Control::Advertise(Advert {
+            seq: 0,
+            unadvertised_seen: 0,
+            addr: u64::MAX - 3,
+            len: 16,
+            rkey: 1,
+            fill_only: false,
+        });
         let mut buf = [0u8; MAX_CONTROL];
         let n = a.encode(0, &mut buf);
         assert!(matches!(Control::decode(&buf[..n]), Err(WireError::BadField { .. })));

@@ -51,8 +51,14 @@ impl Proto {
                 }
                 self.done(r.req, OpKind::Recv, Ok(data.len() as u64), truncated);
             }
-            Control::Advertise(a) => {
-                if a.seq != self.next_peer_ad {
+            Control::Advertise(mut a) => {
+                if a.fill_only {
+                    // Filled by a record whatever comes: it must fit one.
+                    if a.len > self.small_out || self.small_out == 0 {
+                        return Err(ProtoError::Violation("a short advertisement larger than a small message"));
+                    }
+                    a.seq = self.next_peer_ad;
+                } else if a.seq != self.next_peer_ad {
                     return Err(ProtoError::Violation("advertisement out of sequence"));
                 }
                 self.next_peer_ad = self.next_peer_ad.wrapping_add(1);
@@ -246,12 +252,15 @@ impl Proto {
             self.next_ad = self.next_ad.wrapping_add(1);
             let r = &mut self.recvs[i];
             r.ad = Some(seq);
+            // A buffer that any small message fills is offered in the short form.
+            let fill_only = r.len <= self.cfg.small_max as u64 && self.cfg.small_max > 0;
             let ad = Advert {
                 seq,
                 unadvertised_seen: self.unadvertised_seen,
                 addr: r.addr,
                 len: r.len as u32,
                 rkey: r.rkey,
+                fill_only,
             };
             self.ads.push_back(SentAd { seq, len: ad.len, doomed: false, orphan: false });
             self.queue_control(Control::Advertise(ad));

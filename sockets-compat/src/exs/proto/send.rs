@@ -6,6 +6,12 @@ use smallvec::SmallVec;
 use super::*;
 
 impl Proto {
+    /// Whether the peer made advertisement `ad` having seen every unadvertised delivery of
+    /// ours (compared on 32 bits, as the short form carries them).
+    pub(super) fn is_current(&self, ad: &Advert) -> bool {
+        ad.unadvertised_seen as u32 == self.unadvertised_sent as u32
+    }
+
     pub(super) fn first_untaken(&self) -> Option<usize> {
         self.sends.iter().position(|s| !s.handed)
     }
@@ -17,7 +23,7 @@ impl Proto {
             // Stale advertisements are answered at once, data or not: the receiver waits for
             // their rejection before it advertises the receives behind them.
             while let Some(ad) = self.peer_ads.front() {
-                if ad.unadvertised_seen == self.unadvertised_sent || !self.may_queue(wire::MAX_CONTROL) {
+                if self.is_current(ad) || !self.may_queue(wire::MAX_CONTROL) {
                     break;
                 }
                 let seq = ad.seq;
@@ -26,13 +32,14 @@ impl Proto {
             }
             let Some(i) = self.first_untaken() else { return };
             if let Some(ad) = self.peer_ads.front().copied() {
-                if ad.unadvertised_seen != self.unadvertised_sent {
+                if !self.is_current(&ad) {
                     return;
                 }
                 if self.try_fill_inline(i, &ad) {
                     continue;
                 }
-                if !self.credits.can_send_data() {
+                if ad.fill_only || !self.credits.can_send_data() {
+                    // A short advertisement waits for room for its record.
                     return;
                 }
                 self.peer_ads.pop_front();
@@ -141,8 +148,11 @@ impl Proto {
                 (s.len.min(ad.len as u64), s.len > ad.len as u64)
             }
             // Only when everything queued fits: a stream with more at hand fills the whole
-            // advertisement by RDMA instead.
-            SocketKind::Stream => (self.sends.iter().skip(first).map(|s| s.len - s.taken).sum::<u64>(), false),
+            // advertisement by RDMA instead, unless it is a short one (filled whole inline).
+            SocketKind::Stream => {
+                let queued = self.sends.iter().skip(first).map(|s| s.len - s.taken).sum::<u64>();
+                (if ad.fill_only { queued.min(ad.len as u64) } else { queued }, false)
+            }
         };
         if self.small_out == 0 || n > limit || (n == 0 && self.cfg.kind == SocketKind::Stream) {
             return false;

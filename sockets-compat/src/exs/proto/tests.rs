@@ -213,6 +213,30 @@ fn a_posted_receive_takes_the_message_by_one_write_into_its_buffer() {
     assert_eq!(done(&p, 0, OpKind::Send), vec![Done { req: 3, op: OpKind::Send, outcome: Ok(1000), truncated: false }]);
 }
 
+/// A receive no larger than a small message is offered in the short form (no address, no
+/// key) and filled by a record in the sender's control message: one message of 24 bytes
+/// carries a ping-pong's reply and the next receive's offer. A longer message is cut to it.
+#[test]
+fn a_small_receive_is_offered_short_and_filled_by_a_record() {
+    let mut p = Pair::new(SocketKind::SeqPacket, 16, 64, 0, 4);
+    p.ends[1].proto.post_recv(1, BASE + 0x100, 8, KEY).unwrap();
+    p.act(1);
+    let Some(Msg::Control(b, _)) = p.wires[1].front() else { panic!("an advertisement goes") };
+    assert_eq!(b.len(), 10, "the short form");
+    p.settle();
+    p.fill(0, BASE, b"12345678abcd");
+    p.ends[0].proto.post_recv(2, BASE + 0x200, 8, KEY).unwrap();
+    p.ends[0].proto.post_send(3, BASE, 12, 1).unwrap();
+    p.act(0);
+    assert_eq!(p.wires[0].len(), 1, "no write: one control message");
+    let Some(Msg::Control(b, _)) = p.wires[0].front() else { panic!("a control message") };
+    assert_eq!(b.len(), 10 + wire::DATA_OVERHEAD + 8, "the short offer and the cut message's fill");
+    p.fill(1, BASE + 0x108, &[0x5A; 4]);
+    p.settle();
+    assert_eq!(done(&p, 1, OpKind::Recv), vec![Done { req: 1, op: OpKind::Recv, outcome: Ok(8), truncated: true }]);
+    assert_eq!(p.read(1, BASE + 0x100, 12), b"12345678\x5a\x5a\x5a\x5a", "nothing past the buffer");
+}
+
 #[test]
 fn a_message_longer_than_the_buffer_is_cut_and_says_so_without_overrunning() {
     let mut p = Pair::new(SocketKind::SeqPacket, 16, 64, 0, 4);
@@ -377,7 +401,8 @@ fn peer_messages_the_protocol_forbids_fail_the_connection() {
     assert!(p.ends[1].proto.on_control(&b[..n], &mut |_, _| {}).is_err());
     let mut p = Pair::new(SocketKind::Stream, 16, 64, 0, 4);
     let mut b = [0u8; 64];
-    let n = Control::Advertise(Advert { seq: 5, unadvertised_seen: 0, addr: 0, len: 1, rkey: 0 }).encode(0, &mut b);
+    let n = Control::Advertise(Advert { seq: 5, unadvertised_seen: 0, addr: 0, len: 1, rkey: 0, fill_only: false })
+        .encode(0, &mut b);
     assert!(p.ends[0].proto.on_control(&b[..n], &mut |_, _| {}).is_err());
     let mut p = Pair::new(SocketKind::Stream, 16, 64, 0, 4);
     let n = Control::Credit.encode(u16::MAX, &mut b);
