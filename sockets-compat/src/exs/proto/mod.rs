@@ -258,6 +258,9 @@ pub struct Proto {
     peer_closed: bool,
     failed: Option<Errno>,
     actions: VecDeque<Action>,
+    /// Bytes of the control message at the end of `actions`, when one is there (what
+    /// [`Proto::open_room`] would otherwise add up for every record queued).
+    open_len: usize,
 }
 
 impl Proto {
@@ -295,6 +298,7 @@ impl Proto {
             peer_closed: false,
             failed: None,
             actions: VecDeque::new(),
+            open_len: 0,
         }
     }
 
@@ -324,7 +328,8 @@ impl Proto {
     fn open_room(&self) -> usize {
         match self.actions.back() {
             Some(Action::Send(recs)) => {
-                self.peer_message_max.saturating_sub(recs.iter().map(Record::encoded_len).sum::<usize>())
+                debug_assert_eq!(self.open_len, recs.iter().map(Record::encoded_len).sum::<usize>());
+                self.peer_message_max.saturating_sub(self.open_len)
             }
             _ => 0,
         }
@@ -338,10 +343,12 @@ impl Proto {
             let grant = self.credits.take_grant();
             if let Some(Action::Send(recs)) = self.actions.back_mut() {
                 recs.push(rec(grant));
+                self.open_len += len;
             }
         } else {
             let grant = self.credits.on_send();
             self.actions.push_back(Action::Send(smallvec::smallvec![rec(grant)]));
+            self.open_len = len;
         }
     }
 
