@@ -283,6 +283,10 @@ pub struct MsgPipe {
     /// waiting in the completion queue, and until it is taken the peer's later requests
     /// complete behind it (in order), which holds its send window.
     reap_wake: bool,
+    /// The ring position our standing sleep announcement waits at, until the peer answers it
+    /// (its wake-up) or a frame arrives: a sleeper that looks again and again (a polling
+    /// loop that keeps waking) announces once, instead of posting a write per look.
+    sleep_standing: Option<u64>,
     /// Polled strategy: [`MsgPipe::front`] calls that found nothing (see
     /// [`MsgPipe::progress_due`]).
     empty_fronts: u32,
@@ -418,6 +422,7 @@ impl MsgPipe {
             peer_ack_seen: 0,
             sleep: SleepHandshake::default(),
             reap_wake: false,
+            sleep_standing: None,
             empty_fronts: 0,
             failed: None,
             stats: PipeStats::default(),
@@ -697,6 +702,8 @@ impl MsgPipe {
                     if imm != IMM_WAKE {
                         return Err(VerbsError::Protocol(format!("immediate {imm:#x} on a polled pipe")));
                     }
+                    // Answered: the next sleep announces again.
+                    self.sleep_standing = None;
                 } else if imm & IMM_BULK != 0 {
                     self.on_bulk_chunk(imm)?;
                 } else {
@@ -1734,6 +1741,33 @@ mod tests {
         assert!(slept > 0, "nobody slept: the test did not test wake-ups");
         let lost = slept - woken.min(slept);
         assert_eq!(lost, 0, "{lost} of {slept} sleeps were not ended by a wake-up");
+    }
+
+    /// A sleeper that prepares again and again without anything arriving (woken by other
+    /// things, as a completion thread watching many connections is) announces once: more
+    /// announcements than the send queue holds still leave the pipe working, and the peer's
+    /// next frame still raises the wake-up.
+    #[test]
+    fn a_sleep_announced_and_not_answered_is_not_announced_again() {
+        let (mut a, mut b) = pair(FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 });
+        let before = a.stats().control;
+        for _ in 0..2000 {
+            assert!(a.prepare_sleep().unwrap(), "nothing arrived");
+        }
+        assert_eq!(a.stats().control, before + 1, "one announcement stands");
+        b.send(b"wake", T).unwrap();
+        assert!(crate::wait_any(&[a.cq()], T).unwrap(), "the frame raised a wake-up");
+        let deadline = Instant::now() + T;
+        let got = loop {
+            if let Some(m) = a.recv_with(|m| m.to_vec()).unwrap() {
+                break m;
+            }
+            assert!(Instant::now() < deadline, "the frame never came");
+        };
+        assert_eq!(got, b"wake");
+        // Answered: the next sleep is announced anew.
+        assert!(a.prepare_sleep().unwrap());
+        assert_eq!(a.stats().control, before + 2);
     }
 
     /// The peer's ring address and key, from the setup a pipe sent a raw peer.

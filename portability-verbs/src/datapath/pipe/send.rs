@@ -355,16 +355,24 @@ impl MsgPipe {
                 // taking an earlier wake-up): sleeping now could leave both ends asleep.
                 return Ok(false);
             }
-            let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("sleep before setup".into()))?;
-            let word = self.sleep.announce(self.ring_rx.received());
-            self.ack_mr.write(ACK_SLEEP_SRC, &word.to_ne_bytes());
-            let sge = self.ack_mr.sge(ACK_SLEEP_SRC, 8);
-            // Mostly unsignaled: a completion of our own would end the sleep it announces (and,
-            // raised while the queue is still armed from the last sleep, the next one too).
-            if let Err(e) = self.post_inline_counted(SendWr::write(0, &[sge], addr + ACK_SLEEP as u64, rkey)) {
-                return Err(self.fail(e));
+            let received = self.ring_rx.received();
+            // An announcement at this position that the peer has not answered still stands:
+            // not posted again (a sleeper woken by something else, again and again, would
+            // otherwise post a write per sleep, faster than their completions come back).
+            if self.sleep_standing != Some(received) {
+                let (addr, rkey) = self.peer_acks.ok_or_else(|| VerbsError::Protocol("sleep before setup".into()))?;
+                let word = self.sleep.announce(received);
+                self.ack_mr.write(ACK_SLEEP_SRC, &word.to_ne_bytes());
+                let sge = self.ack_mr.sge(ACK_SLEEP_SRC, 8);
+                // Mostly unsignaled: a completion of our own would end the sleep it announces
+                // (and, raised while the queue is still armed from the last sleep, the next one
+                // too).
+                if let Err(e) = self.post_inline_counted(SendWr::write(0, &[sge], addr + ACK_SLEEP as u64, rkey)) {
+                    return Err(self.fail(e));
+                }
+                self.stats.control += 1;
+                self.sleep_standing = Some(received);
             }
-            self.stats.control += 1;
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
             self.progress()?;
             self.reap_wake = true;
