@@ -29,6 +29,10 @@ use super::wire::{self, Control, Hello, Message, WriteNote, DATA_OVERHEAD, HEADE
 const WRITE_DEPTH: usize = 256;
 /// Send requests a connection's queue pair holds: its data writes and the pipe's own.
 pub(crate) const SEND_DEPTH: u32 = 2 * WRITE_DEPTH as u32;
+/// How long bytes wait for an advertisement after a rejection before they go into the peer's
+/// stream buffer after all ([`Proto::ring_waiting`]): a receiver with receives waiting
+/// advertises them again within microseconds.
+const RING_WAIT: Duration = Duration::from_micros(50);
 /// How long a closed connection waits for the peer's Close before it is torn down.
 const LINGER: Duration = Duration::from_secs(10);
 
@@ -73,6 +77,9 @@ struct State<S> {
     /// Our Close left in a pipe message that may still be in flight.
     close_in_flight: bool,
     closing_since: Option<Instant>,
+    /// Since when the protocol's bytes wait for an advertisement ([`RING_WAIT`]), and how many
+    /// it had answered then.
+    ring_wait: Option<(Instant, u64)>,
 }
 
 /// A connected EXS socket's transport; its events name sockets `S` (the sockets are built on
@@ -122,6 +129,7 @@ impl<S> Conn<S> {
             msg: Vec::with_capacity(largest),
             close_in_flight: false,
             closing_since: None,
+            ring_wait: None,
         };
         Ok(Conn { state: Mutex::new(state), cq, finished: AtomicBool::new(false) })
     }
@@ -188,6 +196,7 @@ impl<S> Conn<S> {
         if !s.backlog.is_empty() || any || s.proto.has_actions() {
             s.run(false);
         }
+        s.bound_ring_wait();
         if s.closing_since.is_some_and(|t| t.elapsed() > LINGER) && !s.proto.peer_closed() && s.proto.closed() {
             s.proto.fail(libc::ETIMEDOUT);
             s.run(false);
@@ -256,6 +265,25 @@ impl<S> State<S> {
             _ => libc::ECONNRESET,
         };
         self.proto.fail(errno);
+    }
+
+    /// Ends the protocol's wait for advertisements once none was answered for [`RING_WAIT`].
+    fn bound_ring_wait(&mut self) {
+        if !self.proto.ring_waiting() {
+            self.ring_wait = None;
+            return;
+        }
+        let answered = self.proto.ads_answered();
+        match self.ring_wait {
+            Some((since, at)) if at == answered => {
+                if since.elapsed() >= RING_WAIT {
+                    self.ring_wait = None;
+                    self.proto.resume_ring();
+                    self.run(false);
+                }
+            }
+            _ => self.ring_wait = Some((Instant::now(), answered)),
+        }
     }
 
     /// Feeds the protocol every message that arrived; true if any did.

@@ -242,6 +242,11 @@ pub struct Proto {
     next_peer_ad: u32,
     unadvertised_sent: u64,
     ring_out: Option<RingSender>,
+    /// Bytes go into the stream buffer only after [`Proto::resume_ring`]: an advertisement
+    /// was rejected, so the peer posts receives (see [`Proto::ring_waiting`]).
+    ring_waits_for_ad: bool,
+    /// Advertisements answered so far.
+    ads_answered: u64,
     close_wanted: Option<u64>,
     close_sent: bool,
     /// The message carrying our Close was delivered: the peer has it (a process may exit now without
@@ -285,6 +290,8 @@ impl Proto {
             next_peer_ad: 0,
             unadvertised_sent: 0,
             ring_out,
+            ring_waits_for_ad: false,
+            ads_answered: 0,
             close_wanted: None,
             close_sent: false,
             close_delivered: false,
@@ -360,6 +367,31 @@ impl Proto {
     fn queue_control(&mut self, c: Control<'static>) {
         let len = c.encoded_len();
         self.queue(|g| Record::Control(c, g), len);
+    }
+
+    /// Whether bytes that could go into the peer's stream buffer wait for advertisements.
+    /// Once the peer rejected one (it posts receives, and a byte put into its stream buffer
+    /// ahead of them dooms every advertisement it made before reading it: the stream would
+    /// then stay in the buffer, copied at both ends), sends larger than a small message wait
+    /// for advertisements, to be written once into the receives. The driver bounds
+    /// each wait ([`Proto::resume_ring`] when no advertisement was answered for a while, see
+    /// [`Proto::ads_answered`]): a send never needs its receiver for long, since the stream
+    /// buffer exists to take bytes ahead of any receive.
+    pub fn ring_waiting(&self) -> bool {
+        self.ring_waits_for_ad && self.failed.is_none() && self.sends.iter().any(|s| !s.handed)
+    }
+
+    /// Advertisements answered so far (what a driver timing [`Proto::ring_waiting`] watches).
+    pub fn ads_answered(&self) -> u64 {
+        self.ads_answered
+    }
+
+    /// Ends a wait of [`Proto::ring_waiting`]: the stream buffer takes bytes again (until the
+    /// next rejection).
+    pub fn resume_ring(&mut self) {
+        if std::mem::take(&mut self.ring_waits_for_ad) {
+            self.pump();
+        }
     }
 
     /// The error number every call now fails with, once the connection failed.

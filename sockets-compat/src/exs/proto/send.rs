@@ -29,6 +29,10 @@ impl Proto {
                 let seq = ad.seq;
                 self.peer_ads.pop_front();
                 self.queue_control(Control::Reject { seq });
+                // The receiver has receives waiting and advertises them again once it read
+                // what came unadvertised: bytes put into its stream buffer meanwhile would
+                // doom those advertisements too, and keep the stream copied at both ends.
+                self.ring_waits_for_ad = self.ring_out.is_some();
             }
             let Some(i) = self.first_untaken() else { return };
             if let Some(ad) = self.peer_ads.front().copied() {
@@ -36,6 +40,7 @@ impl Proto {
                     return;
                 }
                 if self.try_fill_inline(i, &ad) {
+                    self.ads_answered += 1;
                     continue;
                 }
                 if ad.fill_only || !self.credits.can_send_data() {
@@ -44,6 +49,7 @@ impl Proto {
                 }
                 self.peer_ads.pop_front();
                 self.credits.on_send_bare();
+                self.ads_answered += 1;
                 match self.cfg.kind {
                     SocketKind::SeqPacket => self.fill_message(i, &ad),
                     SocketKind::Stream => self.fill_stream(i, &ad),
@@ -188,6 +194,9 @@ impl Proto {
     }
 
     pub(super) fn try_ring(&mut self, first: usize) -> bool {
+        if self.ring_waits_for_ad {
+            return false;
+        }
         let Some(ring) = self.ring_out.as_mut() else { return false };
         let s = &mut self.sends[first];
         let n = (s.len - s.taken).min(ring.max_chunk());

@@ -278,6 +278,45 @@ fn a_large_seqpacket_message_waits_for_a_receive() {
     assert_eq!(p.read(1, BASE + 0x1000, 300), &[3; 300][..]);
 }
 
+/// Once the peer rejected an advertisement (stream bytes went ahead of it), the next bytes
+/// wait for advertisements instead of going into the stream buffer, which would doom the
+/// peer's next ones too; `resume_ring` (the driver's bound on the wait) lets them in again.
+#[test]
+fn after_a_rejection_stream_bytes_wait_for_an_advertisement_until_resumed() {
+    let mut p = Pair::new(SocketKind::Stream, 16, 64, 4096, 4);
+    p.fill(0, BASE, &[7; 400]);
+    p.ends[1].proto.post_recv(1, BASE + 0x1000, 100, KEY).unwrap();
+    p.ends[1].proto.post_recv(2, BASE + 0x2000, 1000, KEY).unwrap();
+    p.act(1);
+    // The first send crosses the advertisements: into the stream buffer.
+    p.ends[0].proto.post_send(1, BASE, 200, 1).unwrap();
+    p.act(0);
+    assert!(matches!(p.wires[0].front(), Some(Msg::Write { .. })), "into the stream buffer");
+    // The stale advertisements arrive and are rejected.
+    while p.deliver(1) {}
+    p.act(0);
+    assert!(!p.ends[0].proto.ring_waiting(), "nothing queued waits");
+    p.ends[0].proto.post_send(2, BASE + 200, 200, 1).unwrap();
+    p.act(0);
+    assert!(p.ends[0].proto.ring_waiting(), "the second send waits for an advertisement");
+    let writes = |p: &Pair| p.wires[0].iter().filter(|m| matches!(m, Msg::Write { .. })).count();
+    assert_eq!(writes(&p), 1, "nothing more into the stream buffer");
+    // Bounded: resumed, the bytes go into the stream buffer after all.
+    let answered = p.ends[0].proto.ads_answered();
+    p.ends[0].proto.resume_ring();
+    p.act(0);
+    assert!(!p.ends[0].proto.ring_waiting());
+    assert_eq!(writes(&p), 2);
+    assert_eq!(p.ends[0].proto.ads_answered(), answered);
+    // A stream receive takes the bytes at hand: a third one takes the rest.
+    p.settle();
+    p.ends[1].proto.post_recv(3, BASE + 0x3000, 1000, KEY).unwrap();
+    p.settle();
+    let got: u64 = done(&p, 1, OpKind::Recv).iter().map(|d| d.outcome.unwrap()).sum();
+    assert_eq!(got, 400, "every byte, in order");
+    assert_eq!(p.read(1, BASE + 0x1000, 100), &[7; 100][..]);
+}
+
 #[test]
 fn stream_bytes_run_ahead_of_receives_through_the_stream_buffer() {
     let mut p = Pair::new(SocketKind::Stream, 16, 64, 4096, 4);
