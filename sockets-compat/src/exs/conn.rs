@@ -298,7 +298,7 @@ impl<S> State<S> {
                 Ok(Some((Lane::Message, bytes))) => {
                     any = true;
                     match Message::decode(bytes) {
-                        Ok(Message::Written(note)) => self.proto.on_write_imm(note.encode()),
+                        Ok(Message::Written(note)) => self.proto.on_write_note(note),
                         Ok(Message::Records(b)) => self.proto.on_control(b, &mut |dst, data| {
                             // SAFETY: the protocol places a small message inside the buffer of
                             // the receive it completes, which lies in a registered region the
@@ -385,9 +385,7 @@ impl<S> State<S> {
     /// has no room for it now.
     fn carry_out(&mut self, p: Pending) -> portability_verbs::Result<Option<Pending>> {
         let a = match p {
-            Pending::Note(note) => {
-                return Ok((!self.pipe.try_send(&note.encode_message())?).then_some(Pending::Note(note)));
-            }
+            Pending::Note(note) => return self.send_note(note),
             Pending::Action(a) => a,
         };
         match a {
@@ -420,10 +418,7 @@ impl<S> State<S> {
                     Some(token) => self.writes.push_back(WriteInFlight { token, send }),
                 }
                 match imm {
-                    Some(imm) => {
-                        let note = WriteNote::decode(imm);
-                        Ok((!self.pipe.try_send(&note.encode_message())?).then_some(Pending::Note(note)))
-                    }
+                    Some(imm) => self.send_note(WriteNote::decode(imm)),
                     None => Ok(None),
                 }
             }
@@ -450,6 +445,12 @@ impl<S> State<S> {
                 Ok(None)
             }
         }
+    }
+
+    /// Sends a write's note (the write was posted before it); handed back while the pipe has
+    /// no room.
+    fn send_note(&mut self, note: WriteNote) -> portability_verbs::Result<Option<Pending>> {
+        Ok((!self.pipe.try_send(&note.encode_message())?).then_some(Pending::Note(note)))
     }
 
     fn report(&mut self, d: Done) {

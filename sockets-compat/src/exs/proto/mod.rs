@@ -525,7 +525,12 @@ impl Proto {
 
     /// A write-with-immediate of the peer's landed.
     pub fn on_write_imm(&mut self, imm: u32) -> Result<(), ProtoError> {
-        let r = self.take_write(imm);
+        self.on_write_note(WriteNote::decode(imm))
+    }
+
+    /// A data write of the peer's landed, as its note (or its immediate) says.
+    pub fn on_write_note(&mut self, note: WriteNote) -> Result<(), ProtoError> {
+        let r = self.take_write(note);
         self.after_peer(r)
     }
 

@@ -111,10 +111,10 @@ impl Proto {
         Ok(self.recvs.pop_front().expect("found"))
     }
 
-    pub(super) fn take_write(&mut self, imm: u32) -> Result<(), ProtoError> {
+    pub(super) fn take_write(&mut self, note: WriteNote) -> Result<(), ProtoError> {
         self.credits.on_receive(0).map_err(|_| ProtoError::Violation("write without a credit"))?;
         self.credits.on_buffer_freed();
-        match WriteNote::decode(imm) {
+        match note {
             WriteNote::Advertised { len, truncated } => {
                 let r = self.answer_ad(len, truncated)?;
                 self.done(r.req, OpKind::Recv, Ok(len as u64), truncated);
