@@ -177,8 +177,6 @@ struct OutSend {
     lkey: u32,
     /// Bytes handed to writes or small messages.
     taken: u64,
-    /// Every byte was handed out (a SOCK_SEQPACKET message once matched, even empty or cut).
-    handed: bool,
     /// Writes posted and not yet completed.
     writes: u32,
 }
@@ -237,6 +235,10 @@ pub struct Proto {
     peer_message_max: usize,
     // Sending side.
     sends: VecDeque<OutSend>,
+    /// Sends at the front of `sends` whose every byte was handed out (a SOCK_SEQPACKET
+    /// message once matched, even empty or cut): bytes are matched in order, so the handed
+    /// sends are always a prefix.
+    handed: usize,
     next_send: u64,
     peer_ads: VecDeque<Advert>,
     next_peer_ad: u32,
@@ -255,6 +257,9 @@ pub struct Proto {
     close_reported: bool,
     // Receiving side.
     recvs: VecDeque<InRecv>,
+    /// Receives in `recvs` without an advertisement standing for them (what
+    /// [`Proto::advertise`] looks for).
+    unadvertised_recvs: usize,
     ads: VecDeque<SentAd>,
     next_ad: u32,
     unadvertised_seen: u64,
@@ -285,6 +290,7 @@ impl Proto {
             peer_message_max: wire::message_max(cfg.peer.small_max),
             cfg,
             sends: VecDeque::new(),
+            handed: 0,
             next_send: 0,
             peer_ads: VecDeque::new(),
             next_peer_ad: 0,
@@ -297,6 +303,7 @@ impl Proto {
             close_delivered: false,
             close_reported: false,
             recvs: VecDeque::new(),
+            unadvertised_recvs: 0,
             ads: VecDeque::new(),
             next_ad: 0,
             unadvertised_seen: 0,
@@ -378,7 +385,7 @@ impl Proto {
     /// [`Proto::ads_answered`]): a send never needs its receiver for long, since the stream
     /// buffer exists to take bytes ahead of any receive.
     pub fn ring_waiting(&self) -> bool {
-        self.ring_waits_for_ad && self.failed.is_none() && self.sends.iter().any(|s| !s.handed)
+        self.ring_waits_for_ad && self.failed.is_none() && self.handed < self.sends.len()
     }
 
     /// Advertisements answered so far (what a driver timing [`Proto::ring_waiting`] watches).
@@ -432,7 +439,7 @@ impl Proto {
         }
         let id = self.next_send;
         self.next_send += 1;
-        self.sends.push_back(OutSend { id, req, addr, len, lkey, taken: 0, handed: false, writes: 0 });
+        self.sends.push_back(OutSend { id, req, addr, len, lkey, taken: 0, writes: 0 });
         self.pump();
         Ok(())
     }
@@ -446,6 +453,7 @@ impl Proto {
             return Err(libc::EBADF);
         }
         self.recvs.push_back(InRecv { req, addr, len: len.min(MAX_WRITE as u64), rkey, ad: None });
+        self.unadvertised_recvs += 1;
         if self.failed.is_some() {
             // The peer closed before the connection failed (it exited after its close): a
             // receive takes what arrived, then the end, as over TCP.
@@ -465,7 +473,7 @@ impl Proto {
             return Err(libc::EALREADY);
         }
         self.close_wanted = Some(req);
-        for r in std::mem::take(&mut self.recvs) {
+        for r in self.take_recvs() {
             self.orphan_ad(r.ad);
             self.done(r.req, OpKind::Recv, Err(libc::ECANCELED), false);
         }
@@ -484,6 +492,7 @@ impl Proto {
             return;
         }
         self.failed = Some(errno);
+        self.handed = 0;
         for s in std::mem::take(&mut self.sends) {
             self.done(s.req, OpKind::Send, Err(errno), false);
         }
@@ -491,7 +500,7 @@ impl Proto {
             // The peer closed before it went: waiting receives take what arrived, then the end.
             self.serve_recvs();
         }
-        for r in std::mem::take(&mut self.recvs) {
+        for r in self.take_recvs() {
             self.done(r.req, OpKind::Recv, Err(errno), false);
         }
         self.close_sent = true;
@@ -549,6 +558,8 @@ impl Proto {
         if self.failed.is_some() {
             return;
         }
+        debug_assert_eq!(self.unadvertised_recvs, self.recvs.iter().filter(|r| r.ad.is_none()).count());
+        debug_assert!(self.handed <= self.sends.len() && self.sends.iter().take(self.handed).all(|s| s.taken == s.len));
         self.serve_recvs();
         self.advertise();
         self.match_sends();

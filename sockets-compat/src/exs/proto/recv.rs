@@ -75,6 +75,7 @@ impl Proto {
                 if !ad.orphan {
                     if let Some(r) = self.recvs.iter_mut().find(|r| r.ad == Some(seq)) {
                         r.ad = None;
+                        self.unadvertised_recvs += 1;
                     }
                 }
             }
@@ -143,6 +144,12 @@ impl Proto {
         }
     }
 
+    /// Takes every receive waiting (to complete them otherwise).
+    pub(super) fn take_recvs(&mut self) -> VecDeque<InRecv> {
+        self.unadvertised_recvs = 0;
+        std::mem::take(&mut self.recvs)
+    }
+
     pub(super) fn orphan_ad(&mut self, ad: Option<u32>) {
         if let Some(seq) = ad {
             if let Some(a) = self.ads.iter_mut().find(|a| a.seq == seq) {
@@ -154,6 +161,7 @@ impl Proto {
     pub(super) fn serve_recvs(&mut self) {
         while !self.early.is_empty() && !self.recvs.is_empty() {
             let r = self.recvs.pop_front().expect("checked");
+            self.unadvertised_recvs -= usize::from(r.ad.is_none());
             self.orphan_ad(r.ad);
             let (got, truncated) = match self.cfg.kind {
                 SocketKind::SeqPacket => self.copy_message(&r),
@@ -163,7 +171,7 @@ impl Proto {
         }
         if self.peer_closed && self.early.is_empty() {
             // The end of the peer's data: nothing will fill these.
-            for r in std::mem::take(&mut self.recvs) {
+            for r in self.take_recvs() {
                 self.orphan_ad(r.ad);
                 self.done(r.req, OpKind::Recv, Ok(0), false);
             }
@@ -235,7 +243,7 @@ impl Proto {
     /// last, and never past a receive whose advertisement awaits its rejection (bytes must
     /// land in the order receives were posted).
     pub(super) fn advertise(&mut self) {
-        if self.peer_closed || !self.early.is_empty() {
+        if self.unadvertised_recvs == 0 || self.peer_closed || !self.early.is_empty() {
             return;
         }
         for i in 0..self.recvs.len() {
@@ -252,6 +260,7 @@ impl Proto {
             self.next_ad = self.next_ad.wrapping_add(1);
             let r = &mut self.recvs[i];
             r.ad = Some(seq);
+            self.unadvertised_recvs -= 1;
             // A buffer that any small message fills is offered in the short form.
             let fill_only = r.len <= self.cfg.small_max as u64 && self.cfg.small_max > 0;
             let ad = Advert {

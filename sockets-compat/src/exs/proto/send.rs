@@ -13,7 +13,7 @@ impl Proto {
     }
 
     pub(super) fn first_untaken(&self) -> Option<usize> {
-        self.sends.iter().position(|s| !s.handed)
+        (self.handed < self.sends.len()).then_some(self.handed)
     }
 
     /// Matches queued bytes against advertisements, then small messages, then the stream
@@ -71,23 +71,19 @@ impl Proto {
         let n = s.len.min(ad.len as u64) as u32;
         let truncated = s.len > ad.len as u64;
         s.taken = s.len;
-        s.handed = true;
         s.writes += 1;
         let piece = Piece { addr: s.addr, len: n, lkey: s.lkey };
         let imm = WriteNote::Advertised { len: n, truncated }.encode();
-        self.actions.push_back(Action::Write {
-            send: s.id,
-            piece,
-            remote_addr: ad.addr,
-            rkey: ad.rkey,
-            imm: Some(imm),
-        });
+        let send = s.id;
+        self.handed += 1;
+        self.actions.push_back(Action::Write { send, piece, remote_addr: ad.addr, rkey: ad.rkey, imm: Some(imm) });
     }
 
     pub(super) fn fill_stream(&mut self, first: usize, ad: &Advert) {
         let mut room = ad.len as u64;
         let mut at = 0u64;
         let mut writes: SmallVec<[(u64, Piece); 4]> = SmallVec::new();
+        let mut handed = 0;
         for s in self.sends.iter_mut().skip(first) {
             if room == 0 {
                 break;
@@ -98,10 +94,11 @@ impl Proto {
             }
             writes.push((s.id, Piece { addr: s.addr + s.taken, len: n as u32, lkey: s.lkey }));
             s.taken += n;
-            s.handed = s.taken == s.len;
+            handed += usize::from(s.taken == s.len);
             s.writes += 1;
             room -= n;
         }
+        self.handed += handed;
         let last = writes.len().saturating_sub(1);
         for (k, (send, piece)) in writes.into_iter().enumerate() {
             let remote_addr = ad.addr + at;
@@ -122,7 +119,7 @@ impl Proto {
             return false;
         }
         let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();
-        let mut total = 0u64;
+        let (mut total, mut handed) = (0u64, 0);
         for (k, s) in self.sends.iter_mut().skip(first).enumerate() {
             let n = s.len - s.taken;
             if total + n > limit || (self.cfg.kind == SocketKind::SeqPacket && k > 0) || pieces.len() == MAX_PIECES {
@@ -133,8 +130,9 @@ impl Proto {
             }
             total += n;
             s.taken = s.len;
-            s.handed = true;
+            handed += 1;
         }
+        self.handed += handed;
         self.unadvertised_sent += 1;
         // The bytes are copied when the message is posted: the sends complete after it.
         let len = DATA_OVERHEAD + total as usize;
@@ -167,14 +165,14 @@ impl Proto {
             return false;
         }
         let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();
-        let mut left = n;
+        let (mut left, mut handed) = (n, 0);
         for s in self.sends.iter_mut().skip(first) {
             if self.cfg.kind == SocketKind::SeqPacket {
                 if n > 0 {
                     pieces.push(Piece { addr: s.addr, len: n as u32, lkey: s.lkey });
                 }
                 s.taken = s.len;
-                s.handed = true;
+                handed = 1;
                 break;
             }
             if left == 0 || (pieces.len() == MAX_PIECES) {
@@ -184,9 +182,10 @@ impl Proto {
             let k = (s.len - s.taken).min(left);
             pieces.push(Piece { addr: s.addr + s.taken, len: k as u32, lkey: s.lkey });
             s.taken += k;
-            s.handed = s.taken == s.len;
+            handed += usize::from(s.taken == s.len);
             left -= k;
         }
+        self.handed += handed;
         let len = DATA_OVERHEAD + pieces.iter().map(|p| p.len as usize).sum::<usize>();
         self.peer_ads.pop_front();
         self.queue(|grant| Record::Small { fill: Some(truncated), pieces, grant }, len);
@@ -203,10 +202,11 @@ impl Proto {
         let Some(place) = ring.reserve(n) else { return false };
         let piece = Piece { addr: s.addr + s.taken, len: n as u32, lkey: s.lkey };
         s.taken += n;
-        s.handed = s.taken == s.len;
+        let handed = s.taken == s.len;
         s.writes += 1;
         let imm = WriteNote::Ring { len: n as u32, wrapped: place.wrapped }.encode();
         let id = s.id;
+        self.handed += usize::from(handed);
         self.unadvertised_sent += 1;
         self.credits.on_send_bare();
         let remote_addr = self.cfg.peer.ring_addr + place.offset;
@@ -224,17 +224,18 @@ impl Proto {
     /// (sends complete in order, as a stream's bytes do).
     pub(super) fn finish_sends(&mut self) {
         while let Some(s) = self.sends.front() {
-            if !s.handed || s.writes > 0 {
+            if self.handed == 0 || s.writes > 0 {
                 return;
             }
             let s = self.sends.pop_front().expect("checked");
+            self.handed -= 1;
             self.done(s.req, OpKind::Send, Ok(s.len), false);
         }
     }
 
     pub(super) fn send_close(&mut self) {
         let Some(_) = self.close_wanted else { return };
-        if self.close_sent || self.sends.iter().any(|s| !s.handed) || !self.may_queue(wire::HEADER) {
+        if self.close_sent || self.handed < self.sends.len() || !self.may_queue(wire::HEADER) {
             return;
         }
         self.close_sent = true;
