@@ -7,7 +7,7 @@
 //! events (waiting for notification). The completion thread also keeps connections moving
 //! while no thread waits (advertisements, credits, stream-buffer acknowledgements).
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -26,10 +26,9 @@ const THREAD_SPIN: Duration = Duration::from_micros(200);
 static BUSY_POLL: AtomicBool = AtomicBool::new(true);
 static CPU: AtomicI64 = AtomicI64::new(-1);
 static CPU_CHANGED: AtomicBool = AtomicBool::new(false);
-static DEQUEUERS: AtomicUsize = AtomicUsize::new(0);
-/// Waits begun (an application that polls in a loop leaves `DEQUEUERS` at zero between its
-/// calls), and waits that went to sleep handing the polling over.
-static DEQUEUE_CALLS: AtomicU64 = AtomicU64::new(0);
+/// Beats of application threads polling in `dequeue` (one as a wait begins to poll, one
+/// every 64 polls after), and waits that went to sleep handing the polling over.
+static POLL_BEATS: AtomicU64 = AtomicU64::new(0);
 static HANDOVERS: AtomicU64 = AtomicU64::new(0);
 /// The completion thread stands back because application threads poll.
 static APP_DRIVES: AtomicBool = AtomicBool::new(false);
@@ -191,26 +190,17 @@ fn apply_cpu() {
     }
 }
 
-/// An application thread waiting in `dequeue` (it polls; the completion thread stands back).
-pub(crate) struct Dequeuer;
-
-impl Dequeuer {
-    pub(crate) fn enter() -> Dequeuer {
-        DEQUEUERS.fetch_add(1, Ordering::AcqRel);
-        DEQUEUE_CALLS.fetch_add(1, Ordering::Relaxed);
-        Dequeuer
-    }
-}
-
-impl Drop for Dequeuer {
-    fn drop(&mut self) {
-        DEQUEUERS.fetch_sub(1, Ordering::AcqRel);
-    }
+/// An application thread polls in `dequeue` (the completion thread stands back while beats
+/// come). A plain store, not a read-modify-write (an atomic one costs a few nanoseconds on
+/// every wait of a ping-pong): two threads racing may store the same value, and the next beat
+/// changes it again, well within the completion thread's nap.
+pub(crate) fn poll_beat() {
+    POLL_BEATS.store(POLL_BEATS.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
 }
 
 fn completion_thread() {
     let mut last_progress = Instant::now();
-    let (mut seen_calls, mut seen_handovers) = (0, 0);
+    let (mut seen_beats, mut seen_handovers) = (0, 0);
     loop {
         if CPU_CHANGED.swap(false, Ordering::AcqRel) {
             apply_cpu();
@@ -220,12 +210,11 @@ fn completion_thread() {
             std::thread::park_timeout(Duration::from_millis(100));
             continue;
         }
-        // Application threads poll if one waits now or one began a wait since the last look
-        // (between two calls of a polling loop none waits), unless one handed over.
-        let (calls, handovers) = (DEQUEUE_CALLS.load(Ordering::Relaxed), HANDOVERS.load(Ordering::Acquire));
-        let recent = calls != seen_calls && handovers == seen_handovers;
-        (seen_calls, seen_handovers) = (calls, handovers);
-        let app_polls = busy_poll() && (DEQUEUERS.load(Ordering::Acquire) > 0 || recent);
+        // Application threads poll if one beat since the last look (a polling wait beats every
+        // 64 polls; a loop of calls at each call), unless one handed over.
+        let (beats, handovers) = (POLL_BEATS.load(Ordering::Relaxed), HANDOVERS.load(Ordering::Acquire));
+        let app_polls = busy_poll() && beats != seen_beats && handovers == seen_handovers;
+        (seen_beats, seen_handovers) = (beats, handovers);
         if APP_DRIVES.load(Ordering::Relaxed) != app_polls {
             APP_DRIVES.store(app_polls, Ordering::Relaxed);
         }

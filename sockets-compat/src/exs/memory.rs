@@ -1,7 +1,6 @@
 //! Registered memory (`exs_mhandle_t`): the buffers EXS sends from and receives into, so that
 //! data moves by RDMA between the two applications' memory with no copy.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use portability_verbs::{AccessFlags, MemoryRegion};
@@ -9,14 +8,15 @@ use portability_verbs::{AccessFlags, MemoryRegion};
 use super::error::{ExsError, ExsResult};
 use crate::verbs_runtime::runtime;
 
+/// What the application's clones share: the registration, which every operation in flight
+/// holds too (so its count beyond this one is the operations in flight: one atomic count
+/// kept by an operation's start and end, not two).
 struct Inner {
-    mr: MemoryRegion,
-    /// Operations started on this memory and not yet completed.
-    in_flight: AtomicUsize,
+    mr: Arc<MemoryRegion>,
 }
 
 /// A registered memory region. Clones share it; the registration ends when the last clone is
-/// dropped or [`Memory::deregister`] succeeds.
+/// dropped or [`Memory::deregister`] succeeds (and the last operation on it completed).
 #[derive(Clone)]
 pub struct Memory(Arc<Inner>);
 
@@ -27,12 +27,8 @@ impl std::fmt::Debug for Memory {
 }
 
 /// An operation's hold on a region: deregistering fails while one exists.
-pub(crate) struct InFlight(Memory);
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0 .0.in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
+pub(crate) struct InFlight {
+    _registration: Arc<MemoryRegion>,
 }
 
 impl Memory {
@@ -49,7 +45,7 @@ impl Memory {
         let rt = runtime().map_err(ExsError::io)?;
         // SAFETY: forwarded contract.
         let mr = unsafe { rt.pd.register_raw(addr, len, AccessFlags::ALL) }.map_err(ExsError::verbs)?;
-        Ok(Memory(Arc::new(Inner { mr, in_flight: AtomicUsize::new(0) })))
+        Ok(Memory(Arc::new(Inner { mr: Arc::new(mr) })))
     }
 
     /// Allocates and registers `len` zeroed bytes the region owns.
@@ -59,7 +55,7 @@ impl Memory {
         }
         let rt = runtime().map_err(ExsError::io)?;
         let mr = rt.pd.alloc(len, AccessFlags::ALL).map_err(ExsError::verbs)?;
-        Ok(Memory(Arc::new(Inner { mr, in_flight: AtomicUsize::new(0) })))
+        Ok(Memory(Arc::new(Inner { mr: Arc::new(mr) })))
     }
 
     /// Where the region starts.
@@ -96,7 +92,9 @@ impl Memory {
     /// Ends the registration (`exs_mderegister`); refused while an operation uses the region,
     /// and the region is handed back.
     pub fn deregister(self) -> Result<(), (Memory, ExsError)> {
-        if self.0.in_flight.load(Ordering::Acquire) > 0 {
+        // Operations in flight each hold the registration (the region itself outlives them
+        // whatever this says: they keep it alive).
+        if Arc::strong_count(&self.0.mr) > 1 {
             return Err((self, ExsError::Busy("the memory region")));
         }
         Ok(())
@@ -116,8 +114,7 @@ impl Memory {
         if addr < self.addr() || end > self.addr() + self.len() as u64 {
             return Err(ExsError::OutsideRegion);
         }
-        self.0.in_flight.fetch_add(1, Ordering::AcqRel);
-        Ok(InFlight(self.clone()))
+        Ok(InFlight { _registration: self.0.mr.clone() })
     }
 
     /// Whether two handles name the same registration.

@@ -194,8 +194,8 @@ impl<S> EventQueue<S> {
     pub fn dequeue_into(&self, out: &mut Vec<Event<S>>, max: usize, timeout: Option<Duration>) -> usize {
         // The clock is read only once waiting starts.
         let mut deadline = None;
-        // Counted as a poller once it polls (a call that finds events at once does not).
-        let mut polling = None;
+        // Beats as a poller once it polls (a call that finds events at once does not).
+        let mut polling = false;
         let mut idle_since = None;
         // Polls so far, and idle polls since the last that found work.
         let (mut polls, mut spins) = (0u32, 0u32);
@@ -217,8 +217,9 @@ impl<S> EventQueue<S> {
             if max == 0 {
                 return 0;
             }
-            if polling.is_none() {
-                polling = Some(engine::Dequeuer::enter());
+            if !polling {
+                polling = true;
+                engine::poll_beat();
             }
             let progressed = engine::progress_all();
             // A caller that does not wait is answered after one poll.
@@ -238,6 +239,7 @@ impl<S> EventQueue<S> {
                 }
                 continue;
             }
+            engine::poll_beat();
             let now = Instant::now();
             let deadline = *deadline.get_or_insert_with(|| timeout.map(|t| now + t));
             if deadline.is_some_and(|d| now >= d) {
@@ -256,7 +258,7 @@ impl<S> EventQueue<S> {
             }
             // Nothing for a while: sleep until the completion thread (which takes over the
             // polling now, asleep on every queue pair's completion events) queues an event.
-            polling = None;
+            polling = false;
             engine::hand_over();
             let mut s = self.lock();
             if s.events.is_empty() {
