@@ -34,6 +34,8 @@ const PIPE_RECEIVES: u32 = 80;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long an accepted connection's pipe setup may take.
 const PIPE_SETUP_TIMEOUT: Duration = Duration::from_secs(2);
+/// Accepted connections whose pipe a listener sets up at once at most (more wait their turn).
+const MAX_SETTING_UP: usize = 16;
 /// The largest stream buffer.
 const MAX_RECV_BUFFER: u32 = 64 << 20;
 
@@ -122,6 +124,9 @@ struct AcceptQueue {
     waiting: VecDeque<(u64, EventQueue, ExsSocket)>,
     /// Connections waiting for an `accept`.
     ready: VecDeque<ExsSocket>,
+    /// Connections whose pipe is being set up, each on a thread of its own (as the kernel
+    /// keeps connections not yet established apart from its accept queue).
+    setting_up: usize,
     backlog: usize,
 }
 
@@ -540,7 +545,7 @@ fn accept_loop(listener: cm::Listener, l: Arc<Listening>, kind: SocketKind, o: O
     while !l.stop.load(Ordering::Acquire) {
         {
             let q = lock(&l.queue);
-            if q.ready.len() >= q.backlog {
+            if q.ready.len() >= q.backlog || q.setting_up >= MAX_SETTING_UP {
                 drop(q);
                 std::thread::sleep(Duration::from_millis(5));
                 continue;
@@ -570,32 +575,88 @@ fn accept_loop(listener: cm::Listener, l: Arc<Listening>, kind: SocketKind, o: O
                 continue;
             }
         };
-        // A client that connects and then says nothing holds the loop up to this long.
-        let conn = match establish(c, mem, &hello, &o, PIPE_SETUP_TIMEOUT) {
-            Ok(c) => c,
-            Err(e) => {
-                log::debug!("EXS listener on {}: refused a client: {e}", l.local);
-                continue;
-            }
-        };
-        let socket = ExsSocket::with(kind, o, State::Connected(conn));
-        let mut q = lock(&l.queue);
-        if l.stop.load(Ordering::Acquire) {
+        // The pipe's set-up is an exchange with the client: on a thread of its own, so that a
+        // client that connects and then says nothing holds up only itself.
+        lock(&l.queue).setting_up += 1;
+        let (l2, o2) = (l.clone(), o);
+        let spawned = portability_verbs::os::spawn_quiet("exs-accepted", move || {
+            let conn = establish(c, mem, &hello, &o2, PIPE_SETUP_TIMEOUT);
+            offer_accepted(&l2, kind, o2, conn);
+        });
+        if let Err(e) = spawned {
+            log::warn!("EXS listener on {}: refused a client: {e}", l.local);
+            lock(&l.queue).setting_up -= 1;
+        }
+    }
+}
+
+/// Hands a connection whose set-up ended to a waiting `accept`, or queues it for the next.
+fn offer_accepted(l: &Listening, kind: SocketKind, o: Options, conn: ExsResult<Arc<Conn>>) {
+    let mut q = lock(&l.queue);
+    q.setting_up -= 1;
+    let conn = match conn {
+        Ok(c) => c,
+        Err(e) => {
+            log::debug!("EXS listener on {}: refused a client: {e}", l.local);
             return;
         }
-        match q.waiting.pop_front() {
-            Some((req, queue, listening)) => {
-                drop(q);
-                queue.deliver(Event {
-                    req,
-                    kind: EventKind::Accept,
-                    socket: listening,
-                    outcome: Ok(0),
-                    truncated: false,
-                    accepted: Some(socket),
-                });
-            }
-            None => q.ready.push_back(socket),
+    };
+    let socket = ExsSocket::with(kind, o, State::Connected(conn));
+    if l.stop.load(Ordering::Acquire) {
+        // Nobody will accept it: dropped, it closes.
+        drop(q);
+        return;
+    }
+    match q.waiting.pop_front() {
+        Some((req, queue, listening)) => {
+            drop(q);
+            queue.deliver(Event {
+                req,
+                kind: EventKind::Accept,
+                socket: listening,
+                outcome: Ok(0),
+                truncated: false,
+                accepted: Some(socket),
+            });
         }
+        None => q.ready.push_back(socket),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// A client that completes the connection handshake and then never sets up its pipe holds
+    /// up only itself: another client connects and is accepted meanwhile.
+    #[test]
+    fn a_silent_client_does_not_hold_up_other_accepts() {
+        let q = EventQueue::new(8).unwrap();
+        let l = ExsSocket::new(SocketKind::SeqPacket).unwrap();
+        l.bind("127.0.0.1:0").unwrap();
+        l.listen(4).unwrap();
+        let addr = l.local_addr().unwrap();
+        // The silent client: a valid handshake, then nothing.
+        let (_mem, hello) = prepare(SocketKind::SeqPacket, &Options::default()).unwrap();
+        let rt = runtime().unwrap();
+        let silent = cm::connect(&CmAddr::Tcp(addr), &rt.pd, &qp_spec(), &hello.encode(), CONNECT_TIMEOUT).unwrap();
+        let started = Instant::now();
+        l.accept(&q, 1).unwrap();
+        let c = ExsSocket::new(SocketKind::SeqPacket).unwrap();
+        c.connect(addr, &q, 2).unwrap();
+        let mut events = Vec::new();
+        while events.len() < 2 && started.elapsed() < 4 * PIPE_SETUP_TIMEOUT {
+            let want = 2 - events.len();
+            q.dequeue_into(&mut events, want, Some(Duration::from_millis(100)));
+        }
+        let waited = started.elapsed();
+        assert_eq!(events.len(), 2, "accept and connect did not both complete: {events:?}");
+        assert!(events.iter().all(|e| e.outcome == Ok(0)), "{events:?}");
+        assert!(
+            waited < PIPE_SETUP_TIMEOUT / 2,
+            "the second client waited {waited:?}, behind the silent one's set-up ({PIPE_SETUP_TIMEOUT:?})"
+        );
+        drop(silent);
     }
 }
