@@ -22,6 +22,12 @@ pub(crate) const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(500);
 /// How long the completion thread keeps polling after its last progress while busy polling
 /// and no application thread waits.
 const THREAD_SPIN: Duration = Duration::from_micros(200);
+/// Refused sleeps in a row (with no progress between them) the completion thread answers by
+/// looking again at once; after them it naps, longer each time up to [`LONGEST_NAP`].
+const REFUSALS_BEFORE_NAP: u32 = 16;
+/// The longest nap of a completion thread whose connections cannot sleep (its messages wait
+/// for the peer's room, say): what a wait for notification may take longer then.
+const LONGEST_NAP: Duration = Duration::from_micros(250);
 
 static BUSY_POLL: AtomicBool = AtomicBool::new(true);
 static CPU: AtomicI64 = AtomicI64::new(-1);
@@ -198,9 +204,16 @@ pub(crate) fn poll_beat() {
     POLL_BEATS.store(POLL_BEATS.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
 }
 
+/// The nap after the `n`th refused sleep past [`REFUSALS_BEFORE_NAP`]: 10 us, doubling every
+/// 8 refusals, at most [`LONGEST_NAP`].
+fn refusal_nap(n: u32) -> Duration {
+    (Duration::from_micros(10) * (1 << (n / 8).min(10))).min(LONGEST_NAP)
+}
+
 fn completion_thread() {
     let mut last_progress = Instant::now();
     let (mut seen_beats, mut seen_handovers) = (0, 0);
+    let mut refused = 0u32;
     loop {
         if CPU_CHANGED.swap(false, Ordering::AcqRel) {
             apply_cpu();
@@ -227,6 +240,7 @@ fn completion_thread() {
         }
         if progress_all() {
             last_progress = Instant::now();
+            refused = 0;
             continue;
         }
         if busy_poll() && last_progress.elapsed() < THREAD_SPIN {
@@ -235,8 +249,17 @@ fn completion_thread() {
         }
         // Asleep until a completion event, once every connection's peer knows to raise one.
         if !list.iter().all(|c| c.prepare_sleep()) {
+            // A connection that cannot sleep now (something arrived, another thread drives
+            // it, or its messages wait for room the peer has not freed): looked at again at
+            // once a few times, then after naps, rather than spun on for as long as the peer
+            // takes.
+            refused = refused.saturating_add(1);
+            if refused > REFUSALS_BEFORE_NAP {
+                std::thread::park_timeout(refusal_nap(refused - REFUSALS_BEFORE_NAP));
+            }
             continue;
         }
+        refused = 0;
         let cqs: Vec<_> = list.iter().map(|c| c.cq()).collect();
         let refs: Vec<_> = cqs.iter().collect();
         if let Err(e) = portability_verbs::wait_any(&refs, Duration::from_millis(20)) {
@@ -246,5 +269,51 @@ fn completion_thread() {
         if progress_all() {
             last_progress = Instant::now();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection that never moves and never lets the thread sleep: what one whose messages
+    /// wait for a peer that stopped reading looks like to the completion thread.
+    struct Stubborn {
+        looks: AtomicU64,
+        done: AtomicBool,
+        cq: CompletionQueue,
+    }
+
+    impl Progress for Stubborn {
+        fn progress(&self) -> bool {
+            self.looks.fetch_add(1, Ordering::Relaxed);
+            false
+        }
+        fn finished(&self) -> bool {
+            self.done.load(Ordering::Acquire)
+        }
+        fn prepare_sleep(&self) -> bool {
+            false
+        }
+        fn cq(&self) -> CompletionQueue {
+            self.cq.clone()
+        }
+    }
+
+    #[test]
+    fn a_connection_that_cannot_sleep_is_looked_at_after_naps_not_spun_on() {
+        start().unwrap();
+        let cq = crate::verbs_runtime::runtime().unwrap().pd.context().create_cq(4).unwrap();
+        let c = Arc::new(Stubborn { looks: AtomicU64::new(0), done: AtomicBool::new(false), cq });
+        register(c.clone());
+        std::thread::sleep(Duration::from_millis(50));
+        let before = c.looks.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(300));
+        let looks = c.looks.load(Ordering::Relaxed) - before;
+        c.done.store(true, Ordering::Release);
+        wake();
+        // Napping up to 250 us between looks: a few thousand in 300 ms at most. Spinning, the
+        // thread looked hundreds of thousands of times.
+        assert!(looks < 30_000, "{looks} looks in 300 ms");
     }
 }
