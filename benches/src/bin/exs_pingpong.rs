@@ -2,8 +2,9 @@
 //! two processes with busy polling and with waiting for notification, threads pinned to CPUs
 //! and not, over message sizes; in the same run the provider's raw RDMA write-with-immediate
 //! ping-pong (busy-polled, pinned and not) as the floor. Reports the median and 99th
-//! percentile one-way time (half the round trip), EXS's difference to raw, and the CPU use of
-//! both processes (user and system) during each block.
+//! percentile one-way time (half the round trip), EXS's difference to raw (the median of the
+//! differences of rounds that alternate the two, each round's pair taken in one phase of a
+//! host whose speed drifts), and the CPU use of both processes (user and system).
 //!
 //! Pinned: this process's thread and completion thread on CPU 0, the peer's on CPU 1.
 //! Tables to stdout; CSV and an SVG chart to `--out` (default `results/exs-pingpong-<time>`).
@@ -16,7 +17,7 @@ use std::time::Instant;
 
 use benches::exs_peer::{self, cpu_user_sys, exs_connect, raw_connect, take, wait_recv, Peer, Raw, MAX_SIZE};
 use benches::plot::{line_chart, Axes, Series};
-use benches::{fmt_size, pin_to_cpu, unpin};
+use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, unpin};
 use clap::Parser;
 use hdrhistogram::Histogram;
 use sockets_compat::exs::{EventQueue, ExsSocket, Memory, Tunable};
@@ -27,9 +28,14 @@ struct Args {
     /// Message sizes (comma-separated).
     #[arg(long, default_value = "8,64,512,4096,32768", value_delimiter = ',')]
     sizes: Vec<usize>,
-    /// Round trips per block (after as many again of warm-up, a tenth).
+    /// Round trips per point (after a tenth as many of warm-up), split over `--rounds`.
     #[arg(long, default_value_t = 20000)]
     iters: usize,
+    /// Rounds per point, EXS and raw alternated, so that each EXS-raw difference is taken in
+    /// one phase of the host (which changes speed within minutes): the reported difference
+    /// is the median of the rounds'.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
     /// Round trips per block while waiting for notification (each costs wake-ups).
     #[arg(long, default_value_t = 3000)]
     notify_iters: usize,
@@ -56,6 +62,13 @@ struct Block {
 }
 
 impl Block {
+    /// Adds another block's times and CPU use to this one's.
+    fn merge(&mut self, other: &Block) -> Result<(), String> {
+        self.hist.add(&other.hist).map_err(|e| e.to_string())?;
+        (self.secs, self.user, self.sys) = (self.secs + other.secs, self.user + other.user, self.sys + other.sys);
+        Ok(())
+    }
+
     fn us(&self, q: f64) -> f64 {
         self.hist.value_at_quantile(q) as f64 / 1000.0
     }
@@ -177,12 +190,34 @@ fn run(args: &Args) -> Result<(), String> {
             let mode = if busy { "busy" } else { "notify" };
             let mut points = Vec::new();
             for &size in &args.sizes {
-                let iters = if busy { args.iters } else { args.notify_iters };
-                let e = links.exs_block(size, iters)?;
-                links.setup(true, pinned)?;
-                let r = links.raw_block(size, args.iters)?;
-                links.setup(busy, pinned)?;
-                let diff = e.us(0.5) - r.us(0.5);
+                let rounds = args.rounds.max(1);
+                let iters = if busy { args.iters } else { args.notify_iters }.div_ceil(rounds);
+                let floor_before = cacheline_one_way_ns(0, 1);
+                let (mut e, mut r, mut diffs) = (None::<Block>, None::<Block>, Vec::new());
+                for _ in 0..rounds {
+                    let eb = links.exs_block(size, iters)?;
+                    links.setup(true, pinned)?;
+                    let rb = links.raw_block(size, args.iters.div_ceil(rounds))?;
+                    links.setup(busy, pinned)?;
+                    diffs.push(eb.us(0.5) - rb.us(0.5));
+                    match (&mut e, &mut r) {
+                        (Some(e), Some(r)) => {
+                            e.merge(&eb)?;
+                            r.merge(&rb)?;
+                        }
+                        _ => (e, r) = (Some(eb), Some(rb)),
+                    }
+                }
+                let (e, r) = (e.ok_or("no round")?, r.ok_or("no round")?);
+                let floor_after = cacheline_one_way_ns(0, 1);
+                diffs.sort_by(f64::total_cmp);
+                let diff = diffs[diffs.len() / 2];
+                println!(
+                    "#   {} rounds, EXS-raw from {:.2} to {:.2} us; cache-line floor {floor_before:.0} ns before, {floor_after:.0} after",
+                    rounds,
+                    diffs[0],
+                    diffs[diffs.len() - 1]
+                );
                 let row = [e.us(0.5), e.us(0.99), r.us(0.5), diff, e.user / e.secs * 100.0, e.sys / e.secs * 100.0];
                 let cells: Vec<String> = row.iter().map(|v| format!("{v:>9.2}")).collect();
                 println!("{mode:<8} {pinned:<8} {:>7} {}", fmt_size(size), cells.join(" "));
@@ -214,7 +249,7 @@ fn run(args: &Args) -> Result<(), String> {
         );
     }
     benches::results::write_csv(&out.join("exs_pingpong.csv"), &rows).map_err(|e| e.to_string())?;
-    let settings = serde_json::json!({ "iters": args.iters, "notify_iters": args.notify_iters });
+    let settings = serde_json::json!({ "iters": args.iters, "notify_iters": args.notify_iters, "rounds": args.rounds });
     benches::results::write_json(&out.join("results.json"), &settings, &rows).map_err(|e| e.to_string())?;
     let chart = line_chart(
         &Axes { title: "EXS one-way latency (us, median)", x_label: "message size", x_sizes: true, log_y: true },
