@@ -560,12 +560,25 @@ impl Proto {
         }
         debug_assert_eq!(self.unadvertised_recvs, self.recvs.iter().filter(|r| r.ad.is_none()).count());
         debug_assert!(self.handed <= self.sends.len() && self.sends.iter().take(self.handed).all(|s| s.taken == s.len));
-        self.serve_recvs();
-        self.advertise();
-        self.match_sends();
-        self.finish_sends();
-        self.send_close();
-        self.finish_close();
+        // Each stage only when its own first check would pass (a pass runs after every call
+        // and arrival; most stages have nothing to do, and entering them costs more than
+        // these checks).
+        if !self.recvs.is_empty() && (!self.early.is_empty() || self.peer_closed) {
+            self.serve_recvs();
+        }
+        if self.unadvertised_recvs > 0 {
+            self.advertise();
+        }
+        if !self.peer_ads.is_empty() || self.handed < self.sends.len() {
+            self.match_sends();
+        }
+        if self.handed > 0 {
+            self.finish_sends();
+        }
+        if self.close_wanted.is_some() {
+            self.send_close();
+            self.finish_close();
+        }
         self.return_credits();
     }
 
