@@ -193,22 +193,20 @@ fn run(args: &Args) -> Result<(), String> {
                 let rounds = args.rounds.max(1);
                 let iters = if busy { args.iters } else { args.notify_iters }.div_ceil(rounds);
                 let floor_before = cacheline_one_way_ns(0, 1);
-                let (mut e, mut r, mut diffs) = (None::<Block>, None::<Block>, Vec::new());
+                let mut pairs = Vec::new();
                 for _ in 0..rounds {
                     let eb = links.exs_block(size, iters)?;
                     links.setup(true, pinned)?;
                     let rb = links.raw_block(size, args.iters.div_ceil(rounds))?;
                     links.setup(busy, pinned)?;
-                    diffs.push(eb.us(0.5) - rb.us(0.5));
-                    match (&mut e, &mut r) {
-                        (Some(e), Some(r)) => {
-                            e.merge(&eb)?;
-                            r.merge(&rb)?;
-                        }
-                        _ => (e, r) = (Some(eb), Some(rb)),
-                    }
+                    pairs.push((eb, rb));
                 }
-                let (e, r) = (e.ok_or("no round")?, r.ok_or("no round")?);
+                let mut diffs: Vec<f64> = pairs.iter().map(|(eb, rb)| eb.us(0.5) - rb.us(0.5)).collect();
+                let (mut e, mut r) = pairs.remove(0);
+                for (eb, rb) in &pairs {
+                    e.merge(eb)?;
+                    r.merge(rb)?;
+                }
                 let floor_after = cacheline_one_way_ns(0, 1);
                 diffs.sort_by(f64::total_cmp);
                 let diff = diffs[diffs.len() / 2];

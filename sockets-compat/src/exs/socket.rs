@@ -226,14 +226,7 @@ impl ExsSocket {
         match q.ready.pop_front() {
             Some(s) => {
                 drop(q);
-                queue.deliver(Event {
-                    req,
-                    kind: EventKind::Accept,
-                    socket: self.clone(),
-                    outcome: Ok(0),
-                    truncated: false,
-                    accepted: Some(s),
-                });
+                queue.deliver(accept_event(req, self.clone(), Ok(s)));
             }
             None => q.waiting.push_back((req, queue.clone(), self.clone())),
         }
@@ -529,14 +522,7 @@ fn stop_listening(l: &Listening) {
     let mut q = lock(&l.queue);
     q.ready.clear();
     for (req, queue, socket) in q.waiting.drain(..) {
-        queue.deliver(Event {
-            req,
-            kind: EventKind::Accept,
-            socket,
-            outcome: Err(libc::ECANCELED),
-            truncated: false,
-            accepted: None,
-        });
+        queue.deliver(accept_event(req, socket, Err(libc::ECANCELED)));
     }
 }
 
@@ -590,6 +576,15 @@ fn accept_loop(listener: cm::Listener, l: Arc<Listening>, kind: SocketKind, o: O
     }
 }
 
+/// The event of an `accept` on `listening`: the connection, or the error number.
+fn accept_event(req: u64, listening: ExsSocket, accepted: Result<ExsSocket, i32>) -> Event {
+    let (outcome, accepted) = match accepted {
+        Ok(s) => (Ok(0), Some(s)),
+        Err(errno) => (Err(errno), None),
+    };
+    Event { req, kind: EventKind::Accept, socket: listening, outcome, truncated: false, accepted }
+}
+
 /// Hands a connection whose set-up ended to a waiting `accept`, or queues it for the next.
 fn offer_accepted(l: &Listening, kind: SocketKind, o: Options, conn: ExsResult<Arc<Conn>>) {
     let mut q = lock(&l.queue);
@@ -610,14 +605,7 @@ fn offer_accepted(l: &Listening, kind: SocketKind, o: Options, conn: ExsResult<A
     match q.waiting.pop_front() {
         Some((req, queue, listening)) => {
             drop(q);
-            queue.deliver(Event {
-                req,
-                kind: EventKind::Accept,
-                socket: listening,
-                outcome: Ok(0),
-                truncated: false,
-                accepted: Some(socket),
-            });
+            queue.deliver(accept_event(req, listening, Ok(socket)));
         }
         None => q.ready.push_back(socket),
     }

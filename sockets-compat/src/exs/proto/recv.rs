@@ -241,9 +241,10 @@ impl Proto {
 
     /// Advertises waiting receives in order, while advertisement credits and message credits
     /// last, and never past a receive whose advertisement awaits its rejection (bytes must
-    /// land in the order receives were posted).
+    /// land in the order receives were posted). The pass calls it only when some receive has
+    /// no advertisement.
     pub(super) fn advertise(&mut self) {
-        if self.unadvertised_recvs == 0 || self.peer_closed || !self.early.is_empty() {
+        if self.peer_closed || !self.early.is_empty() {
             return;
         }
         for i in 0..self.recvs.len() {
