@@ -144,6 +144,10 @@ pub(crate) fn progress_all() -> bool {
         }
         (any, finished)
     });
+    #[cfg(test)]
+    if any {
+        tests::PROGRESS_MADE.fetch_add(1, Ordering::Relaxed);
+    }
     if finished {
         unregister_finished();
     }
@@ -275,6 +279,10 @@ fn completion_thread() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
+
+    /// Calls of [`progress_all`] in which some connection moved.
+    pub(super) static PROGRESS_MADE: AtomicU64 = AtomicU64::new(0);
 
     /// A connection that never moves and never lets the thread sleep: what one whose messages
     /// wait for a peer that stopped reading looks like to the completion thread.
@@ -286,7 +294,10 @@ mod tests {
 
     impl Progress for Stubborn {
         fn progress(&self) -> bool {
-            self.looks.fetch_add(1, Ordering::Relaxed);
+            // The completion thread's looks (application threads of other tests poll too).
+            if std::thread::current().name() == Some("exs-completion") {
+                self.looks.fetch_add(1, Ordering::Relaxed);
+            }
             false
         }
         fn finished(&self) -> bool {
@@ -306,10 +317,19 @@ mod tests {
         let cq = crate::verbs_runtime::runtime().unwrap().pd.context().create_cq(4).unwrap();
         let c = Arc::new(Stubborn { looks: AtomicU64::new(0), done: AtomicBool::new(false), cq });
         register(c.clone());
-        std::thread::sleep(Duration::from_millis(50));
-        let before = c.looks.load(Ordering::Relaxed);
-        std::thread::sleep(Duration::from_millis(300));
-        let looks = c.looks.load(Ordering::Relaxed) - before;
+        // Judged over 300 ms in which no other connection (of tests running beside this one)
+        // made progress: the thread spins for a while after any progress, looking at every
+        // connection, as it should.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let looks = loop {
+            std::thread::sleep(Duration::from_millis(50));
+            let (before, made) = (c.looks.load(Ordering::Relaxed), PROGRESS_MADE.load(Ordering::Relaxed));
+            std::thread::sleep(Duration::from_millis(300));
+            if PROGRESS_MADE.load(Ordering::Relaxed) == made {
+                break c.looks.load(Ordering::Relaxed) - before;
+            }
+            assert!(Instant::now() < deadline, "other connections never stayed quiet for 300 ms");
+        };
         c.done.store(true, Ordering::Release);
         wake();
         // Napping up to 250 us between looks: a few thousand in 300 ms at most. Spinning, the
