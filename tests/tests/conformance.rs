@@ -1109,6 +1109,15 @@ fn a_window_writes_where_an_rdma_write_would() {
         assert_eq!(w.write(4096 - 8, &[&[9u8; 9]]), Err(WcStatus::LocLenErr));
         assert_eq!(w.write(usize::MAX, &[&[9u8; 1]]), Err(WcStatus::LocLenErr));
         assert_eq!(target.read_u64(8192 - 8), u64::from_ne_bytes([7; 8]));
+        // The small-write path places and refuses the same, at every length it takes.
+        for len in [8, 9, 40, 64, 127, 128] {
+            let small = pattern(len as u64, len);
+            w.write_small(1024, &small).unwrap();
+            let mut got = vec![0u8; len];
+            target.read(4096 + 1024, &mut got);
+            assert_eq!(got, small, "{len} bytes");
+            assert_eq!(w.write_small(4096 - len + 1, &small), Err(WcStatus::LocLenErr), "{len} bytes");
+        }
         let heap = p.pd.register(vec![0u8; 64].into_boxed_slice(), AccessFlags::ALL).unwrap();
         assert!(p.a.map_remote_write(heap.addr(), 64, heap.rkey()).unwrap().is_none());
     });
@@ -1138,12 +1147,15 @@ fn a_window_is_refused_what_a_write_is_and_fails_once_the_region_or_peer_is_gone
     w.write(0, &[&[1u8; 16]]).unwrap();
     drop(target);
     assert_eq!(w.write(0, &[&[2u8; 16]]), Err(WcStatus::RemAccessErr));
+    assert_eq!(w.write_small(0, &[2u8; 16]), Err(WcStatus::RemAccessErr));
     let later = p.pd.alloc(4096, AccessFlags::ALL).unwrap();
     assert_eq!(w.write(0, &[&[3u8; 16]]), Err(WcStatus::RemAccessErr));
+    assert_eq!(w.write_small(0, &[3u8; 16]), Err(WcStatus::RemAccessErr));
     assert_eq!(later.read_u64(0), 0);
 
     let w = p.a.map_remote_write(later.addr(), 4096, later.rkey()).unwrap().unwrap();
     drop(p.b);
     assert_eq!(w.write(0, &[&[4u8; 8]]), Err(WcStatus::RetryExcErr));
+    assert_eq!(w.write_small(0, &[4u8; 8]), Err(WcStatus::RetryExcErr));
     assert_eq!(later.read_u64(0), 0);
 }

@@ -4,6 +4,10 @@
 
 use super::*;
 
+/// Frames of at most this many bytes (one cache line, [`fc::FRAME_ALIGN`]) are put together
+/// before they are stored ([`MsgPipe::write_frame_inline`]).
+const SMALL_FRAME: usize = fc::FRAME_ALIGN as usize;
+
 impl MsgPipe {
     /// Offers a message; `Ok(false)` if flow control holds it back now (call
     /// [`MsgPipe::progress`] and retry). The bytes are copied before it returns.
@@ -191,10 +195,30 @@ impl MsgPipe {
             self.ring_tx.unreserve();
             return Err(VerbsError::Protocol("a frame before setup".into()));
         };
+        let (word, pad) = fc::frame_framing(self.ring_tx.sent() - reserved, body);
+        if direct && written <= SMALL_FRAME && !crate::protect::any_active() {
+            // A frame of one cache line: put together in registers and stored with one copy
+            // (and its closing word), not a store per part. (Under a protection hold a payload
+            // may not be readable: the window's copies report that rather than fault.)
+            let mut frame = [0u8; SMALL_FRAME];
+            frame[..8].copy_from_slice(&word);
+            frame[8..8 + RECORD_HEADER].copy_from_slice(&rec.encode());
+            let mut at = 8 + RECORD_HEADER;
+            for part in &parts[1..N - 1] {
+                // SAFETY: the parts end at `8 + body`, inside the frame's `written - 8` bytes
+                // before its closing word (`written <= SMALL_FRAME`); `part` is the caller's.
+                unsafe { crate::copy::copy_bytes(frame.as_mut_ptr().add(at), part.as_ptr(), part.len()) };
+                at += part.len();
+            }
+            frame[written - 8..written].copy_from_slice(&word);
+            let window = self.ring_window.as_ref().expect("direct_now checked");
+            let stored = window.write_small(place.offset as usize, &frame[..written]);
+            self.frame_stored(stored)?;
+            return Ok(true);
+        }
         // Written from its parts, with no staging copy: the publish word and the record header
         // from one small array, the payload from where it lies, the padding and the closing
         // word from another.
-        let (word, pad) = fc::frame_framing(self.ring_tx.sent() - reserved, body);
         let mut head = [0u8; 8 + RECORD_HEADER];
         head[..8].copy_from_slice(&word);
         head[8..].copy_from_slice(&rec.encode());
