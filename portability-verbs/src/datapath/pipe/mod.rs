@@ -163,6 +163,19 @@ enum ChunkStore {
     Ring { base: *const u8, end_pos: u64, lane: Lane, frame_end: u64 },
 }
 
+/// A polled frame holding one data message, taken in while nothing else waited (nearly every
+/// small message of a ping-pong or a stream): read where it lies in our ring without passing
+/// through the queues every other arrival takes (`MsgPipe::inbox`, `MsgPipe::msgs`). It comes
+/// before everything queued.
+#[derive(Clone, Copy)]
+struct LoneFrame {
+    /// Ring offset of the message's bytes, and their length.
+    off: usize,
+    len: usize,
+    /// Ring position after the frame (what reading it releases).
+    end_pos: u64,
+}
+
 /// A received chunk whose messages are not all read. Their ranges wait in the pipe's one
 /// queue of messages (`MsgPipe::msgs`), in order: a chunk is small to queue and to take off,
 /// and needs no list of its own (nearly every chunk holds one message).
@@ -265,6 +278,8 @@ pub struct MsgPipe {
     ring_tx: RingSender,
     ring_rx: RingReceiver,
     coalescer: Coalescer,
+    /// The next message, when it arrived alone in a polled frame; then before `inbox`.
+    lone: Option<LoneFrame>,
     inbox: VecDeque<Chunk>,
     /// (offset from its chunk's base, length) of every message of `inbox`'s chunks, in order.
     msgs: VecDeque<(usize, usize)>,
@@ -414,6 +429,7 @@ impl MsgPipe {
             ring_tx: RingSender::new(ring_n),
             ring_rx: RingReceiver::new(ring_n),
             coalescer: Coalescer::default(),
+            lone: None,
             inbox: VecDeque::new(),
             msgs: VecDeque::new(),
             outstanding: 0,
@@ -1412,7 +1428,16 @@ mod tests {
     /// acknowledged and reused).
     #[test]
     fn messages_and_chunks_are_read_in_pieces() {
-        let s = FlowStrategy::Credit { buffers: 4, buf_size: 512 };
+        // Polled: a message alone in its frame is read where it lies, not through the queues.
+        for s in [
+            FlowStrategy::Credit { buffers: 4, buf_size: 512 },
+            FlowStrategy::Polled { ring_bytes: 4096, coalesce: 700 },
+        ] {
+            read_in_pieces(s);
+        }
+    }
+
+    fn read_in_pieces(s: FlowStrategy) {
         let (pd, mut a, mut b) = pair_with(s, PipeOptions { bulk_ring: 16 * 1024, ..PipeOptions::default() });
         let src: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 253) as u8).collect();
         let reg = pd.register(src.clone().into_boxed_slice(), AccessFlags::NONE).unwrap();

@@ -148,6 +148,19 @@ impl MsgPipe {
         // not reuse until we acknowledge it. Parsing keeps only validated ranges, never
         // re-reading a header.
         let body = unsafe { std::slice::from_raw_parts(base.add(at), frame.body_len) };
+        if self.nothing_received() {
+            if let Some(hdr) = body.first_chunk::<RECORD_HEADER>() {
+                let rec = Record::decode(hdr).map_err(fc_err)?;
+                if rec.kind == RecordKind::Data && RECORD_HEADER + rec.len as usize == body.len() {
+                    if rec.ack != 0 {
+                        self.ring_tx.on_ack(rec.ack).map_err(fc_err)?;
+                    }
+                    let (off, len) = (at + RECORD_HEADER, rec.len as usize);
+                    self.lone = Some(LoneFrame { off, len, end_pos: frame.end_pos });
+                    return Ok(());
+                }
+            }
+        }
         let (mut left, mut bulk) = (0u32, None);
         for r in fc::records(body) {
             let (rec, range) = r.map_err(fc_err)?;
@@ -187,6 +200,9 @@ impl MsgPipe {
     /// Whether a received message or chunk is waiting (without driving progress), and by
     /// which lane.
     pub fn peek_lane(&self) -> Option<Lane> {
+        if self.lone.is_some() {
+            return Some(Lane::Message);
+        }
         self.inbox.front().map(|c| match c.store {
             ChunkStore::Buf { .. } => Lane::Message,
             ChunkStore::Ring { lane, .. } => lane,
@@ -206,13 +222,19 @@ impl MsgPipe {
     /// Drives progress if nothing is there. `Ok(None)` if nothing arrived. After a failure,
     /// messages received before it are still returned, then the error.
     pub fn front(&mut self) -> Result<Option<(Lane, &[u8])>> {
-        if self.inbox.is_empty() && self.failed.is_none() && !self.polled_arrivals() && self.progress_due() {
+        if self.nothing_received() && self.failed.is_none() && !self.polled_arrivals() && self.progress_due() {
             // A failure found now still leaves earlier messages readable.
             if let Err(e) = self.progress() {
-                if self.inbox.is_empty() {
+                if self.nothing_received() {
                     return Err(e);
                 }
             }
+        }
+        if let Some(lone) = self.lone {
+            // SAFETY: the frame lies whole in our ring (`take_frame`), in space the sender may
+            // not reuse until we acknowledge it, which happens only in `pop_front`.
+            let bytes = unsafe { std::slice::from_raw_parts(self.ring_words.base.add(lone.off), lone.len) };
+            return Ok(Some((Lane::Message, bytes)));
         }
         let (Some(chunk), Some(&(off, len))) = (self.inbox.front(), self.msgs.front()) else {
             self.check_failed()?;
@@ -244,7 +266,7 @@ impl MsgPipe {
             Ok(n) => n > 0,
             Err(e) => {
                 let _ = self.fail(e);
-                !self.inbox.is_empty()
+                !self.nothing_received()
             }
         }
     }
@@ -275,7 +297,11 @@ impl MsgPipe {
     /// returns the rest from then on, and [`MsgPipe::pop_front`] still releases it (a stream
     /// reader takes a large message or bulk chunk in as many pieces as its reads ask for).
     pub fn consume_front(&mut self, n: usize) -> Result<()> {
-        let Some((off, len)) = self.msgs.front_mut() else {
+        let front = match &mut self.lone {
+            Some(lone) => Some((&mut lone.off, &mut lone.len)),
+            None => self.msgs.front_mut().map(|(off, len)| (off, len)),
+        };
+        let Some((off, len)) = front else {
             return Err(VerbsError::invalid("consume_front with no message there"));
         };
         if n > *len {
@@ -291,6 +317,16 @@ impl MsgPipe {
     /// read, acknowledges its ring space, or hands its receive buffer back to the transport
     /// (at the next progress). Does nothing if nothing is there.
     pub fn pop_front(&mut self) -> Result<()> {
+        if let Some(lone) = self.lone.take() {
+            self.stats.received += 1;
+            self.stats.received_bytes += lone.len as u64;
+            self.ring_rx.consume_to(lone.end_pos);
+            if self.ring_rx.needs_ack() {
+                // A reader that keeps finding frames may not pass through `progress`.
+                self.ack_now(Lane::Message)?;
+            }
+            return Ok(());
+        }
         // (`msgs` holds a range for every message left in `inbox`'s chunks.)
         let Some(chunk) = self.inbox.front_mut() else { return Ok(()) };
         let Some((_, len)) = self.msgs.pop_front() else { return Ok(()) };
@@ -328,6 +364,12 @@ impl MsgPipe {
             }
         }
         Ok(())
+    }
+
+    /// Whether nothing received waits to be read.
+    #[inline]
+    fn nothing_received(&self) -> bool {
+        self.lone.is_none() && self.inbox.is_empty()
     }
 
     /// Acknowledges what was read of a ring now rather than at the next `progress`.
