@@ -22,7 +22,9 @@ pub enum Spin {
     /// Poll this long, then sleep: `Duration::ZERO` sleeps at once, `Duration::MAX` never
     /// sleeps.
     For(Duration),
-    /// Poll this many times, then sleep.
+    /// Poll this many times, then sleep; or once the polls have lasted 10 ms, whichever comes
+    /// first (polls that yield the CPU can each take another thread's time slice: 6000 of them
+    /// lasted seconds on two busy CPUs).
     Polls(u32),
 }
 
@@ -120,7 +122,7 @@ impl Backoff {
                 Spin::Adaptive if self.contended => w >= CONTENDED_SPIN,
                 Spin::Adaptive => w >= IDLE_SPIN,
                 Spin::For(spin) => w >= spin,
-                Spin::Polls(n) => self.polls >= n,
+                Spin::Polls(n) => self.polls >= n || w >= IDLE_SPIN,
             };
         } else if let Spin::Polls(n) = self.spin {
             self.sleeping = self.polls >= n;
@@ -201,6 +203,10 @@ mod tests {
         assert_eq!(polls_until_sleep(&mut never, Duration::from_millis(1), 10_000), None);
         let mut b = Backoff::new(Spin::Polls(6000));
         assert_eq!(polls_until_sleep(&mut b, Duration::ZERO, 10_000), Some(6000));
+        // Polls that take long (each yielding to a busy thread, say) end after 10 ms: 1 ms a
+        // poll, the clock first read at poll 64, seen at the next read 10 ms later.
+        let mut slow = Backoff::new(Spin::Polls(6000));
+        assert_eq!(polls_until_sleep(&mut slow, Duration::from_millis(1), 10_000), Some(128));
     }
 
     /// An adaptive wait yields only while threads ready to run outnumber the CPUs (looked at
