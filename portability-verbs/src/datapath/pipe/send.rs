@@ -199,7 +199,9 @@ impl MsgPipe {
         if direct && written <= SMALL_FRAME && !crate::protect::any_active() {
             // A frame of one cache line: put together in registers and stored with one copy
             // (and its closing word), not a store per part. (Under a protection hold a payload
-            // may not be readable: the window's copies report that rather than fault.)
+            // may not be readable: the window's copies report that rather than fault.) The
+            // layout is `fc::encode_frame`'s, written out here: through that general function
+            // a message cost the pipe 819-964 instructions instead of 691 (callgrind).
             let mut frame = [0u8; SMALL_FRAME];
             frame[..8].copy_from_slice(&word);
             frame[8..8 + RECORD_HEADER].copy_from_slice(&rec.encode());
