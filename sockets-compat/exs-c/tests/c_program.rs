@@ -66,8 +66,8 @@ fn echo_pair(server: impl Fn(&str) -> Command, client: impl Fn(&str) -> Command)
         let out = finish(c, Duration::from_secs(120));
         assert!(out.contains("PASS client"), "{kind} client: {out}");
         let rest: Vec<String> = lines.map_while(Result::ok).collect();
-        let _ = finish(srv, Duration::from_secs(30));
-        assert!(rest.iter().any(|l| l == "PASS serve"), "{kind} server: {rest:?}");
+        let stderr = finish(srv, Duration::from_secs(30));
+        assert!(rest.iter().any(|l| l == "PASS serve"), "{kind} server: {rest:?}\n{stderr}");
     }
 }
 

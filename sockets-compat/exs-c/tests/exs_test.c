@@ -31,6 +31,10 @@
 
 static const struct timespec LIMIT = {20, 0};
 
+/* An event's fields, for a failed check (errno then is the call's, not the event's). */
+#define EVENT_FMT "type %d, event errno %d, result %zd"
+#define EVENT(ev) EVENT_FMT, (ev).exs_evt_type, (ev).exs_evt_errno, (ssize_t)(ev).exs_evt_result
+
 /* Takes one event, failing on a timeout. */
 static exs_event_t one(exs_qhandle_t q) {
     exs_event_t ev;
@@ -69,7 +73,8 @@ static void exchange(int fd, int seq, exs_qhandle_t q, unsigned char *tx, unsign
         size_t sends = 0, recvs = 0;
         while (sends + recvs < 2 * NSIZES) {
             exs_event_t ev = one(q);
-            CHECK(ev.exs_evt_errno == 0, "event %ld failed", (long)(size_t)ev.exs_evt_context);
+            CHECK(ev.exs_evt_errno == 0, "event %ld failed: " EVENT_FMT, (long)(size_t)ev.exs_evt_context,
+                  ev.exs_evt_type, ev.exs_evt_errno, (ssize_t)ev.exs_evt_result);
             size_t id = (size_t)ev.exs_evt_context;
             if (ev.exs_evt_type == EXS_EVT_SEND) {
                 CHECK(ev.exs_evt_result == (ssize_t)SIZES[id - 100], "send result");
@@ -95,7 +100,7 @@ static void exchange(int fd, int seq, exs_qhandle_t q, unsigned char *tx, unsign
                 recv_out = 1;
             }
             exs_event_t ev = one(q);
-            CHECK(ev.exs_evt_errno == 0, "event failed");
+            CHECK(ev.exs_evt_errno == 0, "event failed: " EVENT(ev));
             if (ev.exs_evt_type == EXS_EVT_SEND) {
                 sends++;
                 continue;
@@ -117,18 +122,18 @@ static void echo(int fd, exs_qhandle_t q, unsigned char *buf, exs_mhandle_t m) {
     for (;;) {
         CHECK(exs_recv(fd, buf, SLOT, 0, q, (void *)1, m) == 0, "echo recv");
         exs_event_t ev = one(q);
-        CHECK(ev.exs_evt_type == EXS_EVT_RECV && ev.exs_evt_errno == 0, "echo recv event");
+        CHECK(ev.exs_evt_type == EXS_EVT_RECV && ev.exs_evt_errno == 0, "echo recv event: " EVENT(ev));
         if (ev.exs_evt_result == 0) return;
         CHECK(exs_send(fd, buf, ev.exs_evt_result, 0, q, (void *)2, m) == 0, "echo send");
         ev = one(q);
-        CHECK(ev.exs_evt_type == EXS_EVT_SEND && ev.exs_evt_errno == 0, "echo send event");
+        CHECK(ev.exs_evt_type == EXS_EVT_SEND && ev.exs_evt_errno == 0, "echo send event: " EVENT(ev));
     }
 }
 
 static void close_and_wait(int fd, exs_qhandle_t q) {
     CHECK(exs_close(fd, q, (void *)9) == 0, "close");
     exs_event_t ev = one(q);
-    CHECK(ev.exs_evt_type == EXS_EVT_CLOSE && ev.exs_evt_errno == 0, "close event");
+    CHECK(ev.exs_evt_type == EXS_EVT_CLOSE && ev.exs_evt_errno == 0, "close event: " EVENT(ev));
 }
 
 static int self_test(void) {
@@ -198,11 +203,11 @@ static int self_test(void) {
             exs_event_t ev = one(qs);
             CHECK(ev.exs_evt_errno == 0 && ev.exs_evt_result == 1, "a byte");
             ev = one(q);
-            CHECK(ev.exs_evt_type == EXS_EVT_SEND && ev.exs_evt_errno == 0, "the byte's send");
+            CHECK(ev.exs_evt_type == EXS_EVT_SEND && ev.exs_evt_errno == 0, "the byte's send: " EVENT(ev));
         }
         for (size_t i = 0; i < NSIZES; i++) {
             exs_event_t ev = one(q);
-            CHECK(ev.exs_evt_type == EXS_EVT_SEND && ev.exs_evt_errno == 0, "send event");
+            CHECK(ev.exs_evt_type == EXS_EVT_SEND && ev.exs_evt_errno == 0, "send event: " EVENT(ev));
         }
 
         /* Errors a caller can cause. */
