@@ -255,10 +255,13 @@ impl<S: Send + 'static> Progress for Conn<S> {
 
 impl<S> State<S> {
     /// The pipe failed (the peer vanished or broke the pipe's protocol): so does the
-    /// connection.
+    /// connection, after the data writes that completed before the failure are reported.
+    /// (A peer that takes our last message, closes and exits acknowledges that message's
+    /// writes just before its connection ends: its sends are done, not failed.)
     fn pipe_failed(&mut self, e: &portability_verbs::VerbsError) {
         if self.proto.failure().is_none() {
             log::debug!("EXS connection failed: {e}");
+            self.take_write_completions();
         }
         let errno = match e {
             portability_verbs::VerbsError::Protocol(_) => libc::EPROTO,
