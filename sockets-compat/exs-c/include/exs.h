@@ -60,7 +60,8 @@ typedef struct {
  * process-wide. The EXS_F_GET_* forms return the value. */
 #define EXS_F_SMALL_MAX 1       /* largest message carried in a control message (0..4096, 128) */
 #define EXS_F_INLINE_MAX 2      /* largest write copied into the work request (0..256, 64) */
-#define EXS_F_BUSY_POLL 3       /* 1: waits poll (default); 0: waits sleep until notified */
+#define EXS_F_BUSY_POLL 3       /* 1: waits poll (default); 0: waits sleep until notified
+                                   (after 20 us of polls) */
 #define EXS_F_COMPLETION_CPU 4  /* the completion thread's CPU (-1: any, default) */
 #define EXS_F_RECV_BUFFER 5     /* SOCK_STREAM: stream buffer bytes (0: none; 65536) */
 #define EXS_F_ADV_CREDITS 6     /* receives advertised at once at most (1..32, 16) */

@@ -250,7 +250,7 @@ impl<S> EventQueue<S> {
                 continue;
             }
             let idle = *idle_since.get_or_insert(now);
-            if engine::busy_poll() && now - idle < engine::SPIN_BEFORE_SLEEP {
+            if now - idle < engine::spin_before_sleep() {
                 if portability_verbs::spin_yields(spins / 64) {
                     std::thread::yield_now();
                 }

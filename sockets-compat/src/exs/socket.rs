@@ -48,7 +48,8 @@ pub enum Tunable {
     SmallMax,
     /// Largest write whose data is copied into the work request (0 ..= 256, default 64).
     InlineMax,
-    /// Process-wide: waits poll (1, the default) or sleep until notified (0).
+    /// Process-wide: waits poll (1, the default; 500 us without an event before they sleep)
+    /// or sleep until notified (0; after 20 us of polls).
     BusyPoll,
     /// Process-wide: the CPU the completion thread runs on (-1: any, the default).
     CompletionCpu,
