@@ -21,19 +21,10 @@ use super::error::{ExsError, ExsResult};
 /// polling to the completion thread).
 const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(500);
 /// How long a wait for notification polls before it sleeps: about what a wake-up costs here
-/// (10-30 us), so a reply that comes sooner costs at most twice what the wait needed. With
-/// a few polls only, a ping-pong fell into a regime where each end slept on every message,
-/// as its peer's reply always came after a wake-up (8 B one way 30-38 us against 0.7-0.9).
+/// (10-30 us), so a wait that ends in a sleep costs at most twice what it needed. With a few
+/// polls only, a ping-pong fell into sleeping at every message, each reply coming after its
+/// peer's wake-ups (decision 019).
 const NOTIFY_SPIN: Duration = Duration::from_micros(20);
-
-/// How long a wait polls without progress before it sleeps, by the waiting mode.
-pub(crate) fn spin_before_sleep() -> Duration {
-    if busy_poll() {
-        SPIN_BEFORE_SLEEP
-    } else {
-        NOTIFY_SPIN
-    }
-}
 /// How long the completion thread keeps polling after its last progress while busy polling
 /// and no application thread waits.
 const THREAD_SPIN: Duration = Duration::from_micros(200);
@@ -172,6 +163,15 @@ pub(crate) fn progress_all() -> bool {
 /// Whether waits busy-poll (the default) or sleep until notified.
 pub(crate) fn busy_poll() -> bool {
     BUSY_POLL.load(Ordering::Relaxed)
+}
+
+/// How long a wait polls without progress before it sleeps, by the waiting mode.
+pub(crate) fn spin_before_sleep() -> Duration {
+    if busy_poll() {
+        SPIN_BEFORE_SLEEP
+    } else {
+        NOTIFY_SPIN
+    }
 }
 
 /// Sets busy polling (process-wide).
