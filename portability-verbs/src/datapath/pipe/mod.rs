@@ -237,6 +237,14 @@ impl fc::RingWords for RingView {
     }
 }
 
+/// Why a pipe failed: what [`MsgPipe::failure`] says, and, if the peer went away (its queue
+/// pair or process gone), that error's text. Every later call reports the same kind of error:
+/// a layer above tells a peer that closed and left from one that broke the protocol.
+struct Failure {
+    said: String,
+    peer_gone: Option<String>,
+}
+
 /// A flow-controlled message pipe.
 pub struct MsgPipe {
     qp: QueuePair,
@@ -305,7 +313,7 @@ pub struct MsgPipe {
     /// Polled strategy: [`MsgPipe::front`] calls that found nothing (see
     /// [`MsgPipe::progress_due`]).
     empty_fronts: u32,
-    failed: Option<String>,
+    failed: Option<Failure>,
     stats: PipeStats,
     wcs: Vec<WorkCompletion>,
     /// Receive buffers read and not yet posted again (by the next `progress`).
@@ -596,14 +604,19 @@ impl MsgPipe {
 
     fn check_failed(&self) -> Result<()> {
         match &self.failed {
-            Some(why) => Err(VerbsError::Protocol(why.clone())),
+            Some(Failure { peer_gone: Some(why), .. }) => Err(VerbsError::PeerUnreachable(why.clone())),
+            Some(f) => Err(VerbsError::Protocol(f.said.clone())),
             None => Ok(()),
         }
     }
 
     fn fail(&mut self, e: VerbsError) -> VerbsError {
         if self.failed.is_none() {
-            self.failed = Some(e.to_string());
+            let peer_gone = match &e {
+                VerbsError::PeerUnreachable(why) => Some(why.clone()),
+                _ => None,
+            };
+            self.failed = Some(Failure { said: e.to_string(), peer_gone });
             let _ = self.qp.modify(QpTransition::Error);
         }
         e
@@ -816,7 +829,7 @@ impl MsgPipe {
 
     /// Why the pipe failed, if it did.
     pub fn failure(&self) -> Option<&str> {
-        self.failed.as_deref()
+        self.failed.as_ref().map(|f| f.said.as_str())
     }
 
     /// One control round trip: sends a 1-byte message and waits for the peer's answer (the
@@ -1613,6 +1626,29 @@ mod tests {
         let ring = crate::SoftConfig::default().ring_bytes;
         for s in [FlowStrategy::CREDIT, FlowStrategy::RDMA, FlowStrategy::WINDOW, FlowStrategy::POLLED] {
             assert!(s.memory_per_end() + ring <= 256 * 1024, "{s:?}: {} + {ring}", s.memory_per_end());
+        }
+    }
+
+    /// A pipe whose peer went away says so on every later call, not only on the one that
+    /// found it: a layer above tells a peer that closed and left (its last messages read)
+    /// from one that broke the protocol by the error's kind.
+    #[test]
+    fn a_gone_peer_is_reported_as_unreachable_on_every_later_call() {
+        for s in strategies() {
+            let (mut a, b) = pair(s);
+            drop(b);
+            let deadline = Instant::now() + T;
+            let first = loop {
+                match a.try_send(b"ping").and_then(|_| a.progress()) {
+                    Err(e) => break e,
+                    Ok(()) => assert!(Instant::now() < deadline, "{s:?}: the peer's absence went unseen"),
+                }
+            };
+            assert!(matches!(first, VerbsError::PeerUnreachable(_)), "{s:?}: {first}");
+            for later in [a.progress().unwrap_err(), a.try_send(b"again").unwrap_err()] {
+                assert!(matches!(later, VerbsError::PeerUnreachable(_)), "{s:?}: {later}");
+            }
+            assert!(a.failure().is_some_and(|f| f.starts_with("peer unreachable")), "{s:?}");
         }
     }
 
