@@ -99,10 +99,18 @@ fn mpirun_ring_with(ranks: usize, rendezvous: Option<&std::path::Path>, extra: &
     mpirun_ring_cmd(ranks, rendezvous, extra).spawn().unwrap()
 }
 
-/// The command [`mpirun_ring_with`] starts.
+/// The command [`mpirun_ring_with`] starts. Each `mpirun` keeps its session files in a
+/// directory of its own, removed after it: Open MPI 4 creates `$TMPDIR/ompi.<host>.<uid>`
+/// racily, and of two jobs started at once one can fail with "mkdir ... File exists"
+/// (open-mpi/ompi#8510; seen here with the CPUs busy).
 fn mpirun_ring_cmd(ranks: usize, rendezvous: Option<&std::path::Path>, extra: &[&str]) -> Command {
-    let mut c = Command::new("timeout");
-    c.args(["120", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()])
+    const RUN: &str = r#"d=$(mktemp -d) || exit 1
+timeout 120 mpirun --mca orte_tmpdir_base "$d" "$@"
+rc=$?
+rm -rf "$d"
+exit $rc"#;
+    let mut c = Command::new("sh");
+    c.args(["-c", RUN, "sh", "--allow-run-as-root", "--oversubscribe", "-np", &ranks.to_string()])
         .args(extra)
         .arg(env!("CARGO_BIN_EXE_mad_ring"))
         .stdout(std::process::Stdio::piped())
