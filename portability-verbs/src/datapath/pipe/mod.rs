@@ -1652,6 +1652,74 @@ mod tests {
         }
     }
 
+    /// A peer's last messages, delivered before it went away, stay readable even when the
+    /// failure is found (by a send) before they were looked for: a peer that said goodbye and
+    /// left is told from one that vanished mid-conversation by what it said last.
+    #[test]
+    fn last_words_of_a_gone_peer_are_read_after_a_send_finds_it_gone() {
+        for s in strategies() {
+            let (mut a, mut b) = pair(s);
+            assert!(b.try_send(b"goodbye").unwrap(), "{s:?}");
+            b.flush().unwrap();
+            // Delivered: the peer's queue pair saw its completion before it went.
+            let deadline = Instant::now() + T;
+            b.settle_unsignaled().unwrap();
+            while !b.idle() {
+                b.progress().unwrap();
+                assert!(Instant::now() < deadline, "{s:?}: the last words were never delivered");
+            }
+            drop(b);
+            let deadline = Instant::now() + T;
+            loop {
+                match a.try_send(b"ping").and_then(|_| a.flush()).and_then(|()| a.progress()) {
+                    Err(e) => {
+                        assert!(matches!(e, VerbsError::PeerUnreachable(_)), "{s:?}: {e}");
+                        break;
+                    }
+                    Ok(()) => assert!(Instant::now() < deadline, "{s:?}: the peer's absence went unseen"),
+                }
+            }
+            let last = a.recv_with(|m| m.to_vec()).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+            assert_eq!(last.as_deref(), Some(&b"goodbye"[..]), "{s:?}");
+            assert!(matches!(a.recv_with(|m| m.to_vec()), Err(VerbsError::PeerUnreachable(_))), "{s:?}");
+        }
+    }
+
+    /// The same for more frames than one progress pass takes from a polled ring: they are all
+    /// read, in order, however the failure was found.
+    #[test]
+    fn a_polled_ring_is_read_to_its_end_after_a_progress_pass_found_the_peer_gone() {
+        let s = FlowStrategy::Polled { ring_bytes: 8192, coalesce: 700 };
+        let (mut a, mut b) = pair(s);
+        let n = FRAMES_PER_PASS as u64 + 8;
+        let deadline = Instant::now() + T;
+        for i in 0..n {
+            while !b.try_send(&msg(i, 24)).unwrap() {
+                b.progress().unwrap();
+                assert!(Instant::now() < deadline, "no room for message {i}");
+            }
+            b.flush().unwrap(); // a frame each
+        }
+        b.settle_unsignaled().unwrap();
+        while !b.idle() {
+            b.progress().unwrap();
+            assert!(Instant::now() < deadline, "the messages were never delivered");
+        }
+        drop(b);
+        let e = loop {
+            match a.try_send(b"ping").and_then(|_| a.flush()).and_then(|()| a.progress()) {
+                Err(e) => break e,
+                Ok(()) => assert!(Instant::now() < deadline, "the peer's absence went unseen"),
+            }
+        };
+        assert!(matches!(e, VerbsError::PeerUnreachable(_)), "{e}");
+        for i in 0..n {
+            let got = a.recv_with(|m| m.to_vec()).unwrap_or_else(|e| panic!("message {i}: {e}"));
+            assert_eq!(got, Some(msg(i, 24)), "message {i}");
+        }
+        assert!(matches!(a.recv_with(|m| m.to_vec()), Err(VerbsError::PeerUnreachable(_))));
+    }
+
     #[test]
     fn oversized_messages_and_mismatched_strategies_are_refused() {
         let (mut a, _b) = pair(FlowStrategy::Credit { buffers: 4, buf_size: 512 });

@@ -222,10 +222,13 @@ impl MsgPipe {
     /// Drives progress if nothing is there. `Ok(None)` if nothing arrived. After a failure,
     /// messages received before it are still returned, then the error.
     pub fn front(&mut self) -> Result<Option<(Lane, &[u8])>> {
-        if self.nothing_received() && self.failed.is_none() && !self.polled_arrivals() && self.progress_due() {
-            // A failure found now still leaves earlier messages readable.
+        // A polled ring is looked at even after a failure: frames the peer stored before it
+        // are its last words (a Close before it left), readable like any earlier message.
+        if self.nothing_received() && !self.polled_arrivals() && self.failed.is_none() && self.progress_due() {
+            // A failure found now still leaves earlier messages readable, those in the ring
+            // too (the pass may have found it before looking there).
             if let Err(e) = self.progress() {
-                if self.nothing_received() {
+                if self.nothing_received() && !self.polled_arrivals() {
                     return Err(e);
                 }
             }
