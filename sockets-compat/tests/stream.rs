@@ -275,6 +275,51 @@ fn after_the_peer_closed_and_went_away_flush_succeeds_and_reads_stay_at_eof() {
     }
 }
 
+/// The same when our transport finds the peer gone before we took its Close: its last
+/// messages are taken in before the failure is judged (a sender that only flushes, as a
+/// benchmark's does, never reads the Close first).
+#[test]
+fn a_flush_that_meets_the_peer_gone_before_its_close_was_read_succeeds() {
+    for design in [Design::Bsdp, Design::Zsdp, Design::AzSdp] {
+        let cfg = SdpConfig { design, ..SdpConfig::default() };
+        let (mut c, mut s) = pair(cfg, cfg);
+        s.write_all(b"last words").unwrap();
+        let mut got = [0u8; 10];
+        c.read_exact(&mut got).unwrap();
+        thread::spawn(move || drop(c)).join().unwrap();
+        for i in 0..1000 {
+            s.flush().unwrap_or_else(|e| panic!("{design:?}: flush {i} after the peer closed: {e}"));
+        }
+        assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "{design:?}: the Close is EOF");
+        let err = s.write(b"anyone there?").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::BrokenPipe, "{design:?}: {err}");
+    }
+}
+
+/// A write that meets the peer gone before its Close was read is a broken pipe, as any write
+/// after a Close: the peer's last messages are taken in before the failure is judged, and
+/// reads then see the stream's end (not a reset) after the bytes it sent.
+#[test]
+fn a_write_that_meets_the_peer_gone_before_its_close_was_read_is_a_broken_pipe() {
+    for design in [Design::Bsdp, Design::Zsdp, Design::AzSdp] {
+        let cfg = SdpConfig { design, ..SdpConfig::default() };
+        let (mut c, mut s) = pair(cfg, cfg);
+        c.write_all(b"bye").unwrap();
+        thread::spawn(move || drop(c)).join().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let err = loop {
+            match s.write(b"x").and_then(|_| s.flush()) {
+                Ok(()) => assert!(std::time::Instant::now() < deadline, "{design:?}: the peer's end went unseen"),
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(err.kind(), ErrorKind::BrokenPipe, "{design:?}: {err}");
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).unwrap_or_else(|e| panic!("{design:?}: {e}"));
+        assert_eq!(got, b"bye", "{design:?}");
+    }
+}
+
 #[test]
 fn a_peer_that_shut_down_writing_then_closes_is_a_broken_pipe_only_after_the_close() {
     let (mut c, mut s) = pair(SdpConfig::default(), SdpConfig::default());

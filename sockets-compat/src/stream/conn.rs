@@ -203,8 +203,18 @@ impl Conn {
         io::Error::new(k, w)
     }
 
+    /// Fails the socket on a transport error: a peer that closed and left (its Close taken,
+    /// nothing of ours waiting for it) ends the connection instead (`ended_by_peer`).
     pub(super) fn fail_verbs(&mut self, e: VerbsError) -> io::Error {
-        if self.failed.is_none() && matches!(e, VerbsError::PeerUnreachable(_)) && self.nothing_needs_the_peer() {
+        let gone = self.failed.is_none() && matches!(e, VerbsError::PeerUnreachable(_));
+        if gone && !self.proto.peer_closed() && !self.taking_last_words {
+            // Any call may find the peer gone before its Close, delivered earlier, was taken
+            // in: take in what it sent first, then judge.
+            self.taking_last_words = true;
+            while let Ok(true) = self.take_one() {}
+            self.taking_last_words = false;
+        }
+        if gone && self.failed.is_none() && self.nothing_needs_the_peer() {
             self.ended_by_peer = true;
             return self.fail(io::ErrorKind::BrokenPipe, format!("the peer closed the connection (then: {e})"));
         }

@@ -175,6 +175,9 @@ struct Conn {
     /// connection ended rather than failed: reads see EOF, flush has nothing to wait for,
     /// writes fail as after any Close.
     ended_by_peer: bool,
+    /// [`Conn::fail_verbs`] is taking in what the peer sent before its transport failed (and
+    /// a failure met on the way is judged as it stands, not taken in again).
+    taking_last_words: bool,
     read_shut: bool,
     write_shut: bool,
     /// `shutdown(Write)` queued a Disconnect that flow control has not admitted yet: it goes
@@ -315,6 +318,7 @@ impl SdpStream {
             peer,
             failed: None,
             ended_by_peer: false,
+            taking_last_words: false,
             read_shut: false,
             write_shut: false,
             disconnect_pending: false,
@@ -871,6 +875,27 @@ mod tests {
         let e = w.write_or_stop(&big, &|| true).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::Interrupted, "{e}");
         assert_eq!(w.write_or_stop(b"", &|| true).unwrap(), 0);
+    }
+
+    /// A transport failure found by any call while the peer's Close still waits in the pipe
+    /// (a progress pass that met the peer's queue pair gone before it looked at the ring) is
+    /// judged after taking that Close in: the connection ended, it was not lost.
+    #[test]
+    fn a_failure_found_before_the_peers_close_was_taken_in_ends_the_connection() {
+        let listener = SdpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = std::thread::spawn(move || listener.accept().unwrap().0);
+        let c = SdpStream::connect(addr).unwrap();
+        let s = accepted.join().unwrap();
+        std::thread::spawn(move || drop(c)).join().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while s.lock().pipe.front().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "the Close never arrived");
+        }
+        let mut g = s.lock();
+        let e = g.fail_verbs(VerbsError::PeerUnreachable("found by a progress pass".into()));
+        assert_eq!(e.kind(), io::ErrorKind::BrokenPipe, "{e}");
+        assert!(g.ended_by_peer && g.proto.eof());
     }
 
     /// A polled pipe's messages raise no completion: a reader past its spin phase tells the
