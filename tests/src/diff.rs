@@ -492,7 +492,10 @@ pub fn server(sc: Scenario, l: &dyn Listen) -> Vec<String> {
                     break true;
                 }
             };
-            obs.push(format!("good client served {served} {}, accept errors {errors}", class(t.elapsed())));
+            // TCP's server spends its 100 ms read timeouts on the bad clients, near the edge of
+            // "at once" on a loaded host: what both must show is that none holds it up long.
+            let in_time = t.elapsed() < Duration::from_secs(2);
+            obs.push(format!("good client served {served}, within 2 s {in_time}, accept errors {errors}"));
         }
         Scenario::NonblockingAcceptMany => {
             l.set_nonblocking(true).unwrap();
