@@ -86,10 +86,18 @@ impl CPeer {
         cpus: Option<(usize, usize)>,
     ) -> Result<PeerResult, String> {
         let exe = self.program()?;
+        let tag = format!("{}-{}-{test}-{size}", self.name(), std::process::id());
+        // Open MPI's session files in a directory of this run's own: jobs started at the same
+        // moment in a shared one can race over it (open-mpi/ompi#8510).
+        let session_dir = std::env::temp_dir().join(format!("stack-bench-{tag}.ompi"));
         let mut c = match self {
             CPeer::Mpi => {
+                std::fs::create_dir_all(&session_dir).map_err(|e| format!("{}: {e}", session_dir.display()))?;
                 let mut c = Command::new("mpirun");
                 c.args(["--allow-run-as-root", "-np", "2", "--bind-to", "none"])
+                    .arg("--mca")
+                    .arg("orte_tmpdir_base")
+                    .arg(&session_dir)
                     .args(["--mca", "pml", "ob1", "--mca", "btl", "self,vader", "-x", "STACK_BENCH_CPUS"])
                     .arg(exe);
                 c
@@ -99,11 +107,12 @@ impl CPeer {
         if let Some((a, b)) = cpus {
             c.env("STACK_BENCH_CPUS", format!("{a},{b}"));
         }
-        let log =
-            std::env::temp_dir().join(format!("stack-bench-{}-{}-{test}-{size}.out", self.name(), std::process::id()));
+        let log = std::env::temp_dir().join(format!("stack-bench-{tag}.out"));
         c.args([test, &size.to_string(), &n.max(1).to_string(), &warm.to_string()]);
-        let (status, out) = run_captured(&mut c, &log, PEER_LIMIT)?;
+        let ran = run_captured(&mut c, &log, PEER_LIMIT);
         let _ = std::fs::remove_file(&log);
+        let _ = std::fs::remove_dir_all(&session_dir);
+        let (status, out) = ran?;
         let name = self.name();
         match status {
             Some(st) if st.success() => {}
