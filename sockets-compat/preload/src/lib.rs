@@ -201,22 +201,41 @@ unsafe fn adopt(
 
 #[no_mangle]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    if inside() || !matches!(table::get(fd), Some(Entry::Candidate(_))) {
+        // SAFETY: the caller's arguments, passed on.
+        return unsafe { (real().listen)(fd, backlog) };
+    }
+    let _in = Inside::enter();
+    let accelerated = |local: &SocketAddr| config().accelerates(config::program(), Role::Listen, *local);
+    // A socket bound to its port gets its probe port before it listens (`Listening::bind`).
+    // SAFETY: the caller's socket.
+    let early = unsafe { kernel_name(fd) }
+        .filter(|l| l.port() != 0 && accelerated(l))
+        .and_then(|l| serve::Listening::bind(l).ok());
     // SAFETY: the caller's arguments, passed on.
     let r = unsafe { (real().listen)(fd, backlog) };
-    if r == 0 && !inside() {
-        if let Some(Entry::Candidate(_)) = table::get(fd) {
-            let _in = Inside::enter();
-            table::remove(fd);
-            // SAFETY: the caller's (now listening) socket.
-            let local = unsafe { kernel_name(fd) };
-            let c = config();
-            if let Some(local) = local.filter(|l| c.accelerates(config::program(), Role::Listen, *l)) {
-                match serve::Listening::start(local) {
-                    Ok(l) => {
-                        table::insert(fd, Entry::Listening(l));
-                    }
-                    Err(e) => log::info!("sdp_preload: {local} stays plain TCP ({e})"),
+    if r != 0 {
+        // The caller reads listen's errno, not what closing the twin may leave there.
+        let errno = io::Error::last_os_error().raw_os_error().unwrap_or(libc::EINVAL);
+        drop(early);
+        // SAFETY: this thread's errno.
+        unsafe { *libc::__errno_location() = errno };
+        return r;
+    }
+    if let Some(Entry::Candidate(_)) = table::get(fd) {
+        table::remove(fd);
+        // SAFETY: the caller's (now listening) socket.
+        let local = unsafe { kernel_name(fd) };
+        if let Some(local) = local.filter(accelerated) {
+            let started = match early {
+                Some(bound) if bound.local == local => bound.open(),
+                _ => serve::Listening::start(local),
+            };
+            match started {
+                Ok(l) => {
+                    table::insert(fd, Entry::Listening(l));
                 }
+                Err(e) => log::info!("sdp_preload: {local} stays plain TCP ({e})"),
             }
         }
     }

@@ -37,6 +37,14 @@ pub struct Listening {
 impl Listening {
     /// Starts taking SDP clients beside the kernel's listening socket bound to `local`.
     pub fn start(local: SocketAddr) -> io::Result<Arc<Listening>> {
+        Listening::bind(local)?.open()
+    }
+
+    /// Binds the probe port (the UDP twin of `local`) and the SDP listener, answering nothing
+    /// yet: bound before the kernel's socket listens, a probe that comes in between waits in
+    /// the twin's buffer for [`Listening::open`] instead of being refused (the server then
+    /// taken for a plain one for a while).
+    pub fn bind(local: SocketAddr) -> io::Result<Listening> {
         let udp = UdpSocket::bind(local)?;
         udp.set_nonblocking(true)?;
         let sdp = SdpListener::bind(SocketAddr::new(local.ip(), 0))?;
@@ -46,15 +54,20 @@ impl Listening {
             std::net::IpAddr::V6(a) if a.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
             ip => ip,
         };
-        let l = Arc::new(Listening {
+        Ok(Listening {
             sdp,
             udp,
             ring_at: SocketAddr::new(ip, local.port()),
             waiting: Mutex::new(HashMap::new()),
             local,
-        });
+        })
+    }
+
+    /// Answers probes and takes SDP clients from now on (the kernel's socket listens).
+    pub fn open(self) -> io::Result<Arc<Listening>> {
+        let l = Arc::new(self);
         responder()?.add(&l);
-        log::info!("sdp_preload: {local} takes SDP clients too (SDP listener {})", l.sdp.local_addr()?);
+        log::info!("sdp_preload: {} takes SDP clients too (SDP listener {})", l.local, l.sdp.local_addr()?);
         Ok(l)
     }
 
@@ -216,5 +229,29 @@ fn run() {
         let mut drained = 0u64;
         // SAFETY: 8 bytes into a local (EAGAIN when the bell did not ring).
         unsafe { libc::read(r.bell.as_raw_fd(), &mut drained as *mut u64 as *mut libc::c_void, 8) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A probe that comes after the twin is bound but before the server listens (and its
+    /// twin is opened) waits for an answer instead of being refused.
+    #[test]
+    fn a_probe_sent_before_the_listener_opened_is_answered_once_it_opens() {
+        let _in = Inside::enter();
+        let bound = Listening::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let twin = bound.udp.local_addr().unwrap();
+        let client = UdpSocket::bind("127.0.0.1:0").unwrap();
+        client.send_to(&discovery::encode_probe(42), twin).unwrap();
+        client.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        let mut buf = [0u8; 64];
+        let early = client.recv_from(&mut buf).unwrap_err();
+        assert!(matches!(early.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut), "{early}");
+        let l = bound.open().unwrap();
+        client.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let (n, _) = client.recv_from(&mut buf).unwrap();
+        assert_eq!(discovery::decode_answer(&buf[..n], 42), Some(l.sdp.local_addr().unwrap().port()));
     }
 }
