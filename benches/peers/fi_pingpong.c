@@ -197,7 +197,7 @@ int main(int argc, char **argv) {
             if (done == 0) start = now();
         }
         double secs = now() - start;
-        if (!server) printf("%.4f\n", (double)size * n / secs / 1e9);
+        if (!server) printf("%.6g\n", (double)size * n / secs / 1e9);
     }
     fflush(stdout);
     fi_close(&p.ep->fid);

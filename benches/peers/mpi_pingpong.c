@@ -77,7 +77,7 @@ int main(int argc, char **argv) {
             if (done == 0) start = MPI_Wtime();
         }
         double secs = MPI_Wtime() - start;
-        if (rank == 0) printf("%.4f\n", (double)size * n / secs / 1e9);
+        if (rank == 0) printf("%.6g\n", (double)size * n / secs / 1e9);
     }
     free(buf);
     MPI_Finalize();

@@ -98,8 +98,11 @@ impl CPeer {
                     .arg("--mca")
                     .arg("orte_tmpdir_base")
                     .arg(&session_dir)
-                    .args(["--mca", "pml", "ob1", "--mca", "btl", "self,vader", "-x", "STACK_BENCH_CPUS"])
-                    .arg(exe);
+                    .args(["--mca", "pml", "ob1", "--mca", "btl", "self,vader"]);
+                if cpus.is_some() {
+                    c.args(["-x", "STACK_BENCH_CPUS"]);
+                }
+                c.arg(exe);
                 c
             }
             CPeer::Libfabric => Command::new(exe),
