@@ -56,3 +56,21 @@ fn sdp_bench_measures_an_idle_reader() {
     assert!(rows[0][1..].iter().all(|&x| (0.0..=100.0).contains(&x)), "{stdout}");
     std::fs::remove_dir_all(&out).ok();
 }
+
+/// The idle-many test: a row per pair count, a CPU share of the process per layer.
+#[test]
+fn sdp_bench_measures_idle_connections() {
+    let out = std::env::temp_dir().join(format!("sdp-bench-idle-many-{}", std::process::id()));
+    let run = Command::new(env!("CARGO_BIN_EXE_sdp_bench"))
+        .args(["--tests", "idle-many", "--idle-pairs", "4", "--layers", "bsdp,tcp", "--repeat", "1", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "sdp_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
+    let rows = table_rows(&stdout);
+    assert_eq!(rows.len(), 1, "{stdout}");
+    assert_eq!(rows[0].len(), 3, "{stdout}");
+    assert!(rows[0][1..].iter().all(|&x| (0.0..=100.0).contains(&x)), "{stdout}");
+    std::fs::remove_dir_all(&out).ok();
+}

@@ -31,7 +31,8 @@ use sockets_compat::{Design, SdpConfig, SdpListener, SdpStream};
 #[derive(Parser)]
 #[command(about = "SDP designs against TCP loopback: the AZ-SDP paper's benchmark suite")]
 struct Args {
-    /// Which tests to run (latency, throughput, overlap, window, idle, hotspot, multi).
+    /// Which tests to run (latency, throughput, overlap, window, idle, hotspot, multi; and,
+    /// when named, idle-many).
     #[arg(long, default_value = "latency,throughput,overlap,window,idle,hotspot,multi", value_delimiter = ',')]
     tests: Vec<String>,
     /// Smallest message of the latency and throughput sweeps.
@@ -52,6 +53,9 @@ struct Args {
     /// Page-fault windows: the sender touches its buffer every W writes (comma-separated).
     #[arg(long, default_value = "1,2,4,8,16,64", value_delimiter = ',')]
     windows: Vec<usize>,
+    /// Connection pairs the idle-many test holds (comma-separated).
+    #[arg(long, default_value = "10,100,250", value_delimiter = ',')]
+    idle_pairs: Vec<usize>,
     /// Connection counts of the multi-connection tests (comma-separated).
     #[arg(long, default_value = "1,2,4", value_delimiter = ',')]
     connections: Vec<usize>,
@@ -467,6 +471,22 @@ fn idle_read(layer: &str, wait: Duration, zt: usize) -> f64 {
     used / t.elapsed().as_secs_f64() * 100.0
 }
 
+/// CPU the whole process uses (% of one core) while `n` connection pairs of it sit idle for
+/// `wait`, each having carried a byte first: what idle connections cost a server (the
+/// background engine's visits; kernel TCP's cost nothing).
+fn idle_connections(layer: &str, n: usize, wait: Duration, zt: usize) -> f64 {
+    let mut pairs = connect_many(layer, zt, n);
+    for (c, s) in &mut pairs {
+        s.nonblocking(false);
+        write_full(&mut **c, b"x").expect("write");
+        read_full(&mut **s, &mut [0u8]).expect("read");
+    }
+    thread::sleep(Duration::from_secs(1)); // settled: what the byte left in flight is done
+    let (cpu, t) = (benches::cpu_seconds(false), Instant::now());
+    thread::sleep(wait);
+    (benches::cpu_seconds(false) - cpu) / t.elapsed().as_secs_f64() * 100.0
+}
+
 /// Hot-spot, as the paper runs it: `n` clients ping-pong with one server thread, which takes
 /// a message from every client in turn, then answers every client in turn (so an AZ-SDP
 /// server's answers overlap, where a ZSDP server's wait for each other); the median one-way
@@ -772,6 +792,14 @@ fn main() {
         let title = "Idle connection: CPU of a thread blocked in read, % of one core".into();
         let mut t = Table::start("idle", title, "seconds", false, false, &a.layers, a.repeat);
         t.row(1.0, "1".into(), |l| idle_read(l, Duration::from_secs(1), zt));
+        tables.push(t);
+    }
+    if run("idle-many") {
+        let title = "Idle connections: CPU of the process holding N pairs, % of one core".into();
+        let mut t = Table::start("idle_many", title, "pairs", false, false, &a.layers, a.repeat);
+        for &n in &a.idle_pairs {
+            t.row(n as f64, format!("{n}"), |l| idle_connections(l, n, Duration::from_secs(3), zt));
+        }
         tables.push(t);
     }
     for size in [8usize, 64 * 1024].into_iter().filter(|_| run("hotspot")) {
