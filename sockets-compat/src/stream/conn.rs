@@ -2,7 +2,7 @@
 //! background engine does with it.
 
 use super::*;
-use crate::engine::Visit;
+use crate::engine::{Quiet, Visit};
 
 impl Background for Conn {
     /// Leaves a socket the application called into since the engine's last round to the
@@ -20,29 +20,50 @@ impl Background for Conn {
             // 200 us) until hundreds of these visits passed. Errors are recorded in the
             // socket; its next call reports them.
             let _ = self.pipe.settle_unsignaled().map_err(|e| self.fail_verbs(e));
-            let _ = self.pump();
         }
-        if self.failed.is_none() && self.in_flight() {
+        if self.failed.is_none() && (in_flight || self.disconnect_pending) {
+            let _ = self.pump(); // (sends a pending Disconnect first)
+        }
+        if self.failed.is_some() {
+            self.watched = false; // the engine lets go of it (see `Background`)
+            Visit::Idle
+        } else if self.in_flight() {
             Visit::Driven
+        } else if self.disconnect_pending {
+            Visit::Pending
         } else {
+            self.watched = false;
             Visit::Idle
         }
     }
 
-    fn quiet_visit(&mut self) -> bool {
+    fn quiet_visit(&mut self) -> Quiet {
         if self.closing.is_none() {
             // An application calling into its socket drives it itself.
-            if std::mem::replace(&mut self.calls_quiet, self.calls) != self.calls || self.failed.is_some() {
-                return false;
+            if std::mem::replace(&mut self.calls_quiet, self.calls) != self.calls {
+                return Quiet::Stirring;
             }
+            if self.failed.is_some() {
+                return Quiet::Still;
+            }
+            let moves = |c: &Conn| {
+                let s = c.pipe.stats();
+                (s.received, s.sent, s.control)
+            };
+            let before = moves(self);
             // Errors are recorded in the socket; its next call reports them.
             let _ = self.pump_control().and_then(|()| self.send_pending_control());
-            return false;
+            let pending = self.disconnect_pending || self.pipe.staged() > 0;
+            return if pending || moves(self) != before { Quiet::Stirring } else { Quiet::Still };
         }
         if self.failed.is_none() {
             let _ = self.send_pending_control().and_then(|()| self.pump());
         }
-        self.close_finished()
+        if self.close_finished() {
+            Quiet::Finished
+        } else {
+            Quiet::Stirring
+        }
     }
 
     fn begin_close(&mut self) {

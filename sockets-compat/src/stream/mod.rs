@@ -218,7 +218,7 @@ struct Conn {
     faults: u32,
     /// AZ-SDP gave up after too many faults: this socket sends and receives as ZSDP now.
     fell_back: bool,
-    /// Registered with the background engine.
+    /// Under the engine's watch: transfers in flight (let go of when a visit finds it idle).
     watched: bool,
     /// Calls of the application into the socket so far (a counter, not a clock: reading the
     /// clock on every lock cost a tenth of an AZ-SDP write).
