@@ -42,35 +42,32 @@ fn sdp_bench_runs_end_to_end() {
     std::fs::remove_dir_all(&out).ok();
 }
 
+/// Runs `sdp_bench` with `args` (its results in a directory of its own) and returns its table
+/// rows and output.
+fn run_sdp_bench(name: &str, args: &[&str]) -> (Vec<Vec<f64>>, String) {
+    let out = std::env::temp_dir().join(format!("sdp-bench-{name}-{}", std::process::id()));
+    let run = Command::new(env!("CARGO_BIN_EXE_sdp_bench")).args(args).arg("--out").arg(&out).output().unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(run.status.success(), "sdp_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
+    std::fs::remove_dir_all(&out).ok();
+    (table_rows(&stdout), stdout)
+}
+
 /// The idle test: one row, a CPU share per layer (TCP's may be 0: it sleeps in the kernel).
 #[test]
 fn sdp_bench_measures_an_idle_reader() {
-    let out = std::env::temp_dir().join(format!("sdp-bench-idle-{}", std::process::id()));
-    let run =
-        Command::new(env!("CARGO_BIN_EXE_sdp_bench")).args(["--tests", "idle", "--out"]).arg(&out).output().unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "sdp_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
-    let rows = table_rows(&stdout);
+    let (rows, stdout) = run_sdp_bench("idle", &["--tests", "idle"]);
     assert_eq!(rows.len(), 1, "{stdout}");
     assert_eq!(rows[0].len(), 5, "{stdout}");
     assert!(rows[0][1..].iter().all(|&x| (0.0..=100.0).contains(&x)), "{stdout}");
-    std::fs::remove_dir_all(&out).ok();
 }
 
 /// The idle-many test: a row per pair count, a CPU share of the process per layer.
 #[test]
 fn sdp_bench_measures_idle_connections() {
-    let out = std::env::temp_dir().join(format!("sdp-bench-idle-many-{}", std::process::id()));
-    let run = Command::new(env!("CARGO_BIN_EXE_sdp_bench"))
-        .args(["--tests", "idle-many", "--idle-pairs", "4", "--layers", "bsdp,tcp", "--repeat", "1", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "sdp_bench failed: {}\n{stdout}", String::from_utf8_lossy(&run.stderr));
-    let rows = table_rows(&stdout);
+    let args = ["--tests", "idle-many", "--idle-pairs", "4", "--layers", "bsdp,tcp", "--repeat", "1"];
+    let (rows, stdout) = run_sdp_bench("idle-many", &args);
     assert_eq!(rows.len(), 1, "{stdout}");
     assert_eq!(rows[0].len(), 3, "{stdout}");
     assert!(rows[0][1..].iter().all(|&x| (0.0..=100.0).contains(&x)), "{stdout}");
-    std::fs::remove_dir_all(&out).ok();
 }

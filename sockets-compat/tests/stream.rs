@@ -249,6 +249,17 @@ fn a_closed_peer_is_eof_then_writing_to_it_is_a_broken_pipe() {
     assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "EOF stays EOF");
 }
 
+/// Our end of a connection whose peer read what we wrote, closed and went away.
+fn after_the_peer_read_and_left(design: Design) -> SdpStream {
+    let cfg = SdpConfig { design, ..SdpConfig::default() };
+    let (mut c, mut s) = pair(cfg, cfg);
+    s.write_all(b"last words").unwrap();
+    let mut got = [0u8; 10];
+    c.read_exact(&mut got).unwrap();
+    thread::spawn(move || drop(c)).join().unwrap();
+    s
+}
+
 /// A peer that closed may tear its queue pair down at once; our transport then fails the next
 /// time it needs the peer (here, settling the completion of our last, already delivered,
 /// write). With the Close taken and nothing of ours waiting for the peer, that is the end of
@@ -256,14 +267,8 @@ fn a_closed_peer_is_eof_then_writing_to_it_is_a_broken_pipe() {
 #[test]
 fn after_the_peer_closed_and_went_away_flush_succeeds_and_reads_stay_at_eof() {
     for design in [Design::Bsdp, Design::Zsdp, Design::AzSdp] {
-        let cfg = SdpConfig { design, ..SdpConfig::default() };
-        let (mut c, mut s) = pair(cfg, cfg);
-        s.write_all(b"last words").unwrap();
-        let mut got = [0u8; 10];
-        c.read_exact(&mut got).unwrap();
-        let closer = thread::spawn(move || drop(c));
+        let mut s = after_the_peer_read_and_left(design);
         assert_eq!(s.read(&mut [0u8; 8]).unwrap(), 0, "{design:?}: the Close is EOF");
-        closer.join().unwrap();
         // Each call drives the transport once; a few hundred reach its periodic settling of
         // our unsignaled write, which meets the peer's queue pair gone.
         for i in 0..1000 {
@@ -281,12 +286,7 @@ fn after_the_peer_closed_and_went_away_flush_succeeds_and_reads_stay_at_eof() {
 #[test]
 fn a_flush_that_meets_the_peer_gone_before_its_close_was_read_succeeds() {
     for design in [Design::Bsdp, Design::Zsdp, Design::AzSdp] {
-        let cfg = SdpConfig { design, ..SdpConfig::default() };
-        let (mut c, mut s) = pair(cfg, cfg);
-        s.write_all(b"last words").unwrap();
-        let mut got = [0u8; 10];
-        c.read_exact(&mut got).unwrap();
-        thread::spawn(move || drop(c)).join().unwrap();
+        let mut s = after_the_peer_read_and_left(design);
         for i in 0..1000 {
             s.flush().unwrap_or_else(|e| panic!("{design:?}: flush {i} after the peer closed: {e}"));
         }
