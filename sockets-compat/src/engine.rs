@@ -105,14 +105,15 @@ type Orphan = Arc<Mutex<dyn Background>>;
 
 #[derive(Default)]
 struct Lists {
-    /// Sockets with transfers in flight, visited often.
-    watched: Vec<Watched>,
+    /// Sockets with transfers in flight, visited often (`None`: let go of in a round,
+    /// swept at the next).
+    watched: Vec<Option<Watched>>,
     /// Every open socket, visited when quiet.
     open: Vec<QuietEntry>,
     /// Closed sockets still handing over their last bytes.
     orphans: Vec<Orphan>,
-    /// A quiet visit made due sooner than the engine's schedule had it (a new socket, one
-    /// that started a transfer): the engine looks then.
+    /// A quiet visit made due sooner than the engine's schedule had it (a new socket's
+    /// first): the engine looks then.
     quiet_sooner: Option<Instant>,
 }
 
@@ -156,23 +157,8 @@ pub(crate) fn register(socket: &Arc<Mutex<dyn Background>>) {
 /// idle, and wakes the engine. The caller holds the socket's lock and knows it is not
 /// watched now (the engine lets go of a socket under that lock).
 pub(crate) fn watch(socket: &Arc<Mutex<dyn Background>>) {
-    lists().watched.push(Arc::downgrade(socket));
+    lists().watched.push(Some(Arc::downgrade(socket)));
     protect::ring_bell();
-}
-
-/// A watch entry that is no more (a socket let go of in a round; swept at the next).
-fn let_go() -> Watched {
-    struct Gone;
-    impl Background for Gone {
-        fn background_progress(&mut self) -> Visit {
-            Visit::Idle
-        }
-        fn quiet_visit(&mut self) -> Quiet {
-            Quiet::Finished
-        }
-        fn begin_close(&mut self) {}
-    }
-    Weak::<Mutex<Gone>>::new()
 }
 
 /// Keeps a closed socket alive until it has handed over its last bytes.
@@ -189,7 +175,7 @@ fn run() {
         let bell = protect::fault_bell();
         let (watched, quiet) = {
             let mut l = e.lists.lock().unwrap_or_else(|p| p.into_inner());
-            l.watched.retain(|w| w.strong_count() > 0);
+            l.watched.retain(|w| w.as_ref().is_some_and(|w| w.strong_count() > 0));
             if let Some(t) = l.quiet_sooner.take() {
                 next_quiet = next_quiet.min(t);
             }
@@ -200,7 +186,7 @@ fn run() {
         // (Indices of this round's snapshot stay valid in the list: only this thread removes
         // entries, in the sweep above.)
         for (i, w) in watched.into_iter().enumerate() {
-            let Some(sock) = w.upgrade() else { continue };
+            let Some(sock) = w.and_then(|w| w.upgrade()) else { continue };
             // A socket the application is using right now progresses on its own.
             let Ok(mut g) = sock.try_lock() else {
                 need = need.max(Visit::AppActive);
@@ -211,7 +197,7 @@ fn run() {
                 // Let go of while its lock is held, so that a transfer it starts next finds it
                 // gone and puts it back (visiting every idle socket that ever had a transfer
                 // on every round cost a server with many connections its CPU).
-                e.lists.lock().unwrap_or_else(|p| p.into_inner()).watched[i] = let_go();
+                e.lists.lock().unwrap_or_else(|p| p.into_inner()).watched[i] = None;
             }
             need = need.max(visit);
         }
