@@ -229,6 +229,86 @@ fn every_size_with(threshold: usize) {
     });
 }
 
+/// Packs of the sizes that go as one pipe message only while the peer keeps up (above half a
+/// frame of the 64 KiB ring, up to a whole one) arrive intact and in order either way: in a
+/// ping-pong, where each message goes as a frame, and in a stream the receiver reads behind,
+/// where they take the bulk lane, in every shape a message takes (a lone pack straight from
+/// the application's buffer, a copied one, behind an express header, two of them).
+#[test]
+fn frame_sized_packs_arrive_intact_whether_the_peer_keeps_up_or_reads_behind() {
+    let sizes = [8000usize, 8150, 8192, 8300, 12_000, 16_200, 16_320, 16_384];
+    let shapes = 4;
+    let send = |ch: &Channel, i: usize, shape: usize| {
+        let (n, a, b) = (sizes[i % sizes.len()], pattern(i, sizes[i % sizes.len()]), pattern(i + 1000, 300));
+        let mut p = ch.begin_packing(1).unwrap();
+        match shape {
+            0 => p.pack(&a, SendMode::Cheaper, RecvMode::Cheaper).unwrap(),
+            1 => p.pack_safer(&a, RecvMode::Cheaper).unwrap(),
+            2 => {
+                p.pack_safer(&(n as u64).to_le_bytes(), RecvMode::Express).unwrap();
+                p.pack(&a, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            }
+            _ => {
+                p.pack(&a, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                p.pack(&b, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            }
+        }
+        p.end_packing().unwrap();
+    };
+    let recv = |ch: &Channel, i: usize, shape: usize| {
+        let n = sizes[i % sizes.len()];
+        let (mut a, mut b, mut len) = (vec![0u8; n], vec![0u8; 300], [0u8; 8]);
+        let mut u = ch.begin_unpacking_from(0).unwrap();
+        match shape {
+            0 => u.unpack(&mut a, SendMode::Cheaper, RecvMode::Cheaper).unwrap(),
+            1 => u.unpack(&mut a, SendMode::Safer, RecvMode::Cheaper).unwrap(),
+            2 => {
+                u.unpack_express(&mut len, SendMode::Safer).unwrap();
+                assert_eq!(u64::from_le_bytes(len), n as u64);
+                u.unpack(&mut a, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            }
+            _ => {
+                u.unpack(&mut a, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                u.unpack(&mut b, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            }
+        }
+        u.end_unpacking().unwrap();
+        assert!(a == pattern(i, n), "message {i} ({n} bytes, shape {shape}) corrupted");
+        if shape == 3 {
+            assert!(b == pattern(i + 1000, 300), "message {i}'s second pack corrupted");
+        }
+    };
+    group(2, usize::MAX, |rank, ch| {
+        let messages = sizes.len() * shapes;
+        // A ping-pong: the reply acknowledges each message before the next.
+        for i in 0..messages {
+            if rank == 0 {
+                send(ch, i, i % shapes);
+                let mut ack = [0u8; 1];
+                let mut u = ch.begin_unpacking_from(1).unwrap();
+                u.unpack_express(&mut ack, SendMode::Safer).unwrap();
+                u.end_unpacking().unwrap();
+            } else {
+                recv(ch, i, i % shapes);
+                let mut p = ch.begin_packing(0).unwrap();
+                p.pack_safer(&[1], RecvMode::Express).unwrap();
+                p.end_packing().unwrap();
+            }
+        }
+        // A stream the receiver reads behind (it starts late, and the sender goes on).
+        if rank == 0 {
+            for i in 0..4 * messages {
+                send(ch, i, i % shapes);
+            }
+        } else {
+            std::thread::sleep(Duration::from_millis(50));
+            for i in 0..4 * messages {
+                recv(ch, i, i % shapes);
+            }
+        }
+    });
+}
+
 /// Both ranks send messages with packs larger than the peer's bulk ring before either
 /// receives: each sender, waiting for ring space, must drain the other's data (the slow path)
 /// instead of deadlocking; everything arrives intact.

@@ -385,6 +385,11 @@ pub(crate) struct Conn {
     pub(super) recv_side: Token<RecvSide>,
     pub(super) next_rdv: AtomicU32,
     pub(super) max_msg: usize,
+    /// The largest pipe message while the peer reads behind us (a stream): the largest frame
+    /// of a ring half the size of ours, so that packs of the larger frames then take the bulk
+    /// lane, where the sender runs ahead and the crossover chooses its stores (decision
+    /// 025). `max_msg` for the other strategies.
+    pub(super) stream_max_msg: usize,
     /// Largest bulk-lane chunk (0: no bulk lane).
     pub(super) bulk_chunk: usize,
     /// Most record bytes a bulk chunk carries around its data.
@@ -461,6 +466,12 @@ impl Conn {
         let mut pipe = MsgPipe::establish_with(conn.qp, cq.clone(), &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
         let crossover = crate::probe::rendezvous_crossover(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
         let max_msg = s.cfg.strategy.max_message();
+        let stream_max_msg = match s.cfg.strategy {
+            FlowStrategy::Polled { ring_bytes, coalesce } if ring_bytes >= 8192 => {
+                FlowStrategy::Polled { ring_bytes: ring_bytes / 2, coalesce }.max_message()
+            }
+            _ => max_msg,
+        };
         let threshold = crossover.probed();
         log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
         Ok(Conn {
@@ -468,6 +479,7 @@ impl Conn {
             notices: pipe.notice_board(),
             threshold,
             max_msg,
+            stream_max_msg,
             bulk_chunk: pipe.bulk_chunk_max(),
             bulk_frame: pipe.bulk_frame_max().min(pipe.bulk_chunk_max() / 2),
             bulk_copies: pipe.bulk_copies(),
@@ -495,10 +507,25 @@ impl Conn {
         self.io.hold()
     }
 
-    /// The limits the sending side's decisions take.
+    /// The limits the sending side's decisions take, for a message sent while the peer reads
+    /// behind us (`behind`, see [`Conn::peer_behind`]) or not.
     #[inline]
-    pub(super) fn limits(&self) -> Limits {
-        Limits { threshold: self.threshold, max_msg: self.max_msg, bulk_chunk: self.bulk_chunk }
+    pub(super) fn limits(&self, behind: bool) -> Limits {
+        let max_msg = if behind { self.stream_max_msg } else { self.max_msg };
+        Limits { threshold: self.threshold, max_msg, bulk_chunk: self.bulk_chunk }
+    }
+
+    /// Whether a pack of `len` bytes goes as a pipe message only while the peer keeps up
+    /// (more than fits a message while it reads behind us, not more than fits one otherwise).
+    #[inline]
+    pub(super) fn frame_while_caught_up(&self, len: usize) -> bool {
+        self.limits(true).too_large_for_a_message(len) && !self.limits(false).too_large_for_a_message(len)
+    }
+
+    /// Whether the peer has yet to acknowledge messages of ours: it reads behind us, as in a
+    /// stream (in a ping-pong its reply acknowledged all we sent).
+    pub(super) fn peer_behind(&self) -> bool {
+        self.io().pipe.unacknowledged() > 0
     }
 
     /// The sender's error for the peer's latest mismatch report: which message of ours it

@@ -92,7 +92,11 @@ impl Channel {
             tx.notice_seen = reported;
             return Err(conn.reported_mismatch());
         }
-        tx.begin(&conn.limits());
+        // A connection that carries packs the size of the larger frames looks whether the peer
+        // keeps up (one more claim of the pipe a message, on such connections alone).
+        tx.behind = tx.mid_packs && conn.peer_behind();
+        let limits = conn.limits(tx.behind);
+        tx.begin(&limits);
         Ok(Packer { ch: self, conn, tx, more: None, rdv: SmallVec::new(), held: None })
     }
 

@@ -132,7 +132,7 @@ impl<'p> Packer<'p> {
         // A borrowed pack larger than a pipe message waits for the message's end too: how the
         // message ends decides how it goes (`end_packing_nowait` must not leave it waiting for
         // room in the receiver's bulk ring), and it is the packer's until then anyway.
-        let large = self.conn.limits().too_large_for_a_message(buf.len());
+        let large = self.limits().too_large_for_a_message(buf.len());
         if send == SendMode::Later || large || self.has_deferred() {
             // Read at end_packing; what follows a Later pack waits behind it, in order.
             self.more().deferred.push(match send {
@@ -248,7 +248,15 @@ impl<'p> Packer<'p> {
 
     /// How a pack of `len` bytes travels (see `SendSide::route`).
     pub(super) fn route(&mut self, len: usize) -> Route {
-        self.tx.route(len, &self.conn.limits(), std::time::Instant::now)
+        self.tx.mid_packs |= self.conn.frame_while_caught_up(len);
+        let limits = self.limits();
+        self.tx.route(len, &limits, std::time::Instant::now)
+    }
+
+    /// The limits of the message being packed.
+    #[inline]
+    pub(super) fn limits(&self) -> Limits {
+        self.conn.limits(self.tx.behind)
     }
 
     /// Tells the crossover that handing `bytes` of bulk packs over took `took`: from their
@@ -393,9 +401,10 @@ impl<'p> Packer<'p> {
     /// nothing ahead of it (no deferred pack, no held-back bulk pack): the common case, which
     /// `pack` takes without the general path's steps.
     #[inline]
-    pub(super) fn fits_now(&self, len: usize) -> bool {
+    pub(super) fn fits_now(&mut self, len: usize) -> bool {
+        self.tx.mid_packs |= self.conn.frame_while_caught_up(len);
         self.more.as_ref().is_none_or(|m| m.deferred.is_empty() && m.pending_bulk.is_none())
-            && self.tx.fits_whole(len, &self.conn.limits())
+            && self.tx.fits_whole(len, &self.limits())
     }
 
     /// Appends a whole inline pack to the message being filled (the caller checked it fits).
@@ -405,7 +414,7 @@ impl<'p> Packer<'p> {
     }
 
     pub(super) fn inline(&mut self, buf: &[u8], modes: Modes) -> Result<()> {
-        let limits = self.conn.limits();
+        let limits = self.limits();
         if self.tx.fits_message(buf.len(), &limits) {
             // The usual case: the whole pack fits the pipe message being filled.
             self.append_inline(buf, modes);
@@ -441,7 +450,7 @@ impl<'p> Packer<'p> {
         // reads the count with a fence before this counter.)
         let id = self.conn.next_rdv.fetch_add(1, Ordering::Relaxed);
         let rec = Record::Rdv { modes, len, addr, rkey: reg.rkey(), id };
-        if self.tx.needs_flush_for(&rec, &self.conn.limits()) {
+        if self.tx.needs_flush_for(&rec, &self.limits()) {
             self.flush()?;
         }
         rec.encode(&mut self.tx.agg);
@@ -572,7 +581,7 @@ impl<'p> Packer<'p> {
                 Framing::One => self.send_one()?,
                 Framing::Whole => self.tx.close_whole(),
                 Framing::End => {
-                    if self.tx.end_needs_flush(&self.conn.limits()) {
+                    if self.tx.end_needs_flush(&self.limits()) {
                         self.flush()?;
                     }
                     self.tx.append_end();

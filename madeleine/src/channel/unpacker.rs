@@ -114,7 +114,7 @@ impl<'u> Unpacker<'u> {
         if let Some(packs) = self.rx.end {
             return Err(self.mismatch(Mismatch::ExtraUnpack { packs }));
         }
-        if buf.len() > self.conn.max_msg {
+        if buf.len() > self.conn.stream_max_msg {
             // A bulk pack whole in one chunk, with the message's End behind it: one step
             // instead of one per record and one for the data.
             let mut io = self.conn.io();

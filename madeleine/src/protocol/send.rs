@@ -97,6 +97,11 @@ pub(crate) struct SendSide {
     pub finished: bool,
     /// The last word of the peer's latest mismatch report that was returned to a packer.
     pub notice_seen: u64,
+    /// The connection carried packs that go as one pipe message only while the peer keeps
+    /// up (`Conn::frame_while_caught_up`): each message then looks whether it does.
+    pub mid_packs: bool,
+    /// The message being packed keeps to the smaller messages of a peer that reads behind us.
+    pub behind: bool,
 }
 
 impl SendSide {
@@ -113,6 +118,8 @@ impl SendSide {
             inline_modes: Modes { send: SendMode::Safer, recv: RecvMode::Express },
             finished: true,
             notice_seen: 0,
+            mid_packs: false,
+            behind: false,
         }
     }
 

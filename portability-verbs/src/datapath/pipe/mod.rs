@@ -801,6 +801,14 @@ impl MsgPipe {
         self.coalescer.len()
     }
 
+    /// Bytes of our messages in the peer's ring that it has not acknowledged (ring
+    /// strategies; 0 for the others). 0 once the peer has read all we sent and said so, as
+    /// in a ping-pong, where its reply carries the acknowledgement; more while it reads
+    /// behind us, as in a stream.
+    pub fn unacknowledged(&self) -> u64 {
+        self.ring_tx.in_flight()
+    }
+
     /// Whether everything accepted has been handed over and every transfer completed (what a
     /// closing socket lingers for before it tears the queue pair down).
     pub fn idle(&self) -> bool {
@@ -950,6 +958,44 @@ mod tests {
                 // The pipe goes on working after the settling write.
                 stream(&mut a, &mut b, &[5, 300, 24]);
             }
+        }
+    }
+
+    /// `unacknowledged` tells a sender whose peer keeps up from one whose peer reads behind:
+    /// in a ping-pong the reply acknowledges the message it answers, so the sender sees 0
+    /// before its next message; in a stream the bytes the peer has not read stay counted.
+    #[test]
+    fn unacknowledged_is_zero_in_a_ping_pong_and_counts_a_stream() {
+        for s in [FlowStrategy::Polled { ring_bytes: 65536, coalesce: 4096 }, FlowStrategy::RDMA] {
+            let (mut a, mut b) = pair(s);
+            assert_eq!(a.unacknowledged(), 0, "{s:?}");
+            let deadline = Instant::now() + T;
+            let take = |p: &mut MsgPipe, want: &[u8]| loop {
+                assert!(Instant::now() < deadline, "{s:?}: nothing arrived");
+                if let Some((_, m)) = p.front().unwrap() {
+                    assert_eq!(m, want, "{s:?}");
+                    p.pop_front().unwrap();
+                    return;
+                }
+                p.progress().unwrap();
+            };
+            for i in 0..20u64 {
+                assert!(a.try_send(&msg(i, 3000)).unwrap() && a.flush().is_ok(), "{s:?}");
+                assert!(a.unacknowledged() > 0, "{s:?}: a message in flight");
+                take(&mut b, &msg(i, 3000));
+                assert!(b.try_send(&msg(i, 16)).unwrap() && b.flush().is_ok(), "{s:?}");
+                take(&mut a, &msg(i, 16));
+                assert_eq!(a.unacknowledged(), 0, "{s:?}: round trip {i} answered");
+            }
+            for i in 0..3u64 {
+                assert!(a.try_send(&msg(i, 3000)).unwrap() && a.flush().is_ok(), "{s:?}");
+            }
+            take(&mut b, &msg(0, 3000));
+            for _ in 0..10 {
+                a.progress().unwrap();
+                b.progress().unwrap();
+            }
+            assert!(a.unacknowledged() >= 2 * 3000, "{s:?}: two messages unread");
         }
     }
 
