@@ -229,8 +229,8 @@ fn every_size_with(threshold: usize) {
     });
 }
 
-/// Packs of the sizes that go as one pipe message only while the peer keeps up (above half a
-/// frame of the 64 KiB ring, up to a whole one) arrive intact and in order either way: in a
+/// Packs of the sizes that go as one pipe message only while the peer keeps up (above a frame
+/// of a 32 KiB ring, up to one of the 64 KiB ring) arrive intact and in order either way: in a
 /// ping-pong, where each message goes as a frame, and in a stream the receiver reads behind,
 /// where they take the bulk lane, in every shape a message takes (a lone pack straight from
 /// the application's buffer, a copied one, behind an express header, two of them).

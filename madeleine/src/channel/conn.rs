@@ -385,10 +385,10 @@ pub(crate) struct Conn {
     pub(super) recv_side: Token<RecvSide>,
     pub(super) next_rdv: AtomicU32,
     pub(super) max_msg: usize,
-    /// The largest pipe message while the peer reads behind us (a stream): the largest frame
-    /// of a ring half the size of ours, so that packs of the larger frames then take the bulk
-    /// lane, where the sender runs ahead and the crossover chooses its stores (decision
-    /// 025). `max_msg` for the other strategies.
+    /// The largest pipe message while the peer reads behind us (a stream): at most the largest
+    /// frame of the pipe's default polled ring (32 KiB), so that the packs of Madeleine's
+    /// larger frames then take the bulk lane, where the sender runs ahead and the crossover
+    /// chooses its stores (decision 025). `max_msg` for the other strategies.
     pub(super) stream_max_msg: usize,
     /// Largest bulk-lane chunk (0: no bulk lane).
     pub(super) bulk_chunk: usize,
@@ -467,9 +467,7 @@ impl Conn {
         let crossover = crate::probe::rendezvous_crossover(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
         let max_msg = s.cfg.strategy.max_message();
         let stream_max_msg = match s.cfg.strategy {
-            FlowStrategy::Polled { ring_bytes, coalesce } if ring_bytes >= 8192 => {
-                FlowStrategy::Polled { ring_bytes: ring_bytes / 2, coalesce }.max_message()
-            }
+            FlowStrategy::Polled { .. } => FlowStrategy::POLLED.max_message().min(max_msg),
             _ => max_msg,
         };
         let threshold = crossover.probed();
