@@ -257,23 +257,48 @@ impl Proto {
             if self.ads.len() as u32 >= self.cfg.adv_credits.max(1) || !self.may_queue(wire::MAX_CONTROL) {
                 return;
             }
-            let seq = self.next_ad;
-            self.next_ad = self.next_ad.wrapping_add(1);
-            let r = &mut self.recvs[i];
-            r.ad = Some(seq);
-            self.unadvertised_recvs -= 1;
-            // A buffer that any small message fills is offered in the short form.
-            let fill_only = r.len <= self.cfg.small_max as u64 && self.cfg.small_max > 0;
-            let ad = Advert {
-                seq,
-                unadvertised_seen: self.unadvertised_seen,
-                addr: r.addr,
-                len: r.len as u32,
-                rkey: r.rkey,
-                fill_only,
-            };
-            self.ads.push_back(SentAd { seq, len: ad.len, doomed: false, orphan: false });
-            self.queue_control(Control::Advertise(ad));
+            self.advertise_recv(i);
         }
+    }
+
+    /// Advertises receive `i` (one without an advertisement, with credits for it).
+    fn advertise_recv(&mut self, i: usize) {
+        let seq = self.next_ad;
+        self.next_ad = self.next_ad.wrapping_add(1);
+        let r = &mut self.recvs[i];
+        r.ad = Some(seq);
+        self.unadvertised_recvs -= 1;
+        // A buffer that any small message fills is offered in the short form.
+        let fill_only = r.len <= self.cfg.small_max as u64 && self.cfg.small_max > 0;
+        let ad = Advert {
+            seq,
+            unadvertised_seen: self.unadvertised_seen,
+            addr: r.addr,
+            len: r.len as u32,
+            rkey: r.rkey,
+            fill_only,
+        };
+        self.ads.push_back(SentAd { seq, len: ad.len, doomed: false, orphan: false });
+        self.queue_control(Control::Advertise(ad));
+    }
+
+    /// Advertises a new receive, the only one waiting, when nothing else is to do: what
+    /// [`Proto::post_recv`]'s pass would come to (the advertisement, credits), without the
+    /// pass. This is a ping-pong's next receive. False, nothing done, in any other state.
+    pub(super) fn advertise_lone_recv(&mut self) -> bool {
+        // Every other stage of the pass has nothing to do, before the advertisement and after
+        // it: nothing arrived unread, no send queued, no stale advertisement to reject.
+        let quiet = self.recvs.len() == 1
+            && self.early.is_empty()
+            && !self.peer_closed
+            && self.sends.is_empty()
+            && self.peer_ads.front().is_none_or(|ad| self.is_current(ad));
+        if !quiet || self.ads.len() as u32 >= self.cfg.adv_credits.max(1) || !self.may_queue(wire::MAX_CONTROL) {
+            return false;
+        }
+        self.advertise_recv(0);
+        self.return_credits();
+        self.shortcut_taken();
+        true
     }
 }

@@ -192,6 +192,49 @@ impl Proto {
         true
     }
 
+    /// A new send that the one advertisement at hand takes whole inside a record, with nothing
+    /// else to do: what [`Proto::post_send`]'s pass would come to (the fill, the send's
+    /// completion after it, credits), without the pass and the send's bookkeeping. This is a
+    /// ping-pong's reply to the peer's short advertisement. False, nothing done, in any other
+    /// state (the pass then handles the send).
+    pub(super) fn answer_lone_ad(&mut self, req: u64, addr: u64, len: u64, lkey: u32) -> bool {
+        let Some(ad) = self.peer_ads.front() else { return false };
+        // Every other stage of the pass has nothing to do, before the fill and after it: no
+        // other send or advertisement, no receive to serve or advertise, no close.
+        let quiet = self.peer_ads.len() == 1
+            && self.sends.is_empty()
+            && self.unadvertised_recvs == 0
+            && self.early.is_empty()
+            && !self.peer_closed
+            && self.close_wanted.is_none();
+        if !quiet || !self.is_current(ad) || self.small_out == 0 {
+            return false;
+        }
+        // As `try_fill_inline` decides for a lone send.
+        let (n, truncated) = match self.cfg.kind {
+            SocketKind::SeqPacket => (len.min(ad.len as u64), len > ad.len as u64),
+            SocketKind::Stream => (len, false),
+        };
+        let rec_len = DATA_OVERHEAD + n as usize;
+        if n > (self.small_out as u64).min(ad.len as u64) || rec_len > self.peer_message_max || !self.may_queue(rec_len)
+        {
+            return false;
+        }
+        let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();
+        if n > 0 {
+            pieces.push(Piece { addr, len: n as u32, lkey });
+        }
+        // Numbered as a queued send would be, so that later sends' writes are named alike.
+        self.next_send += 1;
+        self.peer_ads.pop_front();
+        self.ads_answered += 1;
+        self.queue(|grant| Record::Small { fill: Some(truncated), pieces, grant }, rec_len);
+        self.done(req, OpKind::Send, Ok(len), false);
+        self.return_credits();
+        self.shortcut_taken();
+        true
+    }
+
     pub(super) fn try_ring(&mut self, first: usize) -> bool {
         if self.ring_waits_for_ad {
             return false;

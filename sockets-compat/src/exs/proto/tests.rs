@@ -32,6 +32,8 @@ struct End {
     events: Vec<Done>,
     /// Writes delivered whose completion the sender has not seen yet.
     acks: VecDeque<u64>,
+    /// Every action it took, in order.
+    log: Vec<Action>,
 }
 
 struct Pair {
@@ -54,6 +56,7 @@ impl Pair {
             mem: vec![0u8; MEM],
             events: Vec::new(),
             acks: VecDeque::new(),
+            log: Vec::new(),
         };
         Pair { small_max, ends: [end(), end()], wires: [VecDeque::new(), VecDeque::new()], failures: Vec::new() }
     }
@@ -72,6 +75,7 @@ impl Pair {
             }
             let Some(a) = self.ends[i].proto.next_action() else { return };
             let e = &mut self.ends[i];
+            e.log.push(a.clone());
             match a {
                 Action::Send(records) => {
                     let close = records.iter().any(Record::is_close);
@@ -472,7 +476,15 @@ type Traffic = (Vec<Vec<u8>>, Vec<(Vec<u8>, bool)>);
 
 /// Runs a schedule both ways; returns each direction's traffic.
 fn run(kind: SocketKind, ring: u32, steps: &[Step]) -> [Traffic; 2] {
+    run_logged(kind, ring, steps, false).0
+}
+
+/// [`run`], every call taking the pass when `generic_only`; also returns each end's actions.
+fn run_logged(kind: SocketKind, ring: u32, steps: &[Step], generic_only: bool) -> ([Traffic; 2], [Vec<Action>; 2]) {
     let mut p = Pair::new(kind, 8, 64, ring, 3);
+    for e in &mut p.ends {
+        e.proto.generic_only = generic_only;
+    }
     // Each end sends from its own area and receives into another; buffers are never reused
     // while in flight.
     let mut send_at = [BASE; 2];
@@ -561,7 +573,36 @@ fn run(kind: SocketKind, ring: u32, steps: &[Step]) -> [Traffic; 2] {
         }
         out[i] = (std::mem::take(&mut sent[i]), got);
     }
-    out
+    let logs = [std::mem::take(&mut p.ends[0].log), std::mem::take(&mut p.ends[1].log)];
+    (out, logs)
+}
+
+#[test]
+fn a_ping_pong_takes_the_shortcuts_and_one_message_a_way() {
+    let mut p = Pair::new(SocketKind::SeqPacket, 8, 64, 0, 3);
+    p.ends[1].proto.post_recv(0, BASE + 0x40000, 8, KEY).unwrap();
+    p.act(1);
+    p.deliver(1);
+    for k in 0..10u64 {
+        let (from, to) = ((k % 2) as usize, 1 - (k % 2) as usize);
+        // The echo's order: the next receive (held for the send), then the reply.
+        p.ends[from].proto.post_recv(k + 1, BASE + 0x40000 + 64 * (k + 1), 8, KEY).unwrap();
+        p.act_holding(from, true);
+        p.fill(from, BASE + 8 * k, &k.to_le_bytes());
+        p.ends[from].proto.post_send(k, BASE + 8 * k, 8, 1).unwrap();
+        p.act(from);
+        assert_eq!(p.wires[from].len(), 1, "one control message a way");
+        assert!(p.deliver(from));
+        p.act(to);
+        let got = done(&p, to, OpKind::Recv);
+        let last = got.last().expect("the receive completed");
+        assert_eq!(last.outcome, Ok(8));
+        let addr = BASE + 0x40000 + 64 * last.req;
+        assert_eq!(p.read(to, addr, 8), k.to_le_bytes());
+    }
+    let taken: u64 = p.ends.iter().map(|e| e.proto.shortcuts_taken).sum();
+    // Every send after the first at each end, and every receive after the first.
+    assert!(taken >= 16, "shortcuts taken {taken} times");
 }
 
 proptest! {
@@ -574,6 +615,15 @@ proptest! {
             let got: Vec<u8> = got.into_iter().flat_map(|(b, _)| b).collect();
             prop_assert_eq!(got, sent);
         }
+    }
+
+    #[test]
+    fn the_shortcuts_do_what_the_pass_does(steps in proptest::collection::vec(step(), 0..60), stream in any::<bool>(), ring in prop_oneof![Just(0u32), Just(256u32)]) {
+        let kind = if stream { SocketKind::Stream } else { SocketKind::SeqPacket };
+        let (traffic, logs) = run_logged(kind, ring, &steps, false);
+        let (generic_traffic, generic_logs) = run_logged(kind, ring, &steps, true);
+        prop_assert_eq!(logs, generic_logs);
+        prop_assert_eq!(traffic, generic_traffic);
     }
 
     #[test]
