@@ -334,6 +334,12 @@ impl<S> State<S> {
                 self.pipe_failed(&e);
                 return true;
             }
+            if self.proto.has_actions() && !self.pipe.arrived() {
+                // What the message brought (a receive's completion, a reply) goes out before
+                // an empty look at the pipe, which would delay the event the application
+                // waits for (a ping-pong's next message cannot be there yet).
+                return true;
+            }
         }
     }
 

@@ -197,6 +197,17 @@ impl MsgPipe {
         self.recv_lane(|_, b| f(b))
     }
 
+    /// Whether something is there to read or has begun arriving in a polled ring: a look
+    /// of a few loads, without driving progress (what a reader that just took a message
+    /// asks before it spends an empty [`MsgPipe::front`], whose look drives some of the
+    /// pipe's other work). A message that arrives otherwise is found by `front` only.
+    #[inline]
+    pub fn arrived(&self) -> bool {
+        !self.nothing_received()
+            || (matches!(self.strategy, FlowStrategy::Polled { .. })
+                && fc::frame_begun(&self.ring_rx, &self.ring_words))
+    }
+
     /// Whether a received message or chunk is waiting (without driving progress), and by
     /// which lane.
     pub fn peek_lane(&self) -> Option<Lane> {
