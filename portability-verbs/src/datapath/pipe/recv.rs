@@ -203,9 +203,14 @@ impl MsgPipe {
     /// pipe's other work). A message that arrives otherwise is found by `front` only.
     #[inline]
     pub fn arrived(&self) -> bool {
-        !self.nothing_received()
-            || (matches!(self.strategy, FlowStrategy::Polled { .. })
-                && fc::frame_begun(&self.ring_rx, &self.ring_words))
+        !self.nothing_received() || self.frame_begun()
+    }
+
+    /// Polled strategy: whether the next frame has begun arriving in our ring (two loads at
+    /// most; false for the other strategies).
+    #[inline]
+    fn frame_begun(&self) -> bool {
+        matches!(self.strategy, FlowStrategy::Polled { .. }) && fc::frame_begun(&self.ring_rx, &self.ring_words)
     }
 
     /// Whether a received message or chunk is waiting (without driving progress), and by
@@ -270,10 +275,7 @@ impl MsgPipe {
     /// stay readable, and the caller's progress reports the failure once they are read.
     #[inline]
     pub(super) fn polled_arrivals(&mut self) -> bool {
-        if !matches!(self.strategy, FlowStrategy::Polled { .. })
-            || self.reap_wake
-            || !fc::frame_begun(&self.ring_rx, &self.ring_words)
-        {
+        if self.reap_wake || !self.frame_begun() {
             return false;
         }
         match self.poll_frames(1) {
