@@ -17,12 +17,14 @@ use crate::wait::{Patience, Waiter};
 use crate::wire::{self, Modes, Record};
 use crate::{MadError, RecvMode, Result, SendMode};
 
+mod cold_drop;
 mod conn;
 mod packer;
 mod token;
 mod unpacker;
 
 use crate::protocol::{is_released, Framing, InlineStep, Limits, Mismatch, RecvSide, Route, SendSide, WholeMsg};
+use cold_drop::ColdDrop;
 pub(crate) use conn::Conn;
 use conn::*;
 use packer::*;
@@ -97,7 +99,7 @@ impl Channel {
         tx.behind = tx.mid_packs && conn.peer_behind();
         let limits = conn.limits(tx.behind);
         tx.begin(&limits);
-        Ok(Packer { ch: self, conn, tx, more: None, rdv: SmallVec::new(), held: None })
+        Ok(Packer { ch: self, conn, tx, more: ColdDrop::default(), rdv: ColdDrop::default(), held: None })
     }
 
     /// Waits until every process of the session reached this call on this channel (an empty
@@ -159,7 +161,13 @@ impl Channel {
             };
             match self.try_begin(conn, &mut rx) {
                 Ok(true) => {
-                    return Ok(Some(Unpacker { ch: self, conn, rx, pending: Vec::new(), note: Cell::new(None) }))
+                    return Ok(Some(Unpacker {
+                        ch: self,
+                        conn,
+                        rx,
+                        pending: ColdDrop::default(),
+                        note: Cell::new(None),
+                    }))
                 }
                 Ok(false) => open = true,
                 // A sender that closed its end has no more to give; the others may.
@@ -190,7 +198,7 @@ impl Channel {
                 }
             }
         }
-        Ok(Unpacker { ch: self, conn, rx, pending: Vec::new(), note: Cell::new(None) })
+        Ok(Unpacker { ch: self, conn, rx, pending: ColdDrop::default(), note: Cell::new(None) })
     }
 
     /// Takes the next message from `source` if it has begun arriving, without waiting:
@@ -202,7 +210,7 @@ impl Channel {
         let conn = self.conn(source)?;
         let Some(mut rx) = conn.recv_side.try_claim() else { return Ok(None) };
         if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
-            return Ok(Some(Unpacker { ch: self, conn, rx, pending: Vec::new(), note: Cell::new(None) }));
+            return Ok(Some(Unpacker { ch: self, conn, rx, pending: ColdDrop::default(), note: Cell::new(None) }));
         }
         Ok(None)
     }

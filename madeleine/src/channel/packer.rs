@@ -44,10 +44,10 @@ pub struct Packer<'p> {
     /// What `Later`, rendezvous and bulk packs need, allocated by the first of them: a
     /// message of small packs never touches it, and the packer stays small enough to move
     /// cheaply (it is returned by value on every message).
-    pub(super) more: Option<Box<PackerMore<'p>>>,
+    pub(super) more: ColdDrop<Option<Box<PackerMore<'p>>>>,
     /// Zero-copy packs the receiver has still to read (outside `more`: a message of one
     /// rendezvous pack, the commonest large message, allocates nothing for it).
-    pub(super) rdv: Held1<'p>,
+    pub(super) rdv: ColdDrop<Held1<'p>>,
     /// The message's first pack, its record header appended but not its bytes
     /// (`SendSide::gathers`): sent from here if the message is that pack alone, else joined
     /// to the message by the next step ([`Packer::join_held`]).
@@ -508,7 +508,7 @@ impl<'p> Packer<'p> {
             more.nowait = true;
         }
         self.finish_with(false)?;
-        Ok(PendingSend { ch: self.ch, conn: self.conn, rdv: std::mem::take(&mut self.rdv) })
+        Ok(PendingSend { ch: self.ch, conn: self.conn, rdv: ColdDrop::new(self.rdv.take()) })
     }
 
     #[inline]
@@ -695,7 +695,7 @@ pub struct PendingSend<'p> {
     pub(super) ch: &'p Channel,
     pub(super) conn: &'p Conn,
     /// The zero-copy packs not read yet, with their registrations (and copies).
-    pub(super) rdv: Held1<'p>,
+    pub(super) rdv: ColdDrop<Held1<'p>>,
 }
 
 impl std::fmt::Debug for PendingSend<'_> {
@@ -730,7 +730,7 @@ impl PendingSend<'_> {
     /// After a failure: keeps the registrations for good rather than let memory the receiver
     /// might still read go (as a dropped packer does).
     pub(super) fn abandon(&mut self) {
-        std::mem::forget(std::mem::take(&mut self.rdv));
+        std::mem::forget(self.rdv.take());
     }
 }
 
@@ -758,7 +758,7 @@ impl Packer<'_> {
     pub(super) fn finish_dropped(&mut self) {
         if let Err(e) = self.finish() {
             log::error!("madeleine: completing a dropped message to rank {} failed: {e}", self.conn.peer);
-            std::mem::forget(std::mem::take(&mut self.rdv));
+            std::mem::forget(self.rdv.take());
             if let Some(more) = self.more.as_mut() {
                 std::mem::forget(std::mem::take(&mut more.bulk_regs));
             }

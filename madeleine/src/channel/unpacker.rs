@@ -36,7 +36,7 @@ pub struct Unpacker<'u> {
     pub(super) rx: Claim<'u, RecvSide>,
     /// Zero-copy reads still in flight (none on the software provider, whose reads complete
     /// at post).
-    pub(super) pending: Vec<PendingRead<'u>>,
+    pub(super) pending: ColdDrop<Vec<PendingRead<'u>>>,
     /// The first mismatch found in the message, and the message's sequence number (reported
     /// to the sender by [`Unpacker::report`]).
     pub(super) note: Cell<Option<(Mismatch, u32)>>,
@@ -604,7 +604,7 @@ impl<'u> Unpacker<'u> {
         // it completed); one not seen completing keeps it for good, and so do the reads after
         // it, not waited for (the pipe is stuck: each would wait out the timeout again).
         let mut result = Ok(());
-        let mut pending = std::mem::take(&mut self.pending).into_iter();
+        let mut pending = self.pending.take().into_iter();
         while let Some(p) = pending.next() {
             match self.wait_reads(&p.tokens) {
                 Ok(()) => {}
@@ -686,7 +686,7 @@ impl Unpacker<'_> {
     pub(super) fn finish_dropped(&mut self) {
         if let Err(e) = self.finish().map_err(|e| self.report(e)) {
             log::error!("madeleine: completing a dropped unpack from rank {} failed: {e}", self.conn.peer);
-            std::mem::forget(std::mem::take(&mut self.pending));
+            std::mem::forget(self.pending.take());
         }
     }
 }
