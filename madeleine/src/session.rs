@@ -99,7 +99,7 @@ impl Session {
         let regcache = Arc::new(RegistrationCache::new(&pd, 1 << 30));
         Ok(Session {
             inner: Arc::new(SessionInner {
-                res: Arc::new(Resources { cfg, ctx, pd, regcache }),
+                res: Arc::new(Resources::new(cfg, ctx, pd, regcache)),
                 listener: Mutex::new(listener),
                 peers,
                 next_channel: Mutex::new(0),

@@ -88,7 +88,7 @@ impl Channel {
     #[inline]
     pub fn begin_packing(&self, dest: usize) -> Result<Packer<'_>> {
         let conn = self.conn(dest)?;
-        let mut tx = conn.send_side.claim(self.res.cfg.patience())?;
+        let mut tx = conn.send_side.claim(self.res.patience())?;
         let reported = conn.notices.last_word();
         if reported != tx.notice_seen {
             tx.notice_seen = reported;
@@ -132,7 +132,7 @@ impl Channel {
     /// Takes the next message from any sender (each caller gets a different message; messages
     /// of one sender arrive in order).
     pub fn begin_unpacking(&self) -> Result<Unpacker<'_>> {
-        let mut w = Waiter::new(self.res.cfg.patience(), "waiting for a message");
+        let mut w = Waiter::new(self.res.patience(), "waiting for a message");
         let conns: SmallVec<[&Conn; 8]> = self.conns.iter().flatten().map(|c| &**c).collect();
         loop {
             if let Some(u) = self.try_begin_unpacking()? {
@@ -188,9 +188,9 @@ impl Channel {
         let conn = self.conn(source)?;
         // Claimed once for the whole wait: whoever else wants this source's next message
         // would wait behind us anyway.
-        let mut rx = conn.recv_side.claim(self.res.cfg.patience())?;
+        let mut rx = conn.recv_side.claim(self.res.patience())?;
         if !self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
-            let mut w = Waiter::new(self.res.cfg.patience(), "waiting for a message");
+            let mut w = Waiter::new(self.res.patience(), "waiting for a message");
             loop {
                 w.pause_on(&[conn])?;
                 if self.try_begin(conn, &mut rx).map_err(|e| conn.poison(e))? {
@@ -347,7 +347,7 @@ mod tests {
                 u.end_unpacking().unwrap();
                 assert_eq!(b, [1, 2, 3, 4]);
             }
-            1 => ch.conn(0).unwrap().send_msg(&raw, ch.res.cfg.patience()).unwrap(),
+            1 => ch.conn(0).unwrap().send_msg(&raw, ch.res.patience()).unwrap(),
             _ => {
                 let mut p = ch.begin_packing(0).unwrap();
                 p.pack_safer(&[1, 2, 3, 4], RecvMode::Express).unwrap();
@@ -525,7 +525,7 @@ mod tests {
             _ => {
                 let rdv = Record::Rdv { modes: cheaper, len: len as u64, addr: 0x10000, rkey: 0xdead, id: 0 };
                 let raw = encoded(&[(Record::Whole { seq: 0, packs: 1 }, &[]), (rdv, &[])]);
-                ch.conn(0).unwrap().send_msg(&raw, ch.res.cfg.patience()).unwrap();
+                ch.conn(0).unwrap().send_msg(&raw, ch.res.patience()).unwrap();
             }
         });
     }

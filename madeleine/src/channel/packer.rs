@@ -236,7 +236,7 @@ impl<'p> Packer<'p> {
                 // and dropping the registration.
                 let (_reg, mut tokens, took) = unsafe { self.send_bulk(buf, modes, false) }?;
                 let waiting = (!took.is_zero()).then(std::time::Instant::now);
-                self.conn.wait_tokens(&mut tokens, self.ch.res.cfg.patience())?;
+                self.conn.wait_tokens(&mut tokens, self.ch.res.patience())?;
                 if let Some(t) = waiting {
                     self.timed_copy(buf.len(), took + t.elapsed());
                 }
@@ -359,7 +359,7 @@ impl<'p> Packer<'p> {
         let started = (timed && reg.is_some()).then(std::time::Instant::now);
         let (mut stores_took, mut reader) = (std::time::Duration::ZERO, 0);
         let mut tokens = Vec::with_capacity(if reg.is_some() { buf.len().div_ceil(max) + 1 } else { 0 });
-        let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for room in the peer's bulk ring");
+        let mut w = Waiter::new(self.ch.res.patience(), "waiting for room in the peer's bulk ring");
         let (mut off, mut head, mut tail_sent) = (0, head, false);
         while off < buf.len() || !tail_sent {
             let n = (max - head.len()).min(buf.len() - off);
@@ -479,7 +479,7 @@ impl<'p> Packer<'p> {
             return Ok(());
         }
         self.tx.flushed = true;
-        self.conn.send_msg(&self.tx.agg, self.ch.res.cfg.patience())?;
+        self.conn.send_msg(&self.tx.agg, self.ch.res.patience())?;
         self.tx.agg.clear();
         Ok(())
     }
@@ -537,7 +537,7 @@ impl<'p> Packer<'p> {
     /// the second half of its `Inline` header.
     #[inline]
     pub(super) fn send_one(&mut self) -> Result<()> {
-        let patience = self.ch.res.cfg.patience();
+        let patience = self.ch.res.patience();
         if let Some(held) = self.held.take() {
             // Straight from the application's buffer where the pipe can; else joined.
             if !self.conn.try_send_gathered(self.tx.one_message_head(held.len()), held)? {
@@ -596,7 +596,7 @@ impl<'p> Packer<'p> {
             .unwrap_or_default();
         if !tokens.is_empty() {
             let waiting = std::time::Instant::now();
-            self.conn.wait_tokens(&mut tokens, self.ch.res.cfg.patience())?;
+            self.conn.wait_tokens(&mut tokens, self.ch.res.patience())?;
             if timed.0 > 0 {
                 self.timed_copy(timed.0, timed.1 + waiting.elapsed());
             }
@@ -605,7 +605,7 @@ impl<'p> Packer<'p> {
             more.bulk_regs.clear();
         }
         if wait_reads && self.has_rdv() {
-            let (conn, patience) = (self.conn, self.ch.res.cfg.patience());
+            let (conn, patience) = (self.conn, self.ch.res.patience());
             conn.wait_released(&mut self.rdv, patience)?;
         }
         self.tx.message_sent();
@@ -724,7 +724,7 @@ impl PendingSend<'_> {
         if self.rdv.is_empty() {
             return Ok(());
         }
-        self.conn.wait_released(&mut self.rdv, self.ch.res.cfg.patience()).inspect_err(|_| self.abandon())
+        self.conn.wait_released(&mut self.rdv, self.ch.res.patience()).inspect_err(|_| self.abandon())
     }
 
     /// After a failure: keeps the registrations for good rather than let memory the receiver

@@ -84,7 +84,7 @@ impl<'u> Unpacker<'u> {
     /// pipe may be drained past bulk data, which only `end_unpacking` skipping unread packs
     /// wants).
     pub(super) fn next_record_with<R>(&self, how: Pump, f: impl FnOnce(Next<'_>) -> R) -> Result<R> {
-        let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for message data");
+        let mut w = Waiter::new(self.ch.res.patience(), "waiting for message data");
         let mut f = f;
         loop {
             match self.conn.next_with(&mut self.conn.io(), how, f)? {
@@ -127,7 +127,7 @@ impl<'u> Unpacker<'u> {
                 Err(b) => return Err(self.conn.fail(&mut io, b)),
             }
         }
-        let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for message data");
+        let mut w = Waiter::new(self.ch.res.patience(), "waiting for message data");
         let this = &*self;
         let mut f = |n: Next<'_>| match n {
             Next::Rec(Record::Inline { modes, total, last, .. }, data) => {
@@ -268,7 +268,7 @@ impl<'u> Unpacker<'u> {
     /// a drain took out of it first.
     pub(super) fn read_bulk(&mut self, buf: &mut [u8]) -> Result<()> {
         let mut off = 0;
-        let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for bulk data");
+        let mut w = Waiter::new(self.ch.res.patience(), "waiting for bulk data");
         while off < buf.len() {
             let mut progressed = false;
             {
@@ -558,7 +558,7 @@ impl<'u> Unpacker<'u> {
     /// not seen completing within the timeout. Completions are polled even once the pipe
     /// failed (its queue pair then flushes every request).
     pub(super) fn wait_read(&self, token: u64) -> Result<Result<()>> {
-        let mut w = Waiter::new(self.ch.res.cfg.patience(), "waiting for a zero-copy read");
+        let mut w = Waiter::new(self.ch.res.patience(), "waiting for a zero-copy read");
         let mut polls = 0u32;
         loop {
             polls = polls.wrapping_add(1);
