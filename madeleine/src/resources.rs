@@ -26,7 +26,7 @@ impl Resources {
 
     /// What a blocking call of this session may wait, and how.
     #[inline]
-    pub fn patience(&self) -> Patience {
-        self.patience
+    pub fn patience(&self) -> &Patience {
+        &self.patience
     }
 }

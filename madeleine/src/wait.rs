@@ -66,7 +66,7 @@ pub(crate) struct Waiter {
 
 impl Waiter {
     #[inline]
-    pub fn new(p: Patience, what: &'static str) -> Waiter {
+    pub fn new(p: &Patience, what: &'static str) -> Waiter {
         Waiter { timeout: p.timeout, spin: p.spin, what, backoff: None, in_coroutine: None }
     }
 
@@ -147,7 +147,7 @@ mod tests {
     use super::*;
 
     fn waiter(spin: Duration) -> Waiter {
-        Waiter::new(Patience { timeout: Duration::from_secs(10), spin: Spin::For(spin) }, "a test")
+        Waiter::new(&Patience { timeout: Duration::from_secs(10), spin: Spin::For(spin) }, "a test")
     }
 
     #[test]
@@ -166,7 +166,7 @@ mod tests {
         }
         assert!(!w.sleeping());
         let mut w =
-            Waiter::new(Patience { timeout: Duration::from_millis(20), spin: Spin::For(Duration::MAX) }, "a test");
+            Waiter::new(&Patience { timeout: Duration::from_millis(20), spin: Spin::For(Duration::MAX) }, "a test");
         let t = Instant::now();
         let e = loop {
             if let Err(e) = w.pause() {
@@ -197,7 +197,7 @@ mod tests {
         use portability_verbs::cores::Spinners;
         let cpus = Spinners::cpus();
         let spinners = Spinners::start(8 * cpus);
-        let mut w = Waiter::new(Patience { timeout: Duration::from_secs(10), spin: Spin::Adaptive }, "a test");
+        let mut w = Waiter::new(&Patience { timeout: Duration::from_secs(10), spin: Spin::Adaptive }, "a test");
         let t = Instant::now();
         while !w.sleeping() && t.elapsed() < Duration::from_secs(5) {
             w.pause().unwrap();

@@ -624,7 +624,7 @@ impl Conn {
     }
 
     /// Waits until the pipe requests behind `tokens` (bulk chunks of ours) completed.
-    pub(super) fn wait_tokens(&self, tokens: &mut Vec<u64>, p: Patience) -> Result<()> {
+    pub(super) fn wait_tokens(&self, tokens: &mut Vec<u64>, p: &Patience) -> Result<()> {
         let mut w = Waiter::new(p, "waiting for bulk data to leave");
         while !tokens.is_empty() {
             {
@@ -657,7 +657,7 @@ impl Conn {
     /// sender may stop progressing this connection afterwards), draining what arrives meanwhile
     /// so two ends sending at once never block each other.
     #[inline]
-    pub(super) fn send_msg(&self, msg: &[u8], p: Patience) -> Result<()> {
+    pub(super) fn send_msg(&self, msg: &[u8], p: &Patience) -> Result<()> {
         let mut io = self.io();
         let mut accepted = false;
         if io.failed.is_none() && !io.closed {
@@ -693,7 +693,7 @@ impl Conn {
     /// [`Conn::send_msg`] once the message could not leave at once (`accepted`: the pipe took
     /// it already).
     #[inline(never)]
-    pub(super) fn send_msg_waiting(&self, msg: &[u8], p: Patience, mut accepted: bool) -> Result<()> {
+    pub(super) fn send_msg_waiting(&self, msg: &[u8], p: &Patience, mut accepted: bool) -> Result<()> {
         let mut w = None;
         loop {
             {

@@ -639,7 +639,7 @@ impl Conn {
     }
 
     /// Waits until the receiver has read every zero-copy pack in `rdv`.
-    pub(super) fn wait_released(&self, rdv: &mut Held1<'_>, p: Patience) -> Result<()> {
+    pub(super) fn wait_released(&self, rdv: &mut Held1<'_>, p: &Patience) -> Result<()> {
         let mut w = Waiter::new(p, "waiting for the receiver to read zero-copy packs");
         loop {
             self.take_released(rdv)?;

@@ -58,7 +58,7 @@ impl<T> Token<T> {
 
     /// Claims, yielding (coroutines) or spinning then napping (threads) while another holds it.
     #[inline]
-    pub(super) fn claim(&self, p: Patience) -> Result<Claim<'_, T>> {
+    pub(super) fn claim(&self, p: &Patience) -> Result<Claim<'_, T>> {
         match self.try_claim() {
             Some(c) => Ok(c),
             None => self.claim_slow(p),
@@ -66,7 +66,7 @@ impl<T> Token<T> {
     }
 
     #[inline(never)]
-    pub(super) fn claim_slow(&self, p: Patience) -> Result<Claim<'_, T>> {
+    pub(super) fn claim_slow(&self, p: &Patience) -> Result<Claim<'_, T>> {
         let mut w = Waiter::new(p, "waiting for a connection held by another sender or receiver");
         loop {
             if let Some(c) = self.try_claim() {
