@@ -295,13 +295,16 @@ impl MsgPipe {
     }
 
     /// After a frame is written (polled strategy): answers the peer if it said it sleeps. The
-    /// fence orders the frame's stores before the read of the peer's word, as the peer orders
+    /// barrier orders the frame's stores before the read of the peer's word, as the peer orders
     /// its word before its last look at the ring ([`MsgPipe::prepare_sleep`]): one of the two
     /// sees the other. (That holds where a write lands when posted, as the software provider's
-    /// into provider memory do; elsewhere the sleeper's bounded sleep is the backstop.)
+    /// into provider memory do; elsewhere the sleeper's bounded sleep is the backstop.) It is
+    /// the asymmetric pair's cheap half ([`crate::os::producer_barrier`]): a full fence here
+    /// waits until the frame's line has come over from the reader's cache, a cross-core round
+    /// trip on every frame that capped a stream of small messages at one frame per trip.
     #[inline]
     pub(super) fn after_frame(&mut self) -> Result<()> {
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        crate::os::producer_barrier();
         self.answer_peer_sleep()
     }
 
@@ -399,7 +402,9 @@ impl MsgPipe {
                 self.stats.control += 1;
                 self.sleep_standing = Some(received);
             }
-            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            // The expensive half of the pair whose cheap half follows every frame's store
+            // (`after_frame`).
+            crate::os::sleeper_barrier();
             self.progress()?;
             self.reap_wake = true;
             return Ok(self.ring_rx.received() == before);
