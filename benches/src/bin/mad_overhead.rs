@@ -5,6 +5,8 @@
 //! instructions, locks and cache-resident copies, and both see the same phases of a noisy host.
 //! What this adds to the pipe is what Madeleine adds to a ping-pong's one-way latency on both
 //! sides of the wire together (`stack_bench` measures that latency between processes).
+//! With `--stream`, each side instead streams a round's messages between two threads pinned
+//! to two CPUs, and reports the sender's time per message.
 
 use std::time::{Duration, Instant};
 
@@ -33,6 +35,13 @@ struct Args {
     /// Measure the pipe only (for a profiler).
     #[arg(long)]
     pipe_only: bool,
+    /// Instead of the one-thread ping-pong, a stream between two threads pinned to CPUs 0
+    /// and 1: one sends a round's messages, the other takes them and answers the last, and
+    /// the time per message is the sender's. What paces a stream of small messages (the
+    /// sender's stores into the ring, the reader's polls of it) shows here without the
+    /// start-up and cross-process costs of `stack_bench`'s streams.
+    #[arg(long)]
+    stream: bool,
 }
 
 const T: Duration = Duration::from_secs(30);
@@ -53,6 +62,32 @@ fn mad_headers(size: usize, max_msg: usize) -> usize {
 trait Pair {
     /// Sends one message `there` (or back) and receives it at the other end.
     fn one(&mut self, there: bool) -> Result<(), String>;
+    /// Streams `messages` messages from one end to the other, each end on a thread of its
+    /// own; returns the sender's time per message (until the receiver's answer to the last).
+    fn stream(&mut self, messages: u64) -> Result<f64, String>;
+}
+
+/// Runs `send` on this thread pinned to CPU 0 and `recv` on a thread pinned to CPU 1; returns
+/// `send`'s result (nanoseconds per message) once both ended.
+fn two_threads(
+    messages: u64,
+    send: impl FnOnce() -> Result<(), String>,
+    recv: impl FnOnce() -> Result<(), String> + Send,
+) -> Result<f64, String> {
+    std::thread::scope(|sc| {
+        let h = sc.spawn(|| {
+            benches::pin_to_cpu(1);
+            recv()
+        });
+        benches::pin_to_cpu(0);
+        let t = Instant::now();
+        let sent = send();
+        let took = t.elapsed();
+        benches::unpin();
+        let got = h.join().map_err(|_| "the receiving thread panicked".to_string())?;
+        sent.and(got)?;
+        Ok(took.as_nanos() as f64 / messages as f64)
+    })
 }
 
 /// Time per message of one round of `messages` messages, sent there and back in turn.
@@ -115,6 +150,29 @@ impl Pair for MadPair {
         u.unpack(&mut self.rbuf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
         u.end_unpacking().map_err(e)
     }
+
+    fn stream(&mut self, messages: u64) -> Result<f64, String> {
+        let e = |e: madeleine::MadError| e.to_string();
+        let MadPair { c0, c1, buf, rbuf, .. } = self;
+        let (c0, c1, buf) = (&*c0, &*c1, &*buf);
+        let send = || -> Result<(), String> {
+            for _ in 0..messages {
+                let mut p = c0.begin_packing(1).map_err(e)?;
+                p.pack(buf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
+                p.end_packing().map_err(e)?;
+            }
+            c0.begin_unpacking_from(1).map_err(e)?.end_unpacking().map_err(e)
+        };
+        let recv = move || -> Result<(), String> {
+            for _ in 0..messages {
+                let mut u = c1.begin_unpacking_from(0).map_err(e)?;
+                u.unpack(rbuf, SendMode::Cheaper, RecvMode::Cheaper).map_err(e)?;
+                u.end_unpacking().map_err(e)?;
+            }
+            c1.begin_packing(0).map_err(e)?.end_packing().map_err(e)
+        };
+        two_threads(messages, send, recv)
+    }
 }
 
 /// Two message pipes of this process, connected to each other.
@@ -167,6 +225,57 @@ impl Pair for PipePair {
             None => Err("pipe: the message did not arrive".into()),
         }
     }
+
+    fn stream(&mut self, messages: u64) -> Result<f64, String> {
+        let PipePair { a, b, buf, rbuf, .. } = self;
+        let buf = &*buf;
+        let send = || -> Result<(), String> {
+            let deadline = Instant::now() + T;
+            for _ in 0..messages {
+                pipe_send(a, buf, deadline)?;
+            }
+            pipe_recv(a, None, deadline)
+        };
+        let recv = move || -> Result<(), String> {
+            let deadline = Instant::now() + T;
+            for _ in 0..messages {
+                pipe_recv(b, Some(rbuf), deadline)?;
+            }
+            pipe_send(b, &[1], deadline)
+        };
+        two_threads(messages, send, recv)
+    }
+}
+
+/// Sends `msg` on the pipe, driving it while its ring has no room.
+fn pipe_send(p: &mut MsgPipe, msg: &[u8], deadline: Instant) -> Result<(), String> {
+    while !p.try_send(msg).map_err(|e| e.to_string())? {
+        p.progress().map_err(|e| e.to_string())?;
+        if Instant::now() > deadline {
+            return Err("pipe: no room to send".into());
+        }
+    }
+    Ok(())
+}
+
+/// Waits for the pipe's next message, copying it into `into` if given.
+fn pipe_recv(p: &mut MsgPipe, mut into: Option<&mut Vec<u8>>, deadline: Instant) -> Result<(), String> {
+    for empty in 1u64.. {
+        let got = p.recv_with(|m| {
+            if let Some(into) = into.as_deref_mut() {
+                into.clear();
+                into.extend_from_slice(m);
+            }
+        });
+        if got.map_err(|e| e.to_string())?.is_some() {
+            return Ok(());
+        }
+        // The clock now and then: a look costs a few tens of nanoseconds, a clock read as much.
+        if empty.is_multiple_of(1024) && Instant::now() > deadline {
+            break;
+        }
+    }
+    Err("pipe: the message did not arrive".into())
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -189,13 +298,15 @@ fn main() {
         let mut times = vec![Vec::new(); pairs.len()];
         for _ in 0..args.rounds {
             for (k, (_, pair)) in pairs.iter_mut().enumerate() {
-                times[k].push(round(pair.as_mut(), args.messages)?);
+                times[k].push(if args.stream {
+                    pair.stream(args.messages)?
+                } else {
+                    round(pair.as_mut(), args.messages)?
+                });
             }
         }
-        println!(
-            "# one thread, both ends, {} B packs: {} alternated rounds of {} messages",
-            args.size, args.rounds, args.messages
-        );
+        let how = if args.stream { "a stream between two threads" } else { "one thread, both ends" };
+        println!("# {how}, {} B packs: {} alternated rounds of {} messages", args.size, args.rounds, args.messages);
         let mut best = Vec::new();
         for ((name, _), t) in pairs.iter().zip(&mut times) {
             let b = t.iter().copied().fold(f64::MAX, f64::min);
