@@ -3,8 +3,8 @@
 //!
 //! Rust's drop glue for a `Vec`, a `SmallVec` or an `Option<Box<_>>` of a large type is a
 //! function the compiler keeps out of line, so a `Packer` or an `Unpacker` dropped on every
-//! message calls it for each such field, empty or not: about a tenth of Madeleine's own time
-//! on a small message (`mad_overhead`, `perf`).
+//! message calls it for each such field, empty or not: about a tenth of a small message's
+//! time in `mad_overhead --size 8` (119 -> 108 ns for both ends once they were checks).
 
 use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
