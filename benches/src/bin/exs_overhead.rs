@@ -21,9 +21,9 @@ struct Args {
     /// One-way messages per round.
     #[arg(long, default_value_t = 200_000)]
     messages: usize,
-    /// Rounds (the best is reported beside the median).
-    #[arg(long, default_value_t = 5)]
-    rounds: usize,
+    /// Rounds (the best is reported beside the median), after one of warm-up.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    rounds: u64,
     /// Idle polls per round (0: none measured).
     #[arg(long, default_value_t = 200_000)]
     idle_polls: usize,
@@ -92,7 +92,7 @@ fn main() -> Result<(), String> {
     // An idle poll (a receive posted at each end, nothing in flight): how late a busy-polled
     // wait sees a message that lands while it polls, at most.
     let mut idle = Vec::new();
-    for _ in 0..args.rounds.min(args.idle_polls) {
+    for _ in 0..(args.rounds as usize).min(args.idle_polls) {
         let t = Instant::now();
         for _ in 0..args.idle_polls {
             if qa.dequeue_into(&mut events, 4, Some(Duration::ZERO)) > 0 {

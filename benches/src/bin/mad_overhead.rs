@@ -27,7 +27,7 @@ struct Args {
     messages: u64,
     /// Rounds per layer, alternated between the layers; the best and the median are reported
     /// (this machine is noisy).
-    #[arg(long, default_value_t = 7)]
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..))]
     rounds: u32,
     /// Measure Madeleine only (for a profiler).
     #[arg(long, conflicts_with = "pipe_only")]

@@ -23,7 +23,7 @@ struct Args {
     #[arg(long, default_value_t = 2_000_000)]
     calls: u64,
     /// Rounds per mode (the best is reported: this machine is noisy).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     rounds: u32,
     /// Run one round here and print its figures (used by the parent run).
     #[arg(long, hide = true)]
