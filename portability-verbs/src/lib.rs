@@ -57,4 +57,4 @@ pub use error::{Result, VerbsError};
 pub use soft::SoftConfig;
 pub use types::*;
 pub use verbs::*;
-pub use wait::{spin_yields, wait_any};
+pub use wait::{spin_yields, wait_any, wait_any_or};

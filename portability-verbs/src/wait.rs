@@ -152,11 +152,21 @@ pub fn spin_yields(n: u32) -> bool {
 /// acknowledges the events it woke for. Returns whether one fired. Waking a sleeping thread
 /// costs tens of microseconds: spin on `poll` first where latency matters.
 pub fn wait_any(cqs: &[&CompletionQueue], timeout: Duration) -> Result<bool> {
-    let mut fds: smallvec::SmallVec<[libc::pollfd; 8]> = smallvec::SmallVec::with_capacity(cqs.len());
+    wait_any_or(cqs, None, timeout)
+}
+
+/// [`wait_any`] that also ends when descriptor `also` becomes readable: a wake-up another
+/// thread sends (an eventfd, say), which the caller then reads. Returns whether a queue or
+/// `also` fired.
+pub fn wait_any_or(cqs: &[&CompletionQueue], also: Option<std::os::fd::RawFd>, timeout: Duration) -> Result<bool> {
+    let mut fds: smallvec::SmallVec<[libc::pollfd; 8]> = smallvec::SmallVec::with_capacity(cqs.len() + 1);
     for cq in cqs {
         // Armed before sleeping; a queue with work already pending fires at once.
         cq.req_notify()?;
         fds.push(libc::pollfd { fd: cq.event_fd(), events: libc::POLLIN, revents: 0 });
+    }
+    if let Some(fd) = also {
+        fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
     }
     let fired = crate::os::wait_any_readable(&mut fds, Some(timeout))?;
     for (cq, fd) in cqs.iter().zip(&fds) {
