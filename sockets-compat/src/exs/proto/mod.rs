@@ -541,6 +541,11 @@ impl Proto {
     /// (destination address, bytes), before the message's memory is reused; the receive's
     /// completion follows as an action.
     pub fn on_control(&mut self, bytes: &[u8], place: &mut dyn FnMut(u64, &[u8])) -> Result<(), ProtoError> {
+        if self.shortcut_allowed() {
+            if let Some(r) = self.take_lone_fill(bytes, place) {
+                return r;
+            }
+        }
         let r = self.take_control(bytes, place);
         self.after_peer(r)
     }

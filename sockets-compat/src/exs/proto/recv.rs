@@ -30,6 +30,85 @@ impl Proto {
         Ok(())
     }
 
+    /// A ping-pong's message, taken without the generic loop and the pass: the fill of our one
+    /// advertisement, after at most one short advertisement of the peer's (its next receive),
+    /// while nothing else is to do (no other receive or advertisement of ours, no send, nothing
+    /// unread, no close). What [`Proto::take_control`] and the pass come to then: the
+    /// receive's completion, the peer's offer kept, credits. `None`, nothing done, for any
+    /// other message or state, or a message the generic path must refuse (it then does).
+    pub(super) fn take_lone_fill(
+        &mut self,
+        bytes: &[u8],
+        place: &mut dyn FnMut(u64, &[u8]),
+    ) -> Option<Result<(), ProtoError>> {
+        let quiet = self.recvs.len() == 1
+            && self.ads.len() == 1
+            && self.sends.is_empty()
+            && self.peer_ads.is_empty()
+            && self.early.is_empty()
+            && !self.peer_closed
+            && self.close_wanted.is_none()
+            && self.failed.is_none();
+        if !quiet {
+            return None;
+        }
+        let mut records = wire::records(bytes);
+        let first = records.next()?.ok()?;
+        let second = match records.next() {
+            None => None,
+            Some(r) => Some(r.ok()?),
+        };
+        if records.next().is_some() {
+            return None;
+        }
+        let (offer, (fill_grant, data, truncated)) = match (first, second) {
+            ((g, Control::Fill { data, truncated }), None) => (None, (g, data, truncated)),
+            ((ga, Control::Advertise(a)), Some((g, Control::Fill { data, truncated }))) => {
+                (Some((ga, a)), (g, data, truncated))
+            }
+            _ => return None,
+        };
+        // Every check of the generic path, before anything changes.
+        let grant = fill_grant.checked_add(offer.map_or(0, |(g, _)| g))?;
+        if let Some((_, a)) = &offer {
+            // A full advertisement, one the generic path refuses, or one it must reject.
+            if !a.fill_only || a.len > self.small_out || self.small_out == 0 || !self.is_current(a) {
+                return None;
+            }
+        }
+        let (ad, r) = (&self.ads[0], &self.recvs[0]);
+        let len = data.len() as u32;
+        if ad.doomed
+            || ad.orphan
+            || r.ad != Some(ad.seq)
+            || len > ad.len
+            || (truncated && self.cfg.kind == SocketKind::Stream)
+        {
+            return None;
+        }
+        if self.credits.on_receive(grant).is_err() {
+            return Some(Err(ProtoError::Violation("credits past the limit")));
+        }
+        if let Some((_, mut a)) = offer {
+            a.seq = self.next_peer_ad;
+            self.next_peer_ad = self.next_peer_ad.wrapping_add(1);
+            self.peer_ads.push_back(a);
+        }
+        self.ads.pop_front();
+        let r = self.recvs.pop_front().expect("checked");
+        if !data.is_empty() {
+            place(r.addr, data);
+        }
+        self.done(r.req, OpKind::Recv, Ok(len as u64), truncated);
+        // The message held no small message: its credit is free.
+        self.credits.on_buffer_freed();
+        // The pass's other stages have nothing to do: no receive is left, the offer is
+        // current and no send waits for it.
+        self.return_credits();
+        self.shortcut_taken();
+        Some(Ok(()))
+    }
+
     pub(super) fn take_record(
         &mut self,
         c: Control<'_>,
