@@ -268,6 +268,46 @@ impl Control<'_> {
     }
 }
 
+/// A ping-pong's control message: a fill, after at most one short advertisement (the
+/// sender's next receive). See [`lone_fill`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoneFill<'a> {
+    /// The short advertisement and the credits its record grants.
+    pub offer: Option<(u16, Advert)>,
+    /// Credits the fill's record grants.
+    pub grant: u16,
+    /// The fill's bytes.
+    pub data: &'a [u8],
+    /// The fill's truncation flag.
+    pub truncated: bool,
+}
+
+/// Decodes `b` if it is exactly a [`LoneFill`], to the records [`records`] gives for it, at a
+/// fraction of the cost (a ping-pong's every message is one); `None` for any other message,
+/// which [`records`] then decodes or refuses.
+pub fn lone_fill(b: &[u8]) -> Option<LoneFill<'_>> {
+    let u16_at = |b: &[u8], i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+    let (offer, fill) = match b.split_first_chunk::<10>() {
+        Some((a, rest)) if a[0] == kind::ADVERTISE_SMALL => {
+            let ad = Advert {
+                seq: 0,
+                unadvertised_seen: u32::from_le_bytes([a[4], a[5], a[6], a[7]]) as u64,
+                addr: 0,
+                len: u16_at(a, 8) as u32,
+                rkey: 0,
+                fill_only: true,
+            };
+            (Some((u16_at(a, 2), ad)), rest)
+        }
+        _ => (None, b),
+    };
+    let (head, data) = fill.split_first_chunk::<DATA_OVERHEAD>()?;
+    if head[0] != kind::FILL || data.len() != u16_at(head, 4) as usize {
+        return None;
+    }
+    Some(LoneFill { offer, grant: u16_at(head, 2), data, truncated: head[1] & FLAG_TRUNCATED != 0 })
+}
+
 /// The records of a received control message, in order; an error ends them.
 pub fn records(mut b: &[u8]) -> impl Iterator<Item = Result<(u16, Control<'_>), WireError>> {
     std::iter::from_fn(move || {
@@ -528,10 +568,54 @@ mod tests {
         }
 
         #[test]
+        fn a_lone_fill_decodes_as_its_records_do(
+            offer in proptest::option::of((any::<u16>(), any::<u32>(), any::<u16>())),
+            grant: u16,
+            data in proptest::collection::vec(any::<u8>(), 0..80),
+            truncated: bool,
+            noise in proptest::collection::vec(any::<u8>(), 0..24),
+            cut in 0usize..120,
+        ) {
+            let mut buf = Vec::new();
+            let mut push = |c: Control, g: u16| {
+                let at = buf.len();
+                buf.resize(at + c.encoded_len(), 0);
+                c.encode(g, &mut buf[at..]);
+            };
+            if let Some((g, seen, len)) = offer {
+                let ad = Advert { seq: 0, unadvertised_seen: seen as u64, addr: 0, len: len as u32, rkey: 0, fill_only: true };
+                push(Control::Advertise(ad), g);
+            }
+            push(Control::Fill { data: &data, truncated }, grant);
+            let want = LoneFill {
+                offer: offer.map(|(g, seen, len)| {
+                    (g, Advert { seq: 0, unadvertised_seen: seen as u64, addr: 0, len: len as u32, rkey: 0, fill_only: true })
+                }),
+                grant,
+                data: &data,
+                truncated,
+            };
+            prop_assert_eq!(lone_fill(&buf), Some(want));
+            // Cut, lengthened or any bytes: whenever it decodes, it is what `records` gives.
+            for b in [&buf[..cut.min(buf.len())], &[&buf[..], &noise[..]].concat()[..], &noise[..]] {
+                if let Some(l) = lone_fill(b) {
+                    let recs: Vec<_> = records(b).collect::<Result<_, _>>().unwrap();
+                    let mut want = Vec::new();
+                    if let Some((g, ad)) = l.offer {
+                        want.push((g, Control::Advertise(ad)));
+                    }
+                    want.push((l.grant, Control::Fill { data: l.data, truncated: l.truncated }));
+                    prop_assert_eq!(recs, want);
+                }
+            }
+        }
+
+        #[test]
         fn any_bytes_decode_to_a_message_or_an_error(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = Control::decode(&bytes);
             let _ = Hello::decode(&bytes);
             let _ = records(&bytes).count();
+            let _ = lone_fill(&bytes);
         }
 
         #[test]

@@ -52,27 +52,12 @@ impl Proto {
         if !quiet {
             return None;
         }
-        let mut records = wire::records(bytes);
-        let first = records.next()?.ok()?;
-        let second = match records.next() {
-            None => None,
-            Some(r) => Some(r.ok()?),
-        };
-        if records.next().is_some() {
-            return None;
-        }
-        let (offer, (fill_grant, data, truncated)) = match (first, second) {
-            ((g, Control::Fill { data, truncated }), None) => (None, (g, data, truncated)),
-            ((ga, Control::Advertise(a)), Some((g, Control::Fill { data, truncated }))) => {
-                (Some((ga, a)), (g, data, truncated))
-            }
-            _ => return None,
-        };
+        let wire::LoneFill { offer, grant, data, truncated } = wire::lone_fill(bytes)?;
         // Every check of the generic path, before anything changes.
-        let grant = fill_grant.checked_add(offer.map_or(0, |(g, _)| g))?;
+        let grant = grant.checked_add(offer.map_or(0, |(g, _)| g))?;
         if let Some((_, a)) = &offer {
-            // A full advertisement, one the generic path refuses, or one it must reject.
-            if !a.fill_only || a.len > self.small_out || self.small_out == 0 || !self.is_current(a) {
+            // One the generic path refuses, or one it must reject.
+            if a.len > self.small_out || self.small_out == 0 || !self.is_current(a) {
                 return None;
             }
         }
