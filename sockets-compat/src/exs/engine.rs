@@ -364,15 +364,27 @@ mod tests {
     /// Sleeps of the completion thread that [`app_starts_driving`] ended.
     pub(super) static WOKEN_BY_APP: AtomicU64 = AtomicU64::new(0);
 
-    /// A connection that never moves and never lets the thread sleep: what one whose messages
-    /// wait for a peer that stopped reading looks like to the completion thread.
-    struct Stubborn {
+    /// A connection that never moves: one with nothing to do whose peer knows to raise an
+    /// event (`sleeps`: the completion thread sleeps on it), or one that never lets the
+    /// thread sleep, as one whose messages wait for a peer that stopped reading.
+    struct Stub {
+        sleeps: bool,
         looks: AtomicU64,
         done: AtomicBool,
         cq: CompletionQueue,
     }
 
-    impl Progress for Stubborn {
+    impl Stub {
+        fn registered(sleeps: bool) -> Arc<Stub> {
+            start().unwrap();
+            let cq = crate::verbs_runtime::runtime().unwrap().pd.context().create_cq(4).unwrap();
+            let c = Arc::new(Stub { sleeps, looks: AtomicU64::new(0), done: AtomicBool::new(false), cq });
+            register(c.clone());
+            c
+        }
+    }
+
+    impl Progress for Stub {
         fn progress(&self) -> bool {
             // The completion thread's looks (application threads of other tests poll too).
             if std::thread::current().name() == Some("exs-completion") {
@@ -384,29 +396,7 @@ mod tests {
             self.done.load(Ordering::Acquire)
         }
         fn prepare_sleep(&self) -> bool {
-            false
-        }
-        fn cq(&self) -> CompletionQueue {
-            self.cq.clone()
-        }
-    }
-
-    /// A connection with nothing to do, whose peer knows to raise an event: the completion
-    /// thread sleeps on it.
-    struct Quiet {
-        done: AtomicBool,
-        cq: CompletionQueue,
-    }
-
-    impl Progress for Quiet {
-        fn progress(&self) -> bool {
-            false
-        }
-        fn finished(&self) -> bool {
-            self.done.load(Ordering::Acquire)
-        }
-        fn prepare_sleep(&self) -> bool {
-            true
+            self.sleeps
         }
         fn cq(&self) -> CompletionQueue {
             self.cq.clone()
@@ -415,10 +405,7 @@ mod tests {
 
     #[test]
     fn an_application_thread_that_begins_to_poll_drives_at_once_and_wakes_the_sleeping_thread() {
-        start().unwrap();
-        let cq = crate::verbs_runtime::runtime().unwrap().pd.context().create_cq(4).unwrap();
-        let c = Arc::new(Quiet { done: AtomicBool::new(false), cq });
-        register(c.clone());
+        let c = Stub::registered(true);
         // Tried while the thread sleeps and nothing drives (connections of tests running
         // beside this one may keep it awake for a while, or drive themselves).
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -447,10 +434,7 @@ mod tests {
 
     #[test]
     fn a_connection_that_cannot_sleep_is_looked_at_after_naps_not_spun_on() {
-        start().unwrap();
-        let cq = crate::verbs_runtime::runtime().unwrap().pd.context().create_cq(4).unwrap();
-        let c = Arc::new(Stubborn { looks: AtomicU64::new(0), done: AtomicBool::new(false), cq });
-        register(c.clone());
+        let c = Stub::registered(false);
         // Judged over 300 ms in which no other connection (of tests running beside this one)
         // made progress: the thread spins for a while after any progress, looking at every
         // connection, as it should.
