@@ -8,7 +8,7 @@
 //! notification). The completion thread also keeps connections moving while no thread waits
 //! (advertisements, credits, stream-buffer acknowledgements).
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::Thread;
@@ -137,16 +137,7 @@ pub(crate) fn hand_over() {
 fn waker() -> Option<&'static OwnedFd> {
     static WAKER: OnceLock<Option<OwnedFd>> = OnceLock::new();
     WAKER
-        .get_or_init(|| {
-            // SAFETY: eventfd takes no pointers; a negative result is checked before use.
-            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-            if fd < 0 {
-                log::warn!("EXS completion thread: eventfd: {}", std::io::Error::last_os_error());
-                return None;
-            }
-            // SAFETY: `fd` is a new descriptor that nothing else owns.
-            Some(unsafe { OwnedFd::from_raw_fd(fd) })
-        })
+        .get_or_init(|| portability_verbs::os::eventfd().map_err(|e| log::warn!("EXS completion thread: {e}")).ok())
         .as_ref()
 }
 
@@ -263,9 +254,7 @@ fn app_starts_driving() {
     APP_DRIVES.store(true, Ordering::SeqCst);
     if ASLEEP.load(Ordering::SeqCst) {
         if let Some(fd) = waker() {
-            let one = 1u64;
-            // SAFETY: writes 8 bytes from a live u64 to our eventfd.
-            unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            portability_verbs::os::eventfd_signal(fd.as_raw_fd());
         }
     }
 }
@@ -340,13 +329,9 @@ fn completion_thread() {
             std::thread::sleep(Duration::from_millis(1));
         }
         ASLEEP.store(false, Ordering::Relaxed);
-        if let Some(fd) = waker {
-            let mut v = 0u64;
-            // SAFETY: reads 8 bytes into a live u64 from our nonblocking eventfd.
-            if unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) } == 8 {
-                #[cfg(test)]
-                tests::WOKEN_BY_APP.fetch_add(1, Ordering::Relaxed);
-            }
+        if waker.is_some_and(portability_verbs::os::eventfd_drain) {
+            #[cfg(test)]
+            tests::WOKEN_BY_APP.fetch_add(1, Ordering::Relaxed);
         }
         if progress_all() {
             last_progress = Instant::now();

@@ -6,7 +6,7 @@
 //! through its descriptor, readable while events are queued.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -109,11 +109,7 @@ impl<S> EventQueue<S> {
             return Err(ExsError::Invalid("event queue capacity"));
         }
         engine::start()?;
-        // SAFETY: eventfd takes no pointers; a negative result is checked before use.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(ExsError::io(std::io::Error::last_os_error()));
-        }
+        let efd = portability_verbs::os::eventfd().map_err(ExsError::verbs)?;
         static NEXT: AtomicU64 = AtomicU64::new(1);
         Ok(EventQueue(Arc::new(Inner {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
@@ -122,8 +118,7 @@ impl<S> EventQueue<S> {
             capacity: AtomicUsize::new(capacity),
             state: Mutex::new(State { events: VecDeque::new(), sleepers: 0 }),
             ready: Condvar::new(),
-            // SAFETY: `fd` is a new descriptor that nothing else owns.
-            efd: unsafe { OwnedFd::from_raw_fd(fd) },
+            efd,
             fd_used: AtomicBool::new(false),
         })))
     }
@@ -170,13 +165,9 @@ impl<S> EventQueue<S> {
         }
         let fd = self.0.efd.as_raw_fd();
         if on {
-            let one = 1u64;
-            // SAFETY: writes 8 bytes from a live u64 to our eventfd.
-            unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+            portability_verbs::os::eventfd_signal(fd);
         } else {
-            let mut v = 0u64;
-            // SAFETY: reads 8 bytes into a live u64 from our nonblocking eventfd.
-            unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+            portability_verbs::os::eventfd_drain(fd);
         }
     }
 
