@@ -101,6 +101,90 @@ pub fn timer_cost_ns() -> f64 {
     (last - t0).as_nanos() as f64 / n as f64
 }
 
+/// The clock a ping-pong reads once per round trip, as cheap as `ucx_perftest`'s: the CPU's
+/// time-stamp counter where it runs at a constant rate through sleep states (x86-64 with
+/// `constant_tsc` and `nonstop_tsc`), else `Instant`. A read costs about 12 ns here against
+/// 31 for `Instant::now()`, which would add 9-10 ns to every one-way figure that UCX's do not
+/// carry. Ticks become nanoseconds by the rate a [`TickSpan`] measures over the block itself,
+/// so no calibration run is needed and a block's clock drift cannot enter its samples.
+/// `benches/peers/ticks.h` is the same clock for the C peers.
+#[derive(Clone, Copy, Debug)]
+pub struct TickClock {
+    tsc: bool,
+    epoch: Instant,
+}
+
+impl TickClock {
+    /// The counter if it is invariant, else `Instant`.
+    pub fn new() -> TickClock {
+        let flags = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| s.lines().find(|l| l.starts_with("flags")).map(str::to_owned))
+            .unwrap_or_default();
+        let has = |f: &str| flags.split_whitespace().any(|w| w == f);
+        let tsc = cfg!(target_arch = "x86_64") && has("constant_tsc") && has("nonstop_tsc");
+        TickClock { tsc, epoch: Instant::now() }
+    }
+
+    /// Whether this clock reads the time-stamp counter.
+    pub fn is_tsc(&self) -> bool {
+        self.tsc
+    }
+
+    /// Now, in ticks (nanoseconds since the clock's creation where there is no counter).
+    #[inline(always)]
+    pub fn now(&self) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        if self.tsc {
+            // SAFETY: RDTSC reads a counter and touches no memory; every x86-64 CPU has it.
+            return unsafe { core::arch::x86_64::_rdtsc() };
+        }
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Starts measuring the tick rate over a block of samples.
+    pub fn span(&self) -> TickSpan {
+        TickSpan { clock: *self, wall: Instant::now(), ticks: self.now() }
+    }
+
+    /// Cost of one [`TickClock::now`] in nanoseconds (reported next to latencies).
+    pub fn cost_ns(&self) -> f64 {
+        let n = 200_000;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(self.now());
+        }
+        t0.elapsed().as_nanos() as f64 / n as f64
+    }
+}
+
+impl Default for TickClock {
+    fn default() -> Self {
+        TickClock::new()
+    }
+}
+
+/// The wall clock and the tick count at a block's start: at its end, the rate between them.
+#[derive(Clone, Copy, Debug)]
+pub struct TickSpan {
+    clock: TickClock,
+    wall: Instant,
+    ticks: u64,
+}
+
+impl TickSpan {
+    /// Nanoseconds per tick from the span's start to now (1 without a counter; a block of a
+    /// few milliseconds measures it to a few parts per million).
+    pub fn ns_per_tick(&self) -> f64 {
+        let ticks = self.clock.now().wrapping_sub(self.ticks);
+        let ns = self.wall.elapsed().as_nanos() as f64;
+        if !self.clock.tsc || ticks == 0 {
+            return 1.0;
+        }
+        ns / ticks as f64
+    }
+}
+
 /// Bounded busy-waiting: `tick` errors once the deadline passes (checked every 1024 ticks).
 pub struct Spin {
     deadline: Instant,

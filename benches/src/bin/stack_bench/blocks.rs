@@ -70,19 +70,28 @@ pub(crate) struct Tally {
 }
 
 /// Runs `warm` unrecorded round trips, then `n` recorded ones; returns their one-way times (ns).
-pub(crate) fn latency_block(link: &mut dyn Link, size: usize, warm: u64, n: u64) -> Result<Vec<u64>, String> {
-    let mut samples = Vec::with_capacity(n as usize);
-    // One clock read per round trip, as ucx_perftest takes it: each round trip ends where
-    // the next begins, so the loop's own work is counted once and the timer once.
-    let mut last = Instant::now();
+pub(crate) fn latency_block(
+    link: &mut dyn Link,
+    clock: &TickClock,
+    size: usize,
+    warm: u64,
+    n: u64,
+) -> Result<Vec<u64>, String> {
+    let mut ticks = Vec::with_capacity(n as usize);
+    // One clock read per round trip, as ucx_perftest takes it, and as cheap a clock (the
+    // time-stamp counter): each round trip ends where the next begins, so the loop's own
+    // work is counted once and the timer once.
+    let span = clock.span();
+    let mut last = clock.now();
     for i in 0..warm + n {
         link.send(size)?;
         link.recv(size)?;
-        let now = Instant::now();
+        let now = clock.now();
         if i >= warm {
-            samples.push(((now - last).as_nanos() as u64 / 2).max(1));
+            ticks.push(now.wrapping_sub(last));
         }
         last = now;
     }
-    Ok(samples)
+    let ns_per_tick = span.ns_per_tick();
+    Ok(ticks.into_iter().map(|t| ((t as f64 * ns_per_tick / 2.0) as u64).max(1)).collect())
 }

@@ -21,7 +21,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use benches::plot::{line_chart, Axes, Series};
-use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between, timer_cost_ns, wait_child};
+use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between, wait_child, TickClock};
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use madeleine::{RecvMode, SendMode, Session, SessionConfig};
@@ -273,6 +273,7 @@ fn measure(
     progress: &mut dyn FnMut(Layer, usize),
 ) -> Result<Vec<Point>, String> {
     let mut out = Vec::new();
+    let clock = TickClock::new();
     let cap = Duration::from_secs(args.duration_cap);
     let mut spent = vec![Duration::ZERO; layers.len()];
     let mut capped = vec![false; layers.len()];
@@ -347,7 +348,7 @@ fn measure(
                     Block::Latency { link: i, size, round_trips: warm + n }
                         .announce(links[0].as_mut())
                         .map_err(fail)?;
-                    let mut samples = latency_block(links[i].as_mut(), size, warm, n).map_err(fail)?;
+                    let mut samples = latency_block(links[i].as_mut(), &clock, size, warm, n).map_err(fail)?;
                     for &s in &samples {
                         t.hist.record(s).ok();
                     }

@@ -116,7 +116,8 @@ pub(crate) fn svg_plot(points: &[Point], title: &str, value: impl Fn(&Point) -> 
 }
 
 pub(crate) fn report(args: &Args, points: &[Point], floor: Option<f64>) -> Result<(), String> {
-    let timer = timer_cost_ns();
+    let clock = TickClock::new();
+    let timer = clock.cost_ns();
     println!(
         "# stack_bench: {} provider, {}, {:?} waiting",
         match args.provider {
@@ -131,7 +132,8 @@ pub(crate) fn report(args: &Args, points: &[Point], floor: Option<f64>) -> Resul
         args.wait
     );
     println!(
-        "# timer cost {timer:.1} ns (included in latencies, not subtracted){}",
+        "# timer cost {timer:.1} ns ({}; included in latencies, not subtracted){}",
+        if clock.is_tsc() { "time-stamp counter" } else { "Instant" },
         floor.map(|f| format!("; cache-line floor {f:.0} ns one way")).unwrap_or_default()
     );
     print_table(points, &args.layers);
