@@ -42,6 +42,11 @@ struct Args {
     /// start-up and cross-process costs of `stack_bench`'s streams.
     #[arg(long)]
     stream: bool,
+    /// Instead of messages, a round's looks at a connection with nothing there
+    /// (`try_begin_unpacking_from`; the pipe's `front`), and the time per look: what a
+    /// waiting receiver repeats, so that a message is found half a look late on average.
+    #[arg(long, conflicts_with = "stream")]
+    empty_looks: bool,
 }
 
 const T: Duration = Duration::from_secs(30);
@@ -65,6 +70,19 @@ trait Pair {
     /// Streams `messages` messages from one end to the other, each end on a thread of its
     /// own; returns the sender's time per message (until the receiver's answer to the last).
     fn stream(&mut self, messages: u64) -> Result<f64, String>;
+    /// Looks `looks` times for a message where none comes; returns the time per look.
+    fn empty_looks(&mut self, looks: u64) -> Result<f64, String>;
+}
+
+/// Time per look of `looks` calls of `look`, each of which must find nothing.
+fn time_looks(looks: u64, mut look: impl FnMut() -> Result<bool, String>) -> Result<f64, String> {
+    let t = Instant::now();
+    for _ in 0..looks {
+        if look()? {
+            return Err("a look found a message where none was sent".into());
+        }
+    }
+    Ok(t.elapsed().as_nanos() as f64 / looks as f64)
 }
 
 /// Runs `send` on this thread pinned to CPU 0 and `recv` on a thread pinned to CPU 1; returns
@@ -173,6 +191,11 @@ impl Pair for MadPair {
         };
         two_threads(messages, send, recv)
     }
+
+    fn empty_looks(&mut self, looks: u64) -> Result<f64, String> {
+        let c1 = &self.c1;
+        time_looks(looks, || c1.try_begin_unpacking_from(0).map(|u| u.is_some()).map_err(|e| e.to_string()))
+    }
 }
 
 /// Two message pipes of this process, connected to each other.
@@ -245,6 +268,11 @@ impl Pair for PipePair {
         };
         two_threads(messages, send, recv)
     }
+
+    fn empty_looks(&mut self, looks: u64) -> Result<f64, String> {
+        let b = &mut self.b;
+        time_looks(looks, || b.front().map(|m| m.is_some()).map_err(|e| e.to_string()))
+    }
 }
 
 /// Sends `msg` on the pipe, driving it while its ring has no room.
@@ -300,23 +328,30 @@ fn main() {
             for (k, (_, pair)) in pairs.iter_mut().enumerate() {
                 times[k].push(if args.stream {
                     pair.stream(args.messages)?
+                } else if args.empty_looks {
+                    pair.empty_looks(args.messages)?
                 } else {
                     round(pair.as_mut(), args.messages)?
                 });
             }
         }
-        let how = if args.stream { "a stream between two threads" } else { "one thread, both ends" };
-        println!("# {how}, {} B packs: {} alternated rounds of {} messages", args.size, args.rounds, args.messages);
+        if args.empty_looks {
+            println!("# looks at an empty connection: {} alternated rounds of {}", args.rounds, args.messages);
+        } else {
+            let how = if args.stream { "a stream between two threads" } else { "one thread, both ends" };
+            println!("# {how}, {} B packs: {} alternated rounds of {} messages", args.size, args.rounds, args.messages);
+        }
+        let unit = if args.empty_looks { "look" } else { "message" };
         let mut best = Vec::new();
         for ((name, _), t) in pairs.iter().zip(&mut times) {
             let b = t.iter().copied().fold(f64::MAX, f64::min);
-            println!("{name:<10} {b:7.1} ns per message (best round), {:7.1} (median)", median(t));
+            println!("{name:<10} {b:7.1} ns per {unit} (best round), {:7.1} (median)", median(t));
             best.push(b);
         }
         if let [pipe, mad] = times.as_slice() {
             let mut diff: Vec<f64> = mad.iter().zip(pipe).map(|(m, p)| m - p).collect();
             println!(
-                "overhead   {:7.1} ns per message (best minus best), {:7.1} (median of each round's difference)",
+                "overhead   {:7.1} ns per {unit} (best minus best), {:7.1} (median of each round's difference)",
                 best[1] - best[0],
                 median(&mut diff)
             );
