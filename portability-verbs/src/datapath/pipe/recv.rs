@@ -237,6 +237,7 @@ impl MsgPipe {
     /// reader may take it apart across several calls; [`MsgPipe::pop_front`] releases it).
     /// Drives progress if nothing is there. `Ok(None)` if nothing arrived. After a failure,
     /// messages received before it are still returned, then the error.
+    #[inline]
     pub fn front(&mut self) -> Result<Option<(Lane, &[u8])>> {
         // A polled ring is looked at even after a failure: frames the peer stored before it
         // are its last words (a Close before it left), readable like any earlier message.
@@ -332,6 +333,7 @@ impl MsgPipe {
     /// Releases the message [`MsgPipe::front`] returned: once every message of its chunk is
     /// read, acknowledges its ring space, or hands its receive buffer back to the transport
     /// (at the next progress). Does nothing if nothing is there.
+    #[inline]
     pub fn pop_front(&mut self) -> Result<()> {
         if let Some(lone) = self.lone.take() {
             self.stats.received += 1;
