@@ -175,7 +175,8 @@ int main(int argc, char **argv) {
                 send_msg(&p, buf, size, 0);
                 wait_for(&p, base + 2);
             }
-            if (i >= warm) t[i - warm] = (double)(ticks() - start);
+            unsigned long long end = ticks();
+            if (i >= warm) t[i - warm] = end > start ? (double)(end - start) : 0;
         }
         if (!server) {
             double us_per_tick = tick_us_per_tick();

@@ -58,7 +58,8 @@ int main(int argc, char **argv) {
                 MPI_Recv(buf, size, MPI_CHAR, peer, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
                 MPI_Send(buf, size, MPI_CHAR, peer, 1, MPI_COMM_WORLD);
             }
-            if (i >= warm) t[i - warm] = (double)(ticks() - start);
+            unsigned long long end = ticks();
+            if (i >= warm) t[i - warm] = end > start ? (double)(end - start) : 0;
         }
         if (rank == 0) {
             double us_per_tick = tick_us_per_tick();

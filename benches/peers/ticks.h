@@ -55,7 +55,8 @@ static void tick_span_start(void) {
 
 /* Microseconds per tick since tick_span_start. */
 static double tick_us_per_tick(void) {
-    unsigned long long k = ticks() - tick_span_ticks;
+    unsigned long long now = ticks();
+    unsigned long long k = now > tick_span_ticks ? now - tick_span_ticks : 0;
     double ns = tick_mono_ns() - tick_span_ns;
     if (!tick_tsc || k == 0) return 1e-3;
     return ns / 1e3 / (double)k;

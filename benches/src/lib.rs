@@ -176,7 +176,7 @@ impl TickSpan {
     /// Nanoseconds per tick from the span's start to now (1 without a counter; a block of a
     /// few milliseconds measures it to a few parts per million).
     pub fn ns_per_tick(&self) -> f64 {
-        let ticks = self.clock.now().wrapping_sub(self.ticks);
+        let ticks = self.clock.now().saturating_sub(self.ticks);
         let ns = self.wall.elapsed().as_nanos() as f64;
         if !self.clock.tsc || ticks == 0 {
             return 1.0;
@@ -355,4 +355,25 @@ pub fn build_cdylib(manifest_dir: &str, cargo: &str, package: &str, file: &str) 
     let lib = dir.join(file);
     assert!(lib.is_file(), "{} not built", lib.display());
     lib
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ticks converted at the rate a span measured give back the wall time of a later
+    /// interval (a sleep: at least as long as asked, rarely much longer).
+    #[test]
+    fn ticks_convert_to_the_wall_time_they_span() {
+        let clock = TickClock::new();
+        let span = clock.span();
+        std::thread::sleep(Duration::from_millis(20));
+        let rate = span.ns_per_tick();
+        assert!(rate > 0.0, "a rate of {rate} ns per tick");
+        let (wall, t0) = (Instant::now(), clock.now());
+        std::thread::sleep(Duration::from_millis(10));
+        let ticks = clock.now().saturating_sub(t0);
+        let (took, wall) = (ticks as f64 * rate, wall.elapsed().as_nanos() as f64);
+        assert!((took - wall).abs() < wall * 0.05, "{ticks} ticks at {rate} ns: {took} ns, the wall clock {wall}");
+    }
 }

@@ -88,7 +88,9 @@ pub(crate) fn latency_block(
         link.recv(size)?;
         let now = clock.now();
         if i >= warm {
-            ticks.push(now.wrapping_sub(last));
+            // (Saturating: an unpinned client moved to a CPU whose counter lags reads no
+            // negative round trip as a huge one.)
+            ticks.push(now.saturating_sub(last));
         }
         last = now;
     }
