@@ -173,8 +173,8 @@ pub struct TickSpan {
 }
 
 impl TickSpan {
-    /// Nanoseconds per tick from the span's start to now (1 without a counter; a block of a
-    /// few milliseconds measures it to a few parts per million).
+    /// Nanoseconds per tick from the span's start to now (1 without a counter; over a block
+    /// of a few milliseconds, to about one part in 100,000: two wall-clock reads' worth).
     pub fn ns_per_tick(&self) -> f64 {
         let ticks = self.clock.now().saturating_sub(self.ticks);
         let ns = self.wall.elapsed().as_nanos() as f64;
