@@ -812,7 +812,8 @@ fn first_packs_sent_from_the_buffer_arrive_alone_or_followed() {
             group(2, usize::MAX, |rank, ch| {
                 // The largest pack that goes whole into a pipe message of 8160 bytes.
                 let max = 8160 - 2 * madeleine::wire::HEADER;
-                let firsts = [1023usize, 1024, 1025, 4096, max - 1, max];
+                // Around the smallest that goes from the buffer (`GATHER_MIN`, 256), and larger.
+                let firsts = [255usize, 256, 257, 1024, 4096, max - 1, max];
                 // How each message goes on after its first pack.
                 #[derive(Clone, Copy, Debug)]
                 enum Then {
