@@ -77,10 +77,20 @@ fn command(program: &str, args: &[&str], preload: bool, stats: &Path) -> Command
     settings(c, preload, stats)
 }
 
-/// A server: not under `timeout` (dropping it kills it), so that it gets a Ctrl-C alone.
+/// A server: not under `timeout` (dropping it kills it), so that it gets a Ctrl-C alone. Its
+/// SIGINT is the default one whatever the test inherited: a run started in the background by
+/// a shell without job control ignores SIGINT, and Python then never installs its handler.
 fn server_command(program: &str, args: &[&str], preload: bool, stats: &Path) -> Command {
+    use std::os::unix::process::CommandExt;
     let mut c = Command::new(program);
     c.args(args);
+    // SAFETY: between fork and exec the closure only calls `signal`, async-signal-safe.
+    unsafe {
+        c.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            Ok(())
+        });
+    }
     settings(c, preload, stats)
 }
 
