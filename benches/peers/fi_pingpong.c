@@ -41,12 +41,6 @@ static void die(const char *what, long r) {
     exit(1);
 }
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
 static int cmp(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -186,7 +180,7 @@ int main(int argc, char **argv) {
     } else {
         double start = 0;
         for (long done = -warm; done < n;) {
-            if (done == 0 && start == 0) start = now();
+            if (done == 0 && start == 0) start = tick_mono_ns() * 1e-9;
             long k = done < 0 ? -done : n - done;
             if (k > WINDOW) k = WINDOW;
             long base = p.completed;
@@ -201,9 +195,9 @@ int main(int argc, char **argv) {
                 wait_for(&p, base + k + 1);
             }
             done += k;
-            if (done == 0) start = now();
+            if (done == 0) start = tick_mono_ns() * 1e-9;
         }
-        double secs = now() - start;
+        double secs = tick_mono_ns() * 1e-9 - start;
         if (!server) printf("%.6g\n", (double)size * n / secs / 1e9);
     }
     fflush(stdout);

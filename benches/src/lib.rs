@@ -92,13 +92,17 @@ pub fn pss_kib() -> u64 {
 
 /// Cost of one `Instant::now()` in nanoseconds (measured, reported next to latencies).
 pub fn timer_cost_ns() -> f64 {
+    read_cost_ns(Instant::now)
+}
+
+/// Nanoseconds one call of the clock `read` takes, over 200,000 calls.
+fn read_cost_ns<T>(read: impl Fn() -> T) -> f64 {
     let n = 200_000;
     let t0 = Instant::now();
-    let mut last = t0;
     for _ in 0..n {
-        last = std::hint::black_box(Instant::now());
+        std::hint::black_box(read());
     }
-    (last - t0).as_nanos() as f64 / n as f64
+    t0.elapsed().as_nanos() as f64 / n as f64
 }
 
 /// The clock a ping-pong reads once per round trip, as cheap as `ucx_perftest`'s: the CPU's
@@ -149,12 +153,7 @@ impl TickClock {
 
     /// Cost of one [`TickClock::now`] in nanoseconds (reported next to latencies).
     pub fn cost_ns(&self) -> f64 {
-        let n = 200_000;
-        let t0 = Instant::now();
-        for _ in 0..n {
-            std::hint::black_box(self.now());
-        }
-        t0.elapsed().as_nanos() as f64 / n as f64
+        read_cost_ns(|| self.now())
     }
 }
 
