@@ -234,6 +234,25 @@ fn the_end_of_a_stream_and_closing_are_events() {
 }
 
 #[test]
+fn a_socket_and_queue_dropped_with_receives_in_flight_close_when_those_complete() {
+    let (s, c) = pair(SocketKind::SeqPacket);
+    let (qs, qc) = (EventQueue::new(8).unwrap(), EventQueue::new(8).unwrap());
+    let (ms, mc) = (Memory::alloc(64).unwrap(), Memory::alloc(64).unwrap());
+    s.recv(&qs, 1, &ms, 0, 8).unwrap();
+    s.recv(&qs, 2, &ms, 8, 8).unwrap();
+    // The application lets go of both: the receives' events will hold the socket's last
+    // handles, in a queue whose last handle the second receive's report lets go of. The
+    // socket's close then runs through its connection, which must not be locked by then.
+    drop((s, qs));
+    mc.write(0, b"12345678");
+    c.send(&qc, 3, &mc, 0, 8).unwrap();
+    c.send(&qc, 4, &mc, 0, 8).unwrap();
+    assert!(wait(&qc, 2).iter().all(|e| e.outcome == Ok(8)));
+    c.recv(&qc, 5, &mc, 0, 8).unwrap();
+    assert_eq!(one(&qc).outcome, Ok(0), "the dropped socket closed: the end of its data");
+}
+
+#[test]
 fn caller_errors_are_refused_at_once() {
     let (s, c) = pair(SocketKind::SeqPacket);
     let q = EventQueue::new(2).unwrap();

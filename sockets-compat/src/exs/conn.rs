@@ -22,7 +22,7 @@ use super::engine::{self, Progress};
 use super::error::{ExsError, ExsResult};
 use super::memory::InFlight;
 use super::proto::{Action, CopySrc, Done, Errno, OpKind, Proto, ProtoConfig, Record};
-use super::queue::{Event, EventKind, EventQueue};
+use super::queue::{Event, EventKind, EventQueue, LastHandle};
 use super::wire::{self, Control, Hello, Message, WriteNote, DATA_OVERHEAD, HEADER};
 
 /// Data writes a connection keeps in flight at most (more wait in its backlog).
@@ -80,6 +80,9 @@ struct State<S> {
     /// Since when the protocol's bytes wait for an advertisement ([`RING_WAIT`]), and how many
     /// it had answered then.
     ring_wait: Option<(Instant, u64)>,
+    /// Queues whose last handle an operation's report released, dropped once the lock is let
+    /// go ([`EventQueue::release`]).
+    last_queues: Vec<LastHandle<S>>,
 }
 
 /// A connected EXS socket's transport; its events name sockets `S` (the sockets are built on
@@ -130,6 +133,7 @@ impl<S> Conn<S> {
             close_in_flight: false,
             closing_since: None,
             ring_wait: None,
+            last_queues: Vec::new(),
         };
         Ok(Conn { state: Mutex::new(state), cq, finished: AtomicBool::new(false) })
     }
@@ -170,6 +174,9 @@ impl<S> Conn<S> {
                 s.live_ops += 1;
                 s.run(hold_open);
                 self.check_finished(&s);
+                let last_queues = s.take_last_queues();
+                drop(s);
+                drop(last_queues);
                 Ok(())
             }
             Err(e) => Err(ExsError::Connection(e)),
@@ -179,9 +186,9 @@ impl<S> Conn<S> {
     /// Takes what arrived and what completed, and carries out what follows; true if anything
     /// happened. Skips a connection another thread is driving.
     pub(crate) fn progress(&self) -> bool {
-        let Ok(mut s) = self.state.try_lock() else { return false };
-        let any = s.take_arrivals();
-        let s = &mut *s;
+        let Ok(mut guard) = self.state.try_lock() else { return false };
+        let any = guard.take_arrivals();
+        let s = &mut *guard;
         if !s.writes.is_empty() || !s.backlog.is_empty() || s.close_in_flight {
             // Completions of our writes, room in the ring: a whole pass of the pipe.
             if let Err(e) = s.pipe.progress() {
@@ -202,6 +209,10 @@ impl<S> Conn<S> {
             s.run(false);
         }
         self.check_finished(s);
+        // Dropped after the lock (see `State::last_queues`).
+        let last_queues = s.take_last_queues();
+        drop(guard);
+        drop(last_queues);
         any
     }
 
@@ -480,6 +491,16 @@ impl<S> State<S> {
                 truncated: d.truncated,
                 accepted: None,
             });
+            self.last_queues.extend(q.release());
+        }
+    }
+
+    /// The queues to drop once the lock is let go (nearly always none: no allocation then).
+    fn take_last_queues(&mut self) -> Vec<LastHandle<S>> {
+        if self.last_queues.is_empty() {
+            Vec::new()
+        } else {
+            std::mem::take(&mut self.last_queues)
         }
     }
 }

@@ -308,4 +308,15 @@ impl<S> EventQueue<S> {
     pub fn same(&self, other: &EventQueue<S>) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
+
+    /// Lets go of this handle; if it was the last, returns the queue to drop later (its events
+    /// may hold the last handle of a socket, whose drop closes the socket through its
+    /// connection's lock: a connection reporting under that lock drops it once it let go).
+    #[must_use]
+    pub(crate) fn release(self) -> Option<LastHandle<S>> {
+        Arc::into_inner(self.0).map(LastHandle)
+    }
 }
+
+/// A queue whose last handle was released ([`EventQueue::release`]): dropping this drops it.
+pub(crate) struct LastHandle<S>(#[allow(dead_code)] Inner<S>);
