@@ -12,10 +12,10 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use portability_verbs::datapath::pipe::{Lane, MsgPipe};
+use portability_verbs::sync::{SpinGuard, SpinLock};
 use portability_verbs::{CompletionQueue, MemoryRegion, SendWr, Sge, WcStatus};
 
 use super::engine::{self, Progress};
@@ -88,7 +88,10 @@ struct State<S> {
 /// A connected EXS socket's transport; its events name sockets `S` (the sockets are built on
 /// connections, so a connection is generic over them instead of naming them).
 pub(crate) struct Conn<S> {
-    state: Mutex<State<S>>,
+    /// A spin lock, not a `Mutex`: nothing waits while holding it, and its release is a plain
+    /// store, where a `Mutex`'s is an atomic read-modify-write (a full barrier on x86, taken
+    /// at every operation's start and every poll).
+    state: SpinLock<State<S>>,
     cq: CompletionQueue,
     finished: AtomicBool,
 }
@@ -135,11 +138,11 @@ impl<S> Conn<S> {
             ring_wait: None,
             last_queues: Vec::new(),
         };
-        Ok(Conn { state: Mutex::new(state), cq, finished: AtomicBool::new(false) })
+        Ok(Conn { state: SpinLock::new(state), cq, finished: AtomicBool::new(false) })
     }
 
-    fn lock(&self) -> MutexGuard<'_, State<S>> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> SpinGuard<'_, State<S>> {
+        self.state.lock()
     }
 
     pub(crate) fn cq(&self) -> CompletionQueue {
@@ -186,7 +189,7 @@ impl<S> Conn<S> {
     /// Takes what arrived and what completed, and carries out what follows; true if anything
     /// happened. Skips a connection another thread is driving.
     pub(crate) fn progress(&self) -> bool {
-        let Ok(mut guard) = self.state.try_lock() else { return false };
+        let Some(mut guard) = self.state.try_lock() else { return false };
         let any = guard.take_arrivals();
         let s = &mut *guard;
         if !s.writes.is_empty() || !s.backlog.is_empty() || s.close_in_flight {
@@ -220,7 +223,7 @@ impl<S> Conn<S> {
     /// false if the sleep should not happen (something arrived, or another thread drives the
     /// connection).
     pub(crate) fn prepare_sleep(&self) -> bool {
-        let Ok(mut s) = self.state.try_lock() else { return false };
+        let Some(mut s) = self.state.try_lock() else { return false };
         if s.proto.failure().is_some() {
             return true;
         }

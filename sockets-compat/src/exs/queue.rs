@@ -8,8 +8,10 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+use portability_verbs::sync::{SpinGuard, SpinLock};
 
 use super::engine;
 use super::error::{ExsError, ExsResult};
@@ -62,21 +64,32 @@ pub struct QueueStatus {
 
 struct State<S> {
     events: VecDeque<Event<S>>,
+    /// Events queued and places reserved, together (under the lock: a dequeue, which takes
+    /// it anyway, then gives places back without an atomic read-modify-write of its own).
+    used: usize,
     /// Threads asleep on `ready` (a notification is a system call: only made for them).
     sleepers: usize,
 }
 
+/// Where waits sleep. A sleeper takes `lock` before it releases the queue's state, so a
+/// delivery that saw it counted in `sleepers` (under the state's lock) takes `lock` only once
+/// the sleeper waits on `ready`, and its notification cannot be lost.
+struct Sleep {
+    lock: Mutex<()>,
+    ready: Condvar,
+}
+
 struct Inner<S> {
     id: u64,
-    /// Events queued and places reserved, together; kept beside the lock so that starting
-    /// an operation and polling an empty queue take none.
-    used: AtomicUsize,
     /// Events queued: written under the lock only (plain stores, no read-modify-write), read
     /// without it.
     queued: AtomicUsize,
     capacity: AtomicUsize,
-    state: Mutex<State<S>>,
-    ready: Condvar,
+    /// A spin lock, not a `Mutex`: held for a few instructions by reservations, deliveries
+    /// and dequeues (and an eventfd write, once the descriptor is in use), and its release
+    /// is a plain store, where a `Mutex`'s is a full barrier.
+    state: SpinLock<State<S>>,
+    sleep: Sleep,
     /// Readable while events are queued, once the application asked for it (keeping it
     /// costs two system calls per event, which a queue nobody polls need not pay).
     efd: OwnedFd,
@@ -113,33 +126,32 @@ impl<S> EventQueue<S> {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         Ok(EventQueue(Arc::new(Inner {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
-            used: AtomicUsize::new(0),
             queued: AtomicUsize::new(0),
             capacity: AtomicUsize::new(capacity),
-            state: Mutex::new(State { events: VecDeque::new(), sleepers: 0 }),
-            ready: Condvar::new(),
+            state: SpinLock::new(State { events: VecDeque::new(), used: 0, sleepers: 0 }),
+            sleep: Sleep { lock: Mutex::new(()), ready: Condvar::new() },
             efd,
             fd_used: AtomicBool::new(false),
         })))
     }
 
-    fn lock(&self) -> MutexGuard<'_, State<S>> {
-        self.0.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> SpinGuard<'_, State<S>> {
+        self.0.state.lock()
     }
 
     /// Reserves the place of one operation's event.
     pub(crate) fn reserve(&self) -> ExsResult<()> {
-        let cap = self.0.capacity.load(Ordering::Acquire);
-        self.0
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| (u < cap).then_some(u + 1))
-            .map(|_| ())
-            .map_err(|_| ExsError::QueueFull)
+        let mut s = self.lock();
+        if s.used >= self.0.capacity.load(Ordering::Acquire) {
+            return Err(ExsError::QueueFull);
+        }
+        s.used += 1;
+        Ok(())
     }
 
     /// Gives back a reservation whose operation never started.
     pub(crate) fn unreserve(&self) {
-        self.0.used.fetch_sub(1, Ordering::AcqRel);
+        self.lock().used -= 1;
     }
 
     /// Queues the event of an operation that reserved its place.
@@ -154,7 +166,9 @@ impl<S> EventQueue<S> {
         let sleepers = s.sleepers;
         drop(s);
         if sleepers > 0 {
-            self.0.ready.notify_all();
+            // Taken once each sleeper counted waits (see `Sleep`).
+            drop(self.0.sleep.lock.lock().unwrap_or_else(|p| p.into_inner()));
+            self.0.sleep.ready.notify_all();
         }
     }
 
@@ -199,7 +213,7 @@ impl<S> EventQueue<S> {
                     out.extend(s.events.pop_front());
                 }
                 self.0.queued.store(s.events.len(), Ordering::Release);
-                self.0.used.fetch_sub(n, Ordering::AcqRel);
+                s.used -= n;
                 if s.events.is_empty() {
                     self.signal(false);
                 }
@@ -255,8 +269,11 @@ impl<S> EventQueue<S> {
                 let nap = if engine::busy_poll() { Duration::from_millis(1) } else { Duration::from_millis(50) };
                 let nap = deadline.map_or(nap, |d| nap.min(d.saturating_duration_since(Instant::now())));
                 s.sleepers += 1;
-                let (mut s, _) = self.0.ready.wait_timeout(s, nap).unwrap_or_else(|p| p.into_inner());
-                s.sleepers -= 1;
+                let asleep = self.0.sleep.lock.lock().unwrap_or_else(|p| p.into_inner());
+                drop(s);
+                let woken = self.0.sleep.ready.wait_timeout(asleep, nap).unwrap_or_else(|p| p.into_inner());
+                drop(woken);
+                self.lock().sleepers -= 1;
             }
             (spins, idle_since) = (0, None);
         }
@@ -265,7 +282,7 @@ impl<S> EventQueue<S> {
     /// Capacity, queued events and operations in flight.
     pub fn status(&self) -> QueueStatus {
         let s = self.lock();
-        let used = self.0.used.load(Ordering::Acquire);
+        let used = s.used;
         QueueStatus {
             capacity: self.0.capacity.load(Ordering::Acquire),
             queued: s.events.len(),
@@ -278,10 +295,9 @@ impl<S> EventQueue<S> {
         if capacity == 0 || capacity > MAX_CAPACITY {
             return Err(ExsError::Invalid("event queue capacity"));
         }
-        let _s = self.lock();
-        // A reservation racing with this takes the old capacity; the check that matters,
-        // nothing in use is dropped, holds either way.
-        if capacity < self.0.used.load(Ordering::Acquire) {
+        // Under the lock, as reservations are counted.
+        let s = self.lock();
+        if capacity < s.used {
             return Err(ExsError::Busy("the event queue"));
         }
         self.0.capacity.store(capacity, Ordering::Release);
@@ -301,7 +317,7 @@ impl<S> EventQueue<S> {
     /// Whether nothing is queued or in flight (a queue may be deleted then).
     pub fn is_idle(&self) -> bool {
         let s = self.lock();
-        s.events.is_empty() && self.0.used.load(Ordering::Acquire) == 0
+        s.events.is_empty() && s.used == 0
     }
 
     /// Whether two handles name the same queue.
