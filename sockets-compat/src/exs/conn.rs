@@ -21,7 +21,7 @@ use portability_verbs::{CompletionQueue, MemoryRegion, SendWr, Sge, WcStatus};
 use super::engine::{self, Progress};
 use super::error::{ExsError, ExsResult};
 use super::memory::InFlight;
-use super::proto::{Action, CopySrc, Done, Errno, OpKind, Proto, ProtoConfig, Record};
+use super::proto::{Action, CopySrc, Done, Errno, OpKind, Piece, Proto, ProtoConfig, Record};
 use super::queue::{Event, EventKind, EventQueue, LastHandle};
 use super::wire::{self, Control, Hello, Message, WriteNote, DATA_OVERHEAD, HEADER};
 
@@ -177,9 +177,7 @@ impl<S> Conn<S> {
                 s.live_ops += 1;
                 s.run(hold_open);
                 self.check_finished(&s);
-                let last_queues = s.take_last_queues();
-                drop(s);
-                drop(last_queues);
+                unlock(s);
                 Ok(())
             }
             Err(e) => Err(ExsError::Connection(e)),
@@ -212,10 +210,7 @@ impl<S> Conn<S> {
             s.run(false);
         }
         self.check_finished(s);
-        // Dropped after the lock (see `State::last_queues`).
-        let last_queues = s.take_last_queues();
-        drop(guard);
-        drop(last_queues);
+        unlock(guard);
         any
     }
 
@@ -413,11 +408,7 @@ impl<S> State<S> {
         };
         match a {
             Action::Send(records) => {
-                self.msg.clear();
-                for r in &records {
-                    encode(r, &mut self.msg);
-                }
-                if !self.pipe.try_send(&self.msg)? {
+                if !send_records(&mut self.pipe, &mut self.msg, &records)? {
                     return Ok(Some(Pending::Action(Action::Send(records))));
                 }
                 if records.iter().any(Record::is_close) {
@@ -494,22 +485,80 @@ impl<S> State<S> {
                 truncated: d.truncated,
                 accepted: None,
             });
-            self.last_queues.extend(q.release());
-        }
-    }
-
-    /// The queues to drop once the lock is let go (nearly always none: no allocation then).
-    fn take_last_queues(&mut self) -> Vec<LastHandle<S>> {
-        if self.last_queues.is_empty() {
-            Vec::new()
-        } else {
-            std::mem::take(&mut self.last_queues)
+            if let Some(last) = q.release() {
+                self.last_queues.push(last);
+            }
         }
     }
 }
 
-/// Appends a record to a control message.
-fn encode(r: &Record, out: &mut Vec<u8>) {
+/// Lets go of a connection's lock, then drops the queues its reports released under it (see
+/// `State::last_queues`; nearly always none, and then nothing is dropped).
+#[inline]
+fn unlock<S>(mut s: SpinGuard<'_, State<S>>) {
+    if s.last_queues.is_empty() {
+        return;
+    }
+    let last_queues = std::mem::take(&mut s.last_queues);
+    drop(s);
+    drop(last_queues);
+}
+
+/// Sends records as one control message through `msg`; false if the pipe has no room now. A
+/// small message's bytes at the end are gathered from where they lie by the pipe's store rather
+/// than copied into `msg` first.
+fn send_records(pipe: &mut MsgPipe, msg: &mut Vec<u8>, records: &[Record]) -> portability_verbs::Result<bool> {
+    if let Some(sent) = send_lone_fill(pipe, records) {
+        return sent;
+    }
+    msg.clear();
+    let Some((last, rest)) = records.split_last() else { return Ok(true) };
+    for r in rest {
+        encode(r, msg, true);
+    }
+    encode(last, msg, false);
+    if let Record::Small { pieces, .. } = last {
+        if let [p] = pieces.as_slice() {
+            // SAFETY: as in `encode`.
+            let body = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
+            if pipe.try_send_gathered(msg, body)? {
+                return Ok(true);
+            }
+        }
+        append_pieces(pieces, msg);
+    }
+    pipe.try_send(msg)
+}
+
+/// Sends a ping-pong's control message (a fill of one piece, after at most a short
+/// advertisement) with its records encoded by [`wire::encode_lone_fill_head`]; `None` for any
+/// other message, and when the pipe cannot gather it.
+fn send_lone_fill(pipe: &mut MsgPipe, records: &[Record]) -> Option<portability_verbs::Result<bool>> {
+    let (offer, fill) = match records {
+        [Record::Control(Control::Advertise(ad), g), fill] if ad.fill_only => (Some((*g, ad)), fill),
+        [fill] => (None, fill),
+        _ => return None,
+    };
+    let Record::Small { fill: Some(truncated), pieces, grant } = fill else { return None };
+    let p = match pieces.as_slice() {
+        [p] => *p,
+        [] => Piece { addr: 0, len: 0, lkey: 0 },
+        _ => return None,
+    };
+    let mut head = [0u8; wire::LONE_FILL_HEAD];
+    let n = wire::encode_lone_fill_head(offer, *grant, p.len as u16, *truncated, &mut head);
+    // SAFETY: as in `append_pieces` (an empty piece reads nothing).
+    let body =
+        if p.len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) } };
+    match pipe.try_send_gathered(&head[..n], body) {
+        Ok(true) => Some(Ok(true)),
+        Ok(false) => None,
+        Err(e) => Some(Err(e)),
+    }
+}
+
+/// Appends a record to a control message: a small message's header only unless `payload`.
+fn encode(r: &Record, out: &mut Vec<u8>, payload: bool) {
     let at = out.len();
     match r {
         Record::Control(c, grant) => {
@@ -525,11 +574,18 @@ fn encode(r: &Record, out: &mut Vec<u8>) {
             out.resize(at + DATA_OVERHEAD, 0);
             head.encode(*grant, &mut out[at..]);
             out[at + HEADER..at + DATA_OVERHEAD].copy_from_slice(&(len as u16).to_le_bytes());
-            for p in pieces {
-                // SAFETY: the piece lies inside a registered region the send holds (checked
-                // when it started), and the send is not complete yet.
-                out.extend_from_slice(unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) });
+            if payload {
+                append_pieces(pieces, out);
             }
         }
+    }
+}
+
+/// Appends a small message's bytes.
+fn append_pieces(pieces: &[Piece], out: &mut Vec<u8>) {
+    for p in pieces {
+        // SAFETY: the piece lies inside a registered region the send holds (checked when it
+        // started), and the send is not complete yet.
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) });
     }
 }

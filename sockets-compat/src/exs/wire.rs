@@ -308,6 +308,37 @@ pub fn lone_fill(b: &[u8]) -> Option<LoneFill<'_>> {
     Some(LoneFill { offer, grant: u16_at(head, 2), data, truncated: head[1] & FLAG_TRUNCATED != 0 })
 }
 
+/// Bytes of a [`LoneFill`]'s records before its data, at most.
+pub const LONE_FILL_HEAD: usize = 10 + DATA_OVERHEAD;
+
+/// Encodes the records of a [`LoneFill`] of `len` bytes up to its data (which follow them)
+/// into `out`, as [`Control::encode`] does, in a fraction of its instructions (a ping-pong's
+/// every message is one); returns the length. `offer` is a short advertisement's.
+pub fn encode_lone_fill_head(
+    offer: Option<(u16, &Advert)>,
+    grant: u16,
+    len: u16,
+    truncated: bool,
+    out: &mut [u8; LONE_FILL_HEAD],
+) -> usize {
+    let at = match offer {
+        Some((g, ad)) => {
+            debug_assert!(ad.fill_only);
+            let [g0, g1] = g.to_le_bytes();
+            let [s0, s1, s2, s3] = (ad.unadvertised_seen as u32).to_le_bytes();
+            let [l0, l1] = (ad.len as u16).to_le_bytes();
+            out[..10].copy_from_slice(&[kind::ADVERTISE_SMALL, 0, g0, g1, s0, s1, s2, s3, l0, l1]);
+            10
+        }
+        None => 0,
+    };
+    let [g0, g1] = grant.to_le_bytes();
+    let [l0, l1] = len.to_le_bytes();
+    let flags = if truncated { FLAG_TRUNCATED } else { 0 };
+    out[at..at + DATA_OVERHEAD].copy_from_slice(&[kind::FILL, flags, g0, g1, l0, l1]);
+    at + DATA_OVERHEAD
+}
+
 /// The records of a received control message, in order; an error ends them.
 pub fn records(mut b: &[u8]) -> impl Iterator<Item = Result<(u16, Control<'_>), WireError>> {
     std::iter::from_fn(move || {
@@ -596,6 +627,10 @@ mod tests {
                 truncated,
             };
             prop_assert_eq!(lone_fill(&buf), Some(want));
+            // Its encoder writes what the general one does.
+            let mut head = [0u8; LONE_FILL_HEAD];
+            let n = encode_lone_fill_head(want.offer.as_ref().map(|(g, ad)| (*g, ad)), grant, data.len() as u16, truncated, &mut head);
+            prop_assert_eq!(&head[..n], &buf[..buf.len() - data.len()]);
             // Cut, lengthened or any bytes: whenever it decodes, it is what `records` gives.
             for b in [&buf[..cut.min(buf.len())], &[&buf[..], &noise[..]].concat()[..], &noise[..]] {
                 if let Some(l) = lone_fill(b) {
