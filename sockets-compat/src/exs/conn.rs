@@ -379,6 +379,11 @@ impl<S> State<S> {
             let next = match self.backlog.pop_front() {
                 Some(p) => p,
                 None => match self.proto.next_action() {
+                    // A completion is reported at once (most actions are one).
+                    Some(Action::Done(d)) => {
+                        self.report(d);
+                        continue;
+                    }
                     Some(a) => Pending::Action(a),
                     None => return,
                 },
@@ -494,11 +499,17 @@ impl<S> State<S> {
 
 /// Lets go of a connection's lock, then drops the queues its reports released under it (see
 /// `State::last_queues`; nearly always none, and then nothing is dropped).
-#[inline]
-fn unlock<S>(mut s: SpinGuard<'_, State<S>>) {
+#[inline(always)]
+fn unlock<S>(s: SpinGuard<'_, State<S>>) {
     if s.last_queues.is_empty() {
-        return;
+        drop(s);
+    } else {
+        unlock_dropping_queues(s);
     }
+}
+
+#[inline(never)]
+fn unlock_dropping_queues<S>(mut s: SpinGuard<'_, State<S>>) {
     let last_queues = std::mem::take(&mut s.last_queues);
     drop(s);
     drop(last_queues);
