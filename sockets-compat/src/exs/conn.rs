@@ -189,6 +189,12 @@ impl<S> Conn<S> {
     pub(crate) fn progress(&self) -> bool {
         let Some(mut guard) = self.state.try_lock() else { return false };
         let any = guard.take_arrivals();
+        if !any && guard.quiet() {
+            // Nothing arrived and nothing waits (what a busy poll finds between messages): the
+            // rest of the pass has nothing to do.
+            unlock(guard);
+            return false;
+        }
         let s = &mut *guard;
         if !s.writes.is_empty() || !s.backlog.is_empty() || s.close_in_flight {
             // Completions of our writes, room in the ring: a whole pass of the pipe.
@@ -279,6 +285,18 @@ impl<S> State<S> {
         self.proto.fail(errno);
     }
 
+    /// Whether nothing waits to be done: no write in flight, no step or action waiting, no
+    /// wait for advertisements, no close under way.
+    fn quiet(&self) -> bool {
+        self.writes.is_empty()
+            && self.backlog.is_empty()
+            && !self.close_in_flight
+            && !self.proto.has_actions()
+            && self.ring_wait.is_none()
+            && !self.proto.ring_waiting()
+            && self.closing_since.is_none()
+    }
+
     /// Ends the protocol's wait for advertisements once none was answered for [`RING_WAIT`].
     fn bound_ring_wait(&mut self) {
         if !self.proto.ring_waiting() {
@@ -315,7 +333,8 @@ impl<S> State<S> {
                             // SAFETY: the protocol places a small message inside the buffer of
                             // the receive it completes, which lies in a registered region the
                             // receive holds (checked when it started) and is not complete yet.
-                            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) }
+                            // (`copy_bytes` copies a small message inline, not by a `memcpy` call.)
+                            unsafe { portability_verbs::copy::copy_bytes(dst as *mut u8, data.as_ptr(), data.len()) }
                         }),
                         Err(e) => {
                             self.proto.fail(libc::EPROTO);
