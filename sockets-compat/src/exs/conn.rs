@@ -21,9 +21,9 @@ use portability_verbs::{CompletionQueue, MemoryRegion, SendWr, Sge, WcStatus};
 use super::engine::{self, Progress};
 use super::error::{ExsError, ExsResult};
 use super::memory::InFlight;
-use super::proto::{Action, CopySrc, Done, Errno, OpKind, Piece, Proto, ProtoConfig, Record};
+use super::proto::{Action, CopySrc, Done, Errno, LoneReply, OpKind, Piece, Proto, ProtoConfig, Record};
 use super::queue::{Event, EventKind, EventQueue, LastHandle};
-use super::wire::{self, Control, Hello, Message, WriteNote, DATA_OVERHEAD, HEADER};
+use super::wire::{self, Advert, Control, Hello, Message, WriteNote, DATA_OVERHEAD, HEADER};
 
 /// Data writes a connection keeps in flight at most (more wait in its backlog).
 const WRITE_DEPTH: usize = 256;
@@ -157,31 +157,49 @@ impl<S> Conn<S> {
     /// Starts an operation: `f` hands it to the protocol under `token`; an error it returns
     /// is the call's (and the operation never happened).
     pub(crate) fn start(&self, op: Op<S>, f: impl FnOnce(&mut Proto, u64) -> Result<(), Errno>) -> ExsResult<()> {
+        self.start_locked(self.lock(), op, f)
+    }
+
+    /// Starts a send of `len` bytes at `addr` (registered with `lkey`). A ping-pong's reply
+    /// ([`Proto::post_lone_send`]) is sent at once, without queueing the protocol's actions
+    /// and carrying them out: the turnaround between a message's arrival and its reply is
+    /// what a ping-pong's latency is made of.
+    pub(crate) fn start_send(&self, op: Op<S>, addr: u64, len: u64, lkey: u32) -> ExsResult<()> {
         let mut s = self.lock();
-        let token = s.free_ops.pop().unwrap_or(s.ops.len() as u64);
+        if s.backlog.is_empty() {
+            let token = s.next_token();
+            if let Some(reply) = s.proto.post_lone_send(token, addr, len, lkey) {
+                s.insert_op(token, op);
+                s.send_lone(reply);
+                self.check_finished(&s);
+                unlock(s);
+                return Ok(());
+            }
+        }
+        self.start_locked(s, op, |p, token| p.post_send(token, addr, len, lkey))
+    }
+
+    fn start_locked(
+        &self,
+        mut s: SpinGuard<'_, State<S>>,
+        op: Op<S>,
+        f: impl FnOnce(&mut Proto, u64) -> Result<(), Errno>,
+    ) -> ExsResult<()> {
+        let token = s.next_token();
         if op.kind == EventKind::Close && s.closing_since.is_none() {
             s.closing_since = Some(Instant::now());
         }
-        match f(&mut s.proto, token) {
-            Ok(()) => {
-                // A receive's advertisement may wait for the call that usually follows (a send
-                // on this connection, or a wait that polls it) to leave in the same message:
-                // only while an application thread drives progress (otherwise nothing would
-                // send it before the completion thread's next look).
-                let hold_open = op.kind == EventKind::Recv && engine::app_drives();
-                if token as usize == s.ops.len() {
-                    s.ops.push(Some(op));
-                } else {
-                    s.ops[token as usize] = Some(op);
-                }
-                s.live_ops += 1;
-                s.run(hold_open);
-                self.check_finished(&s);
-                unlock(s);
-                Ok(())
-            }
-            Err(e) => Err(ExsError::Connection(e)),
-        }
+        f(&mut s.proto, token).map_err(ExsError::Connection)?;
+        // A receive's advertisement may wait for the call that usually follows (a send on this
+        // connection, or a wait that polls it) to leave in the same message: only while an
+        // application thread drives progress (otherwise nothing would send it before the
+        // completion thread's next look).
+        let hold_open = op.kind == EventKind::Recv && engine::app_drives();
+        s.insert_op(token, op);
+        s.run(hold_open);
+        self.check_finished(&s);
+        unlock(s);
+        Ok(())
     }
 
     /// Takes what arrived and what completed, and carries out what follows; true if anything
@@ -283,6 +301,44 @@ impl<S> State<S> {
             _ => libc::ECONNRESET,
         };
         self.proto.fail(errno);
+    }
+
+    /// The token the next operation gets (the first free slot of `ops`).
+    fn next_token(&self) -> u64 {
+        self.free_ops.last().copied().unwrap_or(self.ops.len() as u64)
+    }
+
+    /// Keeps an operation that started under `token` (from [`State::next_token`]).
+    fn insert_op(&mut self, token: u64, op: Op<S>) {
+        if token as usize == self.ops.len() {
+            self.ops.push(Some(op));
+        } else {
+            self.free_ops.pop();
+            let free = self.ops[token as usize].replace(op);
+            debug_assert!(free.is_none());
+            // A `None` needs no drop (forgetting it spares the call of the slot's drop code).
+            std::mem::forget(free);
+        }
+        self.live_ops += 1;
+    }
+
+    /// Sends a ping-pong's reply, then reports its send. What the pipe cannot take so (it has
+    /// no room now, or cannot gather) is carried out as the protocol's actions would have been.
+    fn send_lone(&mut self, r: LoneReply) {
+        match send_fill(&mut self.pipe, r.offer.as_ref().map(|(g, ad)| (*g, ad)), r.grant, r.fill, r.truncated) {
+            Ok(true) => self.report(r.done),
+            Ok(false) => {
+                let [send, done] = r.actions();
+                self.backlog.push_back(Pending::Action(send));
+                self.backlog.push_back(Pending::Action(done));
+                self.run(false);
+            }
+            Err(e) => {
+                self.pipe_failed(&e);
+                let errno = self.proto.failure().unwrap_or(libc::ECONNRESET);
+                self.report(Done { outcome: Err(errno), ..r.done });
+            }
+        }
     }
 
     /// Whether nothing waits to be done: no write in flight, no step or action waiting, no
@@ -560,9 +616,9 @@ fn send_records(pipe: &mut MsgPipe, msg: &mut Vec<u8>, records: &[Record]) -> po
     pipe.try_send(msg)
 }
 
-/// Sends a ping-pong's control message (a fill of one piece, after at most a short
-/// advertisement) with its records encoded by [`wire::encode_lone_fill_head`]; `None` for any
-/// other message, and when the pipe cannot gather it.
+/// Sends a ping-pong's control message (a fill of at most one piece, after at most a short
+/// advertisement) by [`send_fill`]; `None` for any other message, and when the pipe cannot
+/// gather it.
 fn send_lone_fill(pipe: &mut MsgPipe, records: &[Record]) -> Option<portability_verbs::Result<bool>> {
     let (offer, fill) = match records {
         [Record::Control(Control::Advertise(ad), g), fill] if ad.fill_only => (Some((*g, ad)), fill),
@@ -570,21 +626,38 @@ fn send_lone_fill(pipe: &mut MsgPipe, records: &[Record]) -> Option<portability_
         _ => return None,
     };
     let Record::Small { fill: Some(truncated), pieces, grant } = fill else { return None };
-    let p = match pieces.as_slice() {
+    let piece = match pieces.as_slice() {
         [p] => *p,
         [] => Piece { addr: 0, len: 0, lkey: 0 },
         _ => return None,
     };
-    let mut head = [0u8; wire::LONE_FILL_HEAD];
-    let n = wire::encode_lone_fill_head(offer, *grant, p.len as u16, *truncated, &mut head);
-    // SAFETY: as in `append_pieces` (an empty piece reads nothing).
-    let body =
-        if p.len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) } };
-    match pipe.try_send_gathered(&head[..n], body) {
-        Ok(true) => Some(Ok(true)),
+    match send_fill(pipe, offer, *grant, piece, *truncated) {
         Ok(false) => None,
-        Err(e) => Some(Err(e)),
+        sent => Some(sent),
     }
+}
+
+/// Sends a fill of `piece` (empty when its length is 0), after the short advertisement
+/// `offer` if any, as one control message: its records encoded by
+/// [`wire::encode_lone_fill_head`] into a small array and the bytes gathered from where they
+/// lie by the pipe's store. False if the pipe cannot take it so now (no room, or it cannot
+/// gather).
+fn send_fill(
+    pipe: &mut MsgPipe,
+    offer: Option<(u16, &Advert)>,
+    grant: u16,
+    piece: Piece,
+    truncated: bool,
+) -> portability_verbs::Result<bool> {
+    let mut head = [0u8; wire::LONE_FILL_HEAD];
+    let n = wire::encode_lone_fill_head(offer, grant, piece.len as u16, truncated, &mut head);
+    let body = if piece.len == 0 {
+        &[][..]
+    } else {
+        // SAFETY: as in `append_pieces`.
+        unsafe { std::slice::from_raw_parts(piece.addr as *const u8, piece.len as usize) }
+    };
+    pipe.try_send_gathered(&head[..n], body)
 }
 
 /// Appends a record to a control message: a small message's header only unless `payload`.

@@ -323,10 +323,10 @@ impl ExsSocket {
         queue.reserve()?;
         let op = Op { req, kind, target: Some((queue.clone(), self.clone())), hold: Some(hold) };
         let (lkey, rkey, len) = (mem.lkey(), mem.rkey(), len as u64);
-        let r = conn.start(op, |p, token| match kind {
-            EventKind::Send => p.post_send(token, addr, len, lkey),
-            _ => p.post_recv(token, addr, len, rkey),
-        });
+        let r = match kind {
+            EventKind::Send => conn.start_send(op, addr, len, lkey),
+            _ => conn.start(op, |p, token| p.post_recv(token, addr, len, rkey)),
+        };
         if r.is_err() {
             queue.unreserve();
         }

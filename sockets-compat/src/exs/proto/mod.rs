@@ -150,6 +150,37 @@ pub enum Action {
     Done(Done),
 }
 
+/// A ping-pong's reply, handed to the driver by [`Proto::post_lone_send`]: one control
+/// message (the short advertisement of the receive posted before it, if any, then the fill),
+/// and the send's completion to report once the message is sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoneReply {
+    /// The short advertisement and the credits its record grants.
+    pub offer: Option<(u16, Advert)>,
+    /// Credits the fill's record grants.
+    pub grant: u16,
+    /// The fill's bytes (none when `len` is 0).
+    pub fill: Piece,
+    /// The fill's truncation flag.
+    pub truncated: bool,
+    /// The send's completion.
+    pub done: Done,
+}
+
+impl LoneReply {
+    /// The actions [`Proto::post_send`] would have queued for it: the control message, then
+    /// the completion.
+    pub fn actions(&self) -> [Action; 2] {
+        let mut recs: SmallVec<[Record; 2]> = SmallVec::new();
+        if let Some((grant, ad)) = self.offer {
+            recs.push(Record::Control(Control::Advertise(ad), grant));
+        }
+        let pieces = if self.fill.len > 0 { smallvec::smallvec![self.fill] } else { SmallVec::new() };
+        recs.push(Record::Small { fill: Some(self.truncated), pieces, grant: self.grant });
+        [Action::Send(recs), Action::Done(self.done)]
+    }
+}
+
 /// What a connection end is set up with.
 #[derive(Clone, Copy, Debug)]
 pub struct ProtoConfig {

@@ -192,13 +192,12 @@ impl Proto {
         true
     }
 
-    /// A new send that the one advertisement at hand takes whole inside a record, with nothing
-    /// else to do: what [`Proto::post_send`]'s pass would come to (the fill, the send's
-    /// completion after it, credits), without the pass and the send's bookkeeping. This is a
-    /// ping-pong's reply to the peer's short advertisement. False, nothing done, in any other
-    /// state (the pass then handles the send).
-    pub(super) fn answer_lone_ad(&mut self, req: u64, addr: u64, len: u64, lkey: u32) -> bool {
-        let Some(ad) = self.peer_ads.front() else { return false };
+    /// Whether a new send of `len` bytes is one that the one advertisement at hand takes whole
+    /// inside a record, with nothing else to do before the fill or after it: the fill's bytes,
+    /// its truncation flag and its record's length, or `None`.
+    #[inline]
+    fn lone_ad_fill(&self, len: u64) -> Option<(u64, bool, usize)> {
+        let ad = self.peer_ads.front()?;
         // Every other stage of the pass has nothing to do, before the fill and after it: no
         // other send or advertisement, no receive to serve or advertise, no close.
         let quiet = self.peer_ads.len() == 1
@@ -208,7 +207,7 @@ impl Proto {
             && !self.peer_closed
             && self.close_wanted.is_none();
         if !quiet || !self.is_current(ad) || self.small_out == 0 {
-            return false;
+            return None;
         }
         // As `try_fill_inline` decides for a lone send.
         let (n, truncated) = match self.cfg.kind {
@@ -218,8 +217,18 @@ impl Proto {
         let rec_len = DATA_OVERHEAD + n as usize;
         if n > (self.small_out as u64).min(ad.len as u64) || rec_len > self.peer_message_max || !self.may_queue(rec_len)
         {
-            return false;
+            return None;
         }
+        Some((n, truncated, rec_len))
+    }
+
+    /// A new send that the one advertisement at hand takes whole inside a record, with nothing
+    /// else to do: what [`Proto::post_send`]'s pass would come to (the fill, the send's
+    /// completion after it, credits), without the pass and the send's bookkeeping. This is a
+    /// ping-pong's reply to the peer's short advertisement. False, nothing done, in any other
+    /// state (the pass then handles the send).
+    pub(super) fn answer_lone_ad(&mut self, req: u64, addr: u64, len: u64, lkey: u32) -> bool {
+        let Some((n, truncated, rec_len)) = self.lone_ad_fill(len) else { return false };
         let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();
         if n > 0 {
             pieces.push(Piece { addr, len: n as u32, lkey });
@@ -233,6 +242,59 @@ impl Proto {
         self.return_credits();
         self.shortcut_taken();
         true
+    }
+
+    /// [`Proto::post_send`] for a send that [`Proto::answer_lone_ad`] would take, when nothing
+    /// else waits to be carried out but the open control message of the receive posted before it
+    /// (its short advertisement): the control message is handed back to be sent at once, and
+    /// the send's completion to be reported after it, instead of being queued as actions.
+    /// What the caller carries out is what the actions would have been
+    /// ([`LoneReply::actions`]). `None`, nothing done, in any other state.
+    pub fn post_lone_send(&mut self, req: u64, addr: u64, len: u64, lkey: u32) -> Option<LoneReply> {
+        let refused = self.failed.is_some()
+            || self.close_wanted.is_some()
+            || (self.cfg.kind == SocketKind::SeqPacket && len > MAX_WRITE as u64)
+            || (self.cfg.kind == SocketKind::Stream && len == 0);
+        if !self.shortcut_allowed() || refused {
+            return None;
+        }
+        let offer = match (self.actions.len(), self.actions.front()) {
+            (0, _) => None,
+            (1, Some(Action::Send(recs))) => match recs.as_slice() {
+                [Record::Control(Control::Advertise(ad), grant)] if ad.fill_only => Some((*grant, *ad)),
+                _ => return None,
+            },
+            _ => return None,
+        };
+        let (n, truncated, rec_len) = self.lone_ad_fill(len)?;
+        // The fill joins the open message, as `queue` would put it; after it the pass would
+        // queue nothing (the fill grants every credit owed), unless the stream buffer is due
+        // an acknowledgement.
+        let joins = offer.is_some();
+        if (joins && self.open_room() < rec_len)
+            || (!joins && !self.credits.can_send_data())
+            || self.credits.owed() > u16::MAX as u64
+            || (self.ring_in.received() > 0 && self.ring_in.needs_ack())
+        {
+            return None;
+        }
+        let grant = if joins { self.credits.take_grant() } else { self.credits.on_send() };
+        debug_assert!(!self.credits.needs_update());
+        // The open message, if any, goes with the reply (a pop, not a `clear`: that drops
+        // through a loop over the slices, 80 instructions).
+        self.actions.pop_front();
+        self.open_len = 0;
+        self.next_send += 1;
+        self.peer_ads.pop_front();
+        self.ads_answered += 1;
+        self.shortcut_taken();
+        Some(LoneReply {
+            offer,
+            grant,
+            fill: Piece { addr, len: n as u32, lkey },
+            truncated,
+            done: Done { req, op: OpKind::Send, outcome: Ok(len), truncated: false },
+        })
     }
 
     pub(super) fn try_ring(&mut self, first: usize) -> bool {

@@ -41,6 +41,8 @@ struct Pair {
     ends: [End; 2],
     wires: [VecDeque<Msg>; 2],
     failures: Vec<ProtoError>,
+    /// Sends that [`Proto::post_lone_send`] took.
+    lone_sends: u64,
 }
 
 fn hello(kind: SocketKind, msg_credits: u16, small_max: u32, ring_len: u32) -> Hello {
@@ -58,7 +60,13 @@ impl Pair {
             acks: VecDeque::new(),
             log: Vec::new(),
         };
-        Pair { small_max, ends: [end(), end()], wires: [VecDeque::new(), VecDeque::new()], failures: Vec::new() }
+        Pair {
+            small_max,
+            ends: [end(), end()],
+            wires: [VecDeque::new(), VecDeque::new()],
+            failures: Vec::new(),
+            lone_sends: 0,
+        }
     }
 
     /// Carries out end `i`'s actions: what goes to the peer joins the wire.
@@ -74,6 +82,29 @@ impl Pair {
                 return;
             }
             let Some(a) = self.ends[i].proto.next_action() else { return };
+            self.carry_out(i, a);
+        }
+    }
+
+    /// Starts a send at end `i` as the driver does: a ping-pong's reply handed back by
+    /// [`Proto::post_lone_send`] is carried out at once (as the actions it stands for), any
+    /// other through [`Proto::post_send`]; then the end's actions are carried out.
+    fn send(&mut self, i: usize, req: u64, addr: u64, len: u64) {
+        match self.ends[i].proto.post_lone_send(req, addr, len, 1) {
+            Some(reply) => {
+                self.lone_sends += 1;
+                for a in reply.actions() {
+                    self.carry_out(i, a);
+                }
+            }
+            None => self.ends[i].proto.post_send(req, addr, len, 1).unwrap(),
+        }
+        self.act(i);
+    }
+
+    /// Carries out one action of end `i`'s.
+    fn carry_out(&mut self, i: usize, a: Action) {
+        {
             let e = &mut self.ends[i];
             e.log.push(a.clone());
             match a {
@@ -517,7 +548,7 @@ fn run_logged(kind: SocketKind, ring: u32, steps: &[Step], generic_only: bool) -
                 seed = seed.wrapping_add(37);
                 p.fill(from, send_at[from], &data);
                 let req = sent[from].len() as u64;
-                p.ends[from].proto.post_send(req, send_at[from], len, 1).unwrap();
+                p.send(from, req, send_at[from], len);
                 send_at[from] += len;
                 sent[from].push(data);
             }
@@ -607,8 +638,7 @@ fn a_ping_pong_takes_the_shortcuts_and_one_message_a_way() {
         p.ends[from].proto.post_recv(k + 1, BASE + 0x40000 + 64 * (k + 1), 8, KEY).unwrap();
         p.act_holding(from, true);
         p.fill(from, BASE + 8 * k, &k.to_le_bytes());
-        p.ends[from].proto.post_send(k, BASE + 8 * k, 8, 1).unwrap();
-        p.act(from);
+        p.send(from, k, BASE + 8 * k, 8);
         assert_eq!(p.wires[from].len(), 1, "one control message a way");
         assert!(p.deliver(from));
         p.act(to);
@@ -622,6 +652,8 @@ fn a_ping_pong_takes_the_shortcuts_and_one_message_a_way() {
     // Every send after the first at each end, every receive after the first, and every
     // arrival after the first.
     assert!(taken >= 25, "shortcuts taken {taken} times");
+    // Every reply went straight to the wire, with the receive's advertisement before it.
+    assert_eq!(p.lone_sends, 10);
 }
 
 proptest! {
