@@ -299,7 +299,12 @@ pub struct Proto {
     peer_closed: bool,
     failed: Option<Errno>,
     actions: VecDeque<Action>,
-    /// Bytes of the control message at the end of `actions`, when one is there (what
+    /// A short advertisement alone in a control message at the very end of the actions, kept
+    /// apart until anything follows it ([`Proto::settle_held`]): a ping-pong's next receive,
+    /// which its reply takes along ([`Proto::post_lone_send`]) without the message ever being
+    /// queued.
+    held: Option<(u16, Advert)>,
+    /// Bytes of the control message at the end of the actions, when one is there (what
     /// [`Proto::open_room`] would otherwise add up for every record queued).
     open_len: usize,
     /// Tests: the shortcuts of a ping-pong's calls are off (every call takes the pass), and
@@ -349,6 +354,7 @@ impl Proto {
             peer_closed: false,
             failed: None,
             actions: VecDeque::new(),
+            held: None,
             open_len: 0,
             #[cfg(test)]
             generic_only: false,
@@ -359,18 +365,39 @@ impl Proto {
 
     /// The next action to carry out.
     pub fn next_action(&mut self) -> Option<Action> {
+        if self.actions.is_empty() {
+            self.settle_held();
+        }
         self.actions.pop_front()
     }
 
     /// Whether the only action left is a control message that later records may still join (a driver
     /// that expects another call soon may hold it back to send them together).
     pub fn only_open_send(&self) -> bool {
-        self.actions.len() == 1 && matches!(self.actions.front(), Some(Action::Send(_)))
+        match self.held {
+            Some(_) => self.actions.is_empty(),
+            None => self.actions.len() == 1 && matches!(self.actions.front(), Some(Action::Send(_))),
+        }
     }
 
     /// Whether actions wait to be carried out.
     pub fn has_actions(&self) -> bool {
-        !self.actions.is_empty()
+        !self.actions.is_empty() || self.held.is_some()
+    }
+
+    /// Puts the held advertisement ([`Proto::held`]) in its place, a control message at the
+    /// end of the actions, before anything is queued behind it or taken.
+    #[inline]
+    fn settle_held(&mut self) {
+        if let Some((grant, ad)) = self.held.take() {
+            self.actions.push_back(Action::Send(smallvec::smallvec![Record::Control(Control::Advertise(ad), grant)]));
+        }
+    }
+
+    /// Queues an action other than a control message (see [`Proto::queue`]).
+    fn push_action(&mut self, a: Action) {
+        self.settle_held();
+        self.actions.push_back(a);
     }
 
     /// Whether a record of `len` bytes may be queued now: it joins the control message at the
@@ -381,6 +408,10 @@ impl Proto {
 
     /// Room left in the control message at the end of the actions (0 if none is open).
     fn open_room(&self) -> usize {
+        if let Some((_, ad)) = &self.held {
+            debug_assert_eq!(self.open_len, Control::Advertise(*ad).encoded_len());
+            return self.peer_message_max.saturating_sub(self.open_len);
+        }
         match self.actions.back() {
             Some(Action::Send(recs)) => {
                 debug_assert_eq!(self.open_len, recs.iter().map(Record::encoded_len).sum::<usize>());
@@ -392,24 +423,29 @@ impl Proto {
 
     /// Queues a record: into the open control message if it fits, else into a new one (taking a
     /// credit). Callers checked [`Proto::may_queue`], or (credit records) that a credit is
-    /// left.
+    /// left. A short advertisement that starts a message is held apart ([`Proto::held`]).
     fn queue(&mut self, rec: impl FnOnce(u16) -> Record, len: usize) {
         if self.open_room() >= len {
             let grant = self.credits.take_grant();
+            self.settle_held();
             if let Some(Action::Send(recs)) = self.actions.back_mut() {
                 recs.push(rec(grant));
                 self.open_len += len;
             }
         } else {
             let grant = self.credits.on_send();
-            self.actions.push_back(Action::Send(smallvec::smallvec![rec(grant)]));
+            self.settle_held();
+            match rec(grant) {
+                Record::Control(Control::Advertise(ad), grant) if ad.fill_only => self.held = Some((grant, ad)),
+                rec => self.actions.push_back(Action::Send(smallvec::smallvec![rec])),
+            }
             self.open_len = len;
         }
     }
 
     /// Queues the completion of operation `req`.
     fn done(&mut self, req: u64, op: OpKind, outcome: Outcome, truncated: bool) {
-        self.actions.push_back(Action::Done(Done { req, op, outcome, truncated }));
+        self.push_action(Action::Done(Done { req, op, outcome, truncated }));
     }
 
     fn queue_control(&mut self, c: Control<'static>) {

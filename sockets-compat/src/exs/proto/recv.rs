@@ -250,7 +250,7 @@ impl Proto {
                 if n > 0 {
                     let mut b = b;
                     b.truncate(n as usize);
-                    self.actions.push_back(Action::Copy { dst: r.addr, src: CopySrc::Bytes(b), len: n });
+                    self.push_action(Action::Copy { dst: r.addr, src: CopySrc::Bytes(b), len: n });
                 }
                 if holds {
                     self.credits.on_buffer_freed();
@@ -273,7 +273,7 @@ impl Proto {
                     *used += n as usize;
                     let (finished, holds) = (*used == b.len(), *holds);
                     if n > 0 {
-                        self.actions.push_back(Action::Copy { dst: r.addr + got, src: CopySrc::Bytes(piece), len: n });
+                        self.push_action(Action::Copy { dst: r.addr + got, src: CopySrc::Bytes(piece), len: n });
                     }
                     got += n;
                     if finished {
@@ -285,15 +285,12 @@ impl Proto {
                 }
                 Early::Ring { offset, len, used, end } => {
                     let n = (*len - *used).min(r.len - got);
-                    self.actions.push_back(Action::Copy {
-                        dst: r.addr + got,
-                        src: CopySrc::Ring(*offset + *used),
-                        len: n,
-                    });
+                    let src = CopySrc::Ring(*offset + *used);
                     *used += n;
+                    let finished = (*used == *len).then_some(*end);
+                    self.push_action(Action::Copy { dst: r.addr + got, src, len: n });
                     got += n;
-                    if *used == *len {
-                        let end = *end;
+                    if let Some(end) = finished {
                         self.early.pop_front();
                         self.ring_in.consume_to(end);
                     }

@@ -76,7 +76,7 @@ impl Proto {
         let imm = WriteNote::Advertised { len: n, truncated }.encode();
         let send = s.id;
         self.handed += 1;
-        self.actions.push_back(Action::Write { send, piece, remote_addr: ad.addr, rkey: ad.rkey, imm: Some(imm) });
+        self.push_action(Action::Write { send, piece, remote_addr: ad.addr, rkey: ad.rkey, imm: Some(imm) });
     }
 
     pub(super) fn fill_stream(&mut self, first: usize, ad: &Advert) {
@@ -104,7 +104,7 @@ impl Proto {
             let remote_addr = ad.addr + at;
             at += piece.len as u64;
             let imm = (k == last).then(|| WriteNote::Advertised { len: at as u32, truncated: false }.encode());
-            self.actions.push_back(Action::Write { send, piece, remote_addr, rkey: ad.rkey, imm });
+            self.push_action(Action::Write { send, piece, remote_addr, rkey: ad.rkey, imm });
         }
     }
 
@@ -258,14 +258,11 @@ impl Proto {
         if !self.shortcut_allowed() || refused {
             return None;
         }
-        let offer = match (self.actions.len(), self.actions.front()) {
-            (0, _) => None,
-            (1, Some(Action::Send(recs))) => match recs.as_slice() {
-                [Record::Control(Control::Advertise(ad), grant)] if ad.fill_only => Some((*grant, *ad)),
-                _ => return None,
-            },
-            _ => return None,
-        };
+        // Nothing may wait but the held advertisement of the receive posted before.
+        if !self.actions.is_empty() {
+            return None;
+        }
+        let offer = self.held;
         let (n, truncated, rec_len) = self.lone_ad_fill(len)?;
         // The fill joins the open message, as `queue` would put it; after it the pass would
         // queue nothing (the fill grants every credit owed), unless the stream buffer is due
@@ -280,9 +277,7 @@ impl Proto {
         }
         let grant = if joins { self.credits.take_grant() } else { self.credits.on_send() };
         debug_assert!(!self.credits.needs_update());
-        // The open message, if any, goes with the reply (a pop, not a `clear`: that drops
-        // through a loop over the slices, 80 instructions).
-        self.actions.pop_front();
+        self.held = None;
         self.open_len = 0;
         self.next_send += 1;
         self.peer_ads.pop_front();
@@ -315,13 +310,7 @@ impl Proto {
         self.unadvertised_sent += 1;
         self.credits.on_send_bare();
         let remote_addr = self.cfg.peer.ring_addr + place.offset;
-        self.actions.push_back(Action::Write {
-            send: id,
-            piece,
-            remote_addr,
-            rkey: self.cfg.peer.ring_rkey,
-            imm: Some(imm),
-        });
+        self.push_action(Action::Write { send: id, piece, remote_addr, rkey: self.cfg.peer.ring_rkey, imm: Some(imm) });
         true
     }
 
