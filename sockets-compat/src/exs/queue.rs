@@ -264,10 +264,11 @@ impl<S> EventQueue<S> {
             // polling now, asleep on every queue pair's completion events) queues an event.
             polling = false;
             engine::hand_over();
+            // The nap is reckoned before the lock is taken (a clock read is not for a spin lock).
+            let nap = if engine::busy_poll() { Duration::from_millis(1) } else { Duration::from_millis(50) };
+            let nap = deadline.map_or(nap, |d| nap.min(d.saturating_duration_since(Instant::now())));
             let mut s = self.lock();
             if s.events.is_empty() {
-                let nap = if engine::busy_poll() { Duration::from_millis(1) } else { Duration::from_millis(50) };
-                let nap = deadline.map_or(nap, |d| nap.min(d.saturating_duration_since(Instant::now())));
                 s.sleepers += 1;
                 let asleep = self.0.sleep.lock.lock().unwrap_or_else(|p| p.into_inner());
                 drop(s);
