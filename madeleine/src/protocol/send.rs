@@ -138,7 +138,9 @@ impl SendSide {
     pub fn begin(&mut self, limits: &Limits) {
         self.agg.clear();
         self.agg.reserve(limits.max_msg);
-        Record::Begin { seq: self.seq }.encode(&mut self.agg);
+        // One 16-byte append (`Record::encode` appends a header as two words, through a call:
+        // 42 instructions a message here, callgrind).
+        self.agg.extend_from_slice(&Record::Begin { seq: self.seq }.header());
         (self.packs, self.flushed, self.finished) = (0, false, false);
     }
 
