@@ -337,6 +337,8 @@ impl<S> State<S> {
                 self.pipe_failed(&e);
                 let errno = self.proto.failure().unwrap_or(libc::ECONNRESET);
                 self.report(Done { outcome: Err(errno), ..r.done });
+                // The other operations' failures, which the protocol queued.
+                self.run(false);
             }
         }
     }
