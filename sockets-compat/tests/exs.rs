@@ -351,3 +351,107 @@ fn waiting_for_notification_moves_the_same_bytes() {
     s.set(Tunable::BusyPoll, 1).unwrap();
     assert_eq!(s.get(Tunable::BusyPoll), 1);
 }
+
+/// A ping-pong between two threads, each end on its own queue, over messages of mixed sizes:
+/// small replies leave straight from the send's start with the next receive's advertisement,
+/// larger ones by a write and its note, and (SOCK_SEQPACKET) every seventh turn the echo has
+/// two receives posted ahead, which puts the sends around it on the protocol's general path.
+/// Every byte is checked.
+#[test]
+fn a_ping_pong_of_mixed_sizes_between_threads_echoes_every_byte() {
+    const SIZES: [usize; 9] = [1, 8, 100, 128, 129, 500, 3000, 64, 0];
+    const TURNS: usize = 400;
+    const SLOT: usize = 4096;
+    const SLOTS: usize = 4;
+    for kind in [SocketKind::SeqPacket, SocketKind::Stream] {
+        // (A stream receive takes at least a byte.)
+        let size = move |turn: usize| match (kind, SIZES[turn % SIZES.len()]) {
+            (SocketKind::Stream, 0) => 5,
+            (_, n) => n,
+        };
+        let ahead = move |turn: usize| if kind == SocketKind::SeqPacket && turn % 7 == 3 { 2 } else { 1 };
+        let (s, c) = pair(kind);
+        let echo = std::thread::spawn(move || {
+            let q = EventQueue::new(64).unwrap();
+            let mem = Memory::alloc(SLOTS * SLOT).unwrap();
+            // Receives posted, in turn order: (turn, slot, bytes in so far); slots in use.
+            let mut posted = std::collections::VecDeque::new();
+            let mut used = [false; SLOTS];
+            let mut next = 0;
+            let post =
+                |posted: &mut std::collections::VecDeque<(usize, usize, usize)>, used: &mut [bool; SLOTS], turn| {
+                    let slot = used.iter().position(|u| !u).expect("a free slot");
+                    used[slot] = true;
+                    s.recv(&q, slot as u64, &mem, slot * SLOT, size(turn)).unwrap();
+                    posted.push_back((turn, slot, 0));
+                };
+            for turn in 0..TURNS {
+                while next < TURNS && next < turn + ahead(turn) {
+                    post(&mut posted, &mut used, next);
+                    next += 1;
+                }
+                // This turn's message, whole (a stream's may come in pieces).
+                loop {
+                    let ev = one(&q);
+                    let n = ev.outcome.unwrap() as usize;
+                    if ev.kind == EventKind::Send {
+                        used[ev.req as usize - 100] = false;
+                        continue;
+                    }
+                    let (t, slot, got) = posted.front_mut().unwrap();
+                    assert_eq!((ev.req as usize, *t), (*slot, turn));
+                    *got += n;
+                    if *got == size(turn) {
+                        break;
+                    }
+                    assert_eq!(kind, SocketKind::Stream, "a message cut short");
+                    let at = *slot * SLOT + *got;
+                    s.recv(&q, *slot as u64, &mem, at, size(turn) - *got).unwrap();
+                }
+                let (_, slot, _) = posted.pop_front().unwrap();
+                // The next receive before the reply, as an echo does.
+                if next < TURNS && next < turn + 1 + ahead(turn + 1) {
+                    post(&mut posted, &mut used, next);
+                    next += 1;
+                }
+                s.send(&q, 100 + slot as u64, &mem, slot * SLOT, size(turn)).unwrap();
+            }
+            // The last replies' events.
+            while used.iter().any(|u| *u) {
+                let ev = one(&q);
+                assert_eq!(ev.kind, EventKind::Send);
+                used[ev.req as usize - 100] = false;
+            }
+        });
+        let q = EventQueue::new(64).unwrap();
+        let mem = Memory::alloc(2 * SLOT).unwrap();
+        let mut got = vec![0u8; SLOT];
+        for turn in 0..TURNS {
+            let n = size(turn);
+            let msg = pattern(n, turn as u32);
+            mem.write(SLOT, &msg);
+            c.recv(&q, 0, &mem, 0, n).unwrap();
+            c.send(&q, 1, &mem, SLOT, n).unwrap();
+            let (mut sent, mut done, mut have) = (false, false, 0);
+            while !(sent && done) {
+                let ev = one(&q);
+                let k = ev.outcome.unwrap() as usize;
+                if ev.kind == EventKind::Send {
+                    sent = true;
+                    continue;
+                }
+                assert!(k > 0 || n == 0, "the end of the data in turn {turn}");
+                have += k;
+                if have < n {
+                    assert_eq!(kind, SocketKind::Stream, "a message cut short");
+                    c.recv(&q, 0, &mem, have, n - have).unwrap();
+                } else {
+                    done = true;
+                }
+            }
+            mem.read(0, &mut got[..n]);
+            assert_eq!(&got[..n], &msg[..], "turn {turn}, {n} bytes, {kind:?}");
+        }
+        echo.join().unwrap();
+    }
+}
