@@ -2,7 +2,8 @@
  * reliable-datagram endpoints (FI_EP_RDM) sending untagged messages (FI_MSG) between two
  * processes (this one and a child it forks; the endpoint names cross through pipes), each
  * pinned to the CPU named by STACK_BENCH_CPUS ("client,server": this process on the first).
- *   lat SIZE N WARM   prints the median one-way latency of N round trips in microseconds
+ *   lat SIZE N WARM   prints the median and the 99th percentile of the one-way latency of N
+ *                     round trips (half of each), in microseconds
  *   bw  SIZE N WARM   prints the bandwidth of N messages in GB/s (windows of 64 outstanding
  *                     sends and receives, each window acknowledged), warm-up excluded
  * Completions are busy-polled, as ucx_perftest and our layers poll. */
@@ -175,7 +176,7 @@ int main(int argc, char **argv) {
         if (!server) {
             double us_per_tick = tick_us_per_tick();
             qsort(t, n, sizeof(double), cmp);
-            printf("%.4f\n", t[n / 2] * us_per_tick / 2);
+            printf("%.4f %.4f\n", t[n / 2] * us_per_tick / 2, t[n * 99 / 100] * us_per_tick / 2);
         }
     } else {
         double start = 0;

@@ -1,6 +1,7 @@
 /* Open MPI's point-to-point as stack_bench's `mpi` layer measures it: two ranks, each pinned
  * to the CPU named by STACK_BENCH_CPUS ("client,server": rank 0 on the first).
- *   lat SIZE N WARM   prints the median one-way latency of N round trips in microseconds
+ *   lat SIZE N WARM   prints the median and the 99th percentile of the one-way latency of N
+ *                     round trips (half of each), in microseconds
  *   bw  SIZE N WARM   prints the bandwidth of N messages in GB/s (a window of 64 outstanding
  *                     MPI_Isend/MPI_Irecv, then a zero-byte acknowledgement), warm-up excluded */
 #define _GNU_SOURCE
@@ -64,7 +65,7 @@ int main(int argc, char **argv) {
         if (rank == 0) {
             double us_per_tick = tick_us_per_tick();
             qsort(t, n, sizeof(double), cmp);
-            printf("%.4f\n", t[n / 2] * us_per_tick / 2);
+            printf("%.4f %.4f\n", t[n / 2] * us_per_tick / 2, t[n * 99 / 100] * us_per_tick / 2);
         }
     } else {
         MPI_Request req[WINDOW];

@@ -55,8 +55,13 @@ pub(crate) fn share(total: u64, parts: u64, r: u64) -> u64 {
 
 /// The median of a block's samples or of the rounds' differences (reordered).
 pub(crate) fn median<T: Ord + Copy>(v: &mut [T]) -> T {
-    let mid = v.len() / 2;
-    *v.select_nth_unstable(mid).1
+    quantile(v, 0.5)
+}
+
+/// The value at `q` (0 to 1) of a non-empty slice (reordered), as the C peers index theirs.
+pub(crate) fn quantile<T: Ord + Copy>(v: &mut [T], q: f64) -> T {
+    let at = ((v.len() as f64 * q) as usize).min(v.len() - 1);
+    *v.select_nth_unstable(at).1
 }
 
 /// One layer's measurements at one size, summed over the rounds.
@@ -64,6 +69,8 @@ pub(crate) struct Tally {
     pub(crate) hist: Histogram<u64>,
     /// Each round's median one-way latency (ns).
     pub(crate) round_medians: Vec<u64>,
+    /// Each round's 99th percentile (ns): a peer's as its program reports it.
+    pub(crate) round_p99s: Vec<u64>,
     pub(crate) bytes: f64,
     pub(crate) secs: f64,
     pub(crate) cpu: f64,

@@ -3,7 +3,8 @@
 //! over its default shared-memory path (`ob1` with the `vader` BTL; `benches/peers/
 //! mpi_pingpong.c`, two ranks by `mpirun`) and libfabric's `shm` provider (reliable-datagram
 //! messages; `benches/peers/fi_pingpong.c`, a process and the child it forks). Both print the
-//! median one-way latency (`lat`) or the bandwidth of windows of 64 messages (`bw`).
+//! median and 99th percentile of the one-way latency (`lat`) or the bandwidth of windows of 64
+//! messages (`bw`).
 
 use std::sync::OnceLock;
 
@@ -122,16 +123,17 @@ impl CPeer {
             Some(st) => return Err(format!("{name} {test} {size} failed ({st}): {}", out.trim())),
             None => return Err(format!("{name} {test} {size} took over {PEER_LIMIT:?}")),
         }
-        let value: f64 = out
+        // The last line of figures: the median and the 99th percentile (`lat`), or the
+        // bandwidth (`bw`).
+        let figures: Vec<f64> = out
             .lines()
-            .filter_map(|l| l.trim().parse().ok())
-            .next_back()
-            .filter(|v: &f64| v.is_finite() && *v > 0.0)
+            .filter_map(|l| l.split_whitespace().map(str::parse).collect::<Result<Vec<f64>, _>>().ok())
+            .rfind(|v| !v.is_empty() && v.iter().all(|x| x.is_finite() && *x > 0.0))
             .ok_or_else(|| format!("{name} {test} {size} printed no figure: {}", out.trim()))?;
-        Ok(if test == "lat" {
-            PeerResult { p50_us: value, gbps: 0.0 }
-        } else {
-            PeerResult { p50_us: 0.0, gbps: value }
-        })
+        match (test, figures.as_slice()) {
+            ("lat", &[p50_us, p99_us]) => Ok(PeerResult { p50_us, p99_us: Some(p99_us), gbps: 0.0 }),
+            ("bw", &[gbps]) => Ok(PeerResult { p50_us: 0.0, p99_us: None, gbps }),
+            _ => Err(format!("{name} {test} {size}: unexpected figures {figures:?}")),
+        }
     }
 }

@@ -71,20 +71,22 @@ enum Layer {
     /// every block runs at least 2000 round trips or 5000 messages (about 2 GiB for large
     /// ones), its own warm-up excluded, in a pair of processes of its own, pinned as ours are,
     /// while ours sleep. Same host only; needs `ucx_perftest` (Debian: `ucx-utils`). Its
-    /// latency is the 50th percentile ucx_perftest reports; it reports no p99 and no CPU time.
+    /// latency is the 50th percentile ucx_perftest reports, its p99 the 99th of a second run of
+    /// each latency block (`-R 99`; both over a block's last 2048 round trips); no CPU time.
     Ucx,
     /// Open MPI, the default shared-memory path (`ob1` with the `vader` BTL): a ping-pong of
     /// `MPI_Send`/`MPI_Recv` and a stream of 64 outstanding `MPI_Isend`s (`benches/peers/
     /// mpi_pingpong.c`, compiled with `mpicc`), two ranks by `mpirun` for each of this layer's
     /// blocks, as long as UCX's, pinned as ours are, while ours sleep. Same host only; needs
     /// `mpicc` and `mpirun` (Debian: `libopenmpi-dev`, `openmpi-bin`). Its latency is the
-    /// median one-way of its round trips; no p99 and no CPU time.
+    /// median one-way of its round trips, and their 99th percentile; no CPU time.
     Mpi,
     /// libfabric's shared-memory provider (`shm`): reliable-datagram endpoints sending
     /// untagged messages, a ping-pong and a stream of windows of 64 (`benches/peers/
     /// fi_pingpong.c`, compiled with `cc -lfabric`; a process and the child it forks), as long
     /// as UCX's blocks, pinned as ours are, while ours sleep. Same host only; needs libfabric's
-    /// headers (Debian: `libfabric-dev`). Median one-way latency; no p99 and no CPU time.
+    /// headers (Debian: `libfabric-dev`). Median and 99th percentile of the one-way latency; no
+    /// CPU time.
     Libfabric,
 }
 
@@ -297,6 +299,7 @@ fn measure(
             .map(|_| Tally {
                 hist: Histogram::new(3).expect("histogram"),
                 round_medians: Vec::new(),
+                round_p99s: Vec::new(),
                 bytes: 0.0,
                 secs: 0.0,
                 cpu: 0.0,
@@ -325,6 +328,7 @@ fn measure(
                         let p50 = (got.p50_us * 1e3).round().max(1.0) as u64;
                         t.hist.record_n(p50, n).ok();
                         t.round_medians.push(p50);
+                        t.round_p99s.extend(got.p99_us.map(|us| (us * 1e3).round() as u64));
                     }
                     if r < stream_rounds {
                         let messages = ucx_stream_messages(size, share(count, stream_rounds, r));
@@ -352,6 +356,7 @@ fn measure(
                     for &s in &samples {
                         t.hist.record(s).ok();
                     }
+                    t.round_p99s.push(quantile(&mut samples, 0.99));
                     t.round_medians.push(median(&mut samples));
                 }
                 if r < stream_rounds {
@@ -387,7 +392,9 @@ fn measure(
                 layer: layers[i],
                 size,
                 median_us: t.hist.value_at_quantile(0.5) as f64 / 1e3,
-                p99_us: ours.then(|| t.hist.value_at_quantile(0.99) as f64 / 1e3),
+                // The median of the rounds' 99th percentiles, for every layer alike: a peer
+                // reports no samples to pool.
+                p99_us: (!t.round_p99s.is_empty()).then(|| median(&mut t.round_p99s) as f64 / 1e3),
                 gbps: t.bytes / t.secs.max(1e-9) / 1e9,
                 // CPU time of both processes during the stream (the server reports its own).
                 mb_per_cpu_s: ours.then(|| t.bytes / 1e6 / t.cpu.max(1e-9)),
@@ -425,7 +432,12 @@ fn run_peer(
     if first {
         log::info!("ucx {size} B {test}: best with UCX_TLS={tls}");
     }
-    Ok(got)
+    if !latency {
+        return Ok(PeerResult { p50_us: 0.0, p99_us: None, gbps: got.gbps });
+    }
+    // ucx_perftest reads one percentile a run: the 99th from a second run of the block.
+    let p99 = run_ucx(test, size, n, warm, cpus, &tls, UCX_P99)?;
+    Ok(PeerResult { p50_us: got.percentile_us, p99_us: Some(p99.percentile_us), gbps: got.gbps })
 }
 
 fn serve(links: &mut [Box<dyn Link>], layers: &[Layer]) -> Result<(), String> {
@@ -794,18 +806,29 @@ mod tests {
         let out =
             "some banner\niterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr\n\
                    100000,0.180,0.183,0.183,41.69,1000.0,5464179,5464179\n";
-        let got = parse_ucx_csv(out).unwrap();
-        assert_eq!(got.p50_us, 0.18);
+        let got = parse_ucx_csv(out, UCX_MEDIAN).unwrap();
+        assert_eq!(got.percentile_us, 0.18);
         assert!((got.gbps - 1.048576).abs() < 1e-9, "MiB/s to GB/s: {got:?}");
-        assert!(parse_ucx_csv("connect() failed\n").unwrap_err().contains("no CSV header"));
-        assert!(parse_ucx_csv("iterations,overall_bw\n").unwrap_err().contains("no CSV values"));
-        assert!(parse_ucx_csv("iterations,overall_bw\n1,2,3\n").unwrap_err().contains("2 CSV columns but 3"));
-        let no_p50 = "iterations,overall_bw\n1,2\n";
-        assert!(parse_ucx_csv(no_p50).unwrap_err().contains("no 50.0_percentile_lat column"));
-        let nan = "iterations,50.0_percentile_lat,overall_bw\n1,x,2\n";
-        assert!(parse_ucx_csv(nan).unwrap_err().contains("not a number"));
-        let negative = "iterations,50.0_percentile_lat,overall_bw\n1,-1,2\n";
-        assert!(parse_ucx_csv(negative).unwrap_err().contains("out of range"));
+        let p99 = "iterations,99.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw\n2000,0.745,0.5,0.5,13,13\n";
+        assert_eq!(parse_ucx_csv(p99, UCX_P99).unwrap().percentile_us, 0.745);
+        assert!(parse_ucx_csv(p99, UCX_MEDIAN).unwrap_err().contains("no 50.0_percentile_lat column"));
+        let bad = |out: &str| parse_ucx_csv(out, UCX_MEDIAN).unwrap_err();
+        assert!(bad("connect() failed\n").contains("no CSV header"));
+        assert!(bad("iterations,overall_bw\n").contains("no CSV values"));
+        assert!(bad("iterations,overall_bw\n1,2,3\n").contains("2 CSV columns but 3"));
+        assert!(bad("iterations,overall_bw\n1,2\n").contains("no 50.0_percentile_lat column"));
+        assert!(bad("iterations,50.0_percentile_lat,overall_bw\n1,x,2\n").contains("not a number"));
+        assert!(bad("iterations,50.0_percentile_lat,overall_bw\n1,-1,2\n").contains("out of range"));
+    }
+
+    #[test]
+    fn quantiles_index_as_the_c_peers_do() {
+        let mut v: Vec<u64> = (1..=100).rev().collect();
+        assert_eq!(quantile(&mut v, 0.99), 100); // t[n * 99 / 100] of the sorted samples
+        assert_eq!(median(&mut v), 51);
+        assert_eq!(quantile(&mut [7u64], 0.99), 7);
+        let mut few: Vec<u64> = vec![3, 1, 2];
+        assert_eq!(quantile(&mut few, 0.99), 3);
     }
 
     #[test]

@@ -5,18 +5,35 @@ use crate::*;
 /// How long one ucx_perftest run may take before the run fails.
 pub(crate) const UCX_LIMIT: Duration = Duration::from_secs(120);
 
-/// What one run of a peer's benchmark reported (ucx_perftest, the MPI ping-pong).
+/// What one block of a peer's benchmark reported (ucx_perftest, the C programs).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct PeerResult {
-    /// Median one-way latency (its `50.0_percentile_lat`, us).
+    /// Median one-way latency, us.
     pub(crate) p50_us: f64,
+    /// 99th percentile of the one-way latency, us (latency blocks).
+    pub(crate) p99_us: Option<f64>,
+    /// Bandwidth, GB/s.
+    pub(crate) gbps: f64,
+}
+
+/// What one ucx_perftest run reported.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct UcxRun {
+    /// The one-way latency at the percentile rank asked for (`-R`; its
+    /// `<rank>_percentile_lat`, us), over the run's last 2048 iterations (its timing queue).
+    pub(crate) percentile_us: f64,
     /// Overall bandwidth (its `overall_bw`, in MiB/s there), GB/s.
     pub(crate) gbps: f64,
 }
 
+/// The percentile ranks the `ucx` layer asks ucx_perftest for: one run each.
+pub(crate) const UCX_MEDIAN: f64 = 50.0;
+pub(crate) const UCX_P99: f64 = 99.0;
+
 /// Reads ucx_perftest's `-v` output: a CSV header line starting with `iterations,` and the
-/// values on the line after it, found by column name.
-pub(crate) fn parse_ucx_csv(out: &str) -> Result<PeerResult, String> {
+/// values on the line after it, found by column name; the latency column is the one of
+/// percentile `rank`.
+pub(crate) fn parse_ucx_csv(out: &str, rank: f64) -> Result<UcxRun, String> {
     let lines: Vec<&str> = out.lines().map(str::trim).collect();
     let at = lines.iter().rposition(|l| l.starts_with("iterations,")).ok_or("no CSV header in its output")?;
     let values = lines.get(at + 1).ok_or("no CSV values after its header")?;
@@ -33,7 +50,10 @@ pub(crate) fn parse_ucx_csv(out: &str) -> Result<PeerResult, String> {
             Err(format!("{name} out of range: {v}"))
         }
     };
-    Ok(PeerResult { p50_us: column("50.0_percentile_lat")?, gbps: column("overall_bw")? * 1_048_576.0 / 1e9 })
+    Ok(UcxRun {
+        percentile_us: column(&format!("{rank:.1}_percentile_lat"))?,
+        gbps: column("overall_bw")? * 1_048_576.0 / 1e9,
+    })
 }
 
 /// Whether `ucx_perftest` is on the PATH.
@@ -58,9 +78,9 @@ pub(crate) fn ucx_stream_messages(size: usize, ours: u64) -> u64 {
 pub(crate) const UCX_MIN_ROUND_TRIPS: u64 = 2000;
 
 /// Runs `test` with the transport set `chosen` names, or, the first time (`None`), with each
-/// ([`UCX_TLS_CHOICES`], or `UCX_TLS` alone), keeping the better (lower latency for
+/// ([`UCX_TLS_CHOICES`], or `UCX_TLS` alone), keeping the better (lower median latency for
 /// `tag_lat`, higher bandwidth otherwise) in `chosen` for the point's later rounds. Returns the
-/// result and the set.
+/// median run's result and the set.
 pub(crate) fn run_ucx_best(
     test: &str,
     size: usize,
@@ -68,20 +88,20 @@ pub(crate) fn run_ucx_best(
     warm: u64,
     cpus: Option<(usize, usize)>,
     chosen: &mut Option<String>,
-) -> Result<(PeerResult, String), String> {
+) -> Result<(UcxRun, String), String> {
     if let Some(tls) = chosen.clone() {
-        return run_ucx(test, size, n, warm, cpus, &tls).map(|r| (r, tls));
+        return run_ucx(test, size, n, warm, cpus, &tls, UCX_MEDIAN).map(|r| (r, tls));
     }
     let choices: Vec<String> = match std::env::var("UCX_TLS") {
         Ok(tls) => vec![tls],
         Err(_) => UCX_TLS_CHOICES.iter().map(|t| t.to_string()).collect(),
     };
-    let mut best: Option<(PeerResult, String)> = None;
+    let mut best: Option<(UcxRun, String)> = None;
     for tls in choices {
-        let got = run_ucx(test, size, n, warm, cpus, &tls)?;
+        let got = run_ucx(test, size, n, warm, cpus, &tls, UCX_MEDIAN)?;
         let better = match &best {
             None => true,
-            Some((b, _)) if test == "tag_lat" => got.p50_us < b.p50_us,
+            Some((b, _)) if test == "tag_lat" => got.percentile_us < b.percentile_us,
             Some((b, _)) => got.gbps > b.gbps,
         };
         if better {
@@ -127,7 +147,8 @@ pub(crate) fn ucx_command(cpu: Option<usize>, tls: &str) -> Command {
 
 /// Runs one ucx_perftest `test` of `n` iterations (after `warm` unrecorded ones) between a
 /// server and a client process, pinned to the server's and the client's CPUs of `cpus`
-/// (client, server) if given. The client is retried while the server is still coming up.
+/// (client, server) if given, its latency read at percentile `rank`. The client is retried
+/// while the server is still coming up.
 pub(crate) fn run_ucx(
     test: &str,
     size: usize,
@@ -135,7 +156,8 @@ pub(crate) fn run_ucx(
     warm: u64,
     cpus: Option<(usize, usize)>,
     tls: &str,
-) -> Result<PeerResult, String> {
+    rank: f64,
+) -> Result<UcxRun, String> {
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| format!("finding a free port: {e}"))?
@@ -156,11 +178,15 @@ pub(crate) fn run_ucx(
             &n.max(1).to_string(),
             "-w",
             &warm.to_string(),
+            "-R",
+            &rank.to_string(),
             "-v",
         ]);
         let (status, out) = run_captured(&mut client, &log, UCX_LIMIT)?;
         match status {
-            Some(st) if st.success() => break parse_ucx_csv(&out).map_err(|e| format!("ucx_perftest {test}: {e}")),
+            Some(st) if st.success() => {
+                break parse_ucx_csv(&out, rank).map_err(|e| format!("ucx_perftest {test}: {e}"));
+            }
             // Not listening yet: the client gives up at once; try again for a while.
             Some(_) if matches!(server.try_wait(), Ok(None)) && started.elapsed() < Duration::from_secs(10) => {
                 std::thread::sleep(Duration::from_millis(50));
