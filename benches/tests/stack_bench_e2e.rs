@@ -131,13 +131,14 @@ fn the_ucx_layer_runs_in_the_same_rounds_as_ours() {
         let f: Vec<&str> = line.split(',').collect();
         let num = |i: usize| -> Option<f64> { (!f[i].is_empty()).then(|| f[i].parse().unwrap()) };
         assert!(num(2).is_some_and(|l| l > 0.0) && num(5).is_some_and(|b| b > 0.0), "{line}");
-        // Every layer has a p99 at or above its median (UCX's from a second run, `-R 99`).
-        assert!(num(3).is_some_and(|p99| p99 >= num(2).unwrap()), "{line}");
         if f[0] == "ucx" {
-            // ucx_perftest reports no CPU time; UCX has no difference to itself.
+            // Its p99 comes from a second run (`-R 99`), which the host may run faster than
+            // the median's. ucx_perftest reports no CPU time; UCX has no difference to itself.
+            assert!(num(3).is_some_and(|p99| p99 > 0.0), "{line}");
             assert_eq!((num(6), num(7)), (None, None), "{line}");
             assert!(num(4).is_some_and(f64::is_finite), "{line}");
         } else {
+            assert!(num(3).is_some_and(|p99| p99 >= num(2).unwrap()), "{line}");
             assert!(num(6).is_some() && num(7).is_some_and(f64::is_finite), "{line}");
         }
     }
