@@ -128,7 +128,8 @@ impl CPeer {
         let figures: Vec<f64> = out
             .lines()
             .filter_map(|l| l.split_whitespace().map(str::parse).collect::<Result<Vec<f64>, _>>().ok())
-            .rfind(|v| !v.is_empty() && v.iter().all(|x| x.is_finite() && *x > 0.0))
+            .rfind(|v| !v.is_empty())
+            .filter(|v| v.iter().all(|x| x.is_finite() && *x > 0.0))
             .ok_or_else(|| format!("{name} {test} {size} printed no figure: {}", out.trim()))?;
         match (test, figures.as_slice()) {
             ("lat", &[p50_us, p99_us]) => Ok(PeerResult { p50_us, p99_us: Some(p99_us), gbps: 0.0 }),
