@@ -535,7 +535,7 @@ pub fn frame_reserved(body: usize) -> u64 {
 }
 
 /// Largest frame body in a ring of `ring` bytes (a frame takes at most a quarter of it).
-pub fn frame_body_max(ring: u64) -> usize {
+pub const fn frame_body_max(ring: u64) -> usize {
     (ring / 4) as usize - FRAME_OVERHEAD
 }
 

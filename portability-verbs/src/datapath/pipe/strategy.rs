@@ -76,7 +76,7 @@ impl FlowStrategy {
     }
 
     /// Largest message the pipe carries.
-    pub fn max_message(&self) -> usize {
+    pub const fn max_message(&self) -> usize {
         match *self {
             FlowStrategy::Credit { buf_size, .. } => buf_size - RECORD_HEADER,
             FlowStrategy::Rdma { ring_bytes, .. } => ring_bytes / 4 - RECORD_HEADER,
