@@ -9,11 +9,15 @@ use portability_verbs::datapath::FlowStrategy;
 use crate::wait::{Patience, Spin};
 use crate::{MadError, Result};
 
-/// Madeleine's eager path: the polled strategy with a 64 KiB ring, whose frames carry up to
-/// 16 KiB, so that a message of one 8 KiB pack goes as one frame written from the
-/// application's buffer, as a 4 KiB one does, instead of through the bulk lane
-/// (decision 025).
-pub(crate) const POLLED: FlowStrategy = FlowStrategy::Polled { ring_bytes: 64 * 1024, coalesce: 4096 };
+/// Madeleine's eager path: the polled strategy with a 512 KiB ring, so that a stream of
+/// small messages rarely waits for the reader's acknowledgements (decision 028).
+pub(crate) const POLLED: FlowStrategy = FlowStrategy::Polled { ring_bytes: 512 * 1024, coalesce: 4096 };
+
+/// Madeleine's largest polled frame, whatever the ring: a 64 KiB ring's (16 KiB less its
+/// framing), so that a message of one 8 KiB pack goes as one frame written from the
+/// application's buffer, as a 4 KiB one does, instead of through the bulk lane (decision
+/// 025), while larger packs keep the bulk lane, which pipelines them (decision 028).
+pub(crate) const FRAME_MAX: usize = FlowStrategy::Polled { ring_bytes: 64 * 1024, coalesce: 4096 }.max_message();
 
 /// How a session is set up.
 #[derive(Clone, Debug)]
@@ -42,9 +46,10 @@ pub struct SessionConfig {
     /// our sockets (the same directory, by mistake) is turned away, never connected. From the
     /// launcher's job id in `from_env`; empty by default.
     pub job: String,
-    /// Flow control of the eager path (default: polled with a 64 KiB ring, the fewest
+    /// Flow control of the eager path (default: polled with a 512 KiB ring, the fewest
     /// instructions and shared cache lines per small message; `MAD_FLOW=credit|rdma|window|polled`
-    /// overrides in `from_env`).
+    /// overrides in `from_env`). A polled ring's frames carry at most 16 KiB here, whatever its
+    /// size.
     pub strategy: FlowStrategy,
     /// How long set-up (connecting the ranks, a channel) waits for a peer.
     pub timeout: Duration,

@@ -230,10 +230,11 @@ fn every_size_with(threshold: usize) {
 }
 
 /// Packs of the sizes that go as one pipe message only while the peer keeps up (above a frame
-/// of a 32 KiB ring, up to one of the 64 KiB ring) arrive intact and in order either way: in a
-/// ping-pong, where each message goes as a frame, and in a stream the receiver reads behind,
-/// where they take the bulk lane, in every shape a message takes (a lone pack straight from
-/// the application's buffer, a copied one, behind an express header, two of them).
+/// of a 32 KiB ring, up to Madeleine's largest frame, a 64 KiB ring's) arrive intact and in
+/// order either way: in a ping-pong, where each message goes as a frame, and in a stream the
+/// receiver reads behind, where they take the bulk lane, in every shape a message takes (a
+/// lone pack straight from the application's buffer, a copied one, behind an express header,
+/// two of them).
 #[test]
 fn frame_sized_packs_arrive_intact_whether_the_peer_keeps_up_or_reads_behind() {
     let sizes = [8000usize, 8150, 8192, 8300, 12_000, 16_200, 16_320, 16_384];

@@ -465,10 +465,12 @@ impl Conn {
         let cq = conn.cq;
         let mut pipe = MsgPipe::establish_with(conn.qp, cq.clone(), &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
         let crossover = crate::probe::rendezvous_crossover(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
-        let max_msg = s.cfg.strategy.max_message();
-        let stream_max_msg = match s.cfg.strategy {
-            FlowStrategy::Polled { .. } => FlowStrategy::POLLED.max_message().min(max_msg),
-            _ => max_msg,
+        let (max_msg, stream_max_msg) = match s.cfg.strategy {
+            FlowStrategy::Polled { .. } => {
+                let max_msg = s.cfg.strategy.max_message().min(crate::config::FRAME_MAX);
+                (max_msg, FlowStrategy::POLLED.max_message().min(max_msg))
+            }
+            other => (other.max_message(), other.max_message()),
         };
         let threshold = crossover.probed();
         log::debug!("madeleine: rank {peer}: rendezvous from {threshold} bytes");
