@@ -215,10 +215,93 @@ pub unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
     }
 }
 
+/// Stores of a copy into another CPU's lines gain from [`prefetch_for_write`] from more
+/// than this many bytes (five cache lines) ...
+pub const PREFETCH_WRITE_MIN: usize = 257;
+/// ... up to this many: larger copies gained nothing measurable (decision 029).
+pub const PREFETCH_WRITE_MAX: usize = 4096;
+
+/// Asks for the cache lines of `dst[..len]` in a writable state, all at once (x86's
+/// `PREFETCHW`), before a copy stores into them. Stores into lines another CPU's cache holds
+/// (a peer's ring, whose reader last read them) each wait for the line to come over, and
+/// the store queue lets only some of those transfers overlap: a copy of 512 B to 2 KiB into
+/// a peer's ring waited for them in two or three rounds instead of one (decision 029). A
+/// hint only: it reads and writes no byte and faults on no address, mapped or not. Nothing
+/// on other architectures and on CPUs without the instruction.
+#[inline]
+pub fn prefetch_for_write(dst: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if has_prefetchw() {
+        const LINE: usize = 64;
+        let start = dst as usize & !(LINE - 1);
+        let end = (dst as usize).saturating_add(len);
+        let mut line = start;
+        while line < end {
+            // SAFETY: `PREFETCHW` (present: `has_prefetchw`) is a hint: it reads and writes
+            // no memory, raises no fault on any address, and changes no register or flag.
+            unsafe { std::arch::asm!("prefetchw [{0}]", in(reg) line, options(nostack, readonly, preserves_flags)) };
+            let Some(next) = line.checked_add(LINE) else { break };
+            line = next;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (dst, len);
+}
+
+/// Whether this CPU has `PREFETCHW` (CPUID 8000_0001h, ECX bit 8), asked once.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn has_prefetchw() -> bool {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    static KNOWN: AtomicU8 = AtomicU8::new(0); // 0: not asked yet, 1: no, 2: yes
+    match KNOWN.load(Ordering::Relaxed) {
+        0 => {
+            // (Leaf 8000_0000h gives the highest extended leaf, asked before 8000_0001h.)
+            use std::arch::x86_64::__cpuid;
+            let yes = __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 8) != 0;
+            KNOWN.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
+            yes
+        }
+        known => known == 2,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_write_prefetch_touches_nothing_and_never_faults() {
+        // Lines that may not be written, and lines not mapped at all: a hint, no fault.
+        let page = 4096;
+        // SAFETY: a fresh anonymous mapping of two pages, made read-only, then its second page
+        // unmapped; only addresses are used below, nothing is read or written through them.
+        let base = unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                2 * page,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(p, libc::MAP_FAILED);
+            assert_eq!(libc::munmap((p as *mut u8).add(page) as *mut libc::c_void, page), 0);
+            p as *const u8
+        };
+        prefetch_for_write(base, 2 * page);
+        prefetch_for_write(std::ptr::null(), PREFETCH_WRITE_MAX);
+        prefetch_for_write((usize::MAX - 100) as *const u8, PREFETCH_WRITE_MAX);
+        let mut buf = vec![7u8; 3000];
+        prefetch_for_write(buf.as_ptr().wrapping_add(5), 2000);
+        buf[0] = 1;
+        assert!(buf[1..].iter().all(|&b| b == 7));
+        // SAFETY: the first page of the mapping made above, still mapped.
+        assert_eq!(unsafe { *base }, 0);
+        // SAFETY: unmapping the page still mapped.
+        assert_eq!(unsafe { libc::munmap(base as *mut libc::c_void, page) }, 0);
+    }
 
     #[test]
     fn the_slow_window_is_copied_in_pieces_and_nothing_else() {
