@@ -215,27 +215,29 @@ pub unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
     }
 }
 
-/// Stores of a copy into another CPU's lines gain from [`prefetch_for_write`] from more
-/// than this many bytes (five cache lines) ...
-pub const PREFETCH_WRITE_MIN: usize = 257;
-/// ... up to this many: larger copies gained nothing measurable (decision 029).
-pub const PREFETCH_WRITE_MAX: usize = 4096;
+/// Copies into another CPU's lines gain from [`prefetch_for_write`] from more than this many
+/// bytes (four cache lines) up to [`PREFETCH_WRITE_MAX`] (decision 029).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+const PREFETCH_WRITE_MIN: usize = 257;
+/// Larger copies gained nothing measurable (decision 029).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+const PREFETCH_WRITE_MAX: usize = 4096;
 
-/// Asks for the cache lines of `dst[..len]` in a writable state, all at once (x86's
-/// `PREFETCHW`), before a copy stores into them. Stores into lines another CPU's cache holds
-/// (a peer's ring, whose reader last read them) each wait for the line to come over, and
-/// the store queue lets only some of those transfers overlap: a copy of 512 B to 2 KiB into
-/// a peer's ring waited for them in two or three rounds instead of one (decision 029). A
-/// hint only: it reads and writes no byte and faults on no address, mapped or not. Nothing
-/// on other architectures and on CPUs without the instruction.
+/// Before a copy of `len` bytes into `dst` that another CPU's cache may hold (a peer's ring,
+/// whose reader last read it), asks for its cache lines in a writable state, all at once
+/// (x86's `PREFETCHW`). Each store into such a line waits for the line to come over, and the
+/// store queue lets only some of those transfers overlap: a copy of 512 B to 2 KiB into a
+/// peer's ring waited for them in two or three rounds instead of one. Only for copies of 257
+/// B to 4 KiB, where that was measured (decision 029); nothing for others, on other
+/// architectures, or on CPUs without the instruction. A hint: it reads and writes no byte
+/// and faults on no address, mapped or not.
 #[inline]
 pub fn prefetch_for_write(dst: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    if has_prefetchw() {
+    if (PREFETCH_WRITE_MIN..=PREFETCH_WRITE_MAX).contains(&len) && has_prefetchw() {
         const LINE: usize = 64;
-        let start = dst as usize & !(LINE - 1);
         let end = (dst as usize).saturating_add(len);
-        let mut line = start;
+        let mut line = dst as usize & !(LINE - 1);
         while line < end {
             // SAFETY: `PREFETCHW` (present: `has_prefetchw`) is a hint: it reads and writes
             // no memory, raises no fault on any address, and changes no register or flag.
@@ -290,7 +292,8 @@ mod tests {
             assert_eq!(libc::munmap((p as *mut u8).add(page) as *mut libc::c_void, page), 0);
             p as *const u8
         };
-        prefetch_for_write(base, 2 * page);
+        prefetch_for_write(base, PREFETCH_WRITE_MAX);
+        prefetch_for_write(base.wrapping_add(page - 100), 1000);
         prefetch_for_write(std::ptr::null(), PREFETCH_WRITE_MAX);
         prefetch_for_write((usize::MAX - 100) as *const u8, PREFETCH_WRITE_MAX);
         let mut buf = vec![7u8; 3000];

@@ -590,7 +590,7 @@ impl SoftWindow {
     pub fn write(&self, offset: usize, parts: &[&[u8]], streaming: bool) -> Result<(), WcStatus> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         self.check_writable(offset, len)?;
-        if !streaming && (crate::copy::PREFETCH_WRITE_MIN..=crate::copy::PREFETCH_WRITE_MAX).contains(&len) {
+        if !streaming {
             // A frame's lines, last read by the peer's CPU, asked for all at once.
             crate::copy::prefetch_for_write(self.base.wrapping_add(offset), len);
         }

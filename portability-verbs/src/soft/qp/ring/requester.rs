@@ -274,10 +274,8 @@ impl QpInner {
             Inline::Owned(data) => data.len(),
             _ => sges.iter().map(|s| s.length as usize).sum(),
         };
-        if (crate::copy::PREFETCH_WRITE_MIN..=crate::copy::PREFETCH_WRITE_MAX).contains(&total) {
-            // The record's lines in the peer's ring, last read by its CPU, asked for at once.
-            crate::copy::prefetch_for_write(dst, total);
-        }
+        // The record's lines in the peer's ring, last read by its CPU, asked for at once.
+        crate::copy::prefetch_for_write(dst, total);
         let need = match inline {
             Inline::Owned(data) => {
                 // SAFETY: `dst` has room for the whole message (the record was sized by its length).
