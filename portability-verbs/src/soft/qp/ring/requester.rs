@@ -204,7 +204,10 @@ impl QpInner {
         }
         let placement = wire::place(core.produced, core.reaped, ring_bytes, size)?;
         // `place` keeps the record inside the ring and clear of unconsumed bytes.
-        if let Err(st) = fill(ring.payload(placement.at, &header)) {
+        let payload = ring.payload(placement.at, &header);
+        // Its lines in the peer's ring, last read by the peer's CPU, asked for at once.
+        crate::copy::prefetch_for_write(payload, header.payload_len());
+        if let Err(st) = fill(payload) {
             return Some(SqStage::Done(st));
         }
         ring.status(placement.at).store(status::OK, Ordering::Relaxed);
@@ -270,12 +273,6 @@ impl QpInner {
         inline: &Inline,
         sges: &[Sge],
     ) -> Result<(), WcStatus> {
-        let total = match inline {
-            Inline::Owned(data) => data.len(),
-            _ => sges.iter().map(|s| s.length as usize).sum(),
-        };
-        // The record's lines in the peer's ring, last read by its CPU, asked for at once.
-        crate::copy::prefetch_for_write(dst, total);
         let need = match inline {
             Inline::Owned(data) => {
                 // SAFETY: `dst` has room for the whole message (the record was sized by its length).
