@@ -70,6 +70,11 @@ pub struct SessionConfig {
     /// queues while more threads are ready to run than there are CPUs; or it spins for a fixed
     /// time. `MAD_SPIN_US` in `from_env`.
     pub spin: Spin,
+    /// How long a blocking send offers a bulk pack of 16 KiB or more to a receiver on this
+    /// host before copying it (zero: never offers). A receiver waiting for the message claims
+    /// it and reads it in one copy; one that comes later gets it copied, and the sender has
+    /// waited this long (`MAD_OFFER_US` in `from_env`; decision 030).
+    pub offer_patience: Duration,
 }
 
 impl SessionConfig {
@@ -89,6 +94,7 @@ impl SessionConfig {
             rendezvous_threshold: None,
             bulk_ring_bytes: 2 << 20,
             spin: Spin::Adaptive,
+            offer_patience: crate::protocol::offer::OFFER_PATIENCE,
         }
     }
 
@@ -103,7 +109,7 @@ impl SessionConfig {
     /// last, since `mpirun` inside an allocation inherits them); the directory from
     /// `MAD_RENDEZVOUS` (default: a directory under the temporary directory named after the
     /// job, `SLURM_JOB_ID` when there is one); the optional `MAD_RENDEZVOUS_THRESHOLD`, `MAD_TIMEOUT`,
-    /// `MAD_BULK_RING`, `MAD_SPIN_US` and `MAD_FLOW`. A value that does not parse is an error
+    /// `MAD_BULK_RING`, `MAD_SPIN_US`, `MAD_OFFER_US` and `MAD_FLOW`. A value that does not parse is an error
     /// naming the variable.
     pub fn from_env() -> Result<SessionConfig> {
         use portability_verbs::env;
@@ -178,6 +184,9 @@ impl SessionConfig {
         }
         if let Some(v) = get("MAD_SPIN_US")? {
             cfg.spin = parse_spin(&v)?;
+        }
+        if let Some(us) = env::parse::<u64>("MAD_OFFER_US", "microseconds")? {
+            cfg.offer_patience = Duration::from_micros(us);
         }
         if let Some(name) = get("MAD_FLOW")? {
             cfg.strategy = (name == "polled")

@@ -4,7 +4,7 @@
 //! ```text
 //! Begin                      a message starts (seq: per connection and direction)
 //! Inline  modes len last     a fragment of a pack's bytes follows the header
-//! Rdv     modes len addr key id   a large pack: the receiver RDMA-reads it from the sender
+//! Rdv     modes len addr key id offer   a large pack: the receiver RDMA-reads it from the sender
 //! Bulk    modes total        a pack whose `total` bytes follow as bulk-lane chunks
 //! End     packs              the message had this many packs
 //! Whole   seq packs          a whole message in one pipe message: Begin, its `packs` records, no End
@@ -26,6 +26,9 @@
 //! pack's bytes to the end of the pipe message, so that a message of up to 16 bytes fills the
 //! transport's first cache line with room to spare and the receiver decodes one record. Every
 //! other header is 16 bytes (Rdv 32); every length is checked on decode.
+//! An `Rdv` with `offer` set is a pack the sender may take back: the receiver first claims it
+//! (a compare-and-swap on the sender's claim word, `channel::offer`); if the sender withdrew
+//! it, its bytes follow on the connection as a `Bulk` record and its data.
 
 use crate::{RecvMode, SendMode};
 
@@ -70,6 +73,9 @@ pub enum Record {
         /// Identifier: the sender's rendezvous on a connection are numbered 0, 1, 2, ... in
         /// the order it issues them (the receiver releases them by count).
         id: u32,
+        /// An offer: to be claimed before it is read, since the sender may withdraw it and
+        /// send its bytes through the bulk lane instead (its flag byte).
+        offer: bool,
     },
     /// A pack whose bytes follow as bulk-lane chunks.
     Bulk {
@@ -209,7 +215,7 @@ impl Record {
         match *self {
             Record::Begin { seq } => (lo(1, 0, 0, seq), 0),
             Record::Inline { modes, len, last, total } => (lo(2, modes.byte(), last as u8, len), total),
-            Record::Rdv { modes, addr, rkey, .. } => (lo(3, modes.byte(), 0, rkey), addr),
+            Record::Rdv { modes, addr, rkey, offer, .. } => (lo(3, modes.byte(), offer as u8, rkey), addr),
             Record::Bulk { modes, total } => (lo(6, modes.byte(), 0, 0), total),
             Record::End { packs } => (lo(4, 0, 0, packs), 0),
             Record::Whole { seq, packs } => (lo(7, 0, 0, seq), packs as u64),
@@ -316,8 +322,11 @@ fn decode_at(msg: &[u8], at: usize, in_chunk: bool) -> Result<(Record, std::ops:
         3 => {
             let modes = Modes::from_byte(h[1]).ok_or(WireError("bad modes"))?;
             let x = msg.get(at + HEADER..at + RDV).ok_or(WireError("message ends inside a rendezvous record"))?;
-            let rec =
-                Record::Rdv { modes, len: u64_at(x, 0), addr: u64_at(h, 8), rkey: u32_at(h, 4), id: u32_at(x, 8) };
+            if h[2] > 1 {
+                return Err(WireError("bad offer flag"));
+            }
+            let (len, addr, rkey, id) = (u64_at(x, 0), u64_at(h, 8), u32_at(h, 4), u32_at(x, 8));
+            let rec = Record::Rdv { modes, len, addr, rkey, id, offer: h[2] == 1 };
             if x[12..].iter().any(|&b| b != 0) {
                 return Err(WireError("reserved rendezvous bytes set"));
             }
@@ -372,8 +381,9 @@ mod tests {
                     (Record::Inline { modes: m, len: d.len() as u32, last, total: d.len() as u64 + extra }, d)
                 }
             ),
-            (modes(), any::<u64>(), any::<u64>(), any::<u32>(), any::<u32>())
-                .prop_map(|(m, len, addr, rkey, id)| (Record::Rdv { modes: m, len, addr, rkey, id }, vec![])),
+            (modes(), any::<u64>(), any::<u64>(), any::<u32>(), any::<u32>(), any::<bool>()).prop_map(
+                |(m, len, addr, rkey, id, offer)| (Record::Rdv { modes: m, len, addr, rkey, id, offer }, vec![])
+            ),
             any::<u32>().prop_map(|packs| (Record::End { packs }, vec![])),
         ]
     }

@@ -404,6 +404,13 @@ pub(crate) struct Conn {
     pub(super) cq: CompletionQueue,
     /// The peer's reports of messages of ours it unpacked differently than we packed them.
     pub(super) notices: NoticeBoard,
+    /// The claim words of offers, ours and the peer's.
+    pub(super) claims: super::offer::ClaimWords,
+    /// Messages received from the peer so far (wrapping; for the offers' policy).
+    pub(super) received: AtomicU32,
+    /// Our offers the peer claimed, and those we withdrew (for the log and the tests).
+    pub(super) offers_claimed: AtomicU32,
+    pub(super) offers_withdrawn: AtomicU32,
 }
 
 /// How long a closing connection waits for its peer's `Bye` (see [`Conn`]'s drop).
@@ -465,6 +472,7 @@ impl Conn {
         let cq = conn.cq;
         let mut pipe = MsgPipe::establish_with(conn.qp, cq.clone(), &s.pd, s.cfg.strategy, options, s.cfg.timeout)?;
         let crossover = crate::probe::rendezvous_crossover(&mut pipe, s, peer, s.cfg.rendezvous_threshold)?;
+        let claims = super::offer::ClaimWords::exchange(&mut pipe, s, peer)?;
         let (max_msg, stream_max_msg) = match s.cfg.strategy {
             FlowStrategy::Polled { .. } => {
                 let max_msg = s.cfg.strategy.max_message().min(crate::config::FRAME_MAX);
@@ -499,6 +507,10 @@ impl Conn {
             recv_side: Token::new(RecvSide::default()),
             next_rdv: AtomicU32::new(0),
             cq,
+            claims,
+            received: AtomicU32::new(0),
+            offers_claimed: AtomicU32::new(0),
+            offers_withdrawn: AtomicU32::new(0),
         })
     }
 

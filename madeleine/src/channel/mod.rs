@@ -19,10 +19,12 @@ use crate::{MadError, RecvMode, Result, SendMode};
 
 mod cold_drop;
 mod conn;
+mod offer;
 mod packer;
 mod token;
 mod unpacker;
 
+use crate::protocol::offer::Outcome;
 use crate::protocol::{is_released, Framing, InlineStep, Limits, Mismatch, RecvSide, Route, SendSide, WholeMsg};
 use cold_drop::ColdDrop;
 pub(crate) use conn::Conn;
@@ -287,15 +289,21 @@ mod tests {
 
     /// Runs `f(rank, channel)` on three ranks (threads, each with its own session).
     fn trio(tag: &str, f: impl Fn(usize, &Channel) + Sync) {
+        trio_with(tag, |_| {}, f)
+    }
+
+    /// As [`trio`], each rank's configuration set by `set`.
+    fn trio_with(tag: &str, set: impl Fn(&mut SessionConfig) + Sync, f: impl Fn(usize, &Channel) + Sync) {
         let dir = std::env::temp_dir().join(format!("mad-unit-{tag}-{}", std::process::id()));
         std::thread::scope(|s| {
             let hs: Vec<_> = (0..3)
                 .map(|rank| {
-                    let (dir, f) = (dir.clone(), &f);
+                    let (dir, f, set) = (dir.clone(), &f, &set);
                     s.spawn(move || {
                         let mut cfg = SessionConfig::new(rank, 3, dir);
                         cfg.timeout = Duration::from_secs(10);
                         cfg.wait_limit = Some(Duration::from_secs(10));
+                        set(&mut cfg);
                         let session = Session::new(cfg).unwrap();
                         let ch = session.channel().unwrap();
                         f(rank, &ch);
@@ -409,7 +417,7 @@ mod tests {
                 "rendezvous-out-of-order-in-a-whole-message",
                 encoded(&[
                     (Record::Whole { seq: 0, packs: 1 }, &[]),
-                    (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 1, id: 3 }, &[]),
+                    (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 1, id: 3, offer: false }, &[]),
                 ]),
                 1,
             ),
@@ -417,7 +425,7 @@ mod tests {
                 "unread-rendezvous-out-of-order-in-a-whole-message",
                 encoded(&[
                     (Record::Whole { seq: 0, packs: 1 }, &[]),
-                    (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 1, id: 3 }, &[]),
+                    (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 1, id: 3, offer: false }, &[]),
                 ]),
                 0,
             ),
@@ -443,7 +451,7 @@ mod tests {
                 "rendezvous-out-of-order",
                 encoded(&[
                     (Record::Begin { seq: 0 }, &[]),
-                    (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 1, id: 5 }, &[]),
+                    (Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 1, id: 5, offer: false }, &[]),
                     (Record::End { packs: 1 }, &[]),
                 ]),
                 1,
@@ -527,7 +535,8 @@ mod tests {
                 assert_eq!(ch.conn(2).unwrap().io().pipe.user_unsettled(), 0);
             }
             _ => {
-                let rdv = Record::Rdv { modes: cheaper, len: len as u64, addr: 0x10000, rkey: 0xdead, id: 0 };
+                let rdv =
+                    Record::Rdv { modes: cheaper, len: len as u64, addr: 0x10000, rkey: 0xdead, id: 0, offer: false };
                 let raw = encoded(&[(Record::Whole { seq: 0, packs: 1 }, &[]), (rdv, &[])]);
                 ch.conn(0).unwrap().send_msg(&raw, ch.res.patience()).unwrap();
             }
@@ -536,12 +545,180 @@ mod tests {
 
     #[test]
     fn a_rendezvous_to_memory_the_peer_never_registered_fails_that_connection_only() {
-        let rdv = Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 0xdead, id: 0 };
+        let rdv = Record::Rdv { modes: EXPRESS, len: 8, addr: 0x1000, rkey: 0xdead, id: 0, offer: false };
         let raw = encoded(&[(Record::Begin { seq: 0 }, &[]), (rdv, &[]), (Record::End { packs: 1 }, &[])]);
         let e = malformed("unknown-buffer", raw, 1);
         assert!(matches!(e, MadError::PeerLost { rank: 1, .. }), "{e}");
         let raw = encoded(&[(Record::Whole { seq: 0, packs: 1 }, &[]), (rdv, &[])]);
         let e = malformed("unknown-buffer-whole", raw, 1);
         assert!(matches!(e, MadError::PeerLost { rank: 1, .. }), "{e}");
+    }
+
+    /// A pack of `len` bytes from `from` to `to` (both call it), checked against `body`.
+    fn one_pack(ch: &Channel, rank: usize, from: usize, to: usize, body: &[u8]) {
+        if rank == from {
+            // Past the reports of mismatches the tests make on purpose.
+            let mut p = loop {
+                match ch.begin_packing(to) {
+                    Err(MadError::Mismatch { .. }) => {}
+                    p => break p.unwrap(),
+                }
+            };
+            p.pack(body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            p.end_packing().unwrap();
+        } else if rank == to {
+            let mut got = vec![0u8; body.len()];
+            let mut u = ch.begin_unpacking_from(from).unwrap();
+            u.unpack(&mut got, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+            u.end_unpacking().unwrap();
+            assert!(got == body, "{} bytes from {from} differ", body.len());
+        }
+    }
+
+    fn offers_of(ch: &Channel, peer: usize) -> (u32, u32) {
+        let c = ch.conn(peer).unwrap();
+        (c.offers_claimed.load(Ordering::Relaxed), c.offers_withdrawn.load(Ordering::Relaxed))
+    }
+
+    /// How long the tests' senders offer: a receiver that waits claims in time even on a
+    /// loaded machine; a late one sleeps for [`LATE`].
+    const PATIENCE: Duration = Duration::from_millis(300);
+    const LATE: Duration = Duration::from_millis(700);
+
+    /// Packs below the threshold go through the bulk lane, or as offers.
+    fn bulk_only(cfg: &mut SessionConfig) {
+        cfg.rendezvous_threshold = Some(1 << 20);
+        cfg.offer_patience = PATIENCE;
+    }
+
+    /// A barrier of ranks 0 and 1 on `ch` that leaves the offers' policy as it was: `to`
+    /// answers a small message of `from` (neither is an offer).
+    fn rendezvous_small(ch: &Channel, rank: usize, from: usize, to: usize) {
+        one_pack(ch, rank, from, to, &[1u8; 8]);
+    }
+
+    #[test]
+    fn offers_are_read_in_a_ping_pong_and_copied_when_the_receiver_comes_late() {
+        use crate::protocol::offer::OFFER_MIN;
+        let sizes = [OFFER_MIN, 40_000, 100_000];
+        let body = |n: usize, seed: usize| -> Vec<u8> { (0..n).map(|i| (i * 31 + seed + i / 4093) as u8).collect() };
+        trio_with("offers", bulk_only, |rank, ch| {
+            if rank == 2 {
+                return;
+            }
+            // A ping-pong: every message answers one, so every large one is offered, and the
+            // receiver, waiting for it, claims and reads it.
+            for round in 0..6 {
+                for &n in &sizes {
+                    one_pack(ch, rank, 0, 1, &body(n, round));
+                    one_pack(ch, rank, 1, 0, &body(n, round + 1));
+                }
+            }
+            let (claimed, withdrawn) = offers_of(ch, 1 - rank);
+            assert_eq!(withdrawn, 0, "rank {rank}");
+            // The first message of rank 0 answers nothing.
+            assert!(claimed >= 3 * sizes.len() as u32, "rank {rank}: {claimed} offers claimed");
+            // Two ranks that each send before they receive: neither waits for the other (an
+            // offer whose receiver sends too is withdrawn; once that sender copied, it receives
+            // and claims the other's offer if still open).
+            static HEAD_TO_HEAD_WITHDRAWN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let withdrawn_before = offers_of(ch, 1 - rank).1;
+            for round in 0..8 {
+                let (mine, theirs) = (body(OFFER_MIN, rank + round), body(OFFER_MIN, 1 - rank + round));
+                let mut p = ch.begin_packing(1 - rank).unwrap();
+                p.pack(&mine, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                p.end_packing().unwrap();
+                let mut got = vec![0u8; OFFER_MIN];
+                let mut u = ch.begin_unpacking_from(1 - rank).unwrap();
+                u.unpack(&mut got, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                u.end_unpacking().unwrap();
+                assert!(got == theirs, "round {round}");
+            }
+            HEAD_TO_HEAD_WITHDRAWN.fetch_add(offers_of(ch, 1 - rank).1 - withdrawn_before, Ordering::Relaxed);
+            rendezvous_small(ch, rank, 0, 1);
+            rendezvous_small(ch, rank, 1, 0);
+            assert!(HEAD_TO_HEAD_WITHDRAWN.load(Ordering::Relaxed) >= 1, "no offer withdrawn head to head");
+            // A receiver that comes late: the sender withdraws and copies.
+            resume_offers(ch, rank);
+            rendezvous_small(ch, rank, 1, 0);
+            let (claimed, withdrawn) = offers_of(ch, 1 - rank);
+            if rank == 1 {
+                std::thread::sleep(LATE);
+            }
+            one_pack(ch, rank, 0, 1, &body(40_000, 9));
+            if rank == 0 {
+                assert_eq!(offers_of(ch, 1), (claimed, withdrawn + 1));
+            }
+            rendezvous_small(ch, rank, 0, 1);
+            rendezvous_small(ch, rank, 1, 0);
+        });
+    }
+
+    /// Lets rank 0's offers to rank 1 resume after a withdrawal: answered large messages
+    /// until the pause is over.
+    fn resume_offers(ch: &Channel, rank: usize) {
+        for _ in 0..crate::protocol::offer::PAUSE_AFTER_WITHDRAWAL {
+            rendezvous_small(ch, rank, 1, 0);
+            one_pack(ch, rank, 0, 1, &[3u8; crate::protocol::offer::OFFER_MIN]);
+        }
+    }
+
+    #[test]
+    fn an_offer_unpacked_otherwise_or_not_at_all_is_settled_and_the_connection_survives() {
+        let body: Vec<u8> = (0..40_000).map(|i| (i * 13 + i / 999) as u8).collect();
+        trio_with("offers-unread", bulk_only, |rank, ch| {
+            if rank == 2 {
+                return;
+            }
+            for late in [false, true] {
+                for unpacked in [false, true] {
+                    resume_offers(ch, rank);
+                    rendezvous_small(ch, rank, 1, 0);
+                    if rank == 0 {
+                        let before = offers_of(ch, 1);
+                        let mut p = ch.begin_packing(1).unwrap();
+                        p.pack(&body, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                        p.end_packing().unwrap();
+                        let after = offers_of(ch, 1);
+                        let want = if late { (before.0, before.1 + 1) } else { (before.0 + 1, before.1) };
+                        assert_eq!(after, want, "late {late}, unpacked {unpacked}");
+                    } else {
+                        if late {
+                            std::thread::sleep(LATE);
+                        }
+                        let mut u = ch.begin_unpacking_from(0).unwrap();
+                        if unpacked {
+                            let mut short = vec![0u8; body.len() - 1];
+                            let e = u.unpack_express(&mut short, SendMode::Cheaper).unwrap_err();
+                            assert!(matches!(e, MadError::Mismatch { .. }), "{e}");
+                            drop(u);
+                        } else {
+                            let e = u.end_unpacking().unwrap_err();
+                            assert!(matches!(e, MadError::Mismatch { .. }), "{e}");
+                        }
+                    }
+                    // The connection goes on: the next message (its mismatch report first).
+                    if rank == 0 {
+                        loop {
+                            match ch.begin_packing(1) {
+                                Ok(mut p) => {
+                                    p.pack(&body, SendMode::Cheaper, RecvMode::Express).unwrap();
+                                    p.end_packing().unwrap();
+                                    break;
+                                }
+                                Err(MadError::Mismatch { .. }) => {}
+                                Err(e) => panic!("{e}"),
+                            }
+                        }
+                    } else {
+                        let mut got = vec![0u8; body.len()];
+                        let mut u = ch.begin_unpacking_from(0).unwrap();
+                        u.unpack(&mut got, SendMode::Cheaper, RecvMode::Express).unwrap();
+                        u.end_unpacking().unwrap();
+                        assert!(got == body, "late {late}, unpacked {unpacked}");
+                    }
+                }
+            }
+        });
     }
 }

@@ -60,6 +60,13 @@ impl std::fmt::Debug for Packer<'_> {
     }
 }
 
+/// A pack offered (`protocol::offer`): what a withdrawal sends instead.
+pub(super) struct Offered<'p> {
+    pub(super) id: u32,
+    pub(super) buf: &'p [u8],
+    pub(super) modes: Modes,
+}
+
 /// Rendezvous packs held until the receiver released them, one without allocating.
 pub(super) type Held1<'p> = SmallVec<[Held<'p>; 1]>;
 
@@ -449,13 +456,105 @@ impl<'p> Packer<'p> {
         // (Relaxed: the peer's release of it comes only after our record went out; a waiter
         // reads the count with a fence before this counter.)
         let id = self.conn.next_rdv.fetch_add(1, Ordering::Relaxed);
-        let rec = Record::Rdv { modes, len, addr, rkey: reg.rkey(), id };
+        let rec = Record::Rdv { modes, len, addr, rkey: reg.rkey(), id, offer: false };
         if self.tx.needs_flush_for(&rec, &self.limits()) {
             self.flush()?;
         }
         rec.encode(&mut self.tx.agg);
         self.rdv.push(Held { id, _reg: reg, _copy: copy });
         Ok(())
+    }
+
+    /// Offers the message's last pack, if it is a bulk pack the connection's policy offers
+    /// (`protocol::offer`): its record goes with the message instead of its bytes.
+    pub(super) fn offer_last_pack(&mut self) -> Result<Option<Offered<'p>>> {
+        let Some(&(buf, modes)) = self.more.as_ref().and_then(|m| m.pending_bulk.as_ref()) else { return Ok(None) };
+        let received = self.conn.received.load(Ordering::Relaxed);
+        if !self.conn.claims.can_offer() || !self.tx.offers.offers(buf.len(), received) {
+            return Ok(None);
+        }
+        self.more().pending_bulk = None;
+        // SAFETY: `buf` is borrowed for 'p, the packer's life, and the packer waits for the
+        // receiver's release, or withdraws the offer, before it ends (`settle_offer`).
+        let reg: Registration<'p> =
+            unsafe { self.ch.res.regcache.get_raw(buf.as_ptr() as u64, buf.len() as u64, AccessFlags::REMOTE_READ) }?;
+        let id = self.conn.next_rdv.fetch_add(1, Ordering::Relaxed);
+        let rec =
+            Record::Rdv { modes, len: buf.len() as u64, addr: buf.as_ptr() as u64, rkey: reg.rkey(), id, offer: true };
+        if self.tx.needs_flush_for(&rec, &self.limits()) {
+            self.flush()?;
+        }
+        rec.encode(&mut self.tx.agg);
+        self.rdv.push(Held { id, _reg: reg, _copy: None });
+        Ok(Some(Offered { id, buf, modes }))
+    }
+
+    /// Waits until the receiver claimed the offer, at most the session's offer patience; then
+    /// withdraws it and copies the pack through the bulk lane if the receiver had not. A
+    /// claimed offer is read: its release is waited for with the message's other rendezvous.
+    pub(super) fn settle_offer(&mut self, o: Offered<'p>) -> Result<()> {
+        let deadline = std::time::Instant::now() + self.ch.res.cfg.offer_patience;
+        // Polls, yields to a receiver that shares our CPU (or, in a coroutine, to the
+        // scheduler) as any wait does.
+        let mut w = Waiter::new(self.ch.res.patience(), "offering a pack to its receiver");
+        loop {
+            self.conn.take_released(&mut self.rdv)?;
+            if !self.rdv.iter().any(|h| h.id == o.id) {
+                // Claimed, read and released.
+                self.tx.offers.settled(o.id, Outcome::Claimed);
+                self.conn.offers_claimed.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            if std::time::Instant::now() >= deadline {
+                break;
+            }
+            w.pause()?;
+        }
+        let outcome = self.withdraw(o.id)?;
+        self.tx.offers.settled(o.id, outcome);
+        match outcome {
+            Outcome::Claimed => {
+                self.conn.offers_claimed.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Outcome::Withdrawn => {
+                log::debug!("madeleine: rank {} did not claim offer {} in time: copied", self.conn.peer, o.id);
+                self.conn.offers_withdrawn.fetch_add(1, Ordering::Relaxed);
+                self.rdv.retain(|h| h.id != o.id);
+                // SAFETY: `buf` outlives this call, which waits for its chunks before
+                // returning and dropping the registration.
+                let (_reg, mut tokens, _) = unsafe { self.send_bulk(o.buf, o.modes, false) }?;
+                self.conn.wait_tokens(&mut tokens, self.ch.res.patience())
+            }
+        }
+    }
+
+    /// Swaps the peer's claim word to say that we withdrew offer `id`, unless the peer claimed
+    /// it first: who won.
+    pub(super) fn withdraw(&mut self, id: u32) -> Result<Outcome> {
+        let last = self.tx.offers.last();
+        let conn = self.conn;
+        let wr = conn
+            .claims
+            .withdraw_request(id, last)
+            .ok_or_else(|| MadError::Invalid("an offer to a peer without a claim word".into()))?;
+        let posted = conn.io().pipe.post_user_completing(wr).map_err(|e| conn.lost(e))?;
+        if let Some(token) = posted {
+            let mut w = Waiter::new(self.ch.res.patience(), "withdrawing an offer");
+            loop {
+                {
+                    let mut io = conn.io();
+                    let _ = io.pipe.progress();
+                    match io.pipe.settle_user(token) {
+                        Some(WcStatus::Success) => break,
+                        Some(st) => return Err(conn.lost(format!("withdrawing an offer: {st:?}"))),
+                        None => {}
+                    }
+                }
+                w.pause()?;
+            }
+        }
+        conn.claims.withdraw_outcome(id, last).map_err(|b| MadError::Protocol { rank: conn.peer, why: b.0 })
     }
 
     /// Hands what was packed so far to the network without ending the message (packs are
@@ -527,7 +626,7 @@ impl<'p> Packer<'p> {
         if self.more.is_none() && self.rdv.is_empty() && self.tx.framing(false) == Framing::One {
             // The commonest message: one small pack, all here, nothing else to wait for.
             self.send_one()?;
-            self.tx.message_sent();
+            self.tx.message_sent(self.conn.received.load(Ordering::Relaxed));
             return Ok(());
         }
         self.finish_other(wait_reads)
@@ -566,6 +665,7 @@ impl<'p> Packer<'p> {
                 Deferred::Mutable(_, b, m) => self.emit_borrowed(b, m)?,
             }
         }
+        let offered = if wait_reads { self.offer_last_pack()? } else { None };
         if self.more.as_ref().is_some_and(|m| m.pending_bulk.is_some()) {
             // The last pack is bulk: the message ends in its last chunk.
             self.send_pending(true)?;
@@ -604,11 +704,14 @@ impl<'p> Packer<'p> {
         if let Some(more) = self.more.as_mut() {
             more.bulk_regs.clear();
         }
+        if let Some(offered) = offered {
+            self.settle_offer(offered)?;
+        }
         if wait_reads && self.has_rdv() {
             let (conn, patience) = (self.conn, self.ch.res.patience());
             conn.wait_released(&mut self.rdv, patience)?;
         }
-        self.tx.message_sent();
+        self.tx.message_sent(self.conn.received.load(Ordering::Relaxed));
         Ok(())
     }
 }

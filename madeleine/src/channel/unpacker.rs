@@ -12,6 +12,12 @@ pub(super) struct ReadsFailed {
     pub(super) settled: bool,
 }
 
+/// A rendezvous of the message that nobody read: its id, and its length if it is an offer.
+pub(super) struct Unread {
+    pub(super) id: u32,
+    pub(super) offer: Option<u64>,
+}
+
 /// A zero-copy read in flight (RECEIVE_CHEAPER), kept until `end_unpacking`.
 pub(super) struct PendingRead<'u> {
     pub(super) tokens: ReadTokens,
@@ -179,10 +185,53 @@ impl<'u> Unpacker<'u> {
     /// id counted, so the sender is released at `end_unpacking` as for any pack left unread
     /// and the connection goes on.
     pub(super) fn take_rdv(&mut self, r: Record, asked: Modes, len: usize) -> Result<Got> {
-        let Record::Rdv { modes, len: sent_len, id, .. } = r else { unreachable!("a rendezvous record") };
+        let Record::Rdv { modes, len: sent_len, id, offer, .. } = r else { unreachable!("a rendezvous record") };
         self.note_rdv(id)?;
-        self.check(modes, sent_len, asked, len)?;
+        if let Err(e) = self.check(modes, sent_len, asked, len) {
+            if offer {
+                self.settle_unread_offer(id, sent_len)?;
+            }
+            return Err(e);
+        }
         Ok(Got::Other(r))
+    }
+
+    /// Claims the sender's offer `id` before reading it (`protocol::offer`): `Withdrawn` if the
+    /// sender took it back first (its bytes follow through the bulk lane).
+    pub(super) fn claim(&mut self, id: u32) -> Result<Outcome> {
+        let outcome = self.conn.claims.claim(id, self.rx.claim_word)?.map_err(|b| self.bad(&b.0))?;
+        self.rx.claim_word = outcome.word(id);
+        Ok(outcome)
+    }
+
+    /// Copies the bytes of a withdrawn offer into `buf`: the `Bulk` record the sender sent
+    /// after its withdrawal, then its data.
+    pub(super) fn take_withdrawn(&mut self, buf: &mut [u8], asked: Modes) -> Result<()> {
+        let len = buf.len();
+        let this = &*self;
+        self.next_record_with(Pump::StopAtBulk, |n| match n {
+            Next::Rec(Record::Bulk { modes, total }, _) => this.check(modes, total, asked, len),
+            _ => Err(this.bad("a withdrawn offer not followed by its bytes")),
+        })??;
+        self.read_bulk(buf)
+    }
+
+    /// An offer nobody reads (an unpack that did not match it, or no unpack): claimed all the
+    /// same, so that its sender, released with the message, does not withdraw it meanwhile;
+    /// or, withdrawn already, its bytes taken out of the connection.
+    pub(super) fn settle_unread_offer(&mut self, id: u32, len: u64) -> Result<()> {
+        if self.claim(id)? == Outcome::Claimed {
+            return Ok(());
+        }
+        if len > self.conn.threshold as u64 {
+            return Err(self.bad("an offer larger than the rendezvous threshold"));
+        }
+        let this = &*self;
+        self.next_record_with(Pump::StopAtBulk, |n| match n {
+            Next::Rec(Record::Bulk { total, .. }, _) if total == len => Ok(()),
+            _ => Err(this.bad("a withdrawn offer not followed by its bytes")),
+        })??;
+        self.read_bulk(&mut vec![0; len as usize])
     }
 
     /// Takes the next pack of a message that came whole: an inline pack is copied into `buf`
@@ -241,7 +290,7 @@ impl<'u> Unpacker<'u> {
 
     /// The pack count of a message that came whole, checked against its records; counts the
     /// packs nobody unpacked into `extra`, and the rendezvous among them into `unread`.
-    pub(super) fn whole_end(&self, w: &WholeMsg, extra: &mut u32, unread: &mut Vec<u32>) -> Result<u32> {
+    pub(super) fn whole_end(&self, w: &WholeMsg, extra: &mut u32, unread: &mut Vec<Unread>) -> Result<u32> {
         if w.single.is_some() {
             *extra = 1 - w.taken;
             return Ok(1);
@@ -252,7 +301,7 @@ impl<'u> Unpacker<'u> {
             let (rec, _, next) = wire::decode_one(body, at).map_err(|e| self.bad(&e.to_string()))?;
             match rec {
                 Record::Inline { last: true, len, total, .. } if len as u64 == total => {}
-                Record::Rdv { id, .. } => unread.push(id),
+                Record::Rdv { id, offer, len, .. } => unread.push(Unread { id, offer: offer.then_some(len) }),
                 _ => return Err(self.bad(WHOLE_HOLDS)),
             }
             *extra += 1;
@@ -394,6 +443,10 @@ impl<'u> Unpacker<'u> {
         }
         self.rx.unpacks += 1;
         match self.take_next(buf, modes)? {
+            Got::Other(Record::Rdv { id, offer: true, .. }) if self.claim(id)? == Outcome::Withdrawn => {
+                self.take_withdrawn(buf, modes)?;
+                self.release_if_last()
+            }
             Got::Other(Record::Rdv { addr, rkey, .. }) => {
                 let (tokens, reg) = self.start_read(buf, addr, rkey)?;
                 if !tokens.is_empty() {
@@ -411,6 +464,10 @@ impl<'u> Unpacker<'u> {
     pub(super) fn unpack_now(&mut self, buf: &mut [u8], modes: Modes) -> Result<()> {
         self.rx.unpacks += 1;
         match self.take_next(buf, modes)? {
+            Got::Other(Record::Rdv { id, offer: true, .. }) if self.claim(id)? == Outcome::Withdrawn => {
+                self.take_withdrawn(buf, modes)?;
+                self.release_if_last()
+            }
             Got::Other(Record::Rdv { addr, rkey, .. }) => {
                 let (tokens, reg) = self.start_read(buf, addr, rkey)?;
                 if let Err(f) = self.wait_reads(&tokens) {
@@ -590,6 +647,7 @@ impl<'u> Unpacker<'u> {
     pub fn end_unpacking(mut self) -> Result<()> {
         if self.pending.is_empty() && self.rx.end_single() {
             // A message of one small pack, unpacked: nothing to wait for or check.
+            self.conn.received.store(self.rx.seq, Ordering::Relaxed);
             return Ok(());
         }
         self.finish().map_err(|e| self.report(e))
@@ -631,18 +689,22 @@ impl<'u> Unpacker<'u> {
             (None, Some(packs)) => packs,
             (None, None) => self.find_end(&mut extra, &mut unread)?,
         };
-        for id in unread {
+        for Unread { id, offer } in unread {
             self.note_rdv(id)?;
+            if let Some(len) = offer {
+                self.settle_unread_offer(id, len)?;
+            }
         }
         self.release()?;
         let counted = self.rx.check_end(packs, extra).map_err(|m| self.mismatch(m));
         self.rx.next_message();
+        self.conn.received.store(self.rx.seq, Ordering::Relaxed);
         counted
     }
 
     /// Reads up to the message's `End`, counting the packs nobody unpacked (`extra`) and the
     /// rendezvous among them (`unread`, whose senders must be released all the same).
-    pub(super) fn find_end(&self, extra: &mut u32, unread: &mut Vec<u32>) -> Result<u32> {
+    pub(super) fn find_end(&self, extra: &mut u32, unread: &mut Vec<Unread>) -> Result<u32> {
         loop {
             let step = self.next_record_with(Pump::Drain, |n| match n {
                 Next::Rec(Record::End { packs }, _) => Ok(Some(packs)),
@@ -651,9 +713,10 @@ impl<'u> Unpacker<'u> {
                     Ok(None)
                 }
                 Next::BulkData(_) => Ok(None),
-                Next::Rec(Record::Rdv { id, .. }, _) => {
+                Next::Rec(Record::Rdv { id, offer, len, .. }, _) => {
                     *extra += 1;
-                    unread.push(id); // release the sender even though nobody reads it
+                    // Release the sender even though nobody reads it.
+                    unread.push(Unread { id, offer: offer.then_some(len) });
                     Ok(None)
                 }
                 Next::Rec(Record::Inline { last, .. }, _) => {

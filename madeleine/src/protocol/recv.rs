@@ -82,6 +82,8 @@ pub(crate) struct RecvSide {
     pub notices: u32,
     /// ...the last of them about this message (sequence number).
     pub told: Option<u32>,
+    /// Our claim word as the peer's last offer left it (what our next claim expects).
+    pub claim_word: u64,
 }
 
 impl Default for RecvSide {
@@ -97,6 +99,7 @@ impl Default for RecvSide {
             rdv_released: 0,
             notices: 0,
             told: None,
+            claim_word: super::offer::NONE,
         }
     }
 }

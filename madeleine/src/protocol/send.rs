@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use portability_verbs::datapath::AdaptiveCrossover;
 
+use super::OfferPolicy;
 use crate::wire::{self, Modes, Record};
 use crate::{RecvMode, SendMode};
 
@@ -104,6 +105,8 @@ pub(crate) struct SendSide {
     pub mid_packs: bool,
     /// The message being packed keeps to the smaller messages of a peer that reads behind us.
     pub behind: bool,
+    /// Which bulk packs of blocking sends go as offers.
+    pub offers: OfferPolicy,
 }
 
 impl SendSide {
@@ -122,6 +125,7 @@ impl SendSide {
             notice_seen: 0,
             mid_packs: false,
             behind: false,
+            offers: OfferPolicy::default(),
         }
     }
 
@@ -304,7 +308,8 @@ impl SendSide {
 
     /// The message went out: the next one takes the next sequence number.
     #[inline]
-    pub fn message_sent(&mut self) {
+    pub fn message_sent(&mut self, received: u32) {
         self.seq = self.seq.wrapping_add(1);
+        self.offers.sent(received);
     }
 }

@@ -29,7 +29,14 @@ fn pack_message(tx: &mut SendSide, packs: &[(Vec<u8>, Modes)], next_rdv: &mut u3
         }
         match tx.route(buf.len(), &LIMITS, Instant::now) {
             Route::Rendezvous => {
-                let rec = Record::Rdv { modes: *modes, len: buf.len() as u64, addr: 0x1000, rkey: 7, id: *next_rdv };
+                let rec = Record::Rdv {
+                    modes: *modes,
+                    len: buf.len() as u64,
+                    addr: 0x1000,
+                    rkey: 7,
+                    id: *next_rdv,
+                    offer: false,
+                };
                 *next_rdv = next_rdv.wrapping_add(1);
                 if tx.needs_flush_for(&rec, &LIMITS) {
                     flush(tx, &mut out);
@@ -70,7 +77,7 @@ fn pack_message(tx: &mut SendSide, packs: &[(Vec<u8>, Modes)], next_rdv: &mut u3
         }
     }
     tx.agg.clear();
-    tx.message_sent();
+    tx.message_sent(0);
     out
 }
 

@@ -1,0 +1,86 @@
+//! Offers on the wire (see `protocol::offer`): a connection's claim words, told to the peer at
+//! set-up, the receiver's claim and the sender's withdrawal.
+
+use portability_verbs::datapath::MsgPipe;
+use portability_verbs::{AccessFlags, MemoryRegion, SendWr, VerbsError};
+
+use crate::protocol::offer::{self, BadClaim, Outcome};
+use crate::resources::Resources;
+use crate::{MadError, Result};
+
+const TAG: &[u8; 8] = b"MADCLAIM";
+
+/// A connection's claim words: ours, on which we claim the peer's offers, and the peer's, on
+/// which we withdraw ours.
+pub(crate) struct ClaimWords {
+    /// Our word (one a connection: offers come one at a time), in provider memory that the
+    /// peer's compare-and-swap reaches; `None` where this process cannot swap it atomically
+    /// with the peer's swaps (the hardware provider without `IBV_ATOMIC_GLOB`), across a
+    /// network (a withdrawal's round trip there outlasts the patience), or with offers off:
+    /// the peer then never offers.
+    mine: Option<MemoryRegion>,
+    /// Where our withdrawals' swaps return the word they found.
+    result: MemoryRegion,
+    /// The peer's word (address, key), if it takes offers.
+    peer: Option<(u64, u32)>,
+}
+
+impl ClaimWords {
+    /// Allocates our words and trades addresses with the peer over `pipe` (both ends call this
+    /// at the same point of the connection's set-up).
+    pub(crate) fn exchange(pipe: &mut MsgPipe, s: &Resources, peer: usize) -> Result<ClaimWords> {
+        let timeout = s.cfg.timeout;
+        let word = s.pd.alloc(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC)?;
+        let mine = match word.local_atomic(0, |_| offer::NONE) {
+            Ok(_) if pipe.qp().over_network() || s.cfg.offer_patience.is_zero() => None,
+            Ok(_) => Some(word),
+            Err(VerbsError::Unsupported(why)) => {
+                log::debug!("madeleine: no offers from rank {peer}: {why}");
+                None
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let result = s.pd.alloc(8, AccessFlags::LOCAL_WRITE)?;
+        let mut told = TAG.to_vec();
+        let (addr, rkey) = mine.as_ref().map_or((0, 0), |w| (w.addr(), w.rkey()));
+        told.extend_from_slice(&addr.to_le_bytes());
+        told.extend_from_slice(&rkey.to_le_bytes());
+        pipe.send(&told, timeout)?;
+        pipe.flush()?;
+        let theirs = pipe.recv(timeout)?;
+        if theirs.len() != 20 || &theirs[..8] != TAG {
+            return Err(MadError::Protocol {
+                rank: peer,
+                why: format!("expected the peer's claim word, got {} bytes", theirs.len()),
+            });
+        }
+        let addr = u64::from_le_bytes(theirs[8..16].try_into().expect("8 bytes"));
+        let rkey = u32::from_le_bytes(theirs[16..20].try_into().expect("4 bytes"));
+        Ok(ClaimWords { mine, result, peer: (addr != 0).then_some((addr, rkey)) })
+    }
+
+    /// Whether the peer takes our offers.
+    pub(crate) fn can_offer(&self) -> bool {
+        self.peer.is_some()
+    }
+
+    /// Claims the peer's offer `id`, our word having held `last` since the previous offer
+    /// settled.
+    pub(crate) fn claim(&self, id: u32, last: u64) -> Result<std::result::Result<Outcome, BadClaim>> {
+        let mine = self.mine.as_ref().ok_or_else(|| MadError::Invalid("an offer but no claim word".into()))?;
+        let found = mine.local_atomic(0, |w| if w == last { offer::claimed(id) } else { w })?;
+        Ok(offer::claim_outcome(id, last, found))
+    }
+
+    /// The compare-and-swap that withdraws our offer `id` from the peer's word, which held
+    /// `last` since the previous offer settled.
+    pub(crate) fn withdraw_request(&self, id: u32, last: u64) -> Option<SendWr> {
+        let (addr, rkey) = self.peer?;
+        Some(SendWr::compare_and_swap(0, self.result.sge(0, 8), addr, rkey, last, offer::withdrawn(id)))
+    }
+
+    /// The outcome of a withdrawal of offer `id` whose swap completed.
+    pub(crate) fn withdraw_outcome(&self, id: u32, last: u64) -> std::result::Result<Outcome, BadClaim> {
+        offer::withdraw_outcome(id, last, self.result.read_u64(0))
+    }
+}
