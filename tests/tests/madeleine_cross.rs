@@ -16,9 +16,15 @@ impl Drop for Reap {
 }
 
 fn start(mode: &str, tag: &str) -> (Session, Channel, Child) {
+    start_with(mode, tag, 4096)
+}
+
+/// As [`start`], packs from `threshold` bytes on going zero-copy both ways.
+fn start_with(mode: &str, tag: &str, threshold: usize) -> (Session, Channel, Child) {
     let dir = std::env::temp_dir().join(format!("mad-cross-{}-{tag}", std::process::id()));
     let child = Command::new(env!("CARGO_BIN_EXE_mad_peer"))
         .arg(mode)
+        .env("MAD_RENDEZVOUS_THRESHOLD", threshold.to_string())
         .env("MAD_RANK", "1")
         .env("MAD_SIZE", "2")
         .env("MAD_RENDEZVOUS", &dir)
@@ -27,7 +33,7 @@ fn start(mode: &str, tag: &str) -> (Session, Channel, Child) {
     let mut cfg = SessionConfig::new(0, 2, dir);
     cfg.timeout = Duration::from_secs(15);
     cfg.wait_limit = Some(Duration::from_secs(15));
-    cfg.rendezvous_threshold = Some(4096);
+    cfg.rendezvous_threshold = Some(threshold);
     let session = Session::new(cfg).unwrap();
     let ch = session.channel().unwrap();
     (session, ch, child)
@@ -35,9 +41,21 @@ fn start(mode: &str, tag: &str) -> (Session, Channel, Child) {
 
 #[test]
 fn messages_of_every_size_cross_processes() {
-    let (_s, ch, child) = start("echo", "echo");
+    echo_every_size(start("echo", "echo"), &[1usize, 100, 4095, 4096, 30_000, 200_000, 1 << 20]);
+}
+
+/// Packs from 16 KiB to below the threshold in a ping-pong go as offers both ways (each
+/// message answers one), claimed and read across processes; now and then one is withdrawn
+/// and copied (a receiver slow to come).
+#[test]
+fn offered_packs_cross_processes() {
+    let sizes: Vec<usize> = (0..40).map(|i| [16_384, 30_000, 65_536, 200_000][i % 4]).collect();
+    echo_every_size(start_with("echo", "offers", 1 << 20), &sizes);
+}
+
+fn echo_every_size((_s, ch, child): (Session, Channel, Child), sizes: &[usize]) {
     let mut child = Reap(child);
-    for (i, n) in [1usize, 100, 4095, 4096, 30_000, 200_000, 1 << 20].into_iter().enumerate() {
+    for (i, &n) in sizes.iter().enumerate() {
         let body: Vec<u8> = (0..n).map(|k| (k * 13 + i) as u8).collect();
         let len = (n as u64).to_le_bytes();
         let mut p = ch.begin_packing(1).unwrap();
