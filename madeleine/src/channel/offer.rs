@@ -21,7 +21,7 @@ pub(crate) struct ClaimWords {
     mine: Option<MemoryRegion>,
     /// Where our withdrawals' swaps return the word they found.
     result: MemoryRegion,
-    /// The peer's word (address, key), if it takes offers.
+    /// The peer's word (address, key), if it takes offers and we make them.
     peer: Option<(u64, u32)>,
 }
 
@@ -31,8 +31,9 @@ impl ClaimWords {
     pub(crate) fn exchange(pipe: &mut MsgPipe, s: &Resources, peer: usize) -> Result<ClaimWords> {
         let timeout = s.cfg.timeout;
         let word = s.pd.alloc(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC)?;
+        let offers = !pipe.qp().over_network() && !s.cfg.offer_patience.is_zero();
         let mine = match word.local_atomic(0, |_| offer::NONE) {
-            Ok(_) if pipe.qp().over_network() || s.cfg.offer_patience.is_zero() => None,
+            Ok(_) if !offers => None,
             Ok(_) => Some(word),
             Err(VerbsError::Unsupported(why)) => {
                 log::debug!("madeleine: no offers from rank {peer}: {why}");
@@ -56,7 +57,7 @@ impl ClaimWords {
         }
         let addr = u64::from_le_bytes(theirs[8..16].try_into().expect("8 bytes"));
         let rkey = u32::from_le_bytes(theirs[16..20].try_into().expect("4 bytes"));
-        Ok(ClaimWords { mine, result, peer: (addr != 0).then_some((addr, rkey)) })
+        Ok(ClaimWords { mine, result, peer: (offers && addr != 0).then_some((addr, rkey)) })
     }
 
     /// Whether the peer takes our offers.
