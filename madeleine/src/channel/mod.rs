@@ -649,6 +649,33 @@ mod tests {
             if rank == 0 {
                 assert_eq!(offers_of(ch, 1), (claimed, withdrawn + 1));
             }
+            // An offer behind packs already sent (the message ends with `End`, not whole),
+            // claimed, then withdrawn.
+            for late in [false, true] {
+                resume_offers(ch, rank);
+                rendezvous_small(ch, rank, 1, 0);
+                let before = offers_of(ch, 1 - rank);
+                let big = body(40_000, late as usize);
+                if rank == 0 {
+                    let mut p = ch.begin_packing(1).unwrap();
+                    p.pack(&[5u8; 8], SendMode::Cheaper, RecvMode::Express).unwrap();
+                    p.flush().unwrap();
+                    p.pack(&big, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                    p.end_packing().unwrap();
+                    let want = if late { (before.0, before.1 + 1) } else { (before.0 + 1, before.1) };
+                    assert_eq!(offers_of(ch, 1), want, "late {late}");
+                } else {
+                    if late {
+                        std::thread::sleep(LATE);
+                    }
+                    let (mut head, mut got) = ([0u8; 8], vec![0u8; big.len()]);
+                    let mut u = ch.begin_unpacking_from(0).unwrap();
+                    u.unpack_express(&mut head, SendMode::Cheaper).unwrap();
+                    u.unpack(&mut got, SendMode::Cheaper, RecvMode::Cheaper).unwrap();
+                    u.end_unpacking().unwrap();
+                    assert!(head == [5u8; 8] && got == big, "late {late}");
+                }
+            }
             rendezvous_small(ch, rank, 0, 1);
             rendezvous_small(ch, rank, 1, 0);
         });
