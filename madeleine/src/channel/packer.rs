@@ -584,7 +584,9 @@ impl<'p> Packer<'p> {
     }
 
     /// Completes the message: sends what was deferred, then waits until the receiver has read
-    /// every zero-copy pack (after this the buffers are free).
+    /// every zero-copy pack (after this the buffers are free). A last pack from 16 KiB below
+    /// the rendezvous threshold that answers the peer may go as an offer: read by the
+    /// receiver if it claims it within the session's `offer_patience`, else copied.
     #[inline]
     pub fn end_packing(mut self) -> Result<()> {
         self.finish()
