@@ -60,6 +60,11 @@ impl ClaimWords {
         Ok(ClaimWords { mine, result, peer: (offers && addr != 0).then_some((addr, rkey)) })
     }
 
+    /// Whether we take the peer's offers (we told it our word).
+    pub(crate) fn takes_offers(&self) -> bool {
+        self.mine.is_some()
+    }
+
     /// Whether the peer takes our offers.
     pub(crate) fn can_offer(&self) -> bool {
         self.peer.is_some()

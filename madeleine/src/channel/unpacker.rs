@@ -199,6 +199,9 @@ impl<'u> Unpacker<'u> {
     /// Claims the sender's offer `id` before reading it (`protocol::offer`): `Withdrawn` if the
     /// sender took it back first (its bytes follow through the bulk lane).
     pub(super) fn claim(&mut self, id: u32) -> Result<Outcome> {
+        if !self.conn.claims.takes_offers() {
+            return Err(self.bad("an offer, though this end told the sender it takes none"));
+        }
         let outcome = self.conn.claims.claim(id, self.rx.claim_word)?.map_err(|b| self.bad(&b.0))?;
         self.rx.claim_word = outcome.word(id);
         Ok(outcome)
@@ -223,15 +226,21 @@ impl<'u> Unpacker<'u> {
         if self.claim(id)? == Outcome::Claimed {
             return Ok(());
         }
-        if len > self.conn.threshold as u64 {
-            return Err(self.bad("an offer larger than the rendezvous threshold"));
-        }
         let this = &*self;
+        let missing = || this.bad("a withdrawn offer not followed by its bytes");
         self.next_record_with(Pump::StopAtBulk, |n| match n {
             Next::Rec(Record::Bulk { total, .. }, _) if total == len => Ok(()),
-            _ => Err(this.bad("a withdrawn offer not followed by its bytes")),
+            _ => Err(missing()),
         })??;
-        self.read_bulk(&mut vec![0; len as usize])
+        // Its bytes, drained chunk by chunk (each at most what is left of them).
+        let mut left = len;
+        while left > 0 {
+            left -= self.next_record_with(Pump::Drain, |n| match n {
+                Next::BulkData(d) => Ok(d.len() as u64),
+                _ => Err(missing()),
+            })??;
+        }
+        Ok(())
     }
 
     /// Takes the next pack of a message that came whole: an inline pack is copied into `buf`

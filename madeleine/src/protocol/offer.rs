@@ -30,8 +30,9 @@ pub(crate) const OFFER_MIN: usize = 16 * 1024;
 /// pays this once and copies.
 pub(crate) const OFFER_PATIENCE: Duration = Duration::from_micros(20);
 
-/// Messages sent without offers after a withdrawal: a pattern where receivers come late (two
-/// ranks that each send before they receive) pays the patience once per this many messages.
+/// Packs not offered after a withdrawal, of those the policy would offer: a pattern where
+/// receivers come late (two ranks that each send before they receive) pays the patience once
+/// per this many of its messages.
 pub(crate) const PAUSE_AFTER_WITHDRAWAL: u32 = 64;
 
 const STATE_BITS: u32 = 2;
@@ -98,7 +99,7 @@ pub(crate) fn withdraw_outcome(id: u32, last: u64, found: u64) -> Result<Outcome
 /// bytes sent after the peer's last message to us arrived (a request answered, a ping-pong:
 /// its receiver is likely waiting), not those of a stream (the receiver reads behind, and
 /// offers would make each message wait for its read instead of letting copies overlap), and
-/// none for [`PAUSE_AFTER_WITHDRAWAL`] messages after a withdrawal.
+/// none of the next [`PAUSE_AFTER_WITHDRAWAL`] it would offer after a withdrawal.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct OfferPolicy {
     /// Messages received from the peer when our previous message was sent.
