@@ -207,13 +207,13 @@ impl<'u> Unpacker<'u> {
         Ok(outcome)
     }
 
-    /// Copies the bytes of a withdrawn offer into `buf`: the `Bulk` record the sender sent
-    /// after its withdrawal, then its data.
+    /// Copies the bytes of a withdrawn offer into `buf` (the unpack it matched): the `Bulk`
+    /// record the sender sent after its withdrawal, then its data.
     pub(super) fn take_withdrawn(&mut self, buf: &mut [u8], asked: Modes) -> Result<()> {
-        let len = buf.len();
+        let len = buf.len() as u64;
         let this = &*self;
         self.next_record_with(Pump::StopAtBulk, |n| match n {
-            Next::Rec(Record::Bulk { modes, total }, _) => this.check(modes, total, asked, len),
+            Next::Rec(Record::Bulk { modes, total }, _) if modes == asked && total == len => Ok(()),
             _ => Err(this.bad("a withdrawn offer not followed by its bytes")),
         })??;
         self.read_bulk(buf)
