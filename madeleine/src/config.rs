@@ -108,9 +108,9 @@ impl SessionConfig {
     /// PMI launcher (`PMI_RANK`/`PMI_SIZE`), Slurm's `srun` (`SLURM_PROCID`/`SLURM_NTASKS`;
     /// last, since `mpirun` inside an allocation inherits them); the directory from
     /// `MAD_RENDEZVOUS` (default: a directory under the temporary directory named after the
-    /// job, `SLURM_JOB_ID` when there is one); the optional `MAD_RENDEZVOUS_THRESHOLD`, `MAD_TIMEOUT`,
-    /// `MAD_BULK_RING`, `MAD_SPIN_US`, `MAD_OFFER_US` and `MAD_FLOW`. A value that does not parse is an error
-    /// naming the variable.
+    /// job, `SLURM_JOB_ID` when there is one); the optional `MAD_RENDEZVOUS_THRESHOLD`,
+    /// `MAD_TIMEOUT`, `MAD_BULK_RING`, `MAD_SPIN_US`, `MAD_OFFER_US` and `MAD_FLOW`. A value
+    /// that does not parse is an error naming the variable.
     pub fn from_env() -> Result<SessionConfig> {
         use portability_verbs::env;
         let get = |k: &str| env::text(k).map_err(MadError::from);

@@ -4,7 +4,7 @@
 //! ```text
 //! Begin                      a message starts (seq: per connection and direction)
 //! Inline  modes len last     a fragment of a pack's bytes follows the header
-//! Rdv     modes len addr key id offer   a large pack: the receiver RDMA-reads it from the sender
+//! Rdv     modes len addr key id offer   a large pack the receiver RDMA-reads from the sender
 //! Bulk    modes total        a pack whose `total` bytes follow as bulk-lane chunks
 //! End     packs              the message had this many packs
 //! Whole   seq packs          a whole message in one pipe message: Begin, its `packs` records, no End
@@ -27,8 +27,8 @@
 //! transport's first cache line with room to spare and the receiver decodes one record. Every
 //! other header is 16 bytes (Rdv 32); every length is checked on decode.
 //! An `Rdv` with `offer` set is a pack the sender may take back: the receiver first claims it
-//! (a compare-and-swap on the sender's claim word, `channel::offer`); if the sender withdrew
-//! it, its bytes follow on the connection as a `Bulk` record and its data.
+//! (a compare-and-swap on its claim word, which a withdrawal swaps too: `protocol::offer`);
+//! if the sender withdrew it, its bytes follow on the connection as a `Bulk` record and data.
 
 use crate::{RecvMode, SendMode};
 
