@@ -222,9 +222,15 @@ mod tests {
     #[test]
     fn launcher_variables_by_precedence_and_strictly_parsed() {
         let set = |vars: &[(&str, &str)]| {
-            for k in
-                ["MAD_RANK", "MAD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"]
-            {
+            for k in [
+                "MAD_RANK",
+                "MAD_SIZE",
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "SLURM_PROCID",
+                "SLURM_NTASKS",
+                "MAD_OFFER_US",
+            ] {
                 std::env::remove_var(k);
             }
             for (k, v) in vars {
@@ -245,6 +251,14 @@ mod tests {
         set(&[("MAD_RANK", "one"), ("MAD_SIZE", "2")]);
         let e = SessionConfig::from_env().unwrap_err().to_string();
         assert!(e.contains("MAD_RANK"), "{e}");
+        // Offers: microseconds of patience, 0 for none.
+        let patience = |v: &str| {
+            set(&[("MAD_RANK", "0"), ("MAD_SIZE", "1"), ("MAD_OFFER_US", v)]);
+            SessionConfig::from_env().map(|c| c.offer_patience)
+        };
+        assert_eq!(patience("0").unwrap(), Duration::ZERO);
+        assert_eq!(patience("150").unwrap(), Duration::from_micros(150));
+        assert!(patience("20us").unwrap_err().to_string().contains("MAD_OFFER_US"));
         set(&[]);
     }
 
