@@ -10,17 +10,22 @@ use crate::{MadError, Result};
 
 const TAG: &[u8; 8] = b"MADCLAIM";
 
+/// Where our claim word lies in [`ClaimWords::words`], and where our withdrawals' swaps
+/// return the word they found (a cache line apart).
+const CLAIM_AT: usize = 0;
+const RESULT_AT: usize = 64;
+
 /// A connection's claim words: ours, on which we claim the peer's offers, and the peer's, on
 /// which we withdraw ours.
 pub(crate) struct ClaimWords {
-    /// Our word (one a connection: offers come one at a time), in provider memory that the
-    /// peer's compare-and-swap reaches; `None` where this process cannot swap it atomically
+    /// Our word (one a connection: offers come one at a time) and our swaps' results, in one
+    /// provider region that the peer's compare-and-swap reaches (one region a connection).
+    words: MemoryRegion,
+    /// Whether we told the peer our word: not where this process cannot swap it atomically
     /// with the peer's swaps (the hardware provider without `IBV_ATOMIC_GLOB`), across a
-    /// network (a withdrawal's round trip there outlasts the patience), or with offers off:
+    /// network (a withdrawal's round trip there outlasts the patience), nor with offers off;
     /// the peer then never offers.
-    mine: Option<MemoryRegion>,
-    /// Where our withdrawals' swaps return the word they found.
-    result: MemoryRegion,
+    mine: bool,
     /// The peer's word (address, key), if it takes offers and we make them.
     peer: Option<(u64, u32)>,
 }
@@ -30,20 +35,18 @@ impl ClaimWords {
     /// at the same point of the connection's set-up).
     pub(crate) fn exchange(pipe: &mut MsgPipe, s: &Resources, peer: usize) -> Result<ClaimWords> {
         let timeout = s.cfg.timeout;
-        let word = s.pd.alloc(64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC)?;
+        let words = s.pd.alloc(RESULT_AT + 8, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC)?;
         let offers = !pipe.qp().over_network() && !s.cfg.offer_patience.is_zero();
-        let mine = match word.local_atomic(0, |_| offer::NONE) {
-            Ok(_) if !offers => None,
-            Ok(_) => Some(word),
+        let mine = match words.local_atomic(CLAIM_AT, |_| offer::NONE) {
+            Ok(_) => offers,
             Err(VerbsError::Unsupported(why)) => {
                 log::debug!("madeleine: no offers from rank {peer}: {why}");
-                None
+                false
             }
             Err(e) => return Err(e.into()),
         };
-        let result = s.pd.alloc(8, AccessFlags::LOCAL_WRITE)?;
         let mut told = TAG.to_vec();
-        let (addr, rkey) = mine.as_ref().map_or((0, 0), |w| (w.addr(), w.rkey()));
+        let (addr, rkey) = if mine { (words.addr() + CLAIM_AT as u64, words.rkey()) } else { (0, 0) };
         told.extend_from_slice(&addr.to_le_bytes());
         told.extend_from_slice(&rkey.to_le_bytes());
         pipe.send(&told, timeout)?;
@@ -57,12 +60,12 @@ impl ClaimWords {
         }
         let addr = u64::from_le_bytes(theirs[8..16].try_into().expect("8 bytes"));
         let rkey = u32::from_le_bytes(theirs[16..20].try_into().expect("4 bytes"));
-        Ok(ClaimWords { mine, result, peer: (offers && addr != 0).then_some((addr, rkey)) })
+        Ok(ClaimWords { words, mine, peer: (offers && addr != 0).then_some((addr, rkey)) })
     }
 
     /// Whether we take the peer's offers (we told it our word).
     pub(crate) fn takes_offers(&self) -> bool {
-        self.mine.is_some()
+        self.mine
     }
 
     /// Whether the peer takes our offers.
@@ -73,8 +76,10 @@ impl ClaimWords {
     /// Claims the peer's offer `id`, our word having held `last` since the previous offer
     /// settled.
     pub(crate) fn claim(&self, id: u32, last: u64) -> Result<std::result::Result<Outcome, BadClaim>> {
-        let mine = self.mine.as_ref().ok_or_else(|| MadError::Invalid("an offer but no claim word".into()))?;
-        let found = mine.local_atomic(0, |w| if w == last { offer::claimed(id) } else { w })?;
+        if !self.mine {
+            return Err(MadError::Invalid("an offer but no claim word".into()));
+        }
+        let found = self.words.local_atomic(CLAIM_AT, |w| if w == last { offer::claimed(id) } else { w })?;
         Ok(offer::claim_outcome(id, last, found))
     }
 
@@ -82,11 +87,11 @@ impl ClaimWords {
     /// `last` since the previous offer settled.
     pub(crate) fn withdraw_request(&self, id: u32, last: u64) -> Option<SendWr> {
         let (addr, rkey) = self.peer?;
-        Some(SendWr::compare_and_swap(0, self.result.sge(0, 8), addr, rkey, last, offer::withdrawn(id)))
+        Some(SendWr::compare_and_swap(0, self.words.sge(RESULT_AT, 8), addr, rkey, last, offer::withdrawn(id)))
     }
 
     /// The outcome of a withdrawal of offer `id` whose swap completed.
     pub(crate) fn withdraw_outcome(&self, id: u32, last: u64) -> std::result::Result<Outcome, BadClaim> {
-        offer::withdraw_outcome(id, last, self.result.read_u64(0))
+        offer::withdraw_outcome(id, last, self.words.read_u64(RESULT_AT))
     }
 }
