@@ -637,6 +637,37 @@ impl Conn {
         }
     }
 
+    /// Waits until the request of ours behind `token` (a zero-copy read, an offer's
+    /// withdrawal) completed: `Ok` with its outcome, `Err` if it was not seen completing
+    /// within the wait's timeout (`waiting` names it then, `what` names a failed request).
+    /// Completions are polled even once the pipe failed (its queue pair then flushes every
+    /// request).
+    pub(super) fn wait_user(&self, token: u64, p: &Patience, waiting: &'static str, what: &str) -> Result<Result<()>> {
+        let mut w = Waiter::new(p, waiting);
+        let mut polls = 0u32;
+        loop {
+            polls = polls.wrapping_add(1);
+            {
+                let mut io = self.io();
+                // Mostly a look at the completion queue; now and then a whole pass, so that a
+                // long read does not hold the pipe's flow control up.
+                if polls.is_multiple_of(16) {
+                    let _ = io.pipe.progress();
+                }
+                match io.pipe.settle_user(token) {
+                    Some(WcStatus::Success) => return Ok(Ok(())),
+                    // A request flushed by the pipe's failure: the failure says why.
+                    Some(st) => {
+                        let why = io.pipe.failure().map_or_else(|| format!("{what} failed: {st:?}"), str::to_owned);
+                        return Ok(Err(self.lost(why)));
+                    }
+                    None => {}
+                }
+            }
+            w.pause_on(&[self])?;
+        }
+    }
+
     /// Waits until the pipe requests behind `tokens` (bulk chunks of ours) completed.
     pub(super) fn wait_tokens(&self, tokens: &mut Vec<u64>, p: &Patience) -> Result<()> {
         let mut w = Waiter::new(p, "waiting for bulk data to leave");

@@ -540,19 +540,7 @@ impl<'p> Packer<'p> {
             .ok_or_else(|| MadError::Invalid("an offer to a peer without a claim word".into()))?;
         let posted = conn.io().pipe.post_user_completing(wr).map_err(|e| conn.lost(e))?;
         if let Some(token) = posted {
-            let mut w = Waiter::new(self.ch.res.patience(), "withdrawing an offer");
-            loop {
-                {
-                    let mut io = conn.io();
-                    let _ = io.pipe.progress();
-                    match io.pipe.settle_user(token) {
-                        Some(WcStatus::Success) => break,
-                        Some(st) => return Err(conn.lost(format!("withdrawing an offer: {st:?}"))),
-                        None => {}
-                    }
-                }
-                w.pause()?;
-            }
+            conn.wait_user(token, self.ch.res.patience(), "withdrawing an offer", "withdrawing an offer")??;
         }
         conn.claims.withdraw_outcome(id, last).map_err(|b| MadError::Protocol { rank: conn.peer, why: b.0 })
     }

@@ -620,34 +620,9 @@ impl<'u> Unpacker<'u> {
         first.map_or(Ok(()), |error| Err(ReadsFailed { error, settled: true }))
     }
 
-    /// Waits until the read behind `token` completed: `Ok` with its outcome, `Err` if it was
-    /// not seen completing within the timeout. Completions are polled even once the pipe
-    /// failed (its queue pair then flushes every request).
+    /// Waits until the read behind `token` completed (see [`Conn::wait_user`]).
     pub(super) fn wait_read(&self, token: u64) -> Result<Result<()>> {
-        let mut w = Waiter::new(self.ch.res.patience(), "waiting for a zero-copy read");
-        let mut polls = 0u32;
-        loop {
-            polls = polls.wrapping_add(1);
-            {
-                let mut io = self.conn.io();
-                // Mostly a look at the completion queue; now and then a whole pass, so that a
-                // long read does not hold the pipe's flow control up.
-                if polls.is_multiple_of(16) {
-                    let _ = io.pipe.progress();
-                }
-                match io.pipe.settle_user(token) {
-                    Some(WcStatus::Success) => return Ok(Ok(())),
-                    // A read flushed by the pipe's failure: the failure says why.
-                    Some(st) => {
-                        let why =
-                            io.pipe.failure().map_or_else(|| format!("zero-copy read failed: {st:?}"), str::to_owned);
-                        return Ok(Err(self.conn.lost(why)));
-                    }
-                    None => {}
-                }
-            }
-            w.pause_on(&[self.conn])?;
-        }
+        self.conn.wait_user(token, self.ch.res.patience(), "waiting for a zero-copy read", "zero-copy read")
     }
 
     /// Completes the message: waits for `RecvMode::Cheaper` data, checks that the sender packed
