@@ -12,10 +12,11 @@ pub(super) struct ReadsFailed {
     pub(super) settled: bool,
 }
 
-/// A rendezvous of the message that nobody read: its id, and its length if it is an offer.
+/// A rendezvous of the message that nobody read: its id, and its modes and length if it is
+/// an offer.
 pub(super) struct Unread {
     pub(super) id: u32,
-    pub(super) offer: Option<u64>,
+    pub(super) offer: Option<(Modes, u64)>,
 }
 
 /// A zero-copy read in flight (RECEIVE_CHEAPER), kept until `end_unpacking`.
@@ -189,7 +190,7 @@ impl<'u> Unpacker<'u> {
         self.note_rdv(id)?;
         if let Err(e) = self.check(modes, sent_len, asked, len) {
             if offer {
-                self.settle_unread_offer(id, sent_len)?;
+                self.settle_unread_offer(id, modes, sent_len)?;
             }
             return Err(e);
         }
@@ -210,34 +211,38 @@ impl<'u> Unpacker<'u> {
     /// Copies the bytes of a withdrawn offer into `buf` (the unpack it matched): the `Bulk`
     /// record the sender sent after its withdrawal, then its data.
     pub(super) fn take_withdrawn(&mut self, buf: &mut [u8], asked: Modes) -> Result<()> {
-        let len = buf.len() as u64;
-        let this = &*self;
-        self.next_record_with(Pump::StopAtBulk, |n| match n {
-            Next::Rec(Record::Bulk { modes, total }, _) if modes == asked && total == len => Ok(()),
-            _ => Err(this.bad("a withdrawn offer not followed by its bytes")),
-        })??;
+        self.take_withdrawn_record(asked, buf.len() as u64)?;
         self.read_bulk(buf)
+    }
+
+    /// Takes the `Bulk` record a withdrawal sends, which must be that of the offer (`modes`,
+    /// `len`); its data comes next.
+    pub(super) fn take_withdrawn_record(&self, modes: Modes, len: u64) -> Result<()> {
+        self.next_record_with(Pump::StopAtBulk, |n| match n {
+            Next::Rec(Record::Bulk { modes: m, total }, _) if m == modes && total == len => Ok(()),
+            _ => Err(self.withdrawn_bytes_missing()),
+        })?
+    }
+
+    #[cold]
+    pub(super) fn withdrawn_bytes_missing(&self) -> MadError {
+        self.bad("a withdrawn offer not followed by its bytes")
     }
 
     /// An offer nobody reads (an unpack that did not match it, or no unpack): claimed all the
     /// same, so that its sender, released with the message, does not withdraw it meanwhile;
     /// or, withdrawn already, its bytes taken out of the connection.
-    pub(super) fn settle_unread_offer(&mut self, id: u32, len: u64) -> Result<()> {
+    pub(super) fn settle_unread_offer(&mut self, id: u32, modes: Modes, len: u64) -> Result<()> {
         if self.claim(id)? == Outcome::Claimed {
             return Ok(());
         }
-        let this = &*self;
-        let missing = || this.bad("a withdrawn offer not followed by its bytes");
-        self.next_record_with(Pump::StopAtBulk, |n| match n {
-            Next::Rec(Record::Bulk { total, .. }, _) if total == len => Ok(()),
-            _ => Err(missing()),
-        })??;
+        self.take_withdrawn_record(modes, len)?;
         // Its bytes, drained chunk by chunk (each at most what is left of them).
         let mut left = len;
         while left > 0 {
             left -= self.next_record_with(Pump::Drain, |n| match n {
                 Next::BulkData(d) => Ok(d.len() as u64),
-                _ => Err(missing()),
+                _ => Err(self.withdrawn_bytes_missing()),
             })??;
         }
         Ok(())
@@ -310,7 +315,9 @@ impl<'u> Unpacker<'u> {
             let (rec, _, next) = wire::decode_one(body, at).map_err(|e| self.bad(&e.to_string()))?;
             match rec {
                 Record::Inline { last: true, len, total, .. } if len as u64 == total => {}
-                Record::Rdv { id, offer, len, .. } => unread.push(Unread { id, offer: offer.then_some(len) }),
+                Record::Rdv { id, offer, modes, len, .. } => {
+                    unread.push(Unread { id, offer: offer.then_some((modes, len)) })
+                }
                 _ => return Err(self.bad(WHOLE_HOLDS)),
             }
             *extra += 1;
@@ -675,8 +682,8 @@ impl<'u> Unpacker<'u> {
         };
         for Unread { id, offer } in unread {
             self.note_rdv(id)?;
-            if let Some(len) = offer {
-                self.settle_unread_offer(id, len)?;
+            if let Some((modes, len)) = offer {
+                self.settle_unread_offer(id, modes, len)?;
             }
         }
         self.release()?;
@@ -697,10 +704,10 @@ impl<'u> Unpacker<'u> {
                     Ok(None)
                 }
                 Next::BulkData(_) => Ok(None),
-                Next::Rec(Record::Rdv { id, offer, len, .. }, _) => {
+                Next::Rec(Record::Rdv { id, offer, modes, len, .. }, _) => {
                     *extra += 1;
                     // Release the sender even though nobody reads it.
-                    unread.push(Unread { id, offer: offer.then_some(len) });
+                    unread.push(Unread { id, offer: offer.then_some((modes, len)) });
                     Ok(None)
                 }
                 Next::Rec(Record::Inline { last, .. }, _) => {
