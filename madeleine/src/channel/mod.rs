@@ -681,10 +681,10 @@ mod tests {
         });
     }
 
-    /// Lets rank 0's offers to rank 1 resume after a withdrawal: answered large messages
-    /// until the pause is over.
+    /// Lets rank 0's offers to rank 1 resume after withdrawals: answered large messages
+    /// until the longest pause is over.
     fn resume_offers(ch: &Channel, rank: usize) {
-        for _ in 0..crate::protocol::offer::PAUSE_AFTER_WITHDRAWAL {
+        for _ in 0..crate::protocol::offer::LONGEST_PAUSE {
             rendezvous_small(ch, rank, 1, 0);
             one_pack(ch, rank, 0, 1, &[3u8; crate::protocol::offer::OFFER_MIN]);
         }

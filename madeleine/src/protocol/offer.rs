@@ -30,10 +30,17 @@ pub(crate) const OFFER_MIN: usize = 16 * 1024;
 /// pays this once and copies.
 pub(crate) const OFFER_PATIENCE: Duration = Duration::from_micros(20);
 
-/// Packs not offered after a withdrawal, of those the policy would offer: a pattern where
-/// receivers come late (two ranks that each send before they receive) pays the patience once
-/// per this many of its messages.
-pub(crate) const PAUSE_AFTER_WITHDRAWAL: u32 = 64;
+/// The longest pause after withdrawals, in packs the policy would offer. Pauses grow with
+/// withdrawals in a row (none after the first, then 1, 3, 7, ... packs) and a claim ends
+/// them: a receiver held up once (an interrupt, a page fault) costs one copied message, while
+/// a pattern where receivers always come late (two ranks that each send before they
+/// receive) soon pays the patience only once per this many of its messages.
+pub(crate) const LONGEST_PAUSE: u32 = 64;
+
+/// Packs not offered after the `in_a_row`-th withdrawal without a claim between.
+fn pause_after(in_a_row: u32) -> u32 {
+    ((1u32 << in_a_row.saturating_sub(1).min(7)) - 1).min(LONGEST_PAUSE)
+}
 
 const STATE_BITS: u32 = 2;
 const CLAIMED: u64 = 1;
@@ -99,13 +106,15 @@ pub(crate) fn withdraw_outcome(id: u32, last: u64, found: u64) -> Result<Outcome
 /// bytes sent after the peer's last message to us arrived (a request answered, a ping-pong:
 /// its receiver is likely waiting), not those of a stream (the receiver reads behind, and
 /// offers would make each message wait for its read instead of letting copies overlap), and
-/// none of the next [`PAUSE_AFTER_WITHDRAWAL`] it would offer after a withdrawal.
+/// after withdrawals in a row, none of the next few it would offer (see [`LONGEST_PAUSE`]).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct OfferPolicy {
     /// Messages received from the peer when our previous message was sent.
     received_at_last_send: u32,
     /// Messages still to send without offers.
     paused: u32,
+    /// Offers withdrawn since the last one claimed.
+    withdrawn_in_a_row: u32,
     /// The peer's claim word as our last offer left it.
     last: u64,
 }
@@ -135,11 +144,15 @@ impl OfferPolicy {
         self.last
     }
 
-    /// Offer `id` settled so; after a withdrawal the next offers wait.
+    /// Offer `id` settled so; after withdrawals in a row the next offers wait.
     pub fn settled(&mut self, id: u32, outcome: Outcome) {
         self.last = outcome.word(id);
-        if outcome == Outcome::Withdrawn {
-            self.paused = PAUSE_AFTER_WITHDRAWAL;
+        match outcome {
+            Outcome::Claimed => self.withdrawn_in_a_row = 0,
+            Outcome::Withdrawn => {
+                self.withdrawn_in_a_row = self.withdrawn_in_a_row.saturating_add(1);
+                self.paused = pause_after(self.withdrawn_in_a_row);
+            }
         }
     }
 }
@@ -187,19 +200,39 @@ mod tests {
     }
 
     #[test]
-    fn a_withdrawal_pauses_offers() {
+    fn withdrawals_in_a_row_pause_offers_longer_and_a_claim_ends_the_pauses() {
         let mut p = OfferPolicy::default();
+        let mut received = 0;
+        // Offers the policy declines before it offers again.
+        let mut declined_before_offering = |p: &mut OfferPolicy| {
+            for declined in 0..=LONGEST_PAUSE {
+                received += 1;
+                let offered = p.offers(OFFER_MIN, received);
+                p.sent(received);
+                if offered {
+                    return declined;
+                }
+            }
+            panic!("no offer after {LONGEST_PAUSE} packs")
+        };
         p.settled(0, Outcome::Claimed);
         assert_eq!(p.last(), claimed(0));
+        assert_eq!(declined_before_offering(&mut p), 0);
+        // One withdrawal (a receiver held up once): the next pack is offered again.
         p.settled(1, Outcome::Withdrawn);
         assert_eq!(p.last(), withdrawn(1));
-        let mut received = 0;
-        for _ in 0..PAUSE_AFTER_WITHDRAWAL {
-            received += 1;
-            assert!(!p.offers(OFFER_MIN, received));
-            p.sent(received);
+        assert_eq!(declined_before_offering(&mut p), 0);
+        // Receivers that keep coming late: the pauses double, up to the longest.
+        let mut pauses = Vec::new();
+        for id in 2..12 {
+            p.settled(id, Outcome::Withdrawn);
+            pauses.push(declined_before_offering(&mut p));
         }
-        received += 1;
-        assert!(p.offers(OFFER_MIN, received));
+        assert_eq!(pauses, [1, 3, 7, 15, 31, 63, 64, 64, 64, 64]);
+        // A claim: a withdrawal after it pauses nothing.
+        p.settled(12, Outcome::Claimed);
+        p.settled(13, Outcome::Withdrawn);
+        assert_eq!(declined_before_offering(&mut p), 0);
+        assert_eq!(p.last(), withdrawn(13));
     }
 }
