@@ -205,6 +205,11 @@ struct Args {
     /// Results folder (default: `results/stack-<time>`).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Also writes each latency block's one-way samples (ns, in the order taken, one a line)
+    /// to `<DIR>/<layer>-<size>-<round>.txt`, to study tails: which round trips were slow,
+    /// in runs or alone, how often. Our layers only (a peer's program reports percentiles).
+    #[arg(long, value_name = "DIR")]
+    samples: Option<PathBuf>,
     /// Run one half only: `server` (with --listen) or `client` (with --connect).
     #[arg(long, value_enum, default_value_t = Role::Both)]
     role: Role,
@@ -353,6 +358,9 @@ fn measure(
                         .announce(links[0].as_mut())
                         .map_err(fail)?;
                     let mut samples = latency_block(links[i].as_mut(), &clock, size, warm, n).map_err(fail)?;
+                    if let Some(dir) = &args.samples {
+                        write_samples(dir, layers[i], size, r, &samples)?;
+                    }
                     for &s in &samples {
                         t.hist.record(s).ok();
                     }
@@ -407,8 +415,15 @@ fn measure(
     Ok(out)
 }
 
-/// The server's side: serves the blocks the client announces, until it is done.
-/// One block of a peer's own benchmark (`layer` is `ucx` or `mpi`): a ping-pong of `n` round
+/// Writes one latency block's samples for `--samples`.
+fn write_samples(dir: &std::path::Path, layer: Layer, size: usize, round: u64, samples: &[u64]) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join(format!("{}-{size}-{round}.txt", layer.name()));
+    let text: String = samples.iter().map(|s| format!("{s}\n")).collect();
+    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// One block of a peer's own benchmark (`layer` is `ucx`, `mpi` or `libfabric`): a ping-pong of `n` round
 /// trips (`latency`) or a stream of `n` messages, after `warm`. UCX's transport set is chosen in
 /// a point's first block and kept in `ucx_tls` for its later ones.
 fn run_peer(
@@ -440,6 +455,7 @@ fn run_peer(
     Ok(PeerResult { p50_us: got.percentile_us, p99_us: Some(p99.percentile_us), gbps: got.gbps })
 }
 
+/// The server's side: serves the blocks the client announces, until it is done.
 fn serve(links: &mut [Box<dyn Link>], layers: &[Layer]) -> Result<(), String> {
     loop {
         links[0].recv(CONTROL).map_err(|e| format!("server, waiting for the next block: {e}"))?;
