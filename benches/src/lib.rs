@@ -214,11 +214,17 @@ impl Spin {
 /// Returns nanoseconds one way. Measured in the same run as the figures it is compared with,
 /// because this kind of machine drifts from minute to minute.
 pub fn cacheline_one_way_ns(cpu_a: usize, cpu_b: usize) -> f64 {
+    cacheline_one_way_ns_over(cpu_a, cpu_b, 200_000)
+}
+
+/// [`cacheline_one_way_ns`] over `rounds` round trips (a few milliseconds for 10,000 here), to
+/// check a figure against the floor of the moment it was taken.
+pub fn cacheline_one_way_ns_over(cpu_a: usize, cpu_b: usize, rounds: u64) -> f64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     #[repr(align(128))]
     struct Line(AtomicU64);
     let (a, b) = (Line(AtomicU64::new(0)), Line(AtomicU64::new(0)));
-    let rounds = 200_000u64;
+    let rounds = rounds.max(1);
     let mut elapsed = Duration::ZERO;
     std::thread::scope(|s| {
         s.spawn(|| {

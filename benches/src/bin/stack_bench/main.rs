@@ -21,7 +21,9 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use benches::plot::{line_chart, Axes, Series};
-use benches::{cacheline_one_way_ns, fmt_size, pin_to_cpu, sizes_between, wait_child, TickClock};
+use benches::{
+    cacheline_one_way_ns, cacheline_one_way_ns_over, fmt_size, pin_to_cpu, sizes_between, wait_child, TickClock,
+};
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use madeleine::{RecvMode, SendMode, Session, SessionConfig};
@@ -327,9 +329,34 @@ fn measure(
                         let n = share(iters, lat_rounds, r).max(UCX_MIN_ROUND_TRIPS);
                         let warm = warmup.div_ceil(lat_rounds).max(n / 10);
                         let block = Block::Latency { link: i, size, round_trips: 0 };
-                        let got =
-                            ucx_block(block, links, || run_peer(layers[i], true, size, n, warm, cpus, &mut ucx_tls.0))
-                                .map_err(fail)?;
+                        let mut retries = 0;
+                        let got = loop {
+                            let floor = floor_now(cpus);
+                            let got = ucx_block(block, links, || {
+                                run_peer(layers[i], true, size, n, warm, cpus, &mut ucx_tls.0)
+                            })
+                            .map_err(fail)?;
+                            // A one-way message moves at least one cache line between the two
+                            // CPUs: a median below the floor of that moment measured something
+                            // else (`ucx_perftest` reported such medians now and then, 4-5x
+                            // below its neighbours). The block runs again.
+                            match floor {
+                                Some(f) if got.p50_us * 1e3 < f => {
+                                    let again = retries < PEER_RETRIES_BELOW_FLOOR;
+                                    log::warn!(
+                                        "{} {size} B: median {:.3} us below the cache-line floor ({f:.0} ns){}",
+                                        layers[i].name(),
+                                        got.p50_us,
+                                        if again { ": run again" } else { ": kept" }
+                                    );
+                                    if !again {
+                                        break got;
+                                    }
+                                    retries += 1;
+                                }
+                                _ => break got,
+                            }
+                        };
                         let p50 = (got.p50_us * 1e3).round().max(1.0) as u64;
                         t.hist.record_n(p50, n).ok();
                         t.round_medians.push(p50);
@@ -413,6 +440,17 @@ fn measure(
     }
     Block::Done.announce(links[0].as_mut()).map_err(|e| format!("client, ending the run: {e}"))?;
     Ok(out)
+}
+
+/// Times a peer's latency block whose median came out below the cache-line floor is run again.
+const PEER_RETRIES_BELOW_FLOOR: u32 = 2;
+
+/// The cache-line floor (ns one way) between the client's and the server's CPUs now, while
+/// both our processes sleep; none unpinned or on one CPU. (Not asked of
+/// `available_parallelism`: the client is pinned by now, so it says one.)
+fn floor_now(cpus: Option<(usize, usize)>) -> Option<f64> {
+    let (a, b) = cpus.filter(|(a, b)| a != b)?;
+    Some(cacheline_one_way_ns_over(a, b, 10_000))
 }
 
 /// Writes one latency block's samples for `--samples`.
