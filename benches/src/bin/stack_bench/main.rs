@@ -75,6 +75,8 @@ enum Layer {
     /// while ours sleep. Same host only; needs `ucx_perftest` (Debian: `ucx-utils`). Its
     /// latency is the 50th percentile ucx_perftest reports, its p99 the 99th of a second run of
     /// each latency block (`-R 99`; both over a block's last 2048 round trips); no CPU time.
+    /// A peer's latency block whose median falls below the cache-line floor measured just
+    /// before it (impossible for a message between the two CPUs) runs again, at most twice.
     Ucx,
     /// Open MPI, the default shared-memory path (`ob1` with the `vader` BTL): a ping-pong of
     /// `MPI_Send`/`MPI_Recv` and a stream of 64 outstanding `MPI_Isend`s (`benches/peers/
