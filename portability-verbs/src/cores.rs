@@ -6,8 +6,8 @@
 //!
 //! The runnable count is the kernel's, from `/proc/loadavg` (all runnable tasks of the
 //! machine, the reader included); the CPUs are those `available_parallelism` reports
-//! (affinity and cgroup quota). One sample per process serves every waiting thread for
-//! [`SAMPLE_EVERY`]: a read costs a few microseconds.
+//! (affinity and cgroup quota). One sample per process serves every waiting thread for [`SAMPLE_EVERY`]: a read costs a few
+//! microseconds, so short waits never ask (`wait::Backoff`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -62,6 +62,13 @@ pub fn oversubscribed(now: Instant) -> bool {
         c.oversubscribed.store(runnable.is_some_and(|r| decide(r, c.cpus)), Ordering::Relaxed);
     }
     c.oversubscribed.load(Ordering::Relaxed)
+}
+
+/// [`oversubscribed`] as the last sample of this process said (false before any), without
+/// taking a new one.
+#[inline]
+pub fn oversubscribed_as_last_seen() -> bool {
+    census().oversubscribed.load(Ordering::Relaxed)
 }
 
 /// Threads that keep `n` CPUs' worth of work runnable until dropped: an oversubscribed machine,

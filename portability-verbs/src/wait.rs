@@ -101,21 +101,35 @@ impl Backoff {
     /// the clock is read.
     #[inline]
     pub fn pause(&mut self, now: impl FnOnce() -> Instant) -> Step {
-        self.step(now, crate::cores::oversubscribed)
+        self.step(now, |now, fresh| {
+            if fresh {
+                crate::cores::oversubscribed(now)
+            } else {
+                crate::cores::oversubscribed_as_last_seen()
+            }
+        })
     }
 
-    /// [`Backoff::pause`], asking `oversubscribed(now)` whether threads ready to run
-    /// outnumber the CPUs (an adaptive wait, each time it reads the clock).
+    /// [`Backoff::pause`], asking `oversubscribed(now, fresh)` whether threads ready to run
+    /// outnumber the CPUs (an adaptive wait past the latency path, each time it reads the
+    /// clock), `fresh` when a new sample may be taken.
     #[inline]
-    fn step(&mut self, now: impl FnOnce() -> Instant, oversubscribed: impl FnOnce(Instant) -> bool) -> Step {
+    fn step(&mut self, now: impl FnOnce() -> Instant, oversubscribed: impl FnOnce(Instant, bool) -> bool) -> Step {
         self.polls = self.polls.wrapping_add(1);
         let mut waited = None;
         if self.sleeping || self.polls.is_multiple_of(CHECK_EVERY) {
             let now = now();
             let w = now - *self.start.get_or_insert(now);
             waited = Some(w);
-            if self.spin == Spin::Adaptive {
-                self.contended = oversubscribed(now);
+            // Contention changes nothing on the latency path (no yield before it, no sleep
+            // before `CONTENDED_SPIN`), so a short wait never asks; and a new sample reads
+            // `/proc/loadavg` (about 4 us here, once a millisecond a process), so only a wait
+            // longer than any round trip takes one. Others go by the last sample: a wait
+            // that contention makes long takes a new one. (Ping-pongs of 4 to 16 KiB, whose
+            // waits outlast the latency path's polls, paid for a sample in about 0.5% of their
+            // round trips.)
+            if self.spin == Spin::Adaptive && self.polls >= LATENCY_PATH_POLLS {
+                self.contended = oversubscribed(now, w >= FRESH_SAMPLE_AFTER);
             }
             self.sleeping = match self.spin {
                 Spin::Adaptive if w < CONTENDED_SPIN => false,
@@ -144,8 +158,16 @@ impl Backoff {
 /// CPU; spinning alone would keep it out for a whole time slice. Pair it with [`wait_any`]
 /// once a wait has spun long enough to sleep.
 pub fn spin_yields(n: u32) -> bool {
-    n >= 128 && n.is_multiple_of(16)
+    n >= LATENCY_PATH_POLLS && n.is_multiple_of(16)
 }
+
+/// How long a wait lasts before it reads a new sample of the CPUs' state rather than the last
+/// one: longer than a round trip of the messages whose latency matters.
+const FRESH_SAMPLE_AFTER: Duration = Duration::from_micros(100);
+
+/// Polls of a wait that latency depends on (about ten microseconds): a busy-polling wait
+/// neither yields nor asks whether the CPUs are oversubscribed before them.
+const LATENCY_PATH_POLLS: u32 = 128;
 
 /// Sleeps until one of `cqs` has an event (a completion, or on the software provider a dead
 /// peer) or `timeout` passes: arms each queue, sleeps on their descriptors together, and
@@ -226,8 +248,25 @@ mod tests {
         for contended in [false, true] {
             let mut b = Backoff::new(Spin::Adaptive);
             let t0 = Instant::now();
-            let steps: Vec<Step> =
-                (1..=20_000u32).map(|i| b.step(|| t0 + Duration::from_micros(1) * i, |_| contended)).collect();
+            // The polls at which the CPUs were first asked about, and first sampled anew.
+            let (first_asked, first_fresh) = (std::cell::Cell::new(None), std::cell::Cell::new(None));
+            let steps: Vec<Step> = (1..=20_000u32)
+                .map(|i| {
+                    let ask = |_, fresh| {
+                        first_asked.set(first_asked.get().or(Some(i)));
+                        if fresh {
+                            first_fresh.set(first_fresh.get().or(Some(i)));
+                        }
+                        contended
+                    };
+                    b.step(|| t0 + Duration::from_micros(1) * i, ask)
+                })
+                .collect();
+            assert_eq!(first_asked.get(), Some(LATENCY_PATH_POLLS), "the latency path never asks");
+            // 1 us a poll, the clock read every CHECK_EVERY polls since the first read (poll
+            // 64): a new sample at the first read 100 us after it.
+            let fresh_at = CHECK_EVERY * (1 + FRESH_SAMPLE_AFTER.as_micros() as u32 / CHECK_EVERY + 1);
+            assert_eq!(first_fresh.get(), Some(fresh_at), "a sample only in waits past a round trip");
             let yields = steps.iter().filter(|s| s.pause == Pause::Yield).count();
             let slept = steps.iter().position(|s| s.pause == Pause::Sleep).expect("sleeps") + 1;
             assert!(steps[..127].iter().all(|s| s.pause == Pause::Spin), "{contended}: the latency path never yields");
