@@ -6,7 +6,8 @@
 //!
 //! The runnable count is the kernel's, from `/proc/loadavg` (all runnable tasks of the
 //! machine, the reader included); the CPUs are those `available_parallelism` reports
-//! (affinity and cgroup quota). One sample per process serves every waiting thread for [`SAMPLE_EVERY`]: a read costs a few
+//! (affinity and cgroup quota), or the online ones for a pinned thread (see `shared_cpus`).
+//! One sample per process serves every waiting thread for [`SAMPLE_EVERY`]: a read costs a few
 //! microseconds, so short waits never ask (`wait::Backoff`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -42,9 +43,37 @@ fn census() -> &'static Census {
     static CENSUS: OnceLock<Census> = OnceLock::new();
     CENSUS.get_or_init(|| Census {
         epoch: Instant::now(),
-        cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        cpus: shared_cpus(),
         sampled_at: AtomicU64::new(0),
         oversubscribed: AtomicBool::new(false),
+    })
+}
+
+/// The CPUs the machine's runnable threads compete for, as this process can tell: those it
+/// may run on (affinity and cgroup quota, `available_parallelism`), unless its thread is
+/// pinned to fewer than are online. The runnable count is the whole machine's, and launchers
+/// pin ranks to CPUs of their own (`mpirun --bind-to core`): a pinned rank that counted its
+/// one CPU would take its peers, busy on theirs, for threads queued behind it, and yield and
+/// sleep early in every wait. Ranks pinned together onto fewer CPUs than ranks are thus not
+/// seen as oversubscribed. Asked once, by the first wait.
+fn shared_cpus() -> u32 {
+    let available = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let list = |path: &str| std::fs::read_to_string(path).ok().and_then(|t| count_cpu_list(&t));
+    let allowed = std::fs::read_to_string("/proc/thread-self/status")
+        .ok()
+        .and_then(|status| status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).and_then(count_cpu_list));
+    match (allowed, list("/sys/devices/system/cpu/online")) {
+        (Some(allowed), Some(online)) if allowed < online => online,
+        _ => available,
+    }
+}
+
+/// The CPUs of a kernel CPU list (`0-3,8,10-11`), or `None` if it is not one.
+pub fn count_cpu_list(list: &str) -> Option<u32> {
+    list.trim().split(',').try_fold(0u32, |n, part| {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        let (lo, hi): (u32, u32) = (lo.trim().parse().ok()?, hi.trim().parse().ok()?);
+        n.checked_add(hi.checked_sub(lo)?.checked_add(1)?)
     })
 }
 
@@ -126,6 +155,39 @@ mod tests {
         assert_eq!(runnable_from_loadavg("0.00 0.00 0.00 17/1024 1"), Some(17));
         for bad in ["", "0.42 1.41 1.60", "0.42 1.41 1.60 x/345 1", "0.42 1.41 1.60 345 1"] {
             assert_eq!(runnable_from_loadavg(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn cpu_lists_are_counted_as_the_kernel_writes_them() {
+        assert_eq!(count_cpu_list("0-1\n"), Some(2));
+        assert_eq!(count_cpu_list("0"), Some(1));
+        assert_eq!(count_cpu_list("0-3,8,10-11"), Some(7));
+        for bad in ["", "x", "3-1", "0-", "1,,2"] {
+            assert_eq!(count_cpu_list(bad), None, "{bad:?}");
+        }
+    }
+
+    /// A thread pinned to one CPU counts the machine's online CPUs (the peers of a bound rank
+    /// run on their own), one that may run anywhere what it may use.
+    #[test]
+    fn a_pinned_thread_counts_the_online_cpus() {
+        let online = std::fs::read_to_string("/sys/devices/system/cpu/online").ok().and_then(|t| count_cpu_list(&t));
+        let free = shared_cpus();
+        assert!(free >= 1 && online.is_none_or(|o| free <= o), "{free} of {online:?}");
+        let pinned = std::thread::spawn(|| {
+            // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it; the call reads it.
+            let ok = unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(0, &mut set);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+            };
+            ok.then(shared_cpus)
+        })
+        .join()
+        .unwrap();
+        if let (Some(pinned), Some(online)) = (pinned, online) {
+            assert_eq!(pinned, online.max(1));
         }
     }
 
