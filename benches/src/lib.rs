@@ -46,8 +46,9 @@ pub fn unpin() {
 }
 
 /// Online CPUs, not `available_parallelism`: that one reflects this thread's current affinity,
-/// so a thread spawned by a pinned thread could never pin itself elsewhere.
-fn online_cpus() -> usize {
+/// so a thread spawned by a pinned thread could never pin itself elsewhere (and a pinned
+/// benchmark would report a host of one CPU).
+pub fn online_cpus() -> usize {
     // SAFETY: sysconf has no preconditions.
     unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize
 }

@@ -44,25 +44,9 @@ pub fn host() -> Host {
     Host {
         hostname: read_trimmed("/proc/sys/kernel/hostname"),
         cpu_model,
-        cpus: online_cpus(),
+        cpus: crate::online_cpus(),
         kernel: read_trimmed("/proc/sys/kernel/osrelease"),
     }
-}
-
-/// CPUs online on the host, whatever this thread is pinned to (`available_parallelism` counts
-/// only the CPUs a pinned benchmark may run on: one).
-fn online_cpus() -> usize {
-    count_cpu_list(&read_trimmed("/sys/devices/system/cpu/online"))
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
-
-/// The CPUs of a kernel CPU list (`0-3,8,10-11`), or `None` if it is not one.
-fn count_cpu_list(list: &str) -> Option<usize> {
-    list.split(',').try_fold(0usize, |n, part| {
-        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
-        let (lo, hi): (usize, usize) = (lo.trim().parse().ok()?, hi.trim().parse().ok()?);
-        Some(n + hi.checked_sub(lo)? + 1)
-    })
 }
 
 /// The commit of the source tree this crate was built from (asked of git at run time, in the
@@ -133,10 +117,6 @@ mod tests {
         assert!(v["results"][0]["gbps"].is_null() && v["results"][0]["p99_us"].is_null());
         assert_eq!(v["results"][1]["gbps"], 1.5);
         assert!(v["meta"]["host"]["cpus"].as_u64().unwrap() >= 1);
-        assert_eq!(count_cpu_list("0-1"), Some(2));
-        assert_eq!(count_cpu_list("0-3,8,10-11"), Some(7));
-        assert_eq!(count_cpu_list(""), None);
-        assert_eq!(count_cpu_list("3-1"), None);
         assert!(!v["meta"]["command"].as_array().unwrap().is_empty());
         write_csv(&dir.join("r.csv"), &rows).unwrap();
         let csv = std::fs::read_to_string(dir.join("r.csv")).unwrap();
