@@ -8,7 +8,7 @@
 //! machine, the reader included); the CPUs are those `available_parallelism` reports
 //! (affinity and cgroup quota), or the online ones for a pinned thread (see `shared_cpus`).
 //! One sample per process serves every waiting thread for [`SAMPLE_EVERY`]: a read costs a few
-//! microseconds, so short waits never ask (`wait::Backoff`).
+//! microseconds, so short waits go by one up to [`LAZY_SAMPLE_EVERY`] old (`wait::Backoff`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -80,10 +80,21 @@ pub fn count_cpu_list(list: &str) -> Option<u32> {
 /// Whether this machine's CPUs are oversubscribed at `now` (a sample at most
 /// [`SAMPLE_EVERY`] old; where `/proc/loadavg` cannot be read, never).
 pub fn oversubscribed(now: Instant) -> bool {
+    oversubscribed_within(now, SAMPLE_EVERY)
+}
+
+/// How old a sample may be for a wait that cannot afford a new one (one whose latency
+/// matters): a read then costs one wait in this many milliseconds' worth of them, and a
+/// sample taken in other conditions (a benchmark's other programs, a job's previous phase)
+/// is not believed for longer.
+pub const LAZY_SAMPLE_EVERY: Duration = Duration::from_millis(20);
+
+/// [`oversubscribed`] by a sample at most `max_age` old (taken now if the last is older).
+pub fn oversubscribed_within(now: Instant, max_age: Duration) -> bool {
     let c = census();
     let at = (now.saturating_duration_since(c.epoch).as_nanos() as u64).max(1);
     let last = c.sampled_at.load(Ordering::Relaxed);
-    if last != 0 && at.saturating_sub(last) < SAMPLE_EVERY.as_nanos() as u64 {
+    if last != 0 && at.saturating_sub(last) < max_age.as_nanos() as u64 {
         return c.oversubscribed.load(Ordering::Relaxed);
     }
     if c.sampled_at.compare_exchange(last, at, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
@@ -91,13 +102,6 @@ pub fn oversubscribed(now: Instant) -> bool {
         c.oversubscribed.store(runnable.is_some_and(|r| decide(r, c.cpus)), Ordering::Relaxed);
     }
     c.oversubscribed.load(Ordering::Relaxed)
-}
-
-/// [`oversubscribed`] as the last sample of this process said (false before any), without
-/// taking a new one.
-#[inline]
-pub fn oversubscribed_as_last_seen() -> bool {
-    census().oversubscribed.load(Ordering::Relaxed)
 }
 
 /// Threads that keep `n` CPUs' worth of work runnable until dropped: an oversubscribed machine,

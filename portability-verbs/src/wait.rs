@@ -102,11 +102,8 @@ impl Backoff {
     #[inline]
     pub fn pause(&mut self, now: impl FnOnce() -> Instant) -> Step {
         self.step(now, |now, fresh| {
-            if fresh {
-                crate::cores::oversubscribed(now)
-            } else {
-                crate::cores::oversubscribed_as_last_seen()
-            }
+            let max_age = if fresh { crate::cores::SAMPLE_EVERY } else { crate::cores::LAZY_SAMPLE_EVERY };
+            crate::cores::oversubscribed_within(now, max_age)
         })
     }
 
@@ -123,11 +120,11 @@ impl Backoff {
             waited = Some(w);
             // Contention changes nothing on the latency path (no yield before it, no sleep
             // before `CONTENDED_SPIN`), so a short wait never asks; and a new sample reads
-            // `/proc/loadavg` (about 4 us here, once a millisecond a process), so only a wait
-            // longer than any round trip takes one. Others go by the last sample: a wait
-            // that contention makes long takes a new one. (Ping-pongs of 4 to 16 KiB, whose
+            // `/proc/loadavg` (about 4 us here), so a wait shorter than `FRESH_SAMPLE_AFTER`
+            // takes one only when the last is `LAZY_SAMPLE_EVERY` old, a longer one (as
+            // contention makes them) once a millisecond. (Ping-pongs of 4 to 16 KiB, whose
             // waits outlast the latency path's polls, paid for a sample in about 0.5% of their
-            // round trips.)
+            // round trips when any wait took one once a millisecond.)
             if self.spin == Spin::Adaptive && self.polls >= LATENCY_PATH_POLLS {
                 self.contended = oversubscribed(now, w >= FRESH_SAMPLE_AFTER);
             }
