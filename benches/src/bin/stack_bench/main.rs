@@ -179,7 +179,9 @@ struct Args {
     /// Round trips discarded before measuring.
     #[arg(long, default_value_t = 200)]
     warmup: u64,
-    /// Bytes streamed per bandwidth point.
+    /// Bytes streamed per bandwidth point. Beside a peer layer, every layer's stream block is
+    /// as long as the peer's (at least 5000 messages or about 2 GiB) after an untimed tenth,
+    /// and every latency block too (at least 2000 round trips after a tenth).
     #[arg(long, default_value_t = 64 << 20)]
     stream_bytes: u64,
     /// Messages the `mad-nowait` layers' streams leave pending at most.
@@ -316,6 +318,10 @@ fn measure(
             .collect();
         // UCX's transport sets for this size (latency, stream), chosen in its first round.
         let mut ucx_tls: (Option<String>, Option<String>) = (None, None);
+        // Beside a peer, every layer's blocks are as long as the peer's, each after as long a
+        // warm-up (a tenth): the same conditions for all (a block of ours also starts after
+        // other layers ran, cold).
+        let peers_in_run = active.iter().any(|&i| layers[i].is_peer());
         for r in 0..lat_rounds.max(stream_rounds) {
             for (t, &i) in tallies.iter_mut().zip(&active) {
                 if r == 0 {
@@ -365,7 +371,7 @@ fn measure(
                         t.round_p99s.extend(got.p99_us.map(|us| (us * 1e3).round() as u64));
                     }
                     if r < stream_rounds {
-                        let messages = ucx_stream_messages(size, share(count, stream_rounds, r));
+                        let messages = peer_stream_messages(size, share(count, stream_rounds, r));
                         let block = Block::Stream { link: i, size, messages };
                         let warm = messages / 10;
                         let got = ucx_block(block, links, || {
@@ -380,9 +386,13 @@ fn measure(
                     continue;
                 }
                 if r < lat_rounds {
-                    // Every block warms up again: the other layers ran in between.
-                    let warm = warmup.div_ceil(lat_rounds);
-                    let n = share(iters, lat_rounds, r);
+                    // Every block warms up again: the other layers ran in between. Beside a
+                    // peer, as long as the peer's block and its warm-up.
+                    let (mut warm, mut n) = (warmup.div_ceil(lat_rounds), share(iters, lat_rounds, r));
+                    if peers_in_run {
+                        n = n.max(UCX_MIN_ROUND_TRIPS);
+                        warm = warm.max(n / 10);
+                    }
                     Block::Latency { link: i, size, round_trips: warm + n }
                         .announce(links[0].as_mut())
                         .map_err(fail)?;
@@ -397,7 +407,14 @@ fn measure(
                     t.round_medians.push(median(&mut samples));
                 }
                 if r < stream_rounds {
-                    let messages = share(count, stream_rounds, r);
+                    let mut messages = share(count, stream_rounds, r);
+                    if peers_in_run {
+                        messages = peer_stream_messages(size, messages);
+                        let warm = (messages / 10).max(1);
+                        Block::Stream { link: i, size, messages: warm }.announce(links[0].as_mut()).map_err(fail)?;
+                        links[i].send_stream(size, warm).map_err(fail)?;
+                        links[i].recv(CONTROL).map_err(fail)?;
+                    }
                     Block::Stream { link: i, size, messages }.announce(links[0].as_mut()).map_err(fail)?;
                     let link = links[i].as_mut();
                     let cpu0 = benches::cpu_seconds(false);

@@ -67,10 +67,10 @@ pub(crate) fn ucx_perftest_found() -> bool {
 /// for large messages. `UCX_TLS` in the environment replaces them.
 pub(crate) const UCX_TLS_CHOICES: [&str; 2] = ["posix,self", "posix,cma,self"];
 
-/// Messages of `size` bytes UCX's stream block sends at least: a few thousand, or about 2 GiB
-/// (a few hundred milliseconds here) for large messages, so that its start-up, connection and
-/// first touches are not counted as bandwidth.
-pub(crate) fn ucx_stream_messages(size: usize, ours: u64) -> u64 {
+/// Messages of `size` bytes a peer's stream block sends at least (and ours beside a peer): a
+/// few thousand, or about 2 GiB (a few hundred milliseconds here) for large messages, so that
+/// its start-up, connection and first touches are not counted as bandwidth.
+pub(crate) fn peer_stream_messages(size: usize, ours: u64) -> u64 {
     ours.max(5000.min(((2u64 << 30) / size.max(1) as u64).max(100)))
 }
 
