@@ -58,18 +58,23 @@ fn census() -> &'static Census {
 /// seen as oversubscribed. Asked once, by the first wait.
 fn shared_cpus() -> u32 {
     let available = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
-    let list = |path: &str| std::fs::read_to_string(path).ok().and_then(|t| count_cpu_list(&t));
     let allowed = std::fs::read_to_string("/proc/thread-self/status")
         .ok()
         .and_then(|status| status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).and_then(count_cpu_list));
-    match (allowed, list("/sys/devices/system/cpu/online")) {
+    match (allowed, online_cpus()) {
         (Some(allowed), Some(online)) if allowed < online => online,
         _ => available,
     }
 }
 
+/// The machine's online CPUs, whatever the calling thread is pinned to (`None` where the
+/// kernel's list cannot be read).
+pub fn online_cpus() -> Option<u32> {
+    std::fs::read_to_string("/sys/devices/system/cpu/online").ok().and_then(|t| count_cpu_list(&t))
+}
+
 /// The CPUs of a kernel CPU list (`0-3,8,10-11`), or `None` if it is not one.
-pub fn count_cpu_list(list: &str) -> Option<u32> {
+fn count_cpu_list(list: &str) -> Option<u32> {
     list.trim().split(',').try_fold(0u32, |n, part| {
         let (lo, hi) = part.split_once('-').unwrap_or((part, part));
         let (lo, hi): (u32, u32) = (lo.trim().parse().ok()?, hi.trim().parse().ok()?);
@@ -176,7 +181,7 @@ mod tests {
     /// run on their own), one that may run anywhere what it may use.
     #[test]
     fn a_pinned_thread_counts_the_online_cpus() {
-        let online = std::fs::read_to_string("/sys/devices/system/cpu/online").ok().and_then(|t| count_cpu_list(&t));
+        let online = online_cpus();
         let free = shared_cpus();
         assert!(free >= 1 && online.is_none_or(|o| free <= o), "{free} of {online:?}");
         let pinned = std::thread::spawn(|| {
