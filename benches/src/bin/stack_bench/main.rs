@@ -337,34 +337,9 @@ fn measure(
                         let n = share(iters, lat_rounds, r).max(UCX_MIN_ROUND_TRIPS);
                         let warm = warmup.div_ceil(lat_rounds).max(n / 10);
                         let block = Block::Latency { link: i, size, round_trips: 0 };
-                        let mut retries = 0;
-                        let got = loop {
-                            let floor = floor_now(cpus);
-                            let got = ucx_block(block, links, || {
-                                run_peer(layers[i], true, size, n, warm, cpus, &mut ucx_tls.0)
-                            })
+                        let run = |tls: &mut Option<String>| run_peer(layers[i], true, size, n, warm, cpus, tls);
+                        let got = peer_latency_block(layers[i], size, cpus, links, block, &mut ucx_tls.0, run)
                             .map_err(fail)?;
-                            // A one-way message moves at least one cache line between the two
-                            // CPUs: a median below the floor of that moment measured something
-                            // else (`ucx_perftest` reported such medians now and then, 4-5x
-                            // below its neighbours). The block runs again.
-                            match floor {
-                                Some(f) if got.p50_us * 1e3 < f => {
-                                    let again = retries < PEER_RETRIES_BELOW_FLOOR;
-                                    log::warn!(
-                                        "{} {size} B: median {:.3} us below the cache-line floor ({f:.0} ns){}",
-                                        layers[i].name(),
-                                        got.p50_us,
-                                        if again { ": run again" } else { ": kept" }
-                                    );
-                                    if !again {
-                                        break got;
-                                    }
-                                    retries += 1;
-                                }
-                                _ => break got,
-                            }
-                        };
                         let p50 = (got.p50_us * 1e3).round().max(1.0) as u64;
                         t.hist.record_n(p50, n).ok();
                         t.round_medians.push(p50);
@@ -464,14 +439,50 @@ fn measure(
 /// Times a peer's latency block whose median came out below the cache-line floor is run again.
 const PEER_RETRIES_BELOW_FLOOR: u32 = 2;
 
+/// A peer's latency block (`run`, with the point's transport set), run again while its median
+/// falls below the cache-line floor measured just before it: a one-way message moves at least
+/// one cache line between the two CPUs, so such a median measured something else
+/// (`ucx_perftest` reported some now and then, 4-5x below its neighbours).
+fn peer_latency_block(
+    layer: Layer,
+    size: usize,
+    cpus: Option<(usize, usize)>,
+    links: &mut [Box<dyn Link>],
+    block: Block,
+    tls: &mut Option<String>,
+    mut run: impl FnMut(&mut Option<String>) -> Result<PeerResult, String>,
+) -> Result<PeerResult, String> {
+    let mut retries = 0;
+    loop {
+        let floor = floor_now(cpus);
+        let got = ucx_block(block, links, || run(tls))?;
+        match floor {
+            Some(f) if got.p50_us * 1e3 < f => {
+                let again = retries < PEER_RETRIES_BELOW_FLOOR;
+                let what = if again { "run again" } else { "kept" };
+                log::warn!(
+                    "{} {size} B: median {:.3} us below the cache-line floor ({f:.0} ns): {what}",
+                    layer.name(),
+                    got.p50_us
+                );
+                if !again {
+                    return Ok(got);
+                }
+                retries += 1;
+            }
+            _ => return Ok(got),
+        }
+    }
+}
+
 /// The cache-line floor (ns one way) between the client's and the server's CPUs now, while
 /// both our processes sleep; none unpinned or on one CPU. (Not asked of
-/// `available_parallelism`: the client is pinned by now, so it says one.) The lowest of a few
-/// short measures: a check against a floor must not overstate it, and a CPU that was idle
-/// (the server's, asleep) answers its first round trips late.
+/// `available_parallelism`: the client is pinned by now, so it says one.) The lowest of four
+/// short measures (a few milliseconds in all): a check against a floor must not overstate it,
+/// and an interrupt in one raises it.
 fn floor_now(cpus: Option<(usize, usize)>) -> Option<f64> {
     let (a, b) = cpus.filter(|(a, b)| a != b)?;
-    (0..4).map(|_| cacheline_one_way_ns_over(a, b, 2_500)).reduce(f64::min)
+    (0..4).map(|_| cacheline_one_way_ns_over(a, b, 5_000)).reduce(f64::min)
 }
 
 /// Writes one latency block's samples for `--samples`.
@@ -482,9 +493,9 @@ fn write_samples(dir: &std::path::Path, layer: Layer, size: usize, round: u64, s
     std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// One block of a peer's own benchmark (`layer` is `ucx`, `mpi` or `libfabric`): a ping-pong of `n` round
-/// trips (`latency`) or a stream of `n` messages, after `warm`. UCX's transport set is chosen in
-/// a point's first block and kept in `ucx_tls` for its later ones.
+/// One block of a peer's own benchmark (`layer` is `ucx`, `mpi` or `libfabric`): a ping-pong
+/// of `n` round trips (`latency`) or a stream of `n` messages, after `warm`. UCX's transport
+/// set is chosen in a point's first block and kept in `ucx_tls` for its later ones.
 fn run_peer(
     layer: Layer,
     latency: bool,
